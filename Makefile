@@ -1,0 +1,26 @@
+# Two entry points: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The torch build that installs quickly on our CI machines (CPU and CUDA capable).
+# Override on other machines, e.g. `make demo TORCH_PINS=` to take requirements.txt's ranges as they are.
+TORCH_PINS ?= torch==2.14.1 torchaudio==2.11.0
+
+.PHONY: demo test venv clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	@if [ -n "$(TORCH_PINS)" ]; then $(VENV)/bin/pip install -q $(TORCH_PINS); fi
+	$(VENV)/bin/pip install -q -r requirements.txt
+	touch $@
+
+test: venv
+	$(PY) -m pytest -q tests
+
+demo: venv
+	$(PY) tools/demo.py
+
+clean:
+	rm -rf $(VENV) runs/demo

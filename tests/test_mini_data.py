@@ -1,0 +1,83 @@
+"""The committed mini data set (data/mini/) is complete and consistent.
+
+Reads only the committed files (json + soundfile), so it runs without espeak-ng or Apertium.
+"""
+
+import json
+import os
+import re
+
+import pytest
+import soundfile as sf
+
+MINI = os.path.join(os.path.dirname(__file__), "..", "data", "mini")
+LANGS = {"en", "de", "fr", "es"}
+AST_DIRECTIONS = {("en", "es"), ("es", "en")}
+FIELDS = {"audio_filepath", "duration", "text", "source_lang", "target_lang", "pnc", "taskname"}
+
+
+def read_manifest(name):
+    with open(os.path.join(MINI, name), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def key(text):
+    """Same identity as the generator's dedup_key: case and punctuation do not make a new sentence."""
+    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
+
+
+@pytest.mark.parametrize("name", ["train.jsonl", "dev.jsonl", "examples.jsonl"])
+def test_manifest_fields_and_audio(name):
+    entries = read_manifest(name)
+    assert entries, f"{name} is empty"
+    paths = [e["audio_filepath"] for e in entries]
+    assert len(set(paths)) == len(paths), f"{name}: an audio file is listed twice"
+    for i, e in enumerate(entries, 1):
+        where = f"{name}:{i}"
+        assert set(e) == FIELDS, f"{where}: fields {sorted(e)}"
+        assert e["source_lang"] in LANGS and e["target_lang"] in LANGS, where
+        task = "asr" if e["source_lang"] == e["target_lang"] else "ast"
+        pair = f"{e['source_lang']}->{e['target_lang']}"
+        assert e["taskname"] == task, f"{where}: taskname {e['taskname']} for {pair}"
+        if task == "ast":
+            assert (e["source_lang"], e["target_lang"]) in AST_DIRECTIONS, where
+        assert e["pnc"] == "yes", where
+        text = e["text"]
+        assert text == text.strip() and text[:1].upper() == text[:1], f"{where}: {text!r}"
+        assert text[-1] in ".!?", f"{where}: PnC text should end a sentence: {text!r}"
+        assert not os.path.isabs(e["audio_filepath"]), where
+
+        path = os.path.join(MINI, e["audio_filepath"])
+        assert os.path.isfile(path), f"{where}: missing {path}"
+        info = sf.info(path)
+        if name != "examples.jsonl":  # the examples deliberately include a 44.1 kHz stereo file
+            assert e["audio_filepath"].endswith(".flac"), where
+            assert (info.samplerate, info.channels) == (16000, 1), \
+                f"{where}: {info.samplerate} Hz x {info.channels} channels"
+        assert isinstance(e["duration"], float) and e["duration"] == round(e["duration"], 3), where
+        measured = info.frames / info.samplerate
+        assert abs(measured - e["duration"]) < 0.010, f"{where}: file {measured} s, manifest {e['duration']} s"
+
+
+def test_train_dev_disjoint_and_all_pairs_present():
+    train, dev = read_manifest("train.jsonl"), read_manifest("dev.jsonl")
+    train_texts = {key(e["text"]) for e in train}
+    dev_texts = {key(e["text"]) for e in dev}
+    assert not train_texts & dev_texts, sorted(train_texts & dev_texts)[:5]
+    for split in (train, dev):
+        pairs = {(e["source_lang"], e["target_lang"]) for e in split}
+        assert pairs == {(lang, lang) for lang in LANGS} | AST_DIRECTIONS, sorted(pairs)
+
+
+def test_examples_are_training_utterances():
+    train = {(e["text"], e["source_lang"], e["target_lang"]) for e in read_manifest("train.jsonl")}
+    examples = read_manifest("examples.jsonl")
+    assert len(examples) == 3
+    for e in examples:
+        assert (e["text"], e["source_lang"], e["target_lang"]) in train, e["text"]
+        info = sf.info(os.path.join(MINI, e["audio_filepath"]))
+        assert info.format == "WAV" and info.subtype == "PCM_16", e["audio_filepath"]
+    rates = {sf.info(os.path.join(MINI, e["audio_filepath"])).samplerate for e in examples}
+    assert rates == {16000, 44100}, rates
+    stereo = [e for e in examples if sf.info(os.path.join(MINI, e["audio_filepath"])).channels == 2]
+    assert len(stereo) == 1 and "44k_stereo" in stereo[0]["audio_filepath"]
