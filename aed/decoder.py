@@ -1,0 +1,212 @@
+"""Pre-LN Transformer decoder with an explicit KV cache (NeMo's `TransformerDecoderNM` + `TokenClassifier`).
+
+NeMo state_dict names -> ours (the converter renames only these):
+    transf_decoder._embedding.position_embedding.pos_enc -> decoder.embedding.pos_enc
+    transf_decoder._embedding.*                 -> decoder.embedding.*  (token_embedding, layer_norm)
+    transf_decoder._decoder.layers.N.layer_norm_1 / first_sub_layer   -> decoder.layers.N.norm_self_attn / self_attn
+    transf_decoder._decoder.layers.N.layer_norm_2 / second_sub_layer  -> decoder.layers.N.norm_cross_attn / cross_attn
+    transf_decoder._decoder.layers.N.layer_norm_3 / third_sub_layer   -> decoder.layers.N.norm_ffn / ffn
+    transf_decoder._decoder.final_layer_norm    -> decoder.final_layer_norm
+    log_softmax.mlp.layer0.{weight,bias}        -> decoder.output_proj.{weight,bias} (weight tied to the embedding)
+Inside attention and FFN the names are NeMo's (query_net, key_net, value_net, out_projection, dense_in, dense_out).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class KVCache:
+    """Decoding state for a batch of R rows (utterances, or utterances x beams).
+
+    self_kv:  (L, 2, R, H, U_max, d_k) self-attention keys and values; positions [0, length) are filled.
+    cross_kv: (L, 2, R, H, T', d_k) cross-attention keys and values, projected once from the encoder output
+              (NeMo re-projects them at every step: about 2/3 of its decode time, per issue 3).
+    memory_mask: (R, 1, 1, T') True at valid encoder frames (SDPA's boolean mask convention).
+    length: positions written so far; a Python int shared by all rows, so the loop never syncs with the device.
+    """
+
+    def __init__(self, self_kv, cross_kv, memory_mask):
+        self.self_kv, self.cross_kv, self.memory_mask = self_kv, cross_kv, memory_mask
+        self.length = 0
+
+    @property
+    def max_len(self):
+        return self.self_kv.size(4)
+
+    def repeat_interleave(self, repeats: int) -> "KVCache":
+        """A new cache with each row repeated `repeats` times, copies adjacent (B -> B*repeats rows): starts a beam search."""
+        cache = KVCache(
+            self.self_kv.repeat_interleave(repeats, dim=2),
+            self.cross_kv.repeat_interleave(repeats, dim=2),
+            self.memory_mask.repeat_interleave(repeats, dim=0),
+        )
+        cache.length = self.length
+        return cache
+
+    def reorder(self, index):
+        """Row r takes the self-attention history of row index[r] (beam search survivors).
+
+        `index` must map each row to a row of the same utterance: the cross-attention K/V, identical
+        across an utterance's beams, are left untouched.
+        """
+        filled = self.self_kv[:, :, :, :, : self.length]
+        filled.copy_(filled.index_select(2, index))  # only the filled prefix, not the whole buffer
+
+
+class DecoderAttention(nn.Module):
+    """NeMo's transformer `MultiHeadAttention`: q/k/v/out projections with bias, scaled dot product."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout_att: float):
+        super().__init__()
+        assert d_model % n_heads == 0, f"decoder d_model {d_model} not divisible by n_heads {n_heads}"
+        self.h, self.d_k = n_heads, d_model // n_heads
+        self.query_net = nn.Linear(d_model, d_model)
+        self.key_net = nn.Linear(d_model, d_model)
+        self.value_net = nn.Linear(d_model, d_model)
+        self.out_projection = nn.Linear(d_model, d_model)
+        self.dropout_att = dropout_att
+
+    def _heads(self, x):
+        return x.view(x.size(0), -1, self.h, self.d_k).transpose(1, 2)  # (B, U, D) -> (B, H, U, d_k)
+
+    def project_kv(self, x):
+        """(B, S, D) -> keys, values (B, H, S, d_k)."""
+        return self._heads(self.key_net(x)), self._heads(self.value_net(x))
+
+    def forward(self, x, k, v, attn_mask=None, is_causal=False):
+        q = self._heads(self.query_net(x))
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=self.dropout_att if self.training else 0.0
+        )
+        return self.out_projection(out.transpose(1, 2).reshape(x.shape))  # (B, H, U, d_k) -> (B, U, D)
+
+
+class PositionWiseFF(nn.Module):
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.dense_in = nn.Linear(d_model, d_ff)
+        self.dense_out = nn.Linear(d_ff, d_model)
+
+    def forward(self, x):
+        return self.dense_out(F.relu(self.dense_in(x)))
+
+
+class DecoderBlock(nn.Module):
+    """x += SelfAttn(LN(x)); x += CrossAttn(LN(x), memory); x += FFN(LN(x))."""
+
+    def __init__(self, d_model, n_heads, ff_mult, dropout, dropout_att):
+        super().__init__()
+        self.norm_self_attn = nn.LayerNorm(d_model)
+        self.self_attn = DecoderAttention(d_model, n_heads, dropout_att)
+        self.norm_cross_attn = nn.LayerNorm(d_model)
+        self.cross_attn = DecoderAttention(d_model, n_heads, dropout_att)
+        self.norm_ffn = nn.LayerNorm(d_model)
+        self.ffn = PositionWiseFF(d_model, ff_mult * d_model)
+        self.dropout = nn.Dropout(dropout)  # NeMo: attn_layer_dropout and ffn_dropout, on each sublayer output
+
+    def forward(self, x, cross_k, cross_v, memory_mask, self_kv=None, offset=0):
+        """x (B, U, D) at positions [offset, offset+U). self_kv: this layer's (2, B, H, U_max, d_k) cache or None."""
+        u = x.size(1)
+        h = self.norm_self_attn(x)
+        k, v = self.self_attn.project_kv(h)
+        if self_kv is not None:
+            self_kv[0, :, :, offset : offset + u] = k
+            self_kv[1, :, :, offset : offset + u] = v
+            k, v = self_kv[0, :, :, : offset + u], self_kv[1, :, :, : offset + u]
+        # A single new token may see every cached position; a chunk starting at 0 needs the causal mask.
+        x = x + self.dropout(self.self_attn(h, k, v, is_causal=u > 1))
+        h = self.norm_cross_attn(x)
+        x = x + self.dropout(self.cross_attn(h, cross_k, cross_v, attn_mask=memory_mask))
+        return x + self.dropout(self.ffn(self.norm_ffn(x)))
+
+
+def sinusoidal_positions(max_len: int, d_model: int):
+    """NeMo's `FixedPositionalEncoding`: sin on even, cos on odd channels, divided by sqrt(D): (max_len, D)."""
+    positions = torch.arange(max_len, dtype=torch.float32)
+    freqs = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    angles = positions[:, None] * freqs[None, :]  # (max_len, D/2)
+    return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1) / math.sqrt(d_model)
+
+
+class TransformerEmbedding(nn.Module):
+    """Token embedding (no sqrt(D) scaling) + fixed positions, LayerNorm, dropout."""
+
+    def __init__(self, vocab_size, d_model, max_len, pad_id, dropout):
+        super().__init__()
+        self.token_embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
+        # Persistent although fixed: a model built on the meta device gets it back from load_state_dict.
+        self.register_buffer("pos_enc", sinusoidal_positions(max_len, d_model))
+        self.layer_norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, tokens, offset=0):
+        u = tokens.size(1)
+        assert offset + u <= self.pos_enc.size(0), f"positions up to {offset + u} exceed decoder max length {self.pos_enc.size(0)}"
+        x = self.token_embedding(tokens) + self.pos_enc[offset : offset + u]  # (B, U, D)
+        return self.dropout(self.layer_norm(x))
+
+
+class TransformerDecoder(nn.Module):
+    def __init__(self, vocab_size, pad_id, d_model, n_layers, n_heads, ff_mult, max_len, dropout, dropout_att):
+        super().__init__()
+        self.n_heads, self.d_model = n_heads, d_model
+        self.embedding = TransformerEmbedding(vocab_size, d_model, max_len, pad_id, dropout)
+        self.layers = nn.ModuleList(DecoderBlock(d_model, n_heads, ff_mult, dropout, dropout_att) for _ in range(n_layers))
+        self.final_layer_norm = nn.LayerNorm(d_model)
+        self.output_proj = nn.Linear(d_model, vocab_size)
+        self.apply(self._init_weights)
+        self.output_proj.weight = self.embedding.token_embedding.weight  # tied, with its own bias (as in Canary)
+
+    @staticmethod
+    def _init_weights(module):
+        # NeMo's transformer_weights_init (use_transformer_init: true): N(0, 0.02) weights, zero biases.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            with torch.no_grad():
+                module.weight[module.padding_idx].zero_()
+
+    def forward(self, tokens, memory, memory_lens):
+        """Teacher-forced pass (training): tokens (B, U), memory (B, T', D), memory_lens (B,) -> (B, U, D).
+
+        Returns hidden states after the final LayerNorm; apply `output_proj` for logits.
+        """
+        assert tokens.dim() == 2 and tokens.size(0) == memory.size(0), (
+            f"tokens {tuple(tokens.shape)} and memory {tuple(memory.shape)} disagree on the batch size"
+        )
+        memory_mask = self.memory_mask(memory_lens, memory.size(1))
+        x = self.embedding(tokens)
+        for layer in self.layers:
+            x = layer(x, *layer.cross_attn.project_kv(memory), memory_mask)
+        return self.final_layer_norm(x)
+
+    def forward_cached(self, tokens, cache: KVCache):
+        """Continue the cached positions: a prompt chunk into an empty cache, then one token per step.
+
+        tokens (R, U) -> hidden states (R, U, D); the cache advances by U positions.
+        """
+        offset, u = cache.length, tokens.size(1)
+        assert offset == 0 or u == 1, f"after the prompt, feed one token per step (got {u} at position {offset})"
+        assert offset + u <= cache.max_len, f"cache holds {cache.max_len} positions, need {offset + u}"
+        x = self.embedding(tokens, offset)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache.cross_kv[i, 0], cache.cross_kv[i, 1], cache.memory_mask, cache.self_kv[i], offset)
+        cache.length = offset + u
+        return self.final_layer_norm(x)
+
+    @staticmethod
+    def memory_mask(memory_lens, max_len):
+        return (torch.arange(max_len, device=memory_lens.device)[None, :] < memory_lens[:, None])[:, None, None, :]  # (B, 1, 1, T')
+
+    def new_cache(self, memory, memory_lens, max_len: int) -> KVCache:
+        """Empty self-attention buffers for `max_len` positions and the projected cross-attention K/V."""
+        b, t, _ = memory.shape
+        d_k = self.d_model // self.n_heads
+        self_kv = memory.new_zeros(len(self.layers), 2, b, self.n_heads, max_len, d_k)
+        cross_kv = torch.stack([torch.stack(layer.cross_attn.project_kv(memory)) for layer in self.layers])  # (L, 2, B, H, T', d_k)
+        return KVCache(self_kv, cross_kv, self.memory_mask(memory_lens, t))

@@ -1,0 +1,261 @@
+"""FastConformer encoder, laid out like NeMo's `ConformerEncoder` so Canary weights convert 1:1.
+
+Submodule and parameter names equal NeMo's (`pre_encode.conv.0`, `layers.N.self_attn.linear_q`, ...):
+a NeMo state_dict entry `encoder.X` is our `encoder.X`. NeMo's `pos_enc` holds no parameters; we
+compute the relative position table on the fly instead.
+
+Differences from NeMo that change outputs only for padded batches (never for an utterance alone):
+padded time steps are zeroed before every subsampling conv, and the conv module's BatchNorm ignores
+padded frames when computing batch statistics in training.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+SUBSAMPLING_STAGES = 3  # three stride-2 convs: 8x fewer frames (80 ms per encoder frame at 10 ms hop)
+
+
+def conv_stage_length(lengths):
+    """Output length of one kernel-3, stride-2, padding-1 conv: floor((L + 2*1 - 3) / 2 + 1).
+
+    Works on ints and integer tensors (floor division), so masks, data filters and tests share it.
+    """
+    return (lengths + 2 * 1 - 3) // 2 + 1
+
+
+def subsampled_length(lengths):
+    """Encoder output frames T' for T input frames (or F' for F mel bins): three conv stages."""
+    for _ in range(SUBSAMPLING_STAGES):
+        lengths = conv_stage_length(lengths)
+    return lengths
+
+
+def padding_mask(lengths, max_len):
+    """(B, max_len) bool, True at padded positions."""
+    return torch.arange(max_len, device=lengths.device)[None, :] >= lengths[:, None]
+
+
+class ConvSubsampling(nn.Module):
+    """NeMo `ConvSubsampling(subsampling="dw_striding")`: (B, T, F) -> (B, T', D), 8x in time and frequency.
+
+    `conv` keeps NeMo's nn.Sequential indices: 0 conv, 1 relu, then [2 depthwise, 3 pointwise, 4 relu]
+    and [5 depthwise, 6 pointwise, 7 relu].
+    """
+
+    def __init__(self, n_mels: int, channels: int, d_model: int):
+        super().__init__()
+        layers = [nn.Conv2d(1, channels, kernel_size=3, stride=2, padding=1), nn.ReLU()]
+        for _ in range(SUBSAMPLING_STAGES - 1):
+            layers += [
+                nn.Conv2d(channels, channels, kernel_size=3, stride=2, padding=1, groups=channels),
+                nn.Conv2d(channels, channels, kernel_size=1),
+                nn.ReLU(),
+            ]
+        self.conv = nn.Sequential(*layers)
+        self.out = nn.Linear(channels * subsampled_length(n_mels), d_model)
+
+    def forward(self, x, x_lens):
+        x = x.unsqueeze(1)  # (B, 1, T, F): time and mel bins are the conv's two spatial axes
+        for layer in self.conv:
+            if isinstance(layer, nn.Conv2d) and layer.stride[0] == 2:
+                # Zero padded frames so the 3-wide kernel sees zeros past the end, exactly as it
+                # does for an utterance alone (1x1 convs and ReLUs never mix frames).
+                x = x.masked_fill(padding_mask(x_lens, x.size(2))[:, None, :, None], 0.0)
+                x_lens = conv_stage_length(x_lens)
+            x = layer(x)
+        b, c, t, f = x.shape
+        x = self.out(x.transpose(1, 2).reshape(b, t, c * f))  # (B, C, T', F') -> (B, T', C*F') -> (B, T', D)
+        return x, x_lens
+
+
+def rel_positional_encoding(length: int, d_model: int, device, dtype):
+    """Sinusoidal table for relative positions length-1, ..., 0, ..., -(length-1): (2T'-1, D).
+
+    NeMo's `RelPositionalEncoding`: even channels sin(pos * w_i), odd channels cos(pos * w_i),
+    w_i = 10000^(-2i/D); no sqrt(D) scaling of the input (xscaling: false in Canary).
+    """
+    positions = torch.arange(length - 1, -length, -1, device=device, dtype=torch.float32)
+    freqs = torch.exp(torch.arange(0, d_model, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    angles = positions[:, None] * freqs[None, :]  # (2T'-1, D/2)
+    pe = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)  # interleave: (2T'-1, D)
+    return pe.to(dtype)
+
+
+def rel_shift(x):
+    """Turn scores against absolute table rows into scores against relative distance.
+
+    x: (B, H, T', 2T'-1), column m = relative position T'-1-m. Returns (B, H, T', T') with
+    out[i, j] = x[i, j + T'-1 - i], i.e. the score for distance i - j (Transformer-XL's pad-and-reshape).
+    """
+    b, h, t, p = x.shape
+    x = F.pad(x, (1, 0))  # (B, H, T', 2T')
+    x = x.view(b, h, p + 1, t)[:, :, 1:].reshape(b, h, t, p)  # drop the first row of the re-viewed matrix
+    return x[..., :t]
+
+
+class RelPositionMultiHeadAttention(nn.Module):
+    """Transformer-XL attention: scores = ((q+u) k^T + rel_shift((q+v) p^T)) / sqrt(d_k)."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout_att: float):
+        super().__init__()
+        assert d_model % n_heads == 0, f"d_model {d_model} not divisible by n_heads {n_heads}"
+        self.h, self.d_k = n_heads, d_model // n_heads
+        self.linear_q = nn.Linear(d_model, d_model)
+        self.linear_k = nn.Linear(d_model, d_model)
+        self.linear_v = nn.Linear(d_model, d_model)
+        self.linear_out = nn.Linear(d_model, d_model)
+        self.linear_pos = nn.Linear(d_model, d_model, bias=False)
+        # Per-layer biases (Canary: untie_biases: true); zero init as in NeMo.
+        self.pos_bias_u = nn.Parameter(torch.zeros(n_heads, self.d_k))
+        self.pos_bias_v = nn.Parameter(torch.zeros(n_heads, self.d_k))
+        self.dropout_att = dropout_att
+
+    def _heads(self, x):
+        return x.view(x.size(0), -1, self.h, self.d_k).transpose(1, 2)  # (B, T', D) -> (B, H, T', d_k)
+
+    def forward(self, x, pos_emb, pad_mask):
+        """x (B, T', D), pos_emb (2T'-1, D), pad_mask (B, T') True at padding -> (B, T', D)."""
+        q = self._heads(self.linear_q(x))
+        k = self._heads(self.linear_k(x))
+        v = self._heads(self.linear_v(x))
+        p = self.linear_pos(pos_emb).view(-1, self.h, self.d_k).transpose(0, 1)  # (H, 2T'-1, d_k)
+        # The position term enters SDPA as an additive bias; SDPA applies the 1/sqrt(d_k) to the content term.
+        bias = rel_shift((q + self.pos_bias_v[:, None, :]) @ p.transpose(1, 2)) / math.sqrt(self.d_k)
+        bias = bias.masked_fill(pad_mask[:, None, None, :], float("-inf"))  # padded keys get no weight
+        out = F.scaled_dot_product_attention(
+            q + self.pos_bias_u[:, None, :], k, v, attn_mask=bias, dropout_p=self.dropout_att if self.training else 0.0
+        )
+        return self.linear_out(out.transpose(1, 2).reshape(x.shape))  # (B, H, T', d_k) -> (B, T', D)
+
+
+class ConformerFeedForward(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, dropout: float):
+        super().__init__()
+        self.linear1 = nn.Linear(d_model, d_ff)
+        self.dropout = nn.Dropout(dropout)
+        self.linear2 = nn.Linear(d_ff, d_model)
+
+    def forward(self, x):
+        return self.linear2(self.dropout(F.silu(self.linear1(x))))
+
+
+class MaskedBatchNorm1d(nn.Module):
+    """BatchNorm1d over (B, C, T) whose batch statistics ignore padded frames.
+
+    Same parameters and buffers as nn.BatchNorm1d (NeMo checkpoints load as is). Deliberately not a
+    _BatchNorm subclass: `convert_sync_batchnorm` would silently swap it for an unmasked SyncBatchNorm.
+    Statistics are per rank, as with a plain BatchNorm under DDP.
+    """
+
+    def __init__(self, channels: int, eps: float = 1e-5, momentum: float = 0.1):
+        super().__init__()
+        self.eps, self.momentum = eps, momentum
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+        self.register_buffer("running_mean", torch.zeros(channels))
+        self.register_buffer("running_var", torch.ones(channels))
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+    def forward(self, x, pad_mask):
+        """x (B, C, T), pad_mask (B, T) True at padding."""
+        if not self.training:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        xf = x.float()  # statistics in fp32 even under bf16 autocast
+        valid = (~pad_mask)[:, None, :].float()  # (B, 1, T)
+        n = valid.sum()
+        mean = (xf * valid).sum(dim=(0, 2)) / n  # (C,)
+        var = (((xf - mean[None, :, None]) * valid) ** 2).sum(dim=(0, 2)) / n  # biased, for normalising
+        with torch.no_grad():
+            unbiased = var * (n / (n - 1).clamp(min=1))  # running_var is unbiased, as in nn.BatchNorm1d
+            self.running_mean.lerp_(mean, self.momentum)
+            self.running_var.lerp_(unbiased, self.momentum)
+            self.num_batches_tracked += 1
+        xf = (xf - mean[None, :, None]) * torch.rsqrt(var[None, :, None] + self.eps)
+        return (xf * self.weight[None, :, None] + self.bias[None, :, None]).to(x.dtype)
+
+
+class ConformerConvolution(nn.Module):
+    """Pointwise conv + GLU, depthwise conv (same padding), norm, Swish, pointwise conv: (B, T', D) -> same."""
+
+    def __init__(self, d_model: int, kernel_size: int, norm_type: str):
+        super().__init__()
+        assert kernel_size % 2 == 1, f"conv kernel size must be odd for same padding, got {kernel_size}"
+        self.pointwise_conv1 = nn.Conv1d(d_model, 2 * d_model, kernel_size=1)
+        self.depthwise_conv = nn.Conv1d(d_model, d_model, kernel_size, padding=kernel_size // 2, groups=d_model)
+        # NeMo calls the norm `batch_norm` whatever its type; we keep the name so checkpoints map 1:1.
+        if norm_type == "batch_norm":
+            self.batch_norm = MaskedBatchNorm1d(d_model)
+        elif norm_type == "layer_norm":
+            self.batch_norm = nn.LayerNorm(d_model)
+        else:
+            raise ValueError(f"conv_norm_type must be batch_norm or layer_norm, got {norm_type!r}")
+        self.pointwise_conv2 = nn.Conv1d(d_model, d_model, kernel_size=1)
+
+    def forward(self, x, pad_mask):
+        x = F.glu(self.pointwise_conv1(x.transpose(1, 2)), dim=1)  # (B, T', D) -> (B, 2D, T') -> (B, D, T')
+        x = x.masked_fill(pad_mask[:, None, :], 0.0)  # padded frames must not reach valid ones through the kernel
+        x = self.depthwise_conv(x)
+        if isinstance(self.batch_norm, nn.LayerNorm):
+            x = self.batch_norm(x.transpose(1, 2)).transpose(1, 2)  # normalise over D: (B, T', D) and back
+        else:
+            x = self.batch_norm(x, pad_mask)
+        return self.pointwise_conv2(F.silu(x)).transpose(1, 2)  # (B, D, T') -> (B, T', D)
+
+
+class ConformerLayer(nn.Module):
+    """Macaron pre-norm block: half FF, self-attention, conv, half FF, final LayerNorm."""
+
+    def __init__(self, d_model, n_heads, ff_mult, conv_kernel, conv_norm, dropout, dropout_att):
+        super().__init__()
+        self.norm_feed_forward1 = nn.LayerNorm(d_model)
+        self.feed_forward1 = ConformerFeedForward(d_model, ff_mult * d_model, dropout)
+        self.norm_self_att = nn.LayerNorm(d_model)
+        self.self_attn = RelPositionMultiHeadAttention(d_model, n_heads, dropout_att)
+        self.norm_conv = nn.LayerNorm(d_model)
+        self.conv = ConformerConvolution(d_model, conv_kernel, conv_norm)
+        self.norm_feed_forward2 = nn.LayerNorm(d_model)
+        self.feed_forward2 = ConformerFeedForward(d_model, ff_mult * d_model, dropout)
+        self.dropout = nn.Dropout(dropout)
+        self.norm_out = nn.LayerNorm(d_model)
+
+    def forward(self, x, pos_emb, pad_mask):
+        x = x + 0.5 * self.dropout(self.feed_forward1(self.norm_feed_forward1(x)))
+        x = x + self.dropout(self.self_attn(self.norm_self_att(x), pos_emb, pad_mask))
+        x = x + self.dropout(self.conv(self.norm_conv(x), pad_mask))
+        x = x + 0.5 * self.dropout(self.feed_forward2(self.norm_feed_forward2(x)))
+        return self.norm_out(x)
+
+
+class ConformerEncoder(nn.Module):
+    def __init__(self, n_mels, d_model, n_layers, n_heads, ff_mult, conv_kernel, conv_norm,
+                 subsampling_channels, dropout, dropout_pre_encoder, dropout_att):
+        super().__init__()
+        self.n_mels, self.d_model = n_mels, d_model
+        self.pre_encode = ConvSubsampling(n_mels, subsampling_channels, d_model)
+        self.pre_dropout = nn.Dropout(dropout_pre_encoder)  # NeMo: pos_enc.dropout
+        self.layers = nn.ModuleList(
+            ConformerLayer(d_model, n_heads, ff_mult, conv_kernel, conv_norm, dropout, dropout_att)
+            for _ in range(n_layers)
+        )
+        # Set by train.py: recompute each layer in backward instead of storing its activations. The
+        # recomputation updates BatchNorm running statistics a second time with the same batch statistics.
+        self.checkpoint_activations = False
+
+    def forward(self, x, x_lens):
+        """x (B, T, F) log-mel features (padded frames may hold anything), x_lens (B,) -> (B, T', D), (B,)."""
+        assert x.dim() == 3 and x.size(2) == self.n_mels, f"expected feats (B, T, {self.n_mels}), got {tuple(x.shape)}"
+        assert x_lens.shape == (x.size(0),), f"feat_lens {tuple(x_lens.shape)} does not match batch {x.size(0)}"
+        x, x_lens = self.pre_encode(x, x_lens)
+        pad_mask = padding_mask(x_lens, x.size(1))
+        pos_emb = rel_positional_encoding(x.size(1), self.d_model, x.device, x.dtype)
+        x = self.pre_dropout(x)
+        for layer in self.layers:
+            if self.checkpoint_activations and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, pos_emb, pad_mask, use_reentrant=False)
+            else:
+                x = layer(x, pos_emb, pad_mask)
+        return x, x_lens

@@ -1,0 +1,160 @@
+"""The attention encoder-decoder (Canary layout): FastConformer encoder + Transformer decoder.
+
+    python -m aed.model --count configs/*.yaml    # parameter counts, built on the meta device
+
+NeMo `EncDecMultiTaskModel` names: `encoder.*` and `encoder_decoder_proj` are ours as is; see
+aed/decoder.py for the decoder renames.
+"""
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import nn
+
+from aed.decoder import KVCache, TransformerDecoder
+from aed.encoder import ConformerEncoder
+
+
+@dataclass
+class AEDConfig:
+    """Model hyperparameters, saved in every checkpoint. Defaults are Canary-1B (24 + 24 layers)."""
+
+    n_mels: int = 128  # log-mel bins of the input features; fixes the subsampling's output Linear
+    vocab_size: int = 5248  # tokenizer's padded vocab (multiple of 8); Canary: 4 x 1024 BPE + 1152 specials
+    pad_id: int = 1  # `<pad>` in aed/tokenizer.py's default layout; its embedding row gets no gradient
+    # --- encoder (FastConformer)
+    enc_d_model: int = 1024  # encoder width; 1024 for the 1B models, 512 for 180M-Flash
+    enc_layers: int = 24  # Canary-1B 24; the Flash recipe moves capacity here (32)
+    enc_heads: int = 8  # self-attention heads
+    enc_ff_mult: int = 4  # FF inner width = enc_ff_mult * enc_d_model
+    conv_kernel: int = 9  # depthwise conv kernel over encoder frames (FastConformer uses 9, not 31)
+    conv_norm: str = "batch_norm"  # batch_norm (Canary, masked statistics) or layer_norm (batch-size independent)
+    subsampling_channels: int = 256  # conv channels of the 8x dw_striding subsampling
+    # --- decoder (pre-LN Transformer)
+    dec_d_model: int = 1024  # decoder width; an encoder_decoder_proj Linear appears when it differs from enc_d_model
+    dec_layers: int = 24  # Canary-1B 24; the decoder dominates decode time, Flash uses 4
+    dec_heads: int = 8  # self- and cross-attention heads
+    dec_ff_mult: int = 4  # FFN inner width = dec_ff_mult * dec_d_model
+    dec_max_len: int = 512  # positions in the fixed positional table: prompt + text + eos must fit
+    # --- regularisation (NeMo's Canary values)
+    enc_dropout: float = 0.1  # encoder residual branches and FF inner activations
+    enc_dropout_pre_encoder: float = 0.1  # after subsampling
+    enc_dropout_att: float = 0.1  # encoder attention probabilities
+    dec_dropout: float = 0.1  # decoder embedding and sublayer outputs
+    dec_dropout_att: float = 0.1  # decoder attention probabilities
+    # --- loss
+    label_smoothing: float = 0.0  # Canary trains without smoothing
+    loss_on_prompt: bool = True  # NeMo also scores the prompt tokens after <|startoftranscript|>; False scores text + eos only
+
+    def __post_init__(self):
+        assert self.enc_d_model % self.enc_heads == 0, f"enc_d_model {self.enc_d_model} % enc_heads {self.enc_heads} != 0"
+        assert self.dec_d_model % self.dec_heads == 0, f"dec_d_model {self.dec_d_model} % dec_heads {self.dec_heads} != 0"
+        assert 0 <= self.pad_id < self.vocab_size, f"pad_id {self.pad_id} outside vocab_size {self.vocab_size}"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AEDConfig":
+        """Build from a mapping (a YAML `model:` section); unknown keys and wrong types name the key."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown AEDConfig keys: {', '.join(unknown)} (known: {', '.join(fields)})")
+        for key, value in d.items():
+            expected = fields[key].type
+            ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                ok = True  # YAML writes 0 for 0.0
+            if not ok:
+                raise TypeError(f"AEDConfig.{key} must be {expected.__name__}, got {value!r}")
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path) -> "AEDConfig":
+        """The `model:` section of a config file; other top-level sections (training, data) are ignored."""
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+        if not isinstance(doc.get("model"), dict):
+            raise ValueError(f"{path}: needs a top-level 'model:' mapping")
+        return cls.from_dict(doc["model"])
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class AED(nn.Module):
+    def __init__(self, cfg: AEDConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = ConformerEncoder(
+            cfg.n_mels, cfg.enc_d_model, cfg.enc_layers, cfg.enc_heads, cfg.enc_ff_mult, cfg.conv_kernel,
+            cfg.conv_norm, cfg.subsampling_channels, cfg.enc_dropout, cfg.enc_dropout_pre_encoder, cfg.enc_dropout_att,
+        )
+        # Canary-180M-Flash: 512-wide encoder feeding a 1024-wide decoder.
+        if cfg.enc_d_model != cfg.dec_d_model:
+            self.encoder_decoder_proj = nn.Linear(cfg.enc_d_model, cfg.dec_d_model)
+        else:
+            self.encoder_decoder_proj = nn.Identity()
+        self.decoder = TransformerDecoder(
+            cfg.vocab_size, cfg.pad_id, cfg.dec_d_model, cfg.dec_layers, cfg.dec_heads, cfg.dec_ff_mult,
+            cfg.dec_max_len, cfg.dec_dropout, cfg.dec_dropout_att,
+        )
+
+    def encode(self, feats, feat_lens):
+        """feats (B, T, F), feat_lens (B,) -> memory (B, T', D_dec), memory_lens (B,)."""
+        x, x_lens = self.encoder(feats, feat_lens)
+        return self.encoder_decoder_proj(x), x_lens
+
+    def forward(self, feats, feat_lens, tokens, token_lens, prompt_lens):
+        """Summed next-token cross-entropy and its token count; the training script normalises.
+
+        tokens (B, U) = prompt + text + eos, right-padded; token_lens (B,) and prompt_lens (B,) count them.
+        Targets are tokens[:, 1:]: with loss_on_prompt=False only the text and eos are scored.
+        """
+        b, u = tokens.shape
+        assert token_lens.shape == (b,) and prompt_lens.shape == (b,), (
+            f"token_lens {tuple(token_lens.shape)} / prompt_lens {tuple(prompt_lens.shape)} must be ({b},)"
+        )
+        memory, memory_lens = self.encode(feats, feat_lens)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # position i predicts token i+1
+        hidden = self.decoder(inputs, memory, memory_lens)  # (B, U-1, D)
+        pos = torch.arange(u - 1, device=tokens.device)[None, :]
+        is_target = pos < (token_lens - 1)[:, None]
+        if not self.cfg.loss_on_prompt:
+            is_target &= pos >= (prompt_lens - 1)[:, None]  # keeps the first text token, predicted from the last prompt token
+        # Project only real targets: the vocab-sized logits of padded positions would be pure waste.
+        logits = self.decoder.output_proj(hidden[is_target])  # (N, V)
+        loss = F.cross_entropy(logits.float(), targets[is_target], label_smoothing=self.cfg.label_smoothing, reduction="sum")
+        return loss, is_target.sum()
+
+    def new_cache(self, memory, memory_lens, max_len: int) -> KVCache:
+        return self.decoder.new_cache(memory, memory_lens, max_len)
+
+    def decode_step(self, tokens, cache: KVCache):
+        """Feed tokens (R, U) after the cached positions; fp32 logits (R, V) of the last position."""
+        hidden = self.decoder.forward_cached(tokens, cache)
+        return self.decoder.output_proj(hidden[:, -1]).float()
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())  # tied weights are counted once
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--count", nargs="+", metavar="CONFIG", required=True, help="YAML files with a model: section")
+    args = parser.parse_args()
+    print(f"{'config':40s} {'encoder':>14s} {'decoder':>14s} {'total':>15s}")
+    for path in args.count:
+        cfg = AEDConfig.from_yaml(path)
+        with torch.device("meta"):  # shapes only: a 1B model costs no memory or init time
+            model = AED(cfg)
+        enc = count_parameters(model.encoder) + count_parameters(model.encoder_decoder_proj)
+        total = count_parameters(model)
+        print(f"{path:40s} {enc:>14,d} {total - enc:>14,d} {total:>15,d}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aed.decoding import DecodingOptions, beam_search, decode, greedy_search, length_penalty, max_new_tokens
+from aed.model import AED, AEDConfig
+
+V = 40
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny ops on a shared 2-core machine: extra OpenMP threads only fight over the cores.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def random_model(seed=0, **overrides):
+    """A float64 model whose random decoder produces varied sequences (not one token repeated).
+
+    float64 keeps cached and recomputed scores equal to ~1e-12, so rankings never flip on rounding.
+    """
+    torch.manual_seed(seed)
+    d = dict(n_mels=24, vocab_size=V, pad_id=1, enc_d_model=32, enc_layers=2, enc_heads=4, subsampling_channels=8,
+             dec_d_model=48, dec_layers=2, dec_heads=4, dec_max_len=64)
+    d.update(overrides)
+    model = AED(AEDConfig(**d)).double().eval()
+    with torch.no_grad():
+        for p in model.decoder.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)  # N(0, 0.02) init makes a random decoder repeat its first token forever
+        model.decoder.embedding.pos_enc.mul_(10)  # let the position change the prediction
+    return model
+
+
+def batch(lens=(120, 70, 33, 95), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(len(lens), max(lens), 24, generator=g, dtype=torch.float64)
+    lens = torch.tensor(lens)
+    feats = feats.masked_fill(torch.arange(feats.size(1))[None, :, None] >= lens[:, None, None], 0.0)
+    prompt = torch.randint(3, V - 1, (len(lens), 3), generator=g)
+    return feats, lens, prompt
+
+
+def pick_eos(model, memory, memory_lens, prompt):
+    """A token that greedy decoding emits first at different steps in different rows: EOS at varied lengths."""
+    with torch.no_grad():
+        model.decoder.output_proj.bias[V - 1] = -1e9  # V-1 is never emitted: free-running sequences
+    free = greedy_search(model, memory, memory_lens, prompt, V - 1, max_delta=10)
+    best, best_spread = None, 0
+    for tok in range(V - 1):
+        firsts = {row.index(tok) if tok in row else len(row) for row in free}
+        if len(firsts) > best_spread:
+            best, best_spread = tok, len(firsts)
+    assert best_spread >= 3, f"random model too degenerate to test early stopping: {free}"
+    return best
+
+
+def recompute_logits(model, tokens, memory, memory_lens):
+    """Reference without a cache: the full teacher-forced decoder over all tokens, last position."""
+    return model.decoder.output_proj(model.decoder(tokens, memory, memory_lens)[:, -1]).float()
+
+
+def test_cached_decoding_equals_full_recomputation_at_every_step():
+    model = random_model()
+    feats, lens, prompt = batch()
+    memory, memory_lens = model.encode(feats, lens)
+    tokens = torch.cat([prompt, torch.randint(2, V, (4, 12))], dim=1)
+    cache = model.new_cache(memory, memory_lens, tokens.size(1))
+    with torch.no_grad():
+        got = model.decode_step(tokens[:, :3], cache)
+        torch.testing.assert_close(got, recompute_logits(model, tokens[:, :3], memory, memory_lens), atol=1e-9, rtol=0)
+        for i in range(3, tokens.size(1)):
+            got = model.decode_step(tokens[:, i : i + 1], cache)
+            ref = recompute_logits(model, tokens[:, : i + 1], memory, memory_lens)
+            torch.testing.assert_close(got, ref, atol=1e-9, rtol=0, msg=f"step {i}")
+    assert cache.length == tokens.size(1)
+
+
+def test_cache_reorder_moves_histories_within_an_utterance():
+    model = random_model()
+    feats, lens, prompt = batch(lens=(50, 80))
+    memory, memory_lens = model.encode(feats, lens)
+    cache = model.new_cache(memory, memory_lens, 8).repeat_interleave(2)  # rows: u0b0, u0b1, u1b0, u1b1
+    hist = torch.cat([prompt.repeat_interleave(2, dim=0), torch.tensor([[5, 6], [7, 8], [9, 10], [11, 12]])], dim=1)
+    with torch.no_grad():
+        model.decode_step(hist[:, :3], cache)
+        model.decode_step(hist[:, 3:4], cache)
+        model.decode_step(hist[:, 4:5], cache)
+        index = torch.tensor([1, 1, 3, 2])
+        cache.reorder(index)
+        nxt = torch.tensor([[13], [14], [15], [16]])
+        got = model.decode_step(nxt, cache)
+        ref = recompute_logits(model, torch.cat([hist[index], nxt], dim=1), memory.repeat_interleave(2, 0), memory_lens.repeat_interleave(2))
+    torch.testing.assert_close(got, ref, atol=1e-9, rtol=0)
+
+
+def test_batched_greedy_equals_each_utterance_alone():
+    model = random_model()
+    feats, lens, prompt = batch()
+    memory, memory_lens = model.encode(feats, lens)
+    eos = pick_eos(model, memory, memory_lens, prompt)
+    hyps = decode(model, feats, lens, prompt, eos)
+    assert len({len(h) for h in hyps}) >= 3, f"rows should stop at different steps: {hyps}"
+    assert all(eos not in h for h in hyps)
+    for i in range(len(lens)):
+        alone = decode(model, feats[i : i + 1, : lens[i]], lens[i : i + 1], prompt[i : i + 1], eos)
+        assert alone == [hyps[i]], f"utterance {i} decodes differently inside the padded batch"
+
+
+def test_generation_budget_is_encoder_frames_plus_delta_capped_by_positions():
+    model = random_model(dec_max_len=40)
+    feats, lens, prompt = batch(lens=(300, 60, 16))
+    with torch.no_grad():
+        model.decoder.output_proj.bias[V - 1] = -1e9  # EOS never wins: every row runs to its budget
+    memory, memory_lens = model.encode(feats, lens)
+    limits = max_new_tokens(model, memory_lens, prompt.size(1), max_delta=5)
+    assert limits.tolist() == [min(int(t) + 5, 40 - 3) for t in memory_lens]
+    for opts in (DecodingOptions(max_delta=5), DecodingOptions(beam_size=3, max_delta=5)):
+        hyps = decode(model, feats, lens, prompt, V - 1, opts)
+        assert [len(h) for h in hyps] == limits.tolist()
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_beam_size_one_equals_greedy(alpha):
+    model = random_model(seed=1)
+    feats, lens, prompt = batch(seed=1)
+    memory, memory_lens = model.encode(feats, lens)
+    eos = pick_eos(model, memory, memory_lens, prompt)
+    greedy = greedy_search(model, memory, memory_lens, prompt, eos)
+    assert beam_search(model, memory, memory_lens, prompt, eos, beam_size=1, alpha=alpha) == greedy
+
+
+def reference_beam_search(model, memory, memory_lens, prompt, eos, k, alpha, max_delta):
+    """One utterance and one hypothesis at a time, logits recomputed from scratch (no cache, no batching)."""
+    out = []
+    for b in range(memory.size(0)):
+        mem, mem_lens = memory[b : b + 1, : memory_lens[b]], memory_lens[b : b + 1]
+        limit = min(int(mem_lens) + max_delta, model.cfg.dec_max_len - prompt.size(1))
+        beams = [([], 0.0, False)]  # (generated ids incl. EOS, summed log-prob, finished)
+        for _ in range(limit):
+            cands = []
+            for gen, score, done in beams:
+                if done:
+                    cands.append((gen, score, True))
+                    continue
+                tokens = torch.tensor([prompt[b].tolist() + gen])
+                logp = F.log_softmax(recompute_logits(model, tokens, mem, mem_lens).double(), -1)[0].tolist()
+                for tok in range(len(logp)):
+                    new = gen + [tok]
+                    cands.append((new, score + logp[tok], tok == eos or len(new) >= limit))
+            cands.sort(key=lambda c: c[1] / length_penalty(torch.tensor(float(len(c[0]))), alpha).item(), reverse=True)
+            beams = cands[:k]
+        gen, _, _ = max(beams, key=lambda c: c[1] / length_penalty(torch.tensor(float(len(c[0]))), alpha).item())
+        out.append(gen[: gen.index(eos)] if eos in gen else gen)
+    return out
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_beam_search_equals_slow_reference(alpha):
+    model = random_model(seed=2)
+    feats, lens, prompt = batch(lens=(100, 48, 75), seed=2)
+    memory, memory_lens = model.encode(feats, lens)
+    eos = pick_eos(model, memory, memory_lens, prompt)
+    got = beam_search(model, memory, memory_lens, prompt, eos, beam_size=3, alpha=alpha, max_delta=4)
+    ref = reference_beam_search(model, memory, memory_lens, prompt, eos, 3, alpha, max_delta=4)
+    assert got == ref
+
+
+def test_tiny_model_overfits_eight_synthetic_utterances():
+    """8 utterances whose features are a per-token spectrum held for 12 frames: learn to transcribe them all."""
+    torch.manual_seed(0)
+    vocab, pad, eos, bos = 24, 1, 2, 3
+    cfg = AEDConfig(n_mels=16, vocab_size=vocab, pad_id=pad, enc_d_model=48, enc_layers=2, enc_heads=4, subsampling_channels=16,
+                    dec_d_model=48, dec_layers=1, dec_heads=4, dec_max_len=32, enc_dropout=0.0, enc_dropout_pre_encoder=0.0,
+                    enc_dropout_att=0.0, dec_dropout=0.0, dec_dropout_att=0.0)
+    model = AED(cfg)
+    g = torch.Generator().manual_seed(1)
+    spectra = 2 * torch.randn(vocab, 16, generator=g)
+    texts = [torch.randint(4, vocab, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist() for _ in range(8)]
+    assert len({tuple(t) for t in texts}) == 8
+    prompt = [bos, 4]
+    utts = [torch.cat([spectra[tok].repeat(12, 1) for tok in t]) + 0.3 * torch.randn(12 * len(t), 16, generator=g) for t in texts]
+    feat_lens = torch.tensor([u.size(0) for u in utts])
+    feats = torch.zeros(8, int(feat_lens.max()), 16)
+    seqs = [prompt + t + [eos] for t in texts]
+    token_lens = torch.tensor([len(s) for s in seqs])
+    tokens = torch.full((8, int(token_lens.max())), pad)
+    for i, (u, s) in enumerate(zip(utts, seqs)):
+        feats[i, : u.size(0)] = u
+        tokens[i, : len(s)] = torch.tensor(s)
+    prompt_lens = torch.full((8,), len(prompt))
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    hyps = None
+    for step in range(1, 401):
+        model.train()
+        loss, count = model(feats, feat_lens, tokens, token_lens, prompt_lens)
+        opt.zero_grad()
+        (loss / count).backward()
+        opt.step()
+        if step % 25 == 0:
+            model.eval()
+            hyps = decode(model, feats, feat_lens, tokens[:, : len(prompt)], eos)
+            if hyps == texts:
+                break
+    assert hyps == texts, f"after {step} steps (loss {(loss / count).item():.3f}): {hyps} != {texts}"

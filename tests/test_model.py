@@ -1,0 +1,242 @@
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aed.encoder import (
+    ConvSubsampling,
+    MaskedBatchNorm1d,
+    RelPositionMultiHeadAttention,
+    conv_stage_length,
+    rel_positional_encoding,
+    rel_shift,
+    subsampled_length,
+)
+from aed.model import AED, AEDConfig, count_parameters
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny ops on a shared 2-core machine: extra OpenMP threads only fight over the cores.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_config(**overrides):
+    d = dict(n_mels=24, vocab_size=40, pad_id=1, enc_d_model=32, enc_layers=2, enc_heads=4, subsampling_channels=8,
+             dec_d_model=48, dec_layers=2, dec_heads=4, dec_max_len=64)
+    d.update(overrides)
+    return AEDConfig(**d)
+
+
+def test_subsampled_length_matches_the_convolutions():
+    sub = ConvSubsampling(n_mels=20, channels=4, d_model=8)
+    for t in list(range(1, 70)) + [97, 128, 1001, 3000]:
+        y, y_lens = sub(torch.randn(1, t, 20), torch.tensor([t]))
+        assert y.shape == (1, subsampled_length(t), 8), t
+        assert y_lens.tolist() == [subsampled_length(t)]
+        assert subsampled_length(torch.tensor([t])).item() == subsampled_length(t)
+        assert conv_stage_length(t) == math.floor((t + 2 * 1 - 3) / 2 + 1)
+    assert subsampled_length(128) == 16  # the F' of the Canary subsampling Linear (256 * 16 -> 1024)
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("canary-1b", 1_017_825_408),
+        ("canary-1b-flash", 883_554_432),
+        ("canary-1b-smalldec", 681_891_968),
+        ("canary-180m-flash", 182_643_840),
+    ],
+)
+def test_parameter_counts_equal_nemo(name, expected):
+    with torch.device("meta"):
+        model = AED(AEDConfig.from_yaml(CONFIGS / f"{name}.yaml"))
+    assert count_parameters(model) == expected
+
+
+def test_tiny_preset_is_cpu_sized():
+    with torch.device("meta"):
+        model = AED(AEDConfig.from_yaml(CONFIGS / "tiny.yaml"))
+    assert 1_000_000 <= count_parameters(model) <= 3_000_000
+
+
+def test_config_rejects_unknown_keys_and_wrong_types(tmp_path):
+    with pytest.raises(ValueError, match="enc_layer"):
+        AEDConfig.from_dict({"enc_layer": 3})
+    with pytest.raises(TypeError, match="enc_layers"):
+        AEDConfig.from_dict({"enc_layers": "3"})
+    with pytest.raises(TypeError, match="loss_on_prompt"):
+        AEDConfig.from_dict({"loss_on_prompt": 1})
+    assert AEDConfig.from_dict({"label_smoothing": 0}).label_smoothing == 0
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  lr: 1.0\nmodel:\n  dec_layers: 4\n")  # other sections are ignored
+    assert AEDConfig.from_yaml(path).dec_layers == 4
+    assert AEDConfig.from_dict(AEDConfig().to_dict()) == AEDConfig()
+
+
+def test_rel_shift_indexes_relative_distance():
+    b, h, t = 2, 3, 5
+    x = torch.randn(b, h, t, 2 * t - 1)
+    out = rel_shift(x)
+    for i in range(t):
+        for j in range(t):
+            assert torch.equal(out[:, :, i, j], x[:, :, i, j + t - 1 - i])
+
+
+def test_rel_pos_attention_matches_transformer_xl_formula():
+    torch.manual_seed(0)
+    d, h, t = 16, 2, 6
+    att = RelPositionMultiHeadAttention(d, h, dropout_att=0.0).eval()
+    with torch.no_grad():
+        att.pos_bias_u.normal_()
+        att.pos_bias_v.normal_()
+    x = torch.randn(1, t, d)
+    pos_emb = rel_positional_encoding(t, d, x.device, x.dtype)
+    pad_mask = torch.tensor([[False] * (t - 1) + [True]])
+    got = att(x, pos_emb, pad_mask)
+
+    # Naive reference: score(i, j) = ((q_i + u) . k_j + (q_i + v) . W_pos pe(i - j)) / sqrt(d_k).
+    dk = d // h
+    q = att.linear_q(x).view(t, h, dk)
+    k = att.linear_k(x).view(t, h, dk)
+    v = att.linear_v(x).view(t, h, dk)
+    freqs = torch.exp(torch.arange(0, d, 2).float() * (-math.log(10000.0) / d))
+    scores = torch.empty(h, t, t)
+    for i in range(t):
+        for j in range(t):
+            angles = (i - j) * freqs
+            pe = torch.stack([angles.sin(), angles.cos()], -1).flatten()
+            p = att.linear_pos(pe).view(h, dk)
+            scores[:, i, j] = ((q[i] + att.pos_bias_u) * k[j]).sum(-1) + ((q[i] + att.pos_bias_v) * p).sum(-1)
+    scores = (scores / math.sqrt(dk)).masked_fill(pad_mask[0], float("-inf"))
+    ref = torch.einsum("hij,jhd->ihd", scores.softmax(-1), v).reshape(1, t, d)
+    torch.testing.assert_close(got, att.linear_out(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_masked_batch_norm_ignores_padding():
+    torch.manual_seed(0)
+    lens = torch.tensor([7, 3, 5])
+    x = torch.randn(3, 4, 7)
+    pad_mask = torch.arange(7)[None, :] >= lens[:, None]
+    x = x.masked_fill(pad_mask[:, None, :], 1e3)  # garbage in padding must not matter
+    ours = MaskedBatchNorm1d(4).train()
+    ref = torch.nn.BatchNorm1d(4).train()
+    y = ours(x, pad_mask)
+    packed = torch.cat([x[i, :, : lens[i]] for i in range(3)], dim=1)[None]  # (1, C, sum(lens))
+    y_ref = ref(packed)[0]
+    torch.testing.assert_close(torch.cat([y[i, :, : lens[i]] for i in range(3)], dim=1), y_ref)
+    torch.testing.assert_close(ours.running_mean, ref.running_mean)
+    torch.testing.assert_close(ours.running_var, ref.running_var)
+    assert set(dict(ours.named_buffers())) == set(dict(ref.named_buffers()))  # NeMo BatchNorm checkpoints load as is
+
+
+@pytest.mark.parametrize("conv_norm", ["batch_norm", "layer_norm"])
+def test_utterance_alone_equals_inside_padded_batch(conv_norm):
+    torch.manual_seed(0)
+    model = AED(tiny_config(conv_norm=conv_norm)).eval()
+    with torch.no_grad():  # non-trivial running statistics, so eval-mode BatchNorm does something
+        for m in model.modules():
+            if isinstance(m, MaskedBatchNorm1d):
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 2.0)
+    lens = torch.tensor([37, 90, 61])
+    feats = torch.randn(3, 90, 24)
+    feats[0, 37:] = 5.0  # padding content must not matter
+    feats[2, 61:] = -3.0
+    tokens = torch.randint(2, 40, (3, 9))
+    token_lens, prompt_lens = torch.tensor([6, 9, 8]), torch.tensor([3, 3, 3])
+    with torch.no_grad():
+        memory, memory_lens = model.encode(feats, lens)
+        loss, count = model(feats, lens, tokens, token_lens, prompt_lens)
+        total, total_count = 0.0, 0
+        for i in range(3):
+            t = int(lens[i])
+            alone, alone_lens = model.encode(feats[i : i + 1, :t], lens[i : i + 1])
+            assert alone_lens.item() == memory_lens[i].item() == alone.size(1)
+            torch.testing.assert_close(memory[i : i + 1, : alone.size(1)], alone, atol=1e-5, rtol=1e-5)
+            u = int(token_lens[i])
+            l_i, c_i = model(feats[i : i + 1, :t], lens[i : i + 1], tokens[i : i + 1, :u], token_lens[i : i + 1], prompt_lens[i : i + 1])
+            total, total_count = total + l_i, total_count + int(c_i)
+    torch.testing.assert_close(loss, total, atol=1e-4, rtol=1e-5)
+    assert int(count) == total_count == int((token_lens - 1).sum())
+
+
+def test_loss_can_exclude_the_prompt():
+    torch.manual_seed(0)
+    feats, lens = torch.randn(2, 50, 24), torch.tensor([50, 40])
+    tokens = torch.randint(2, 40, (2, 10))
+    token_lens, prompt_lens = torch.tensor([10, 7]), torch.tensor([5, 5])
+    with torch.no_grad():
+        full = AED(tiny_config()).eval()
+        text_only = AED(tiny_config(loss_on_prompt=False)).eval()
+        text_only.load_state_dict(full.state_dict())
+        loss_all, n_all = full(feats, lens, tokens, token_lens, prompt_lens)
+        loss_text, n_text = text_only(feats, lens, tokens, token_lens, prompt_lens)
+        # Scoring 1 - smoothing on the target plus smoothing spread over the vocab: a larger loss.
+        smooth = AED(tiny_config(label_smoothing=0.1)).eval()
+        smooth.load_state_dict(full.state_dict())
+        loss_smooth, _ = smooth(feats, lens, tokens, token_lens, prompt_lens)
+    assert int(n_all) == 9 + 6
+    assert int(n_text) == (10 - 5) + (7 - 5)  # text tokens + eos
+    assert 0 < loss_text < loss_all
+    assert loss_smooth != loss_all
+
+
+def test_gradients_reach_every_parameter():
+    torch.manual_seed(0)
+    model = AED(tiny_config()).train()
+    feats, lens = torch.randn(2, 60, 24), torch.tensor([60, 33])
+    tokens = torch.randint(2, 40, (2, 8))
+    loss, count = model(feats, lens, tokens, torch.tensor([8, 6]), torch.tensor([3, 3]))
+    (loss / count).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, f"no gradient for {missing}"
+    assert model.decoder.output_proj.weight is model.decoder.embedding.token_embedding.weight
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = AED(tiny_config()).train()
+    feats, lens = torch.randn(2, 60, 24), torch.tensor([60, 33])
+    tokens = torch.randint(2, 40, (2, 8))
+    grads, saved = [], []
+    for ckpt in (False, True):
+        model.encoder.checkpoint_activations = ckpt
+        model.zero_grad()
+        torch.manual_seed(1)  # same dropout masks in both runs
+        n_saved = [0]
+
+        def pack(t):
+            n_saved[0] += t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss, _ = model(feats, lens, tokens, torch.tensor([8, 6]), torch.tensor([3, 3]))
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        saved.append(n_saved[0])
+    assert saved[1] < 0.8 * saved[0], f"checkpointing should store fewer activations: {saved}"
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_separate_encoder_and_decoder_widths_get_a_projection():
+    model = AED(tiny_config(enc_d_model=32, dec_d_model=48))
+    assert model.encoder_decoder_proj.weight.shape == (48, 32)
+    memory, _ = model.encode(torch.randn(1, 40, 24), torch.tensor([40]))
+    assert memory.shape == (1, subsampled_length(40), 48)
+    same = AED(tiny_config(enc_d_model=48, dec_d_model=48))
+    assert not any("encoder_decoder_proj" in n for n, _ in same.named_parameters())
+
+
+def test_bad_feature_shape_is_a_clear_error():
+    model = AED(tiny_config())
+    with pytest.raises(AssertionError, match="expected feats"):
+        model.encode(torch.randn(1, 40, 80), torch.tensor([40]))
