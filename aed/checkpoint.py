@@ -1,0 +1,83 @@
+"""Checkpoints: atomic writes, keep-last-k, newest-valid lookup, and loading a model for inference.
+
+A checkpoint is one `torch.save` dict, self-contained so `infer.py` needs nothing else:
+    model_config, model (raw module state), features (FeatureConfig fields),
+    tokenizer ({file name: bytes} of the tokenizer directory), and for training also
+    step, optimizer, scheduler, sampler (one state per rank), rng (one per rank), config.
+"""
+
+import glob
+import logging
+import os
+import re
+import tempfile
+
+import torch
+
+from aed.audio import FeatureConfig
+from aed.model import AED, AEDConfig
+from aed.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def pack_dir(directory: str) -> dict:
+    """The files of a (flat) directory as {name: bytes}, to embed a tokenizer in a checkpoint."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                out[name] = f.read()
+    return out
+
+
+def unpack_tokenizer(files: dict) -> Tokenizer:
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in files.items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
+        return Tokenizer.load(tmp)
+
+
+def save_checkpoint(state: dict, run_dir: str, step: int, keep_last: int) -> str:
+    """Write `ckpt-{step}.pt` via a temp file + rename (a killed job never leaves half a file),
+    then delete all but the newest `keep_last` checkpoints."""
+    path = os.path.join(run_dir, f"ckpt-{step:08d}.pt")
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        os.remove(old)
+    return path
+
+
+def list_checkpoints(run_dir: str) -> list[str]:
+    """Checkpoints in `run_dir`, oldest first (by step number)."""
+    steps = {}
+    for path in glob.glob(os.path.join(run_dir, "ckpt-*.pt")):
+        m = re.search(r"ckpt-(\d+)\.pt$", path)
+        if m:
+            steps[path] = int(m.group(1))
+    return sorted(steps, key=steps.get)
+
+
+def load_latest(run_dir: str) -> tuple[str, dict] | tuple[None, None]:
+    """The newest checkpoint that loads; unreadable ones (e.g. a full disk) are logged and skipped."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            return path, torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 - any unreadable file: fall back to an older one
+            log.warning("cannot read checkpoint %s (%s); trying an older one", path, e)
+    return None, None
+
+
+def load_model(path: str, device="cpu") -> tuple[AED, Tokenizer, FeatureConfig]:
+    """Model (eval mode), tokenizer and feature settings from a training checkpoint."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    for key in ("model_config", "model", "tokenizer", "features"):
+        if key not in ckpt:
+            raise ValueError(f"{path}: not an aed checkpoint (no '{key}' entry)")
+    model = AED(AEDConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval(), unpack_tokenizer(ckpt["tokenizer"]), FeatureConfig(**ckpt["features"])

@@ -1,0 +1,49 @@
+"""torchrun-only distributed helpers: the one place that reads RANK / LOCAL_RANK / WORLD_SIZE.
+
+Works unchanged for a single process (no torchrun): world size 1, no process group.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed() -> tuple[int, int, int, torch.device]:
+    """(rank, local_rank, world_size, device); NCCL on GPUs, gloo on CPU."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, local_rank, world_size, device
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce (a no-op without a process group); returns `t`."""
+    if is_distributed():
+        dist.all_reduce(t, op=op)
+    return t
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order (a list of one without a process group)."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def cleanup() -> None:
+    if is_distributed():
+        dist.destroy_process_group()

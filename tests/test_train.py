@@ -1,0 +1,123 @@
+"""train.py end to end on the bundled mini set: DDP, exact resume, signals, bad data, NaNs, init."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MINI = os.path.join(ROOT, "data", "mini")
+# A micro model and short runs: these tests check the machinery, not accuracy.
+SMALL = ["model.enc_d_model=64", "model.enc_layers=2", "model.enc_heads=2", "model.dec_d_model=64",
+         "model.dec_layers=1", "model.dec_heads=2", "model.subsampling_channels=16",
+         "model.dec_max_len=128", "train.num_buckets=4", "train.max_duration=30",
+         "train.num_workers=1", "val.every=0", "log_every=1", "optim.warmup_steps=5",
+         "train.buffer_size=200"]
+
+
+def run_train(run_dir, *overrides, nproc=1, check=True, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", "train.py"]
+    else:
+        cmd = [sys.executable, "train.py"]
+    cmd += ["configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, *overrides]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"train.py exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+    return p
+
+
+def losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def test_resume_gives_the_same_batches_and_losses(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_train(a, "max_steps=6", "ckpt_every=100")
+    run_train(b, "max_steps=3", "ckpt_every=100")
+    p = run_train(b, "max_steps=6", "ckpt_every=100")
+    assert "resumed from" in p.stderr and "at step 3" in p.stderr
+    la, lb = losses(a), losses(b)
+    assert sorted(la) == sorted(lb) == [1, 2, 3, 4, 5, 6]
+    assert all(la[s] == lb[s] for s in la), (la, lb)  # bitwise: same batches, same dropout
+
+
+def test_ddp_two_ranks_stay_in_sync(tmp_path):
+    p = run_train(tmp_path / "ddp", "max_steps=4", "ckpt_every=2", nproc=2)
+    assert p.stderr.count("equal on 2 rank(s)") == 2  # checksums compared at steps 2 and 4
+    ckpt = torch.load(tmp_path / "ddp" / "ckpt-00000004.pt", weights_only=False)
+    assert len(ckpt["sampler"]) == 2
+    assert ckpt["sampler"][0]["batches"] == ckpt["sampler"][1]["batches"]
+
+
+def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
+    run_dir = tmp_path / "sig"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "train.py", "configs/tiny.yaml", f"run_dir={run_dir}", *SMALL,
+           "max_steps=1000", "ckpt_every=1000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if "step 2 |" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    _, rest = proc.communicate(timeout=120)
+    assert proc.returncode == 0, rest
+    assert "stopping on signal" in rest
+    saved = [f for f in os.listdir(run_dir) if f.startswith("ckpt-")]
+    assert len(saved) == 1
+    stopped_at = int(saved[0][5:13])
+    p = run_train(run_dir, f"max_steps={stopped_at + 1}", "ckpt_every=1000")
+    assert f"at step {stopped_at}" in p.stderr
+    assert max(losses(run_dir)) == stopped_at + 1
+
+
+def test_corrupt_audio_and_empty_transcript_are_skipped_and_counted(tmp_path):
+    lines = open(os.path.join(MINI, "train.jsonl")).read().splitlines()[:20]
+    records = [json.loads(line) for line in lines]
+    for r in records:
+        r["audio_filepath"] = os.path.join(MINI, r["audio_filepath"])
+    (tmp_path / "corrupt.flac").write_bytes(b"fLaC but not really")
+    records.append(dict(records[0], audio_filepath=str(tmp_path / "corrupt.flac")))
+    records.append(dict(records[1], text=""))
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in records))
+    p = run_train(tmp_path / "bad", "max_steps=6", f"train.manifests=[{manifest}]",
+                  "train.batch_size=8", "train.max_duration=null")
+    assert "m.jsonl:22: field 'text': empty transcript" in p.stderr
+    assert "skipped 1 invalid line(s)" in p.stderr
+    assert "skipped unreadable audio" in p.stderr and "corrupt.flac" in p.stderr
+
+
+def test_non_finite_steps_are_skipped_then_abort(tmp_path):
+    p = run_train(tmp_path / "nan", "max_steps=20", "optim.lr=1e30", "optim.warmup_steps=1",
+                  "max_bad_steps=2", check=False)
+    assert p.returncode != 0
+    assert "non-finite gradient norm, update skipped" in p.stderr
+    assert "aborting: 2 consecutive non-finite steps" in p.stderr
+
+
+def test_config_errors_name_the_key(tmp_path):
+    p = run_train(tmp_path / "cfg", "optim.lrr=1", check=False)
+    assert p.returncode != 0 and "optim.lrr" in p.stderr
+    p = run_train(tmp_path / "cfg", "max_steps=many", check=False)
+    assert p.returncode != 0 and "max_steps" in p.stderr
+
+
+def test_encoder_only_init_into_a_deeper_encoder(tmp_path):
+    run_train(tmp_path / "src", "max_steps=1")
+    src = torch.load(tmp_path / "src" / "ckpt-00000001.pt", weights_only=False)["model"]
+    p = run_train(tmp_path / "dst", "max_steps=1", "model.enc_layers=3", "optim.lr=1e-30", "optim.min_lr=0",
+                  f"init_from={tmp_path / 'src' / 'ckpt-00000001.pt'}", "init_encoder_only=true")
+    assert "left random: encoder.layers.2" in p.stderr
+    dst = torch.load(tmp_path / "dst" / "ckpt-00000001.pt", weights_only=False)["model"]
+    enc = [k for k in src if k.startswith("encoder.") and "num_batches" not in k]
+    assert enc and all(torch.equal(src[k], dst[k]) for k in enc if "running" not in k)
+    dec = [k for k in src if k.startswith("decoder.") and k.endswith("weight") and src[k].dim() == 2]
+    assert not any(torch.equal(src[k], dst[k]) for k in dec)
