@@ -122,6 +122,9 @@ try:
 except ConfigError as e:
     sys.exit(f"config error: {e}")
 
+if cfg.model.n_mels != cfg.features.n_mels:
+    sys.exit(f"config error: model.n_mels={cfg.model.n_mels} but features.n_mels={cfg.features.n_mels}")
+
 rank, local_rank, world_size, device = init_distributed()
 master = rank == 0
 logging.basicConfig(level=logging.INFO if master else logging.WARNING,

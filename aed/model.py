@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
+from aed import config
 from aed.decoder import KVCache, TransformerDecoder
 from aed.encoder import ConformerEncoder
 
@@ -58,18 +59,7 @@ class AEDConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "AEDConfig":
         """Build from a mapping (a YAML `model:` section); unknown keys and wrong types name the key."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - set(fields))
-        if unknown:
-            raise ValueError(f"unknown AEDConfig keys: {', '.join(unknown)} (known: {', '.join(fields)})")
-        for key, value in d.items():
-            expected = fields[key].type
-            ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
-            if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                ok = True  # YAML writes 0 for 0.0
-            if not ok:
-                raise TypeError(f"AEDConfig.{key} must be {expected.__name__}, got {value!r}")
-        return cls(**d)
+        return config.from_dict(cls, d, prefix="model.")
 
     @classmethod
     def from_yaml(cls, path) -> "AEDConfig":

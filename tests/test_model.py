@@ -70,9 +70,9 @@ def test_tiny_preset_is_cpu_sized():
 def test_config_rejects_unknown_keys_and_wrong_types(tmp_path):
     with pytest.raises(ValueError, match="enc_layer"):
         AEDConfig.from_dict({"enc_layer": 3})
-    with pytest.raises(TypeError, match="enc_layers"):
+    with pytest.raises(ValueError, match="model.enc_layers"):
         AEDConfig.from_dict({"enc_layers": "3"})
-    with pytest.raises(TypeError, match="loss_on_prompt"):
+    with pytest.raises(ValueError, match="model.loss_on_prompt"):
         AEDConfig.from_dict({"loss_on_prompt": 1})
     assert AEDConfig.from_dict({"label_smoothing": 0}).label_smoothing == 0
     path = tmp_path / "c.yaml"
