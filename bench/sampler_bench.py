@@ -1,0 +1,250 @@
+"""Sampler benchmark: padding, drops and speed of bucketing schemes over one epoch (issue 4).
+
+    python bench/sampler_bench.py --synthetic 100000
+    python bench/sampler_bench.py --manifest train.jsonl [--batch-sizes oom_batch_sizes.json]
+    pip install --target /tmp/peers -r bench/requirements-peers.txt
+    PYTHONPATH=/tmp/peers python bench/sampler_bench.py --synthetic 100000 --peer lhotse
+
+Schemes: fixed batch size (one bucket: the baseline that pads everything), 1D 30 buckets with a
+360 s padded-duration budget, 2D 30x2 strict / flexible with the same budget, 2D flexible plus
+the per-bucket TPS filter, and 2D with per-bucket batch sizes (`--batch-sizes`, oom.py's JSON; by
+default a stand-in memory model, see `model_batch_sizes`). Padding is element-weighted over the
+epoch: 1 - sum(lengths) / sum(batch_size * max_length). Every scheme runs in a fresh process so
+its peak RSS is its own (the RSS includes the examples list). A second table replays a slow
+source (--slow-us per example, e.g. JSONL parsing plus tokenization) with a simulated training
+step of --step-ms per batch, with and without the producer thread.
+
+`--synthetic N` mimics a large ASR/AST corpus: 64% of utterances 2-20 s, 28% a tail to 40 s, 4%
+long recordings with little speech, 3% under 2 s, 1% high-TPS outliers (2-4x); 3.4 +- 0.5
+tokens/s plus a 6-token prompt. Timings share 2 cores with whatever else runs: treat them as
+noisy. The last line printed is a JSON object with every number.
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import resource
+import sys
+import tempfile
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sampler import BucketingSampler, Bins, JsonlSource, estimate_bins, load_batch_sizes, save_batch_sizes  # noqa: E402
+
+
+def synthetic_corpus(n: int, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    kind = rng.choice(5, size=n, p=[0.64, 0.28, 0.04, 0.03, 0.01])
+    d = np.empty(n)
+    tps = rng.normal(3.4, 0.5, n).clip(1.0, None)
+    m = kind == 0  # the bulk, skewed towards longer utterances
+    d[m] = 2 + 18 * rng.beta(2.5, 1.2, m.sum())
+    m = kind == 1  # tail up to 40 s
+    d[m] = 20 + 20 * rng.beta(1.0, 1.8, m.sum())
+    m = kind == 2  # long recordings with little speech
+    d[m] = rng.uniform(28, 40, m.sum())
+    tps[m] = rng.uniform(0.0, 1.2, m.sum())
+    m = kind == 3  # very short
+    d[m] = rng.uniform(0.5, 2.0, m.sum())
+    m = kind == 4  # long-transcript outliers (e.g. hallucinated synthetic labels)
+    d[m] = rng.uniform(1.0, 20.0, m.sum())
+    tps[m] *= rng.uniform(2.0, 4.0, m.sum())
+    d = d.round(2)
+    t = (tps * d).astype(int) + 6
+    return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
+
+
+def load_examples(args) -> list:
+    if args.manifest is None:
+        return synthetic_corpus(args.synthetic, args.seed)
+    with open(args.manifest) as f:
+        return [{"id": i, **json.loads(line)} for i, line in enumerate(f) if line.strip()]
+
+
+def model_batch_sizes(bins: Bins, budget: float = 720.0) -> list:
+    """Stand-in for oom.py: memory ~ batch * (d + d^2/30 + tokens/6) with d, tokens the bucket bounds."""
+    sizes = [max(1, int(budget / (d + d * d / 30 + t / 6))) for d, t in bins.buckets()]
+    it = iter(sizes)
+    return [[next(it) for _ in range(k)] for k in bins.shape]
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def scheme_config(name: str, args, ex: list, tmp: str) -> tuple:
+    durs, toks = [e["duration"] for e in ex], [e["num_tokens"] for e in ex]
+    if name == "fixed":
+        return Bins([max(durs)]), dict(batch_size=args.fixed_batch_size)
+    if name == "1d-30":
+        return estimate_bins(durs, toks, 30, 1), dict(max_duration=args.max_duration)
+    bins = estimate_bins(durs, toks, 30, 2)
+    if name == "2d-strict":
+        return bins, dict(max_duration=args.max_duration, allocation="strict")
+    if name == "2d-flexible":
+        return bins, dict(max_duration=args.max_duration)
+    if name == "2d-flexible-tps":
+        return bins, dict(max_duration=args.max_duration, max_tps=bins.max_tps)
+    path = args.batch_sizes or f"{tmp}/batch_sizes.json"
+    if not args.batch_sizes:
+        save_batch_sizes(path, bins, model_batch_sizes(bins))
+    bins, sizes = load_batch_sizes(path)
+    return bins, dict(batch_sizes=sizes)
+
+
+def summary(name: str, t: list, batches: int, examples: int, padded: list, drops: dict, base_rss: float) -> dict:
+    """t = [construction start, iteration start, first batch, epoch end]; padded = the four
+    element sums behind the padding ratios (audio, padded audio, tokens, padded tokens)."""
+    return {"scheme": name, "batches": batches, "mean_batch": examples / batches,
+            "audio_padding": 1 - padded[0] / padded[1], "text_padding": 1 - padded[2] / padded[3], "drops": drops,
+            "init_s": t[1] - t[0], "ttfb_s": t[2] - t[1], "epoch_s": t[3] - t[1],
+            "batches_per_s": batches / (t[3] - t[1]), "examples_per_s": examples / (t[3] - t[1]),
+            "peak_rss_mb": rss_mb(), "sampler_rss_mb": rss_mb() - base_rss}
+
+
+def run_scheme(name: str, args) -> dict:
+    ex = load_examples(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        bins, kw = scheme_config(name, args, ex, tmp)
+    base = rss_mb()
+    t = [time.perf_counter()]
+    s = BucketingSampler(ex, bins, buffer_size=args.buffer_size, seed=args.seed, yield_indices=True, **kw)
+    t.append(time.perf_counter())
+    for _ in s:
+        if len(t) == 2:
+            t.append(time.perf_counter())
+    t.append(time.perf_counter())
+    st = s.stats
+    padded = [st["duration"], st["padded_duration"], st["tokens"], st["padded_tokens"]]
+    return summary(name, t, st["batches"], st["examples"], padded, st["drops"], base)
+
+
+def run_lhotse(args) -> dict:
+    try:
+        from lhotse import CutSet, MonoCut
+        from lhotse.dataset.sampling.dynamic_bucketing import DynamicBucketingSampler
+    except ImportError as e:
+        return {"scheme": "lhotse-1d-30", "error": f"lhotse missing ({e}): see bench/requirements-peers.txt"}
+    warnings.filterwarnings("ignore", message=".*eagerly read CutSet")  # in memory on purpose: same data as ours
+    ex = load_examples(args)
+    bins = estimate_bins([e["duration"] for e in ex], [e["num_tokens"] for e in ex], 30, 1)
+    tokens = {str(e["id"]): e["num_tokens"] for e in ex}
+    cuts = CutSet.from_cuts(MonoCut(id=str(e["id"]), start=0.0, duration=e["duration"], channel=0) for e in ex)
+    base = rss_mb()
+    t = [time.perf_counter()]
+    # Same 30 duration bins as our 1D scheme (Lhotse's last bucket is open-ended), same budget.
+    s = DynamicBucketingSampler(cuts, max_duration=args.max_duration, num_buckets=30, shuffle=True,
+                                duration_bins=bins.durations[:-1], buffer_size=args.buffer_size, seed=args.seed)
+    t.append(time.perf_counter())
+    n, nb, padded = 0, 0, np.zeros(4)
+    for batch in s:
+        if len(t) == 2:
+            t.append(time.perf_counter())
+        d, k = [c.duration for c in batch], [tokens[c.id] for c in batch]
+        padded += [sum(d), len(d) * max(d), sum(k), len(k) * max(k)]
+        n, nb = n + len(d), nb + 1
+    t.append(time.perf_counter())
+    return summary("lhotse-1d-30", t, nb, n, padded.tolist(), {"not_yielded": len(ex) - n}, base)
+
+
+class SlowJsonl(JsonlSource):
+    """A JSONL source that costs `us` microseconds per example (sleeps release the GIL, like I/O)."""
+
+    def __init__(self, path, us: float):
+        super().__init__(path)
+        self.us = us
+
+    def read(self, *a, **kw):
+        for k, item in enumerate(super().read(*a, **kw)):
+            if k % 10 == 9:  # sleep in groups of 10: single 200 us sleeps overshoot a lot
+                time.sleep(10 * self.us / 1e6)
+            yield item
+
+
+def run_slow(label: str, args, start_fill: float, concurrent: bool, first_batch_only: bool = False) -> dict:
+    ex = load_examples(args)[: args.slow_examples]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "slow.jsonl"
+        path.write_text("".join(json.dumps(e) + "\n" for e in ex))
+        bins = estimate_bins([e["duration"] for e in ex], [e["num_tokens"] for e in ex], 30, 2)
+        s = BucketingSampler(SlowJsonl(path, args.slow_us), bins, max_duration=args.max_duration, seed=args.seed,
+                             buffer_size=args.buffer_size, start_fill=start_fill, concurrent=concurrent)
+        t0 = time.perf_counter()
+        ttfb = None
+        for _ in s:
+            ttfb = ttfb if ttfb is not None else time.perf_counter() - t0
+            if first_batch_only:
+                break
+            time.sleep(args.step_ms / 1e3)  # the training step the reader can overlap with
+        t1 = time.perf_counter()
+    return {"scheme": label, "start_fill": start_fill, "concurrent": concurrent, "ttfb_s": ttfb,
+            "epoch_s": None if first_batch_only else t1 - t0, "batches": s.stats["batches"]}
+
+
+def in_child(fn, *a):
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(fn, *a).result()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--synthetic", type=int, default=100_000, help="examples in the synthetic corpus")
+    p.add_argument("--manifest", default=None, help="JSONL with duration and num_tokens (instead of --synthetic)")
+    p.add_argument("--batch-sizes", default=None, help="oom.py's per-bucket batch sizes JSON (2d-per-bucket)")
+    p.add_argument("--peer", choices=["lhotse"], default=None)
+    p.add_argument("--max-duration", type=float, default=360.0)
+    p.add_argument("--fixed-batch-size", type=int, default=64)
+    p.add_argument("--buffer-size", type=int, default=20_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slow-us", type=float, default=200.0, help="simulated source cost per example")
+    p.add_argument("--slow-examples", type=int, default=40_000)
+    p.add_argument("--step-ms", type=float, default=4.0, help="simulated training step in the slow-source runs")
+    args = p.parse_args()
+
+    names = ["fixed", "1d-30", "2d-strict", "2d-flexible", "2d-flexible-tps", "2d-per-bucket"]
+    rows = [in_child(run_scheme, n, args) for n in names]
+    if args.peer == "lhotse":
+        rows.append(in_child(run_lhotse, args))
+    slow_runs = [("100%, inline", 1.0, False, True), ("10%, inline", 0.1, False),
+                 ("10%, thread", 0.1, True), ("3%, thread", 0.03, True)]
+    slow = [in_child(run_slow, label, args, *cfg) for label, *cfg in slow_runs]
+
+    data = f"synthetic {args.synthetic}" if args.manifest is None else args.manifest
+    print(f"workload: {data}, buffer {args.buffer_size}, budget {args.max_duration:g} s")
+    print(f"{'scheme':<16} {'batches':>7} {'mean bs':>7} {'audio pad':>9} {'text pad':>8} {'init s':>6} "
+          f"{'ttfb s':>6} {'batch/s':>8} {'ex/s':>9} {'RSS MB':>7} {'+MB':>5}  drops")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['scheme']:<16} {r['error']}")
+            continue
+        print(f"{r['scheme']:<16} {r['batches']:>7} {r['mean_batch']:>7.1f} {r['audio_padding']:>9.1%} "
+              f"{r['text_padding']:>8.1%} {r['init_s']:>6.2f} {r['ttfb_s']:>6.3f} {r['batches_per_s']:>8.0f} "
+              f"{r['examples_per_s']:>9.0f} {r['peak_rss_mb']:>7.0f} {r['sampler_rss_mb']:>5.0f}  {r['drops'] or '-'}")
+    print(f"\nslow source (2D 30x2 flexible): {args.slow_examples} examples at {args.slow_us:g} us each, "
+          f"{args.step_ms:g} ms simulated training step per batch")
+    print(f"{'start, reader':<14} {'ttfb s':>7} {'epoch s':>8}")
+    for r in slow:
+        print(f"{r['scheme']:<14} {r['ttfb_s']:>7.3f} {r['epoch_s'] or float('nan'):>8.2f}")
+    print("the first batch waits for start_fill x buffer_size examples, thread or not (the batches are the same "
+          "by design);\nthe thread overlaps the reading that follows with the training steps")
+
+    by = {r["scheme"]: r for r in rows}
+    flex = by["2d-flexible"]
+    targets = {"2d_flexible_audio_padding_le_5pct": flex["audio_padding"] <= 0.05,
+               "2d_flexible_text_padding_le_20pct": flex["text_padding"] <= 0.20,
+               "ttfb_concurrent_slow_le_0.2s": min(r["ttfb_s"] for r in slow if r["concurrent"]) <= 0.2}
+    if "examples_per_s" in by.get("lhotse-1d-30", {}):
+        ratio = flex["examples_per_s"] / by["lhotse-1d-30"]["examples_per_s"]
+        targets["2d_flexible_ge_3x_lhotse_examples_per_s"] = ratio >= 3
+    workload = {"data": data, "buffer_size": args.buffer_size, "max_duration": args.max_duration}
+    print(json.dumps({"workload": workload, "schemes": by, "slow_source": slow, "targets": targets}))
+
+
+if __name__ == "__main__":
+    main()

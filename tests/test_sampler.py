@@ -1,0 +1,352 @@
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sampler import (BucketingSampler, Bins, JsonlSource, _Allocator, estimate_bins, load_batch_sizes, main,
+                     save_batch_sizes)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_examples(n, seed=0):
+    rng = np.random.default_rng(seed)
+    d = np.clip(rng.gamma(3.0, 3.0, n), 0.3, 30.0).round(2)
+    t = np.maximum(1, d * rng.normal(4.0, 1.0, n)).astype(int) + 3
+    return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
+
+
+def make_bins(examples, buckets=8, sub=2):
+    return estimate_bins([e["duration"] for e in examples], [e["num_tokens"] for e in examples], buckets, sub)
+
+
+def write_jsonl(path, examples):
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    return path
+
+
+def run(sampler, limit=None):
+    out = []
+    for batch in sampler:
+        out.append((sampler.last_batch_info["bucket"], [b["id"] if isinstance(b, dict) else b for b in batch]))
+        if limit is not None and len(out) == limit:
+            break
+    return out
+
+
+EX = make_examples(3000)
+BINS = make_bins(EX)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_every_example_once_per_epoch_and_equal_batch_counts(world_size):
+    kw = dict(max_duration=60.0, buffer_size=500, yield_indices=True, world_size=world_size, seed=3)
+    seen, counts = [], []
+    for rank in range(world_size):
+        s = BucketingSampler(EX, BINS, rank=rank, **kw)
+        s.set_epoch(2)
+        batches = list(s)
+        counts.append(len(batches))
+        assert len(batches) == len(s)
+        seen += [i for b in batches for i in b]
+    kept = [i for i, e in enumerate(EX) if isinstance(_Allocator(BINS)(e["duration"], e["num_tokens"]), int)]
+    assert sorted(seen) == kept
+    assert len(set(counts)) == 1, counts  # the natural counts differ: ranks with fewer split batches
+
+
+def test_jsonl_lines_split_across_ranks(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", EX[:600])
+    seen = []
+    for rank in range(3):
+        s = BucketingSampler(JsonlSource(path), BINS, batch_size=5, rank=rank, world_size=3, concurrent=False)
+        seen += [e["id"] for b in s for e in b]
+    assert sorted(seen) == list(range(600))
+
+
+def test_epochs_reshuffle_and_same_seed_repeats():
+    a = BucketingSampler(EX, BINS, max_duration=60.0, buffer_size=500, yield_indices=True)
+    e0 = [list(b) for b in a]
+    assert e0 == [list(b) for b in a]  # re-iterating a finished epoch repeats it
+    a.set_epoch(1)
+    assert e0 != [list(b) for b in a]
+
+
+def test_no_batch_exceeds_its_limit():
+    q = 20.0
+    per_bucket = [[3 + i, 9 + i] for i in range(len(BINS.durations))]
+    cases = [dict(max_duration=120.0, quadratic_duration=q), dict(batch_size=7), dict(batch_sizes=per_bucket)]
+    bounds = BINS.buckets()
+    for kw in cases:
+        s = BucketingSampler(EX, BINS, buffer_size=400, **kw)
+        for batch in s:
+            b = s.last_batch_info["bucket"]
+            d_ub, t_ub = bounds[b]
+            assert all(e["duration"] <= d_ub and e["num_tokens"] <= t_ub for e in batch)
+            assert len(batch) <= s.sizes[b]
+            if "max_duration" in kw:
+                longest = max(e["duration"] for e in batch)
+                assert len(batch) * (longest + longest**2 / q) <= 120.0
+            if "batch_size" in kw:
+                assert len(batch) <= 7
+
+
+def test_strict_vs_flexible_allocation():
+    bins = Bins([2.0, 4.0], [[10, 20], [30, 40]])
+    strict, flexible = _Allocator(bins, "strict"), _Allocator(bins, "flexible")
+    assert strict(1.5, 15) == flexible(1.5, 15) == 1
+    assert strict(1.5, 25) == "tokens_over_bins" and flexible(1.5, 25) == 2  # long transcript moves up
+    assert strict(3.0, 5) == flexible(3.0, 5) == 2
+    assert strict(1.0, 41) == flexible(1.0, 41) == "tokens_over_bins"
+    assert flexible(4.5, 5) == "duration_over_bins" and flexible(0.0, 5) == "bad_duration"
+    exs = [{"duration": d, "num_tokens": n} for d, n in [(1.5, 15), (1.5, 25), (1.0, 41), (4.5, 5)]]
+    for allocation, kept, drops in [("strict", 1, {"tokens_over_bins": 2, "duration_over_bins": 1}),
+                                    ("flexible", 2, {"tokens_over_bins": 1, "duration_over_bins": 1})]:
+        s = BucketingSampler(exs, bins, batch_size=1, allocation=allocation)
+        assert sum(len(b) for b in s) == kept and s.stats["drops"] == drops
+
+
+def test_tps_filter_scalar_and_per_bin():
+    bins = Bins([2.0, 4.0])
+    exs = [{"duration": d, "num_tokens": n} for d, n in [(1.0, 30), (1.0, 5), (3.0, 30), (3.0, 1)]]
+    s = BucketingSampler(exs, bins, batch_size=4, max_tps=20, min_tps=2)
+    assert sum(len(b) for b in s) == 2 and s.stats["drops"] == {"tps_above_max": 1, "tps_below_min": 1}
+    s = BucketingSampler(exs, bins, batch_size=4, max_tps=[40, 5])  # per duration bin
+    assert sum(len(b) for b in s) == 3 and s.stats["drops"] == {"tps_above_max": 1}
+
+
+def test_bins_equal_occupancy_outliers_and_merged_duplicates():
+    rng = np.random.default_rng(1)
+    d = rng.uniform(1.0, 20.0, 50_000)
+    t = (d * rng.uniform(2.0, 6.0, len(d))).astype(int) + 1
+    t[:20] = 2000  # TPS outliers
+    bins = estimate_bins(d, t, num_buckets=10, sub_buckets=2)
+    edges = [0.0] + bins.durations
+    per_bin = [d[(d > lo) & (d <= hi)].sum() for lo, hi in zip(edges, edges[1:])]
+    assert max(per_bin) / min(per_bin) < 1.05
+    for lo, hi, toks in zip(edges, edges[1:], bins.tokens):
+        tt = t[(d > lo) & (d <= hi) & (t < 2000)]
+        assert abs(tt[tt <= toks[0]].sum() / tt.sum() - 0.5) < 0.05
+    assert max(bins.max_tps) < 7.0  # the 2000-token outliers were excluded from max TPS and bounds
+    assert sum(map(sum, bins.counts)) == len(d) - 20  # outliers fit no bucket
+    skew = np.concatenate([rng.uniform(1, 10, 1000), np.full(3000, 30.0)])
+    sk = estimate_bins(skew, (skew * 4).astype(int), num_buckets=10, sub_buckets=2)
+    assert sk.durations == sorted(set(sk.durations)) and sk.durations[-1] == 30.0
+    assert len(sk.tokens[-1]) >= 2 and len(sk.durations) < 10
+
+
+def test_bins_and_batch_sizes_files_roundtrip(tmp_path):
+    BINS.save(tmp_path / "bins.json")
+    assert Bins.load(tmp_path / "bins.json") == BINS
+    sizes = [[2] * n for n in BINS.shape]
+    save_batch_sizes(tmp_path / "bs.json", BINS, sizes)
+    bins, got = load_batch_sizes(tmp_path / "bs.json")
+    assert bins == BINS and got == sizes
+    with pytest.raises(ValueError, match="ascending"):
+        Bins([3.0, 2.0])
+
+
+def test_estimate_bins_cli_uses_a_uniform_sample(tmp_path, capsys):
+    exs = sorted(make_examples(2000, seed=5), key=lambda e: e["duration"])  # sorted: a head-only sample would be biased
+    write_jsonl(tmp_path / "m.jsonl", exs)
+    main(["estimate-bins", "--manifest", str(tmp_path / "m.jsonl"), "--buckets", "5", "--sub-buckets", "2",
+          "--sample", "500", "-o", str(tmp_path / "b.json")])
+    bins = Bins.load(tmp_path / "b.json")
+    assert bins.num_buckets >= 8 and bins.durations[-1] > 15.0
+    assert "scanned" not in capsys.readouterr().out
+
+
+class SlowJsonl(JsonlSource):
+    """Random delays in the reader, to shake the producer/consumer timing."""
+
+    def read(self, seed, rank, world_size, cursor=None):
+        jitter = random.Random()
+        for item in super().read(seed, rank, world_size, cursor):
+            if jitter.random() < 0.02:
+                time.sleep(0.002)
+            yield item
+
+
+def test_same_batches_with_and_without_concurrency(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", EX[:1500])
+    kw = dict(max_duration=60.0, buffer_size=300, seed=7)
+    ref = run(BucketingSampler(JsonlSource(path), BINS, concurrent=False, **kw))
+    assert run(BucketingSampler(JsonlSource(path), BINS, concurrent=True, **kw)) == ref
+    assert run(BucketingSampler(SlowJsonl(path), BINS, concurrent=True, **kw)) == ref
+    assert sorted(i for _, b in ref for i in b) == list(range(1500))
+
+
+def test_sync_buckets_same_buckets_different_data():
+    kw = dict(max_duration=60.0, buffer_size=800, yield_indices=True, world_size=4, infinite=True)
+    runs = [run(BucketingSampler(EX, BINS, rank=r, **kw), limit=200) for r in range(4)]
+    same = np.mean([len({r[k][0] for r in runs}) == 1 for k in range(200)])
+    assert same > 0.9
+    data = [{i for _, b in r[:20] for i in b} for r in runs]
+    assert all(not (data[0] & x) for x in data[1:])
+    unsync = [run(BucketingSampler(EX, BINS, rank=r, sync_buckets=False, **kw), limit=200) for r in range(4)]
+    assert np.mean([len({r[k][0] for r in unsync}) == 1 for k in range(200)]) < 0.2
+
+
+def resume_check(make, cut, rewind=0):
+    ref = run(make())
+    s = make()
+    head = run(s, limit=cut + rewind)
+    sd = json.loads(json.dumps(s.state_dict(rewind=rewind)))  # also proves the state is plain data
+    s2 = make()
+    s2.load_state_dict(sd)
+    assert head[:cut] + run(s2) == ref
+    assert s2.stats["batches"] == len(ref)
+
+
+def test_resume_mid_epoch_list_2d_per_bucket_sizes():
+    sizes = [[4 + i, 2 + i] for i in range(len(BINS.durations))]
+    resume_check(lambda: BucketingSampler(EX, BINS, batch_sizes=sizes, buffer_size=400, world_size=2, rank=1), cut=57)
+
+
+def test_resume_mid_epoch_concurrent_jsonl_shards(tmp_path):
+    paths = [write_jsonl(tmp_path / f"s{k}.jsonl", EX[k * 500 : (k + 1) * 500]) for k in range(3)]
+
+    def make():
+        return BucketingSampler(JsonlSource(paths), BINS, max_duration=60.0, buffer_size=300, concurrent=True)
+
+    resume_check(make, cut=40)
+
+
+def test_resume_in_drain_phase_and_with_rewind():
+    make = lambda: BucketingSampler(EX, BINS, max_duration=60.0, buffer_size=300)  # noqa: E731
+    n = len(make())
+    resume_check(make, cut=n - 3)
+    resume_check(make, cut=50, rewind=13)  # a DataLoader had prefetched 13 batches
+
+
+def test_resume_infinite():
+    make = lambda: BucketingSampler(EX[:400], BINS, max_duration=60.0, buffer_size=200, infinite=True)  # noqa: E731
+    ref = run(make(), limit=250)
+    s = make()
+    head = run(s, limit=90)
+    s2 = make()
+    s2.load_state_dict(s.state_dict())
+    assert head + run(s2, limit=160) == ref
+    counts = np.bincount([i for _, b in ref for i in b], minlength=400)
+    assert counts.sum() > 2 * 400 and (counts >= 2).mean() > 0.9  # several reshuffled passes
+
+
+def test_resume_infinite_concurrent_shards_with_rewind(tmp_path):
+    paths = [write_jsonl(tmp_path / f"s{k}.jsonl", EX[k * 300 : (k + 1) * 300]) for k in range(3)]
+
+    def make(concurrent):
+        return BucketingSampler(JsonlSource(paths), BINS, max_duration=60.0, buffer_size=400, infinite=True,
+                                concurrent=concurrent, world_size=2, rank=1)
+
+    ref = run(make(False), limit=400)
+    assert run(make(True), limit=400) == ref
+    s = make(True)
+    head = run(s, limit=150)
+    s2 = make(True)
+    s2.load_state_dict(json.loads(json.dumps(s.state_dict(rewind=7))))
+    assert head[:143] + run(s2, limit=257) == ref
+
+
+def test_resume_through_the_usual_epoch_loop():
+    make = lambda: BucketingSampler(EX, BINS, max_duration=60.0, buffer_size=300, yield_indices=True)  # noqa: E731
+    ref = make()
+    ref.set_epoch(1)
+    ref = [list(b) for b in ref]
+    s = make()
+    s.set_epoch(1)
+    head = [list(b) for _, b in zip(range(20), s)]
+    sd = s.state_dict()
+    s2 = make()
+    s2.load_state_dict(sd)
+    s2.set_epoch(1)  # what a training loop does at the top of every epoch
+    assert head + [list(b) for b in s2] == ref
+
+
+def test_resume_rejects_a_different_configuration():
+    sd = BucketingSampler(EX, BINS, batch_size=4).state_dict()
+    with pytest.raises(ValueError, match="batch_sizes"):
+        BucketingSampler(EX, BINS, batch_size=5).load_state_dict(sd)
+
+
+def test_producer_errors_reach_the_consumer(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", EX[:300])
+    with open(path, "a") as f:
+        f.write('{"duration": 3.0, "num_tokens": \n')
+    with pytest.raises(ValueError, match=r"m\.jsonl:301: invalid JSON"):
+        list(BucketingSampler(JsonlSource(path), BINS, max_duration=60.0, buffer_size=100, concurrent=True))
+
+    def boom(ex):
+        raise KeyError("tokenizer failed")
+
+    write_jsonl(path, [{"duration": 2.0}])
+    with pytest.raises(KeyError, match="tokenizer failed"):
+        list(BucketingSampler(JsonlSource(path), BINS, batch_size=2, num_tokens_fn=boom, concurrent=True))
+    write_jsonl(path, [{"num_tokens": 3}])
+    with pytest.raises(ValueError, match=r"m\.jsonl:1: field 'duration'"):
+        list(BucketingSampler(JsonlSource(path), BINS, batch_size=2))
+
+
+def test_lazy_num_tokens_fn(tmp_path):
+    exs = [{"id": i, "duration": 1.0 + i % 5, "text": "a b c " * (i % 7)} for i in range(200)]
+    path = write_jsonl(tmp_path / "m.jsonl", exs)
+    calls = []
+    fn = lambda ex: calls.append(1) or len(ex["text"].split()) + 2  # noqa: E731
+    bins = Bins([2.0, 4.0, 6.0], [[10, 30], [10, 30], [30, 40]])
+    s = BucketingSampler(JsonlSource(path), bins, batch_size=8, num_tokens_fn=fn, buffer_size=50)
+    assert not calls  # nothing tokenized before iteration
+    assert sorted(i for _, b in run(s) for i in b) == list(range(200)) and len(calls) == 200
+
+
+def test_clean_shutdown_on_early_exit(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", EX)
+    code = f"""
+import sys, threading, time
+sys.path.insert(0, {str(ROOT)!r})
+from sampler import BucketingSampler, JsonlSource, Bins
+bins = Bins.load("bins.json")
+for k, batch in enumerate(BucketingSampler(JsonlSource({str(path)!r}), bins, max_duration=60.0, buffer_size=200)):
+    if k == 3:
+        during = threading.active_count()
+        break
+print(during, threading.active_count())
+"""
+    BINS.save(tmp_path / "bins.json")
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "1"]  # a producer thread while iterating, gone after `break`
+    assert time.time() - t0 < 30
+
+
+def test_dataloader_batch_sampler():
+    torch = pytest.importorskip("torch")
+
+    class DS(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(EX)
+
+        def __getitem__(self, i):
+            return torch.zeros(int(EX[i]["duration"] * 10) + 1)
+
+    def collate(xs):
+        x_lens = torch.tensor([len(x) for x in xs])
+        return torch.nn.utils.rnn.pad_sequence(xs, batch_first=True), x_lens
+
+    s = BucketingSampler(EX, BINS, max_duration=60.0, buffer_size=500, yield_indices=True)
+    n = 0
+    for x, x_lens in torch.utils.data.DataLoader(DS(), batch_sampler=s, collate_fn=collate):
+        assert x.shape[0] == len(x_lens) and x.shape[1] == x_lens.max()
+        n += 1
+    assert n == len(s)
+
+
+def test_no_threads_left_after_full_iteration(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", EX[:200])
+    before = threading.active_count()
+    list(BucketingSampler(JsonlSource(path), BINS, batch_size=4, buffer_size=100))
+    assert threading.active_count() == before
