@@ -35,7 +35,7 @@ from aed.checkpoint import load_latest, pack_dir, save_checkpoint
 from aed.config import ConfigError, load_config, to_dict
 from aed.data import Collate, UtteranceDataset, encode_utterance, read_manifest
 from aed.decoding import DecodingOptions, decode
-from aed.distributed import all_gather_objects, all_reduce, cleanup, init_distributed
+from aed.distributed import all_gather_objects, all_reduce, cleanup, gather_objects, init_distributed
 from aed.metrics import bleu, wer
 from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
@@ -103,6 +103,7 @@ class TrainConfig:
     init_from: str | None = None  # initialise weights from this checkpoint (a fresh run, new optimizer)
     init_encoder_only: bool = False  # with init_from: only encoder weights; extra layers stay random
     max_bad_steps: int = 5  # abort after this many consecutive non-finite steps
+    cpu_threads: int | None = None  # CPU training: torch threads; None = cores - DataLoader workers
     model: AEDConfig = field(default_factory=AEDConfig)
     features: FeatureConfig = field(default_factory=FeatureConfig)
     spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)
@@ -136,6 +137,9 @@ if master:
     with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
         json.dump(to_dict(cfg), f, indent=2, default=str)
 
+if device.type == "cpu":  # OpenMP threads that outnumber free cores spin and stall every op
+    torch.set_num_threads(cfg.cpu_threads or max(1, len(os.sched_getaffinity(0)) // world_size
+                                                 - cfg.train.num_workers))
 torch.manual_seed(cfg.seed + rank)  # dropout / SpecAugment differ per rank; data order is the sampler's
 random.seed(cfg.seed + rank)
 np.random.seed(cfg.seed + rank)
@@ -300,20 +304,20 @@ fwd_model = torch.compile(ddp_model) if cfg.compile else ddp_model
 
 
 def save(step: int) -> None:
-    """All ranks contribute their sampler and RNG states; rank 0 writes. Also checks that DDP
+    """All ranks send their sampler and RNG states to rank 0, which writes. Also checks that DDP
     kept the ranks' parameters identical (a desync would otherwise go unnoticed)."""
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     rewind = batches.taken - consumed
-    states = all_gather_objects({
+    states = gather_objects({
         "checksum": checksum,
         "sampler": sampler.state_dict(rewind=rewind),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                 "numpy": np.random.get_state(),
                 "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}})
-    checksums = [s["checksum"] for s in states]
-    if len(set(checksums)) > 1:
-        raise RuntimeError(f"step {step}: ranks disagree on parameters (checksums {checksums})")
     if master:
+        checksums = [s["checksum"] for s in states]
+        if len(set(checksums)) > 1:
+            raise RuntimeError(f"step {step}: ranks disagree on parameters (checksums {checksums})")
         path = save_checkpoint({
             "step": step, "model": model.state_dict(), "model_config": dataclasses.asdict(cfg.model),
             "features": dataclasses.asdict(cfg.features), "tokenizer": pack_dir(cfg.train.tokenizer),

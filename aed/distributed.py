@@ -44,6 +44,15 @@ def all_gather_objects(obj) -> list:
     return out
 
 
+def gather_objects(obj) -> list | None:
+    """Every rank's `obj` in rank order on rank 0, None elsewhere (large states: no all-gather)."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def cleanup() -> None:
     if is_distributed():
         dist.destroy_process_group()
