@@ -1,0 +1,149 @@
+"""Transcribe or translate audio files with a trained model; report WER/BLEU and RTFx.
+
+    python infer.py --ckpt runs/tiny a.wav b.flac clips/ 'more/*.ogg'           # path<TAB>text on stdout
+    python infer.py --ckpt runs/tiny/ckpt-00000600.pt --manifest test.jsonl --out hyp.jsonl
+    python infer.py --ckpt runs/tiny --source-lang es --target-lang en x.wav    # speech translation
+    python infer.py --ckpt runs/flash --beam-size 4 --device cuda --dtype bf16 --batch-duration 1200 ...
+
+Inputs: files in any format, rate and channel count soundfile reads (resampled to the model's rate,
+channels averaged), directories (searched recursively for audio files), glob patterns, and/or a
+NeMo-style manifest whose per-line task fields override the command line; `text` (or `answer`),
+when present, is the reference for WER (ASR, per language, normalised and with punctuation/case)
+and BLEU (AST, per language pair). Long inputs are cut at pauses (see --chunk-seconds).
+
+stdout: one `path<TAB>text` line per transcribed file, in input order. stderr: progress, failures
+(path and reason), metrics and the RTFx report. Exit code 1 if any input failed, else 0.
+"""
+
+import argparse
+import json
+import logging
+import pickle
+import sys
+import time
+
+import torch
+
+from aed.inference import expand_inputs, load_checkpoint, make_request, read_requests, score, transcribe
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("inputs", nargs="*", help="audio files, directories, glob patterns")
+    p.add_argument("--ckpt", required=True, help="checkpoint file, or a run directory (its newest checkpoint)")
+    p.add_argument("--manifest", action="append", default=[], help="NeMo-style JSONL (repeatable)")
+    p.add_argument("--out", help="write JSONL: the manifest fields + pred_text, duration, task fields, decode_time")
+    task = p.add_argument_group("task (per-line manifest values win)")
+    task.add_argument("--task", choices=["asr", "ast"], help="default: asr if source == target language, else ast")
+    task.add_argument("--source-lang", default="en", help="language spoken in the audio")
+    task.add_argument("--target-lang", help="language of the output text; default: the source language")
+    task.add_argument("--pnc", action=argparse.BooleanOptionalAction, default=True,
+                      help="output punctuation and capitalisation")
+    dec = p.add_argument_group("decoding")
+    dec.add_argument("--beam-size", type=int, default=1, help="1: greedy search")
+    dec.add_argument("--length-penalty", type=float, default=0.0,
+                     help="beam search GNMT alpha; 0 ranks hypotheses by log-probability")
+    dec.add_argument("--max-new-tokens", type=int, help="cap on generated tokens per segment")
+    dec.add_argument("--max-delta", type=int, default=50,
+                     help="at most encoder frames + this many tokens per segment (NeMo's max_generation_delta)")
+    run = p.add_argument_group("execution")
+    run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    run.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
+    run.add_argument("--batch-duration", type=float, default=300.0,
+                     help="padded seconds of audio per batch (batch size x longest); inputs are sorted by "
+                          "duration so padding stays small")
+    run.add_argument("--chunk-seconds", type=float, default=40.0,
+                     help="inputs longer than this (Canary's training maximum) are cut without overlap at the "
+                          "quietest 100 ms in the last quarter of each chunk, decoded separately, and the "
+                          "texts joined with spaces")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args()
+    if not args.inputs and not args.manifest:
+        p.error("give audio files/directories/patterns and/or --manifest")
+    if args.beam_size < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
+        p.error("--beam-size and --max-new-tokens must be >= 1")
+    if args.batch_duration <= 0 or args.chunk_seconds <= 0:
+        p.error("--batch-duration and --chunk-seconds must be positive")
+    return args
+
+
+class ProgressBar:
+    """Seconds of audio done, on stderr: redrawn in place on a terminal, every 10% in a log file."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.tty, self.start, self.shown = enabled, sys.stderr.isatty(), time.perf_counter(), -1
+
+    def __call__(self, done_s: float, total_s: float):
+        if not self.enabled or total_s <= 0:
+            return
+        frac = min(done_s / total_s, 1.0)
+        if not self.tty and int(frac * 10) == self.shown:
+            return
+        self.shown = int(frac * 10)
+        bar = "#" * int(frac * 30) + "-" * (30 - int(frac * 30))
+        rate = done_s / max(time.perf_counter() - self.start, 1e-9)
+        line = f"[{bar}] {100 * frac:5.1f}% {done_s:.0f}/{total_s:.0f} s audio, {rate:.1f} audio s/s"
+        print("\r" + line if self.tty else line, end="\n" if not self.tty or frac >= 1 else "", file=sys.stderr,
+              flush=True)
+
+
+# --- inputs and model -------------------------------------------------------------------------
+
+args = parse_args()
+logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+try:
+    defaults = dict(source_lang=args.source_lang, target_lang=args.target_lang, task=args.task, pnc=args.pnc)
+    requests = [req for path in args.manifest for req in read_requests(path, **defaults)]
+    requests += [make_request(path, **defaults) for path in expand_inputs(args.inputs)]
+except (OSError, ValueError) as e:
+    sys.exit(f"error: {e}")
+if not requests:
+    sys.exit("error: no inputs (empty manifest or directory)")
+
+device = torch.device(args.device)
+t_load = time.perf_counter()
+try:
+    asr = load_checkpoint(args.ckpt, device)
+except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:  # missing, not ours, or corrupt
+    sys.exit(f"error: cannot load --ckpt {args.ckpt}: {e}")
+t_load = time.perf_counter() - t_load
+dtype = {"bf16": torch.bfloat16, "fp32": None}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+print(f"model {asr.path} ({sum(p.numel() for p in asr.model.parameters()) / 1e6:.1f}M parameters) on {device}, "
+      f"{'bf16' if dtype else 'fp32'}, {'greedy' if args.beam_size == 1 else f'beam {args.beam_size}'}; "
+      f"{len(requests)} input(s)", file=sys.stderr)
+
+# --- transcription ----------------------------------------------------------------------------
+
+try:
+    results, timings = transcribe(
+        asr, requests, beam_size=args.beam_size, length_penalty=args.length_penalty, max_delta=args.max_delta,
+        max_new_tokens=args.max_new_tokens, batch_duration=args.batch_duration, chunk_seconds=args.chunk_seconds,
+        dtype=dtype, progress=ProgressBar(not args.quiet and len(requests) > 1))
+except ValueError as e:  # e.g. a language the tokenizer does not know, named with its manifest line
+    sys.exit(f"error: {e}")
+
+# --- output -----------------------------------------------------------------------------------
+
+failed = [r for r in results if r.error is not None]
+for r in results:
+    if r.error is None:
+        print(f"{r.request.audio_filepath}\t{r.pred_text}")
+for r in failed:
+    where = "" if r.request.where == r.request.audio_filepath else f" ({r.request.where})"
+    print(f"FAILED {r.request.audio_filepath}{where}: {r.error}", file=sys.stderr)
+if args.out:
+    with open(args.out, "w", encoding="utf-8") as f:
+        for r in results:
+            f.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
+
+for key, m in score(results).items():
+    if "wer" in m:
+        print(f"{key}: WER {m['wer']:.2f}% (with punctuation and case {m['wer_pnc']:.2f}%) on {m['n']} file(s)",
+              file=sys.stderr)
+    else:
+        print(f"{key}: BLEU {m['bleu']:.2f} on {m['n']} file(s)", file=sys.stderr)
+t = timings
+print(f"RTFx {t.rtfx:.1f}: {t.audio:.1f} s of audio in {t.wall:.2f} s (load+features {t.load_features:.2f} s, "
+      f"encoder {t.encoder:.2f} s, decoder {t.decoder:.2f} s; model loading {t_load:.1f} s not counted); "
+      f"{len(results) - len(failed)} transcribed, {len(failed)} failed", file=sys.stderr)
+sys.exit(1 if failed else 0)

@@ -1,0 +1,297 @@
+"""infer.py and aed/inference.py: real bundled audio through a tiny model trained in this module."""
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import soundfile as sf
+import torch
+
+from aed.audio import FeatureConfig, LogMel, load_audio
+from aed.checkpoint import pack_dir, save_checkpoint
+from aed.data import encode_utterance, read_manifest
+from aed.decoding import decode
+from aed.inference import (Request, expand_inputs, load_checkpoint, plan_segments, quiet_point, read_requests,
+                           transcribe)
+from aed.model import AED, AEDConfig
+from aed.tokenizer import Tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MINI = os.path.join(ROOT, "data", "mini")
+EXAMPLES = os.path.join(MINI, "examples.jsonl")
+TRAIN_IDS = ["train_en_000006", "train_es-en_000001", "train_de_000009",  # the examples/*.wav, as in training
+             "train_en_000015", "train_en_000058", "train_en_000036"]  # ~1.55 s each: the long-audio test
+LONG_IDS = TRAIN_IDS[3:]
+SILENCE = 1e-4  # amplitude of the noise that pads training audio and fills the gaps of the long file
+MAX_PAD = 0.3  # seconds of that noise added before and after each training utterance, at random
+
+
+def with_silence(wav, before: float, after: float, sr=16000):
+    return torch.cat([SILENCE * torch.randn(int(before * sr)), wav, SILENCE * torch.randn(int(after * sr))])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny ops on a shared 2-core machine: extra OpenMP threads only fight over the cores.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def train_utts():
+    utts = read_manifest(os.path.join(MINI, "train.jsonl"))
+    return [next(u for u in utts if f"/{k}." in u.audio_filepath) for k in TRAIN_IDS]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, train_utts):
+    """A run directory with a checkpoint (train.py's format) of a tiny model that overfits TRAIN_IDS.
+
+    Trained here, not with train.py: a model that memorised its utterances sample-exactly fails when
+    they are shifted by 20 ms, which is what chunking a long file does to them, so every step pads each
+    utterance with 0-0.3 s of near-silence. Full-batch Adam at a constant rate then converges in ~150
+    steps (~10 s of CPU); train.py's warmup/decay and sampled batches needed over twice as many.
+    """
+    torch.manual_seed(0)
+    tokenizer = Tokenizer.load(os.path.join(MINI, "tokenizer"))
+    features = FeatureConfig(n_mels=32)
+    cfg = AEDConfig(n_mels=32, vocab_size=tokenizer.padded_vocab_size, pad_id=tokenizer.pad, enc_d_model=64,
+                    enc_layers=2, enc_heads=2, subsampling_channels=16, dec_d_model=64, dec_layers=1, dec_heads=2,
+                    dec_max_len=64, enc_dropout=0.0, enc_dropout_pre_encoder=0.0, enc_dropout_att=0.0,
+                    dec_dropout=0.0, dec_dropout_att=0.0, loss_on_prompt=False)
+    model = AED(cfg)
+    logmel = LogMel(features).eval()  # no dither: the silence padding is the augmentation
+    wavs = [load_audio(u.audio_filepath) for u in train_utts]
+    seqs = [encode_utterance(tokenizer, u)[0] for u in train_utts]
+    tokens = torch.full((len(seqs), max(map(len, seqs))), tokenizer.pad)  # (B, U)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = torch.tensor(s)
+    token_lens = torch.tensor([len(s) for s in seqs])
+    prompt_lens = torch.full((len(seqs),), 5)
+
+    def features_of(pads):
+        padded = [with_silence(w, float(a), float(b)) for w, (a, b) in zip(wavs, pads)]
+        lens = torch.tensor([w.numel() for w in padded])
+        batch = torch.zeros(len(padded), int(lens.max()))  # (B, S)
+        for i, w in enumerate(padded):
+            batch[i, : w.numel()] = w
+        return logmel(batch, lens)
+
+    def all_correct():
+        model.eval()
+        for pads in (torch.zeros(len(wavs), 2), torch.rand(len(wavs), 2) * MAX_PAD):
+            hyps = decode(model, *features_of(pads), tokens[:, :5], tokenizer.eos)
+            texts = [tokenizer.decode([t for t in h if t < tokenizer.vocab_size]) for h in hyps]
+            if texts != [u.text for u in train_utts]:
+                return False
+        return True
+
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(1, 801):
+        model.train()
+        loss, n = model(*features_of(torch.rand(len(wavs), 2) * MAX_PAD), tokens, token_lens, prompt_lens)
+        (loss / n).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if step % 25 == 0 and all_correct():
+            break
+    else:
+        pytest.fail("the tiny model did not overfit its 6 utterances in 800 steps")
+    path = tmp_path_factory.mktemp("run")
+    save_checkpoint({"step": step, "model": model.state_dict(), "model_config": dataclasses.asdict(cfg),
+                     "features": dataclasses.asdict(features), "tokenizer": pack_dir(os.path.join(MINI, "tokenizer"))},
+                    str(path), step, keep_last=1)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def asr(run_dir):
+    return load_checkpoint(run_dir)  # a run directory: its newest checkpoint
+
+
+# --- with the trained model -------------------------------------------------------------------
+
+
+def test_bundled_examples_match_their_references(asr):
+    requests = read_requests(EXAMPLES)
+    assert {r.taskname for r in requests} == {"asr", "ast"}  # en and de ASR, es->en translation
+    results, timings = transcribe(asr, requests)
+    assert [r.pred_text for r in results] == [r.text for r in requests]
+    assert all(r.error is None and r.decode_time > 0 for r in results)
+    assert timings.audio == pytest.approx(sum(r.duration for r in requests), abs=0.01)
+    assert timings.wall >= timings.load_features + timings.encoder + timings.decoder > 0
+    assert timings.rtfx > 0
+
+
+def test_stereo_44k_file_equals_its_16k_mono_version(asr, tmp_path):
+    stereo = os.path.join(MINI, "examples", "de_asr_44k_stereo.wav")
+    info = sf.info(stereo)
+    assert (info.samplerate, info.channels) == (44100, 2)
+    mono = tmp_path / "de_16k_mono.wav"
+    sf.write(mono, load_audio(stereo).numpy(), 16000, subtype="PCM_16")  # a real 16-bit file: rounded samples
+    results, _ = transcribe(asr, [stereo, str(mono)], source_lang="de")
+    assert results[0].tokens == results[1].tokens
+    assert results[0].pred_text == results[1].pred_text == "Offen steht das Grab!"
+
+
+def test_batch_composition_does_not_change_any_output(asr, train_utts):
+    requests = read_requests(EXAMPLES) + [Request(u.audio_filepath, u.source_lang, u.target_lang, u.pnc, u.taskname)
+                                          for u in train_utts]
+    alone, _ = transcribe(asr, requests, batch_duration=1e-3)  # every batch holds one file
+    together, _ = transcribe(asr, requests, batch_duration=1e4)  # one padded batch of all nine
+    assert [r.tokens for r in alone] == [r.tokens for r in together]
+    assert all(r.tokens for r in alone)
+
+
+def test_long_audio_is_cut_at_pauses_and_recovers_every_word(asr, train_utts, tmp_path):
+    torch.manual_seed(0)
+    utts = [u for u in train_utts if any(f"/{k}." in u.audio_filepath for k in LONG_IDS)]
+    wavs = [load_audio(u.audio_filepath) for u in utts]
+    gap = 0.4  # seconds of near-silence between utterances
+    long = torch.cat([with_silence(w, 0.0, gap if i < len(wavs) - 1 else 0.0) for i, w in enumerate(wavs)])
+    path = tmp_path / "long.wav"
+    sf.write(path, long.numpy(), 16000, subtype="FLOAT")
+    chunk = 2.0  # longer than each utterance + most of a gap, shorter than two utterances
+    assert max(w.numel() for w in wavs) / 16000 < chunk < long.numel() / 16000
+
+    # Every cut falls into a pause: a gap, or the silence the mini utterances keep at their edges
+    # (0.15 s at the end, 0.1 s at the start; data/mini/README.md), so no word is split.
+    pieces = plan_segments(Request(str(path), "en", "en", True, "asr"), chunk, 16000)
+    assert len(pieces) == len(wavs)
+    gaps, t = [], 0.0
+    for w in wavs[:-1]:
+        t += w.numel() / 16000
+        gaps.append((t - 0.15, t + gap + 0.1))
+        t += gap
+    for (start, _, _), (lo, hi) in zip(pieces[1:], gaps):
+        assert lo <= start <= hi, (start, lo, hi)
+
+    results, timings = transcribe(asr, [str(path)], chunk_seconds=chunk)
+    assert results[0].pred_text == " ".join(u.text for u in utts)
+    assert results[0].duration == pytest.approx(long.numel() / 16000, abs=1e-3)
+
+
+def test_beam_search_is_at_least_as_likely_as_greedy(asr):
+    # The overfit model is so sure of itself that beams never disagree with greedy; noise on its decoder
+    # weights makes it unsure while it still mostly transcribes (unseen dev audio adds to the doubt).
+    torch.manual_seed(0)
+    unsure = dataclasses.replace(asr, model=copy.deepcopy(asr.model))
+    with torch.no_grad():
+        for p in unsure.model.decoder.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    dev = [r for r in read_requests(os.path.join(MINI, "dev.jsonl")) if r.source_lang == "en"][:4]
+    requests = read_requests(EXAMPLES) + dev
+    greedy, _ = transcribe(unsure, requests)
+    beam, _ = transcribe(unsure, requests, beam_size=4)
+    tokenizer, model = unsure.tokenizer, unsure.model
+    logmel = LogMel(unsure.features).eval()
+
+    def logprob(req, ids):
+        wav = load_audio(req.audio_filepath)
+        feats, feat_lens = logmel(wav[None], torch.tensor([wav.numel()]))
+        prompt = tokenizer.prompt_ids(req.source_lang, req.target_lang, req.pnc,
+                                      "transcribe" if req.taskname == "asr" else "translate")
+        tokens = torch.tensor([prompt + ids + [tokenizer.eos]])
+        with torch.no_grad():  # loss_on_prompt=False: the summed NLL of ids + EOS
+            nll, _ = model(feats, feat_lens, tokens, torch.tensor([tokens.size(1)]), torch.tensor([len(prompt)]))
+        return -nll.item()
+
+    assert any(g.tokens != b.tokens for g, b in zip(greedy, beam)), "beam = greedy everywhere: the test shows nothing"
+    for req, g, b in zip(requests, greedy, beam):
+        assert logprob(req, b.tokens) >= logprob(req, g.tokens) - 1e-4, (req.audio_filepath, g.pred_text, b.pred_text)
+
+
+def test_max_new_tokens_caps_every_utterance(asr):
+    requests = read_requests(EXAMPLES)
+    full, _ = transcribe(asr, requests)
+    capped, _ = transcribe(asr, requests, max_new_tokens=3)
+    assert [r.tokens for r in capped] == [r.tokens[:3] for r in full]  # greedy: a prefix of the full output
+    capped_beam, _ = transcribe(asr, requests, max_new_tokens=3, beam_size=2)
+    assert all(len(r.tokens) <= 3 for r in capped_beam)
+
+
+def test_cli_directory_with_a_corrupt_file_and_a_manifest(run_dir, tmp_path):
+    audio = tmp_path / "clips"
+    (audio / "sub").mkdir(parents=True)
+    shutil.copy(os.path.join(MINI, "examples", "en_asr_16k.wav"), audio / "a.wav")
+    shutil.copy(os.path.join(MINI, "audio", "train_en_000058.flac"), audio / "sub" / "b.flac")
+    (audio / "corrupt.wav").write_bytes(b"RIFF\x00\x00\x00\x00WAVEnot really")
+    (audio / "notes.txt").write_text("not audio: ignored")
+    out = tmp_path / "hyp.jsonl"
+    cmd = [sys.executable, "infer.py", "--ckpt", run_dir, str(audio), "--manifest", EXAMPLES, "--out", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 1, p.stderr  # some input failed
+    assert "FAILED" in p.stderr and "corrupt.wav: cannot decode" in p.stderr
+    lines = dict(line.split("\t") for line in p.stdout.splitlines())
+    assert lines[str(audio / "a.wav")] == "Laugh at your problems; everybody else does."
+    assert lines[str(audio / "sub" / "b.flac")] == "Cats are smarter than dogs."
+    assert lines[os.path.join(MINI, "examples", "es-en_ast_16k.wav")] == "No all slip means a fall."
+    assert len(lines) == 5  # 3 from the manifest + 2 readable files; notes.txt is not an input
+
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6  # every input, the failed one included, with its reason
+    assert [r for r in rows if "error" in r][0]["audio_filepath"].endswith("corrupt.wav")
+    ast = next(r for r in rows if r.get("taskname") == "ast")
+    assert ast["pred_text"] == ast["text"] and ast["source_lang"] == "es" and ast["target_lang"] == "en"
+    assert all({"duration", "decode_time", "pnc"} <= set(r) for r in rows)
+    assert "asr de: WER 0.00%" in p.stderr and "ast es-en: BLEU 100.00" in p.stderr
+    assert "RTFx" in p.stderr and "encoder" in p.stderr and "decoder" in p.stderr
+
+
+# --- inputs, without a model ------------------------------------------------------------------
+
+
+def test_manifest_lines_override_the_defaults_and_bad_lines_name_the_field(tmp_path):
+    m = tmp_path / "m.jsonl"
+    m.write_text("\n".join(json.dumps(d) for d in [
+        {"audio_filepath": "a.wav"},
+        {"audio_filepath": "/abs/b.wav", "source_lang": "es", "target_lang": "en", "text": "Hi.", "duration": 2.5},
+        {"audio_filepath": "c.wav", "lang": "de", "pnc": "no", "offset": 1.0, "answer": "Hallo"},
+    ]) + "\n")
+    a, b, c = read_requests(str(m), source_lang="fr")
+    assert a.audio_filepath == str(tmp_path / "a.wav")  # relative to the manifest's folder
+    assert (a.source_lang, a.target_lang, a.taskname, a.pnc, a.duration) == ("fr", "fr", "asr", True, None)
+    assert (b.source_lang, b.target_lang, b.taskname, b.text, b.duration) == ("es", "en", "ast", "Hi.", 2.5)
+    assert (c.source_lang, c.target_lang, c.pnc, c.offset, c.text) == ("de", "de", False, 1.0, "Hallo")
+
+    for line, message in [('{"duration": 1}', "m.jsonl:1: field 'audio_filepath'"),
+                          ('{"audio_filepath": "a.wav", "duration": -1}', "m.jsonl:1: field 'duration'"),
+                          ('{"audio_filepath": "a.wav", "pnc": "maybe"}', "m.jsonl:1: field 'pnc'"),
+                          ('{"audio_filepath": "a.wav", "source_lang": "es", "target_lang": "en", "taskname": "asr"}',
+                           "m.jsonl:1: field 'taskname'"),
+                          ("{not json", "m.jsonl:1: not valid JSON")]:
+        m.write_text(line + "\n")
+        with pytest.raises(ValueError, match=message):
+            read_requests(str(m))
+
+
+def test_expand_inputs_walks_directories_and_keeps_unmatched_patterns(tmp_path):
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    for name in ("d/x.wav", "d/e/y.FLAC", "d/readme.txt", "z.ogg"):
+        (tmp_path / name).write_bytes(b"")
+    assert expand_inputs([str(tmp_path / "d")]) == [str(tmp_path / "d" / "e" / "y.FLAC"), str(tmp_path / "d" / "x.wav")]
+    assert expand_inputs([str(tmp_path / "*.ogg")]) == [str(tmp_path / "z.ogg")]
+    assert expand_inputs([str(tmp_path / "*.mp3")]) == [str(tmp_path / "*.mp3")]  # reported as not found later
+
+
+def test_quiet_point_is_the_middle_of_the_silent_stretch(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    loud = lambda s: 0.3 * torch.randn(int(s * 16000), generator=g)  # noqa: E731
+    wav = torch.cat([loud(1.0), torch.zeros(8000), loud(1.0)])  # digital silence over [1.0, 1.5) s
+    path = tmp_path / "x.wav"
+    sf.write(path, wav.numpy(), 16000, subtype="FLOAT")
+    assert quiet_point(str(path), 0.5, 2.0, 16000) == pytest.approx(1.25, abs=0.011)
+    # Short files are never cut; long ones into pieces of at most chunk_seconds.
+    assert plan_segments(Request(str(path), "en", "en", True, "asr"), 5.0, 16000) == [(0.0, None, 2.5)]
+    pieces = plan_segments(Request(str(path), "en", "en", True, "asr"), 1.6, 16000)
+    assert len(pieces) == 2 and 1.2 <= pieces[0][1] <= 1.5  # the quiet part of the search window [1.2, 1.6]
+    assert pieces[1][1] is None and pieces[1][0] + pieces[1][2] == pytest.approx(2.5)
