@@ -19,8 +19,12 @@ $(VENV)/.installed: requirements.txt
 test: venv
 	$(PY) -m pytest -q tests
 
+# Trains the tiny model on the bundled data (~5 min on 2 CPU cores; dev WER before/after is in
+# the log), then transcribes the bundled example wavs with it.
 demo: venv
-	$(PY) tools/demo.py
+	rm -rf runs/demo
+	$(PY) train.py configs/tiny.yaml run_dir=runs/demo
+	$(PY) infer.py --ckpt runs/demo --manifest data/mini/examples.jsonl
 
 clean:
 	rm -rf $(VENV) runs/demo
