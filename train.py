@@ -36,9 +36,11 @@ from aed.config import ConfigError, load_config, to_dict
 from aed.data import Collate, UtteranceDataset, encode_utterance, read_manifest
 from aed.decoding import DecodingOptions, decode
 from aed.distributed import all_gather_objects, all_reduce, cleanup, gather_objects, init_distributed
+from aed.memory import format_bytes, parse_bytes
 from aed.metrics import bleu, wer
 from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
+from oom import MemoryBudgetError, preflight
 from sampler import Bins, BucketingSampler, estimate_bins, load_batch_sizes
 
 
@@ -103,6 +105,7 @@ class TrainConfig:
     init_from: str | None = None  # initialise weights from this checkpoint (a fresh run, new optimizer)
     init_encoder_only: bool = False  # with init_from: only encoder weights; extra layers stay random
     max_bad_steps: int = 5  # abort after this many consecutive non-finite steps
+    memory_budget: str | None = None  # e.g. "75GB": before step 0 run every bucket's worst batch once (oom.py)
     cpu_threads: int | None = None  # CPU training: torch threads; None = cores - DataLoader workers
     model: AEDConfig = field(default_factory=AEDConfig)
     features: FeatureConfig = field(default_factory=FeatureConfig)
@@ -299,6 +302,16 @@ elif cfg.init_from:
              " (encoder only)" if cfg.init_encoder_only else "", ", ".join(fresh) or "nothing")
 del ckpt
 
+# Before the DDP wrap: its gradient hooks must not fire during the check.
+if cfg.memory_budget:
+    try:
+        peaks = preflight(model, optimizer, bins, sampler.sizes, parse_bytes(cfg.memory_budget),
+                          cfg.features, precision, spec_augment, ddp=world_size > 1,
+                          max_tps=cfg.train.max_tps)
+    except MemoryBudgetError as e:
+        sys.exit(f"preflight: {e}")
+    log.info("preflight: all %d buckets fit %s (largest peak %s)", len(peaks), cfg.memory_budget,
+             format_bytes(max(peaks)))
 ddp_model = DDP(model) if world_size > 1 else model
 fwd_model = torch.compile(ddp_model) if cfg.compile else ddp_model
 

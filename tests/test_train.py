@@ -121,3 +121,12 @@ def test_encoder_only_init_into_a_deeper_encoder(tmp_path):
     assert enc and all(torch.equal(src[k], dst[k]) for k in enc if "running" not in k)
     dec = [k for k in src if k.startswith("decoder.") and k.endswith("weight") and src[k].dim() == 2]
     assert not any(torch.equal(src[k], dst[k]) for k in dec)
+
+
+def test_preflight_fails_before_step_0_when_a_bucket_does_not_fit(tmp_path):
+    p = run_train(tmp_path / "pre", "max_steps=1", "memory_budget=2MB", check=False)
+    assert p.returncode != 0
+    assert "preflight: bucket" in p.stderr and "rerun oom.py" in p.stderr
+    assert not (tmp_path / "pre" / "ckpt-00000001.pt").exists()
+    p = run_train(tmp_path / "ok", "max_steps=1", "memory_budget=20GB")
+    assert "preflight: all 8 buckets fit 20GB" in p.stderr

@@ -1,0 +1,124 @@
+"""Peak tensor memory of a piece of code, measured by running it (oom.py, issue 6).
+
+    peak = peak_memory(step, device, limit=20e9, existing=[*model.parameters(), ...])  # bytes
+
+CUDA: the caching allocator's `max_memory_allocated`; a real `torch.cuda.OutOfMemoryError`
+becomes `OutOfMemory`.
+
+CPU: PyTorch keeps no allocator statistics there, so `LiveTensorMemory` (a TorchDispatchMode)
+sees the output of every aten op, forward, backward and optimizer, and counts each storage's bytes
+from its creation until it is freed. Frees are seen through a weakref finalizer on the storage:
+PyTorch keeps a storage's Python object alive exactly as long as the storage itself, so the
+finalizer also fires for activations that autograd saved and no Python variable holds. On our
+model the count equalled the c10 CPU allocator's own (the profiler's memory events, to the byte)
+and the growth of the process RSS when glibc returns freed memory to the system (checked in
+tests/test_oom.py). What it does not see: buffers kernels allocate outside PyTorch's allocator
+(oneDNN scratchpads), and freed heap memory glibc keeps, which made a CPU training step's RSS peak
+~40% above its live tensors unless MALLOC_MMAP_THRESHOLD_ is set (e.g. to 131072): budget CPU
+training runs with that in mind.
+"""
+
+import re
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def format_bytes(n) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def parse_bytes(text: str) -> int:
+    """'20GB', '512 MB', '1.5GiB', '4e9' -> bytes. K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of 1024."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*(?:([KMGT])(i?)B?|B?)\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"memory size {text!r}: expected a number with an optional unit, e.g. 20GB or 512MiB")
+    value, unit, binary = m.groups()
+    power = "KMGT".index(unit.upper()) + 1 if unit else 0
+    return int(float(value) * (1024 if binary else 1000) ** power)
+
+
+class OutOfMemory(RuntimeError):
+    """A measured piece of code needed more than `limit` bytes. `needed` is how far it got: the
+    exact peak, a lower bound when the CPU tracker stopped it, None after a CUDA OOM."""
+
+    def __init__(self, needed, limit):
+        self.needed, self.limit = needed, limit
+        super().__init__(f"over the {format_bytes(limit)} limit" if limit else "out of device memory")
+
+
+class LiveTensorMemory(TorchDispatchMode):
+    """Bytes of live CPU tensor storages while the mode is active: `current` and `peak`.
+
+    Storages that existed before (weights, optimizer state) are counted once passed to `add`.
+    With `limit`, the op whose output takes the total past it raises OutOfMemory, as a device
+    would: the failed step stops early instead of growing into the machine's real memory.
+    """
+
+    def __init__(self, limit=None):
+        super().__init__()
+        self.limit = limit
+        self.current = self.peak = 0
+        self._sizes = {}  # id(storage) -> bytes; the Python object lives as long as the storage
+        self._finalizers = []
+
+    def add(self, tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                self._add(t.untyped_storage())
+
+    def _add(self, storage) -> None:
+        key, size = id(storage), storage.nbytes()
+        old = self._sizes.get(key)
+        if old == size:  # a view or an in-place result: memory we already count
+            return
+        if old is None:
+            self._finalizers.append(weakref.finalize(storage, self._free, key))
+        self._sizes[key] = size  # a resized storage (out= ops) is counted at its new size
+        self.current += size - (old or 0)
+        self.peak = max(self.peak, self.current)
+        if self.limit is not None and self.current > self.limit:
+            raise OutOfMemory(self.current, self.limit)
+
+    def _free(self, key) -> None:
+        self.current -= self._sizes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.add(tree_leaves(out))
+        return out
+
+    def __exit__(self, *exc):
+        for f in self._finalizers:  # storages that outlive the measurement must not call back
+            f.detach()
+        return super().__exit__(*exc)
+
+
+def peak_memory(fn, device, limit=None, existing=()) -> int:
+    """Run `fn()` once; return the peak bytes of tensor memory on `device` while it ran.
+
+    On CPU, `existing` lists the tensors alive before the call that belong in the total (model,
+    gradients, optimizer state); on CUDA the allocator already knows them. Raises OutOfMemory when
+    the peak exceeds `limit` bytes (or CUDA runs out of memory first).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        failed = False
+        try:
+            fn()
+        except torch.cuda.OutOfMemoryError:
+            failed = True  # raised below, outside this block: its traceback holds the step's tensors
+        if failed:
+            raise OutOfMemory(None, limit)
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        with LiveTensorMemory(limit) as mem:
+            mem.add(existing)
+            fn()
+        peak = mem.peak
+    if limit is not None and peak > limit:
+        raise OutOfMemory(peak, limit)
+    return peak

@@ -1,0 +1,333 @@
+"""OOMptimizer: the largest batch size of every 2D bucket, found by running real training steps.
+
+    python oom.py --config configs/canary-1b-flash.yaml --bins bins.json -o batch_sizes.json   # GPU: 90%
+    python oom.py --config configs/tiny.yaml --bins bins.json --memory-budget 4GB -o batch_sizes.json
+    python train.py configs/canary-1b-flash.yaml train.bins=bins.json train.batch_sizes=batch_sizes.json
+
+The cumulative-duration heuristic (train.max_duration) gives every bucket the same seconds of
+audio, but memory is not linear in duration (attention is quadratic in frames; the decoder and its
+vocab-sized logits grow with tokens), so most buckets run far below the limit to keep the worst
+one safe. Measuring every bucket instead gave the paper a 3.4x larger mean batch (5x with 2D
+buckets). For each bucket, from the largest to the smallest:
+
+1. An artificial batch at the bucket's upper bounds: random features of num_frames(d) frames and
+   random tokens of its token bound U (1D bins: U = the bin's max tokens/s x d, from bins.max_tps
+   or --max-tps; filter the data with train.max_tps to match, or outliers may not fit).
+2. One full training step as train.py runs it (zero_grad, SpecAugment, forward, loss, backward,
+   clip, AdamW step) under the configured precision, with its peak memory measured: on CUDA by the
+   allocator under set_per_process_memory_fraction, on CPU by tracking live tensor storages
+   (aed/memory.py). No formula: every number comes from running the step.
+3. Double the batch while it fits, then bisect between the largest fit and the smallest failure
+   until they are within --threshold (5%). The next bucket starts from 2x this answer.
+
+Steps must fit the budget minus a safety margin (10%) for what an artificial step does not see:
+allocator fragmentation, pinned loader buffers, validation decoding. --ddp adds DDP's gradient
+buckets (one more copy of the gradients). A bucket at least as large as another in both duration
+and tokens never gets a larger batch: violations (measurement noise) are lowered and reported.
+Writes `sampler.save_batch_sizes`'s format and prints a table. `preflight()` is train.py's check
+before step 0: the worst-case batch of every bucket runs once, with an actionable error.
+"""
+
+import argparse
+import logging
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import yaml
+from torch.utils._pytree import tree_map
+
+from aed.audio import FeatureConfig, SpecAugment, num_frames
+from aed.config import ConfigError, from_dict
+from aed.memory import OutOfMemory, format_bytes, parse_bytes, peak_memory
+from aed.model import AED, AEDConfig
+from sampler import Bins, save_batch_sizes
+
+log = logging.getLogger("oom")
+AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class MemoryBudgetError(RuntimeError):
+    pass
+
+
+def bucket_shapes(bins: Bins, features: FeatureConfig, dec_max_len: int, max_tps=None) -> list:
+    """(duration bound s, feature frames T, token bound U) of every bucket, duration-major like
+    bins.buckets(). 1D bins get U = max_tps x d (max_tps: a number, one per bin, or bins.max_tps)."""
+    tps = max_tps if max_tps is not None else bins.max_tps
+    if bins.tokens is None and tps is None:
+        raise ValueError("1D bins without max_tps: pass the max tokens per second (--max-tps)")
+    tps = [float(tps)] * len(bins.durations) if isinstance(tps, (int, float)) else tps
+    shapes = []
+    for i, d in enumerate(bins.durations):
+        for t in bins.tokens[i] if bins.tokens else [math.ceil(tps[i] * d)]:
+            if t > dec_max_len:  # train.py drops longer utterances, so no batch reaches t
+                log.info("bucket (%.2f s, %d tokens): token bound capped at dec_max_len=%d", d, t, dec_max_len)
+            frames = num_frames(round(d * features.sample_rate), features.hop_length)
+            shapes.append((d, frames, max(2, min(int(t), dec_max_len))))  # >= 2: one input, one target
+    return shapes
+
+
+class TrainingStep:
+    """train.py's training step on an artificial batch at a bucket's bounds, and its peak memory:
+    feats (B, T, F) of random values, T valid frames each; tokens (B, U) of random ids, all valid."""
+
+    def __init__(self, model: AED, optimizer, precision: str = "fp32", spec_augment=None, ddp: bool = False):
+        self.model, self.optimizer = model, optimizer
+        self.device = next(model.parameters()).device
+        self.amp_dtype = AMP_DTYPES[precision]
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "fp16")
+        self.spec_augment = (spec_augment or SpecAugment()).train()
+        # DDP holds its gradient buckets, one more copy of every gradient, for the whole run.
+        ddp_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if ddp else 0
+        self.ddp_buckets = torch.empty(ddp_bytes, dtype=torch.uint8, device=self.device)
+
+    def run(self, batch_size: int, frames: int, tokens: int) -> None:
+        B, T, U, dev, cfg = batch_size, frames, tokens, self.device, self.model.cfg
+        self.optimizer.zero_grad(set_to_none=True)
+        feats = torch.randn(B, T, cfg.n_mels, device=dev)  # (B, T, F)
+        feat_lens = torch.full((B,), T, device=dev)
+        toks = torch.randint(0, cfg.vocab_size, (B, U), device=dev)  # (B, U)
+        token_lens = torch.full((B,), U, device=dev)
+        prompt_lens = torch.ones(B, dtype=torch.long, device=dev)
+        autocast = torch.autocast(dev.type, dtype=self.amp_dtype) if self.amp_dtype else nullcontext()
+        with autocast:
+            feats = self.spec_augment(feats, feat_lens)
+            loss, n = self.model(feats, feat_lens, toks, token_lens, prompt_lens)
+            self.scaler.scale(loss / n).backward()
+        self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def warm_up(self, frames: int, tokens: int) -> None:
+        """AdamW creates its state in its first step; later steps carry it through forward and
+        backward, so measure those."""
+        if not self.optimizer.state:
+            self.run(1, frames, tokens)
+
+    def peak(self, batch_size: int, frames: int, tokens: int, limit=None) -> int:
+        """Peak bytes of one step at this batch shape; raises OutOfMemory past `limit`."""
+        # The last step's gradients die at the zero_grad that starts the next one, before its peak.
+        # Free them here: a reference in `existing` would keep them alive through the step.
+        self.optimizer.zero_grad(set_to_none=True)
+        state = [v for s in self.optimizer.state.values() for v in s.values()]
+        existing = [*self.model.parameters(), *self.model.buffers(), *state, self.ddp_buckets]
+        return peak_memory(lambda: self.run(batch_size, frames, tokens), self.device, limit, existing)
+
+
+def search_batch_size(peak_at, start: int, threshold: float) -> tuple:
+    """Largest n for which `peak_at(n)` (bytes, or None: does not fit) fits, assuming memory grows
+    with n: double from `start` while it fits (halve while it does not), then bisect until the
+    largest fit and the smallest failure are within `threshold` of each other (or adjacent).
+    Returns (n, its peak, trials); n = 0 when batch size 1 does not fit."""
+    fit, fail, best_peak, trials, n = 0, None, None, 0, max(1, start)
+    while True:
+        trials += 1
+        peak = peak_at(n)
+        if peak is None:
+            fail = n
+        else:
+            fit, best_peak = n, peak
+        if fail is None:
+            n *= 2
+        elif fit == 0:
+            if fail == 1:
+                return 0, None, trials
+            n = fail // 2
+        elif fail - fit <= max(1.0, threshold * fit):
+            return fit, best_peak, trials
+        else:
+            n = (fit + fail) // 2
+
+
+def make_monotone(shapes: list, sizes: list) -> tuple:
+    """A bucket at least as long as another in duration and in tokens gets at most its batch size
+    (measurement noise can break this). Returns (sizes, [(bucket, old, new), ...] changes)."""
+    fixed = [min(s for (d2, _, t2), s in zip(shapes, sizes) if d2 <= d and t2 <= t) for d, _, t in shapes]
+    return fixed, [(b, old, new) for b, (old, new) in enumerate(zip(sizes, fixed)) if old != new]
+
+
+def optimize(step: TrainingStep, shapes: list, limit: int, start: int = 16, threshold: float = 0.05) -> list:
+    """Search every bucket's batch size, largest bucket first; returns one row (dict) per bucket
+    in bucket order: duration, frames, tokens, batch_size, peak (bytes), trials, seconds."""
+    step.warm_up(*shapes[0][1:])
+    rows = [None] * len(shapes)
+    for b in reversed(range(len(shapes))):
+        d, frames, tokens = shapes[b]
+        t_bucket = time.time()
+
+        def peak_at(n):
+            t0 = time.time()
+            try:
+                peak = step.peak(n, frames, tokens, limit)
+                outcome = f"fits, peak {format_bytes(peak)}"
+            except OutOfMemory as e:
+                peak, outcome = None, f"does not fit ({e})"
+            log.info("bucket %d/%d (%.2f s, %d tokens) batch %d: %s [%.1f s]", b, len(shapes) - 1, d, tokens, n,
+                     outcome, time.time() - t0)
+            return peak
+
+        size, peak, trials = search_batch_size(peak_at, start, threshold)
+        if size == 0:
+            raise MemoryBudgetError(
+                f"bucket {b} ({d:.2f} s, {tokens} tokens) does not fit a batch of 1 in {format_bytes(limit)}: raise "
+                "the budget, use bf16 or activation_checkpointing, or re-estimate bins without the longest utterances")
+        rows[b] = {"bucket": b, "duration": d, "frames": frames, "tokens": tokens, "batch_size": size, "peak": peak,
+                   "trials": trials, "seconds": time.time() - t_bucket}
+        start = 2 * size
+    return rows
+
+
+def preflight(model: AED, optimizer, bins: Bins, batch_sizes: list, budget: int, features=FeatureConfig(),
+              precision: str = "fp32", spec_augment=None, ddp: bool = False, max_tps=None) -> list:
+    """train.py's check before step 0: one step at every bucket's bounds and batch size.
+
+    batch_sizes: flat or nested like bins.tokens (e.g. `sampler.sizes`). Returns each bucket's
+    peak bytes; raises MemoryBudgetError naming every bucket whose step needs more than `budget`.
+    Weights, optimizer state, RNG states and train/eval mode are restored afterwards, so training
+    continues as if this never ran. On CPU a step is stopped at 2x the budget (not to exhaust RAM).
+    """
+    nested = isinstance(batch_sizes[0], (list, tuple))
+    sizes = [s for row in batch_sizes for s in row] if nested else list(batch_sizes)
+    shapes = bucket_shapes(bins, features, model.cfg.dec_max_len, max_tps)
+    if len(sizes) != len(shapes):
+        raise ValueError(f"preflight: {len(sizes)} batch sizes for {len(shapes)} buckets")
+    step = TrainingStep(model, optimizer, precision, spec_augment, ddp)
+    saved = tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x,
+                     {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    was_training = model.training
+    peaks, failures = [], []
+    with torch.random.fork_rng(devices=[step.device] if step.device.type == "cuda" else []):
+        model.train()
+        step.warm_up(*shapes[0][1:])
+        for b, ((d, frames, tokens), n) in enumerate(zip(shapes, sizes)):
+            try:
+                peak = step.peak(n, frames, tokens, limit=2 * budget if step.device.type == "cpu" else None)
+                need = format_bytes(peak)
+            except OutOfMemory as e:  # CPU: stopped at 2x the budget; CUDA: a real OOM
+                peak = None
+                need = "more than the device's memory" if e.needed is None else f"over {format_bytes(e.needed)}"
+            log.info("preflight: bucket %d (%.2f s, %d tokens) at batch %d: peak %s", b, d, tokens, n, need)
+            peaks.append(peak)
+            if peak is None or peak > budget:
+                failures.append(f"bucket {b} ({d:.2f} s, {tokens} tokens) at batch {n} needs {need} > "
+                                f"{format_bytes(budget)} budget")
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    optimizer.zero_grad(set_to_none=True)
+    model.train(was_training)
+    if failures:
+        raise MemoryBudgetError(
+            f"{len(failures)} of {len(shapes)} buckets do not fit the memory budget:\n  " + "\n  ".join(failures)
+            + "\nrerun oom.py for this model, precision and budget, or lower these buckets' batch sizes "
+            "(train.batch_sizes / train.max_duration), or use precision=bf16 / activation_checkpointing")
+    return peaks
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def load_training_setup(path: str, device: torch.device, precision: str | None):
+    """The parts of a train.py YAML config that decide a step's memory: model, features,
+    spec_augment, optim (lr, betas, weight_decay), precision, activation_checkpointing."""
+    with open(path, encoding="utf-8") as f:
+        doc = yaml.safe_load(f) or {}
+    try:
+        model_cfg = from_dict(AEDConfig, doc.get("model") or {}, prefix="model.")
+        features = from_dict(FeatureConfig, doc.get("features") or {}, prefix="features.")
+        spec_augment = SpecAugment(**(doc.get("spec_augment") or {}))
+    except (ConfigError, TypeError, AssertionError) as e:
+        raise SystemExit(f"{path}: {e}") from None
+    precision = precision or doc.get("precision", "auto")
+    if precision == "auto":  # train.py's rule
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    if precision not in AMP_DTYPES:
+        raise SystemExit(f"{path}: precision: expected auto or one of {list(AMP_DTYPES)}, got {precision!r}")
+    model = AED(model_cfg).to(device).train()
+    model.encoder.checkpoint_activations = bool(doc.get("activation_checkpointing", False))
+    optim = doc.get("optim") or {}  # YAML 1.1 reads 3e-4 as a string: float() it
+    kwargs = {k: tuple(map(float, v)) if k == "betas" else float(v) for k, v in optim.items()
+              if k in ("lr", "betas", "weight_decay")}
+    # train.py's parameter groups: foreach AdamW's temporaries are allocated per group
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "pos_bias" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "pos_bias" in n]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], **kwargs)
+    return model, optimizer, features, spec_augment, precision
+
+
+def device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def print_table(rows: list, changes: dict) -> None:
+    print(f"{'bucket':>6} {'<= s':>7} {'<= tok':>6} {'frames':>6} {'batch':>6} {'peak':>10} {'trials':>6} "
+          f"{'time s':>7}  note")
+    for r in rows:
+        note = f"lowered from {changes[r['bucket']]} (monotone)" if r["bucket"] in changes else ""
+        print(f"{r['bucket']:>6} {r['duration']:>7.2f} {r['tokens']:>6} {r['frames']:>6} {r['batch_size']:>6} "
+              f"{format_bytes(r['peak']):>10} {r['trials']:>6} {r['seconds']:>7.1f}  {note}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="oom.py", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="train.py YAML (model, features, optim, precision sections)")
+    p.add_argument("--bins", required=True, help="bins.json from `sampler.py estimate-bins`")
+    p.add_argument("-o", "--output", required=True, help="batch sizes JSON for train.batch_sizes")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--memory-budget", help="memory the training may use, e.g. 20GB (CPU: live tensor bytes)")
+    budget.add_argument("--memory-fraction", type=float, default=0.9,
+                        help="budget as a fraction of the device's memory (CPU: of the RAM)")
+    p.add_argument("--margin", type=float, default=0.1, help="safety margin: steps must fit budget x (1 - margin)")
+    p.add_argument("--dtype", choices=list(AMP_DTYPES), default=None, help="precision (default: the config's)")
+    p.add_argument("--ddp", action="store_true", help="add DDP's gradient bucket memory (multi-GPU training)")
+    p.add_argument("--threshold", type=float, default=0.05, help="stop when fit and failure are this close")
+    p.add_argument("--start-batch-size", type=int, default=16, help="first trial of the largest bucket")
+    p.add_argument("--max-tps", type=float, default=None,
+                   help="1D bins: tokens/s that bound each bucket's tokens (default: bins.max_tps)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    model, optimizer, features, spec_augment, precision = load_training_setup(args.config, device, args.dtype)
+    try:
+        bins = Bins.load(args.bins)
+        shapes = bucket_shapes(bins, features, model.cfg.dec_max_len, args.max_tps)
+        total = device_memory(device)
+        budget_bytes = parse_bytes(args.memory_budget) if args.memory_budget else int(args.memory_fraction * total)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"oom.py: {e}") from None
+    limit = int(budget_bytes * (1 - args.margin))
+    if device.type == "cuda":  # real OOMs at the limit, like a GPU that is this size
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    log.info("model %.1fM parameters, %s, %s%s; budget %s - %.0f%% margin = limit %s; %d buckets",
+             sum(p.numel() for p in model.parameters()) / 1e6, device, precision, " + DDP buckets" if args.ddp else "",
+             format_bytes(budget_bytes), 100 * args.margin, format_bytes(limit), len(shapes))
+
+    t0 = time.time()
+    step = TrainingStep(model, optimizer, precision, spec_augment, args.ddp)
+    try:
+        rows = optimize(step, shapes, limit, args.start_batch_size, args.threshold)
+    except MemoryBudgetError as e:
+        raise SystemExit(f"oom.py: {e}") from None
+    sizes, changes = make_monotone(shapes, [r["batch_size"] for r in rows])
+    for b, old, new in changes:
+        log.warning("bucket %d: batch size %d lowered to %d, the size of a smaller bucket (monotone)", b, old, new)
+        rows[b]["batch_size"] = new
+    it = iter(sizes)
+    save_batch_sizes(args.output, bins, [[next(it) for _ in range(k)] for k in bins.shape])
+    print_table(rows, {b: old for b, old, _ in changes})
+    print(f"{len(rows)} buckets, {sum(r['trials'] for r in rows)} trials in {time.time() - t0:.0f} s; limit "
+          f"{format_bytes(limit)} ({precision}{', DDP' if args.ddp else ''}) -> {args.output}")
+
+
+if __name__ == "__main__":
+    main()

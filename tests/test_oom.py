@@ -1,0 +1,251 @@
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from aed.audio import FeatureConfig, num_frames
+from aed.memory import LiveTensorMemory, OutOfMemory, parse_bytes
+from aed.model import AED, AEDConfig
+from oom import (MemoryBudgetError, TrainingStep, bucket_shapes, main, make_monotone, optimize, preflight,
+                 search_batch_size)
+from sampler import Bins, load_batch_sizes
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(n_mels=24, vocab_size=40, pad_id=1, enc_d_model=32, enc_layers=2, enc_heads=4, subsampling_channels=8,
+            dec_d_model=48, dec_layers=2, dec_heads=4, dec_max_len=64)
+SHAPES = [(1.0, 100, 8), (2.0, 200, 8), (2.0, 200, 16), (4.0, 400, 16)]  # (s, frames, tokens), 2D buckets
+LIMIT = 16_000_000  # bytes: batch sizes of ~8-40 for the tiny model
+THRESHOLD = 0.05
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Small steps on a shared 2-core machine: extra OpenMP threads only fight over the cores.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_setup(seed=0):
+    torch.manual_seed(seed)
+    model = AED(AEDConfig(**TINY))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def searched():
+    model, optimizer = tiny_setup()
+    step = TrainingStep(model, optimizer)
+    return step, optimize(step, SHAPES, LIMIT, start=16, threshold=THRESHOLD)
+
+
+# --- measurement -------------------------------------------------------------------------------
+
+
+def test_tracker_counts_saved_activations_until_autograd_frees_them():
+    x = torch.randn(1000, requires_grad=True)
+    with LiveTensorMemory() as mem:
+        y = x.exp()  # 4000 bytes; exp saves its output for backward
+        z = y.sum()  # 4 bytes
+        del y
+        assert mem.current == 4004, "no Python name holds y, but the graph does: still live"
+        z.backward()
+        assert mem.current == 4004, "x.grad (4000) + z (4): y was freed with the graph"
+        del z
+        assert mem.current == 4000
+    assert mem.peak >= 8004  # y, z and x.grad at once
+
+
+def test_tracker_limit_raises_like_a_device_out_of_memory():
+    with pytest.raises(OutOfMemory) as e, LiveTensorMemory(limit=10_000):
+        a = torch.zeros(2000)  # 8000 bytes: fits
+        torch.zeros(2000)  # 16000: over
+    assert e.value.needed == 16000 and e.value.limit == 10_000
+    del a
+
+
+def test_tracker_matches_process_rss_growth():
+    # glibc keeps freed heap memory, which RSS would count; a fixed mmap threshold makes it
+    # return every large buffer, so RSS growth is the memory tensors really held at the peak.
+    script = f"""
+import json, torch
+torch.set_num_threads(1)
+from aed.memory import LiveTensorMemory
+from aed.model import AED, AEDConfig
+from oom import TrainingStep
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+model = AED(AEDConfig(**{TINY!r}))
+step = TrainingStep(model, torch.optim.AdamW(model.parameters()))
+step.warm_up(50, 5)
+rss_before = status("VmRSS:")
+with LiveTensorMemory() as mem:  # counts what the step allocates, as RSS growth does
+    step.run(8, 1000, 20)
+print(json.dumps({{"tracked": mem.peak, "rss_growth": status("VmHWM:") - rss_before}}))
+"""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["tracked"] > 30e6, r
+    assert 0.9 < r["rss_growth"] / r["tracked"] < 1.2, r
+
+
+def test_peak_grows_with_batch_size_and_sequence_lengths():
+    model, optimizer = tiny_setup()
+    step = TrainingStep(model, optimizer)
+    step.warm_up(50, 5)
+    base = step.peak(4, 200, 10)
+    assert step.peak(8, 200, 10) > base
+    assert step.peak(4, 400, 10) > base
+    assert step.peak(4, 200, 30) > base
+    assert step.peak(4, 200, 10) == base, "the CPU measurement is deterministic"
+
+
+def test_ddp_adds_one_copy_of_the_gradients():
+    model, optimizer = tiny_setup()
+    plain, ddp = TrainingStep(model, optimizer), TrainingStep(model, optimizer, ddp=True)
+    plain.warm_up(50, 5)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert ddp.peak(4, 200, 10) - plain.peak(4, 200, 10) == grad_bytes
+
+
+def test_bf16_step_is_measured():
+    model, optimizer = tiny_setup()
+    step = TrainingStep(model, optimizer, precision="bf16")
+    step.warm_up(50, 5)
+    assert step.peak(4, 200, 10) > sum(p.numel() * 4 for p in model.parameters())
+
+
+# --- search ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threshold", [0.05, 0.2])
+@pytest.mark.parametrize("start", [1, 16, 100])
+def test_search_finds_the_largest_fit_within_threshold_in_bounded_trials(start, threshold):
+    for answer in [0, 1, 2, 3, 7, 15, 16, 17, 50, 99, 100, 101, 1000, 4097]:
+        calls = []
+
+        def peak_at(n):
+            calls.append(n)
+            return 1000 * n if n <= answer else None
+
+        n, peak, trials = search_batch_size(peak_at, start, threshold)
+        assert trials == len(calls)
+        if answer == 0:
+            assert n == 0 and peak is None
+            continue
+        assert 1 <= n <= answer and peak == 1000 * n
+        assert max(n + 1, math.floor(n * (1 + threshold))) > answer, (answer, n)
+        bound = abs(math.log2(answer / start)) + math.log2(1 / threshold) + 3
+        assert trials <= bound, (answer, start, trials, calls)
+
+
+def test_every_reported_size_fits_and_threshold_more_does_not(searched):
+    step, rows = searched
+    for r, (d, frames, tokens) in zip(rows, SHAPES):
+        assert (r["duration"], r["frames"], r["tokens"]) == (d, frames, tokens)
+        assert r["batch_size"] >= 2, r
+        assert r["peak"] == step.peak(r["batch_size"], frames, tokens) <= LIMIT
+        over = max(r["batch_size"] + 1, math.floor(r["batch_size"] * (1 + THRESHOLD)))
+        with pytest.raises(OutOfMemory):
+            step.peak(over, frames, tokens, LIMIT)
+
+
+def test_real_search_converges_in_bounded_trials(searched):
+    _, rows = searched
+    start = 16
+    for r in reversed(rows):  # searched largest first, each from 2x the previous answer
+        assert r["trials"] <= abs(math.log2(r["batch_size"] / start)) + math.log2(1 / THRESHOLD) + 3, r
+        start = 2 * r["batch_size"]
+    assert rows[0]["batch_size"] > rows[-1]["batch_size"], "short buckets must get larger batches"
+
+
+def test_make_monotone_lowers_the_larger_bucket():
+    shapes = [(1.0, 100, 10), (1.0, 100, 20), (2.0, 200, 10), (2.0, 200, 20), (2.0, 200, 5)]
+    sizes, changes = make_monotone(shapes, [50, 40, 45, 42, 60])
+    # (2 s, 20 tok) covers both 1 s buckets and (2 s, 10 tok): min(50, 40, 45, 42) = 40.
+    # (2 s, 5 tok) covers nothing else, so it keeps 60 even though it is larger than its neighbours.
+    assert sizes == [50, 40, 45, 40, 60]
+    assert changes == [(3, 42, 40)]
+
+
+def test_bucket_shapes_1d_use_max_tps_and_cap_at_dec_max_len():
+    feats = FeatureConfig()
+    bins_1d = Bins([2.0, 10.0, 40.0], max_tps=[8.0, 5.0, 4.0])
+    assert bucket_shapes(bins_1d, feats, dec_max_len=100) == [
+        (2.0, num_frames(32000), 16), (10.0, num_frames(160000), 50), (40.0, num_frames(640000), 100)]
+    assert [t for _, _, t in bucket_shapes(bins_1d, feats, 1000, max_tps=10)] == [20, 100, 400]
+    bins_2d = Bins([2.0, 10.0], tokens=[[6, 12], [30]])
+    assert bucket_shapes(bins_2d, feats, 512) == [(2.0, 200, 6), (2.0, 200, 12), (10.0, 1000, 30)]
+    with pytest.raises(ValueError, match="max-tps"):
+        bucket_shapes(Bins([2.0]), feats, 512)
+
+
+def test_parse_bytes():
+    assert parse_bytes("20GB") == 20 * 10**9
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("1.5g") == 1_500_000_000
+    assert parse_bytes("4e9") == 4 * 10**9
+    with pytest.raises(ValueError, match="20GB"):
+        parse_bytes("twenty gigs")
+
+
+# --- pre-flight check and command line -----------------------------------------------------------
+
+
+def as_bins(shapes):
+    """Bins whose bucket_shapes() are exactly `shapes` (2D, default features)."""
+    durations = sorted({d for d, _, _ in shapes})
+    return Bins(durations, tokens=[[t for d2, _, t in shapes if d2 == d] for d in durations])
+
+
+def test_preflight_passes_the_searched_table_and_restores_the_training_state(searched):
+    _, rows = searched
+    model, optimizer = tiny_setup(seed=1)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    peaks = preflight(model, optimizer, as_bins(SHAPES), [r["batch_size"] for r in rows], LIMIT,
+                      features=FeatureConfig(n_mels=24))
+    assert all(p <= LIMIT for p in peaks) and len(peaks) == len(SHAPES)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items()), "weights changed"
+    assert not optimizer.state and all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_preflight_fails_on_an_oversized_table_with_an_actionable_message(searched):
+    _, rows = searched
+    sizes = [r["batch_size"] for r in rows]
+    sizes[2] = int(sizes[2] * 1.5)
+    model, optimizer = tiny_setup()
+    with pytest.raises(MemoryBudgetError) as e:
+        preflight(model, optimizer, as_bins(SHAPES), sizes, LIMIT, features=FeatureConfig(n_mels=24))
+    msg = str(e.value)
+    expected = rf"bucket 2 \(2\.00 s, 16 tokens\) at batch {sizes[2]} needs [0-9.]+ MB > 16\.0 MB budget"
+    assert re.search(expected, msg), msg
+    assert "1 of 4 buckets" in msg and "rerun oom.py" in msg
+
+
+def test_cli_writes_monotone_batch_sizes_that_train_py_reads(tmp_path, capsys):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(json.dumps({  # JSON is YAML; run_dir and train are train.py's, ignored here
+        "model": TINY, "features": {"n_mels": 24}, "optim": {"lr": "1e-3", "betas": [0.9, 0.98]},
+        "run_dir": "ignored", "train": {"num_buckets": 6}}))
+    Bins([1.0, 3.0], tokens=[[8, 14], [20, 30]]).save(tmp_path / "bins.json")
+    out = tmp_path / "batch_sizes.json"
+    main(["--config", str(config), "--bins", str(tmp_path / "bins.json"), "--memory-budget", "20MB", "--device", "cpu",
+          "-o", str(out)])
+    bins, sizes = load_batch_sizes(out)
+    assert bins.tokens == [[8, 14], [20, 30]]
+    (a, b), (c, d) = sizes
+    assert a >= b >= d and a >= c >= d and min(a, b, c, d) >= 1
+    table = capsys.readouterr().out
+    assert re.search(r"^\s+3\s+3\.00\s+30\s+300\s+\d+\s+[0-9.]+ MB\s+\d+", table, re.M), table
+    assert "limit 18.0 MB" in table  # 20 MB budget - 10% margin
