@@ -39,6 +39,7 @@ from aed.distributed import all_gather_objects, all_reduce, cleanup, gather_obje
 from aed.memory import format_bytes, parse_bytes
 from aed.metrics import bleu, wer
 from aed.model import AED, AEDConfig
+from aed.rnnt_model import TransducerASR
 from aed.tokenizer import Tokenizer
 from oom import MemoryBudgetError, preflight
 from sampler import Bins, BucketingSampler, estimate_bins, load_batch_sizes
@@ -95,6 +96,8 @@ class OptimConfig:
 class TrainConfig:
     run_dir: str = "runs/tiny"  # checkpoints, metrics.jsonl, TensorBoard events, resolved config
     seed: int = 0
+    objective: str = "aed"  # aed: encoder-decoder cross-entropy | rnnt: encoder + transducer (encoder pretraining)
+    rnnt_chunk_size: int = 4  # rnnt: samples per joint tensor (1 = least memory, B = batched speed)
     max_steps: int = 100000
     log_every: int = 10
     ckpt_every: int = 1000
@@ -126,6 +129,8 @@ try:
 except ConfigError as e:
     sys.exit(f"config error: {e}")
 
+if cfg.objective not in ("aed", "rnnt"):
+    sys.exit(f"config error: objective must be aed or rnnt, got {cfg.objective!r}")
 if cfg.model.n_mels != cfg.features.n_mels:
     sys.exit(f"config error: model.n_mels={cfg.model.n_mels} but features.n_mels={cfg.features.n_mels}")
 
@@ -240,7 +245,10 @@ spec_augment = SpecAugment(**dataclasses.asdict(cfg.spec_augment)).train().to(de
 
 # --- model and optimizer ----------------------------------------------------------------------
 
-model = AED(cfg.model).to(device)
+if cfg.objective == "aed":
+    model = AED(cfg.model).to(device)
+else:  # same encoder and parameter names: init_encoder_only later moves it into an AED
+    model = TransducerASR(cfg.model, tokenizer.vocab_size, cfg.rnnt_chunk_size).to(device)
 if cfg.activation_checkpointing:
     model.encoder.checkpoint_activations = True
 decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "pos_bias" not in n]
@@ -372,9 +380,12 @@ def evaluate(step: int) -> dict:
             with autocast():
                 loss, n = model(b.feats, b.feat_lens, b.tokens, b.token_lens, b.prompt_lens)
             loss_sum += torch.stack([loss.float(), n.float()])
-            prompt = torch.stack([b.tokens[k, : b.prompt_lens[k]] for k in range(len(b))])
             with autocast():
-                hyps = decode(model, b.feats, b.feat_lens, prompt, tokenizer.eos, DecodingOptions())
+                if cfg.objective == "rnnt":
+                    hyps = model.transcribe(b.feats, b.feat_lens)
+                else:
+                    prompt = torch.stack([b.tokens[k, : b.prompt_lens[k]] for k in range(len(b))])
+                    hyps = decode(model, b.feats, b.feat_lens, prompt, tokenizer.eos, DecodingOptions())
             for k, j in enumerate(b.indices):
                 u = ds.utterances[j]
                 hyp = tokenizer.decode([t for t in hyps[k] if t < tokenizer.vocab_size])
@@ -460,8 +471,7 @@ while step < cfg.max_steps:
             micro.append(batch)
     # Normalise by the global number of target tokens of this step, so ranks and micro-batches
     # with different 2D shapes weigh every token equally (DDP averages gradients: x world_size).
-    prompt_excluded = (0 if cfg.model.loss_on_prompt else 1)
-    ntok = torch.tensor(float(sum(int((b.token_lens - 1 - prompt_excluded * (b.prompt_lens - 1)).sum())
+    ntok = torch.tensor(float(sum(int(model.count_targets(b.token_lens, b.prompt_lens).sum())
                                   for b in micro)), device=device)
     all_reduce(ntok)
     frame_s = cfg.features.hop_length / cfg.features.sample_rate

@@ -119,6 +119,10 @@ class AED(nn.Module):
         loss = F.cross_entropy(logits.float(), targets[is_target], label_smoothing=self.cfg.label_smoothing, reduction="sum")
         return loss, is_target.sum()
 
+    def count_targets(self, token_lens, prompt_lens):
+        """Per-row number of scored tokens, as `forward` counts them (for global normalisation)."""
+        return token_lens - 1 if self.cfg.loss_on_prompt else token_lens - prompt_lens
+
     def new_cache(self, memory, memory_lens, max_len: int) -> KVCache:
         return self.decoder.new_cache(memory, memory_lens, max_len)
 

@@ -149,3 +149,19 @@ def test_tiny_config_learns_on_the_mini_set(tmp_path):
     dev = {r["step"]: r["val/dev/loss"] for r in rows if "val/dev/loss" in r}
     assert sorted(dev) == [0, 120]
     assert dev[120] < 0.75 * dev[0], dev
+
+
+def test_rnnt_pretraining_then_its_encoder_into_an_aed(tmp_path):
+    p = run_train(tmp_path / "rnnt", "max_steps=2", "objective=rnnt", "val.every=2",
+                  "val.max_utterances=4")
+    assert "validation @ step 2: dev/loss=" in p.stderr
+    ckpt = tmp_path / "rnnt" / "ckpt-00000002.pt"
+    src = torch.load(ckpt, weights_only=False)["model"]
+    assert any(k.startswith("transducer.") for k in src)
+    p = run_train(tmp_path / "aed", "max_steps=1", f"init_from={ckpt}", "init_encoder_only=true",
+                  "optim.lr=1e-30", "optim.min_lr=0")
+    assert "(encoder only); left random: nothing" in p.stderr
+    dst = torch.load(tmp_path / "aed" / "ckpt-00000001.pt", weights_only=False)["model"]
+    enc = [k for k in src if k.startswith("encoder.") and src[k].is_floating_point()
+           and "running" not in k]
+    assert enc and all(torch.equal(src[k], dst[k]) for k in enc)
