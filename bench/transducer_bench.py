@@ -1,6 +1,7 @@
 """Batched vs sample-wise vs chunked transducer loss: peak memory, time, largest batch in a budget.
 
-    python bench/transducer_bench.py                      # issue 8 shapes, ~10-20 min on 2 CPU cores
+    python bench/transducer_bench.py          # issue 8 shapes: ~50 min on 2 shared CPU cores, half of it
+                                              # the budget search (sample-wise probes up to B=512)
     python bench/transducer_bench.py --max-lattice 2e7 --budget-mb 128   # a quick look
 
 Each measurement is one loss forward + `backward()` over a leaf "encoder output" (B, T', enc_dim),
