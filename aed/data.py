@@ -51,18 +51,22 @@ class Utterance:
     where: str = ""  # "manifest.jsonl:17", for error messages
 
 
-def parse_line(line: str, where: str, base_dir: str) -> Utterance:
-    """One manifest line -> Utterance; ManifestError names `where` and the field on bad input."""
-    def fail(field, why):
-        raise ManifestError(f"{where}: field '{field}': {why}")
-
+def json_object(line: str, where: str) -> dict:
     try:
         d = json.loads(line)
     except json.JSONDecodeError as e:
         raise ManifestError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(d, dict):
         raise ManifestError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    return d
 
+
+def parse_line(line: str, where: str, base_dir: str) -> Utterance:
+    """One manifest line -> Utterance; ManifestError names `where` and the field on bad input."""
+    def fail(field, why):
+        raise ManifestError(f"{where}: field '{field}': {why}")
+
+    d = json_object(line, where)
     path = d.get("audio_filepath")
     if not isinstance(path, str) or not path:
         fail("audio_filepath", "missing or not a non-empty string")

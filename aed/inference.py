@@ -21,7 +21,6 @@ How the work is cut:
 """
 
 import glob
-import json
 import logging
 import math
 import os
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 
 from aed.audio import AudioError, FeatureConfig, LogMel, load_audio, num_frames
 from aed.checkpoint import list_checkpoints, load_model
-from aed.data import PNC_VALUES, TASK_ALIASES
+from aed.data import PNC_VALUES, TASK_ALIASES, json_object
 from aed.decoding import beam_search, greedy_search
 from aed.metrics import bleu, wer
 from aed.model import AED
@@ -123,12 +122,7 @@ def read_requests(manifest: str, source_lang: str = "en", target_lang: str | Non
             if not line.strip():
                 continue
             where = f"{manifest}:{lineno}"
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(d, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(d).__name__}")
+            d = json_object(line, where)
             path = d.get("audio_filepath")
             if not isinstance(path, str) or not path:
                 raise ValueError(f"{where}: field 'audio_filepath': missing or not a non-empty string")

@@ -8,14 +8,6 @@ from aed.model import AED, AEDConfig
 V = 40
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny ops on a shared 2-core machine: extra OpenMP threads only fight over the cores.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def random_model(seed=0, **overrides):
     """A float64 model whose random decoder produces varied sequences (not one token repeated).

@@ -35,14 +35,6 @@ def with_silence(wav, before: float, after: float, sr=16000):
     return torch.cat([SILENCE * torch.randn(int(before * sr)), wav, SILENCE * torch.randn(int(after * sr))])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny ops on a shared 2-core machine: extra OpenMP threads only fight over the cores.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def train_utts():

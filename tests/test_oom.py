@@ -24,14 +24,6 @@ LIMIT = 16_000_000  # bytes: batch sizes of ~8-40 for the tiny model
 THRESHOLD = 0.05
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Small steps on a shared 2-core machine: extra OpenMP threads only fight over the cores.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def tiny_setup(seed=0):
     torch.manual_seed(seed)

@@ -8,14 +8,6 @@ from aed.transducer import Transducer, TransducerConfig, rnnt_nll
 V = 11  # 10 tokens + blank (id 10)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Shapes here are tiny: on a shared 2-core machine, intra-op threads only add contention (100x).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def random_batch(B=6, T=12, U=7, dim=8, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
