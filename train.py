@@ -354,7 +354,7 @@ def save(step: int) -> None:
 
 
 @torch.no_grad()
-def evaluate(step: int) -> dict:
+def evaluate() -> dict:
     """Loss, WER (ASR, per language) and BLEU (AST, per pair) on every validation manifest.
     Each rank decodes a slice; hypotheses are gathered so every metric is a corpus metric."""
     model.eval()
@@ -440,7 +440,7 @@ def rss_gb() -> float:
 
 
 def log_validation(step: int) -> None:
-    res = evaluate(step)
+    res = evaluate()
     report({f"val/{k}": v for k, v in res.items()}, step)
     for k, v in res.items():
         if isinstance(v, list):
@@ -513,6 +513,7 @@ while step < cfg.max_steps:
 
     if step % cfg.log_every == 0 or step == cfg.max_steps:
         all_reduce(totals)
+        skipped = torch.tensor(float(skipped_audio), device=device)  # this rank's, summed below
         dt = time.time() - t_last
         loss_v = (totals[0] / totals[1].clamp(min=1)).item()
         eta = (time.time() - t_start) / (step - start_step) * (cfg.max_steps - step)
@@ -524,7 +525,7 @@ while step < cfg.max_steps:
                   "train/text_padding": 100 * (1 - (totals[6] / totals[5]).item()),
                   "train/audio_s_per_s": totals[2].item() / dt, "train/tokens_per_s": totals[6].item() / dt,
                   "train/step_time": dt / steps_since, "train/memory_gb": mem,
-                  "train/skipped_audio": skipped_audio}
+                  "train/skipped_audio": int(all_reduce(skipped).item())}
         report(values, step)
         log.info(f"step {step} | loss {loss_v:.3f} | lr {values['train/lr']:.2e} | "
                  f"gnorm {values['train/grad_norm']:.2f} | bs {len(micro[-1])} | "
