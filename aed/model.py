@@ -16,6 +16,7 @@ import yaml
 from torch import nn
 
 from aed import config
+from aed.ctc import CTCHead
 from aed.decoder import KVCache, TransformerDecoder
 from aed.encoder import ConformerEncoder
 
@@ -50,6 +51,7 @@ class AEDConfig:
     # --- loss
     label_smoothing: float = 0.0  # Canary trains without smoothing
     loss_on_prompt: bool = True  # NeMo also scores the prompt tokens after <|startoftranscript|>; False scores text + eos only
+    ctc_weight: float = 0.0  # > 0 adds a CTC head on the encoder: loss = CE + ctc_weight * CTC (both summed)
 
     def __post_init__(self):
         assert self.enc_d_model % self.enc_heads == 0, f"enc_d_model {self.enc_d_model} % enc_heads {self.enc_heads} != 0"
@@ -74,6 +76,14 @@ class AEDConfig:
         return dataclasses.asdict(self)
 
 
+def text_targets(tokens, token_lens, prompt_lens):
+    """(B, U) prompt + text + EOS -> the text alone, left aligned: (B, U_text), (B,) lengths."""
+    text_lens = token_lens - prompt_lens - 1
+    pos = torch.arange(int(text_lens.max()), device=tokens.device)[None, :]  # (1, U_text)
+    idx = (prompt_lens[:, None] + pos).clamp(max=tokens.shape[1] - 1)
+    return tokens.gather(1, idx), text_lens
+
+
 class AED(nn.Module):
     def __init__(self, cfg: AEDConfig):
         super().__init__()
@@ -91,6 +101,8 @@ class AED(nn.Module):
             cfg.vocab_size, cfg.pad_id, cfg.dec_d_model, cfg.dec_layers, cfg.dec_heads, cfg.dec_ff_mult,
             cfg.dec_max_len, cfg.dec_dropout, cfg.dec_dropout_att,
         )
+        # Auxiliary CTC on the encoder output over the text tokens (blank = the extra last id).
+        self.ctc = CTCHead(cfg.enc_d_model, cfg.vocab_size + 1) if cfg.ctc_weight > 0 else None
 
     def encode(self, feats, feat_lens):
         """feats (B, T, F), feat_lens (B,) -> memory (B, T', D_dec), memory_lens (B,)."""
@@ -107,7 +119,8 @@ class AED(nn.Module):
         assert token_lens.shape == (b,) and prompt_lens.shape == (b,), (
             f"token_lens {tuple(token_lens.shape)} / prompt_lens {tuple(prompt_lens.shape)} must be ({b},)"
         )
-        memory, memory_lens = self.encode(feats, feat_lens)
+        enc, memory_lens = self.encoder(feats, feat_lens)  # (B, T', D_enc)
+        memory = self.encoder_decoder_proj(enc)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # position i predicts token i+1
         hidden = self.decoder(inputs, memory, memory_lens)  # (B, U-1, D)
         pos = torch.arange(u - 1, device=tokens.device)[None, :]
@@ -117,6 +130,11 @@ class AED(nn.Module):
         # Project only real targets: the vocab-sized logits of padded positions would be pure waste.
         logits = self.decoder.output_proj(hidden[is_target])  # (N, V)
         loss = F.cross_entropy(logits.float(), targets[is_target], label_smoothing=self.cfg.label_smoothing, reduction="sum")
+        if self.ctc is not None:
+            # Summed like the CE and divided by the same (decoder) target count in train.py, so the
+            # effective CTC weight is ctc_weight x (text tokens / decoder targets), slightly under ctc_weight.
+            ctc_sum, _ = self.ctc.loss(enc, memory_lens, *text_targets(tokens, token_lens, prompt_lens))
+            loss = loss + self.cfg.ctc_weight * ctc_sum
         return loss, is_target.sum()
 
     def count_targets(self, token_lens, prompt_lens):

@@ -10,16 +10,8 @@ import torch
 from torch import nn
 
 from aed.encoder import ConformerEncoder
-from aed.model import AEDConfig
+from aed.model import AEDConfig, text_targets
 from aed.transducer import Transducer, TransducerConfig
-
-
-def text_targets(tokens, token_lens, prompt_lens):
-    """(B, U) prompt + text + EOS -> text only, left aligned: (B, U_text), (B,) lengths."""
-    text_lens = token_lens - prompt_lens - 1
-    pos = torch.arange(int(text_lens.max()), device=tokens.device)[None, :]  # (1, U_text)
-    idx = (prompt_lens[:, None] + pos).clamp(max=tokens.shape[1] - 1)
-    return tokens.gather(1, idx), text_lens
 
 
 class TransducerASR(nn.Module):

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from aed.encoder import (
     rel_shift,
     subsampled_length,
 )
-from aed.model import AED, AEDConfig, count_parameters
+from aed.model import AED, AEDConfig, count_parameters, text_targets
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -232,3 +233,23 @@ def test_bad_feature_shape_is_a_clear_error():
     model = AED(tiny_config())
     with pytest.raises(AssertionError, match="expected feats"):
         model.encode(torch.randn(1, 40, 80), torch.tensor([40]))
+
+
+def test_ctc_auxiliary_loss_adds_a_head_and_a_term():
+    torch.manual_seed(0)
+    cfg = AEDConfig(n_mels=16, vocab_size=48, pad_id=1, enc_d_model=32, enc_layers=1, enc_heads=2,
+                    subsampling_channels=8, dec_d_model=32, dec_layers=1, dec_heads=2, dec_max_len=64)
+    feats, feat_lens = torch.randn(2, 160, 16), torch.tensor([160, 120])  # 20 / 15 encoder frames
+    tokens = torch.randint(2, 40, (2, 12))
+    token_lens, prompt_lens = torch.tensor([12, 9]), torch.tensor([5, 5])
+    plain = AED(cfg).eval()
+    with_ctc = AED(dataclasses.replace(cfg, ctc_weight=0.3)).eval()
+    with_ctc.load_state_dict(plain.state_dict(), strict=False)
+    ce, n = plain(feats, feat_lens, tokens, token_lens, prompt_lens)
+    total, n2 = with_ctc(feats, feat_lens, tokens, token_lens, prompt_lens)
+    enc, enc_lens = with_ctc.encoder(feats, feat_lens)
+    ctc, count = with_ctc.ctc.loss(enc, enc_lens, *text_targets(tokens, token_lens, prompt_lens))
+    assert count == 6 + 3 and n == n2  # text tokens only: no prompt, no EOS
+    torch.testing.assert_close(total, ce + 0.3 * ctc)
+    total.backward()
+    assert with_ctc.ctc.proj.weight.grad.abs().sum() > 0
