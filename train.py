@@ -40,6 +40,7 @@ from aed.memory import format_bytes, parse_bytes
 from aed.metrics import bleu, wer
 from aed.model import AED, AEDConfig
 from aed.rnnt_model import TransducerASR
+from aed.shards import MixedSource, ShardDataset, ShardSource
 from aed.tokenizer import Tokenizer
 from oom import MemoryBudgetError, preflight
 from sampler import Bins, BucketingSampler, estimate_bins, load_batch_sizes
@@ -55,7 +56,7 @@ class SpecAugmentConfig:
 
 @dataclass
 class DataConfig:
-    manifests: list[dict | str] = field(default_factory=lambda: ["data/mini/train.jsonl"])  # paths or {path, weight}
+    manifests: list[dict | str] = field(default_factory=lambda: ["data/mini/train.jsonl"])  # paths, {path, weight} or {shards: DIR, weight}
     tokenizer: str = "data/mini/tokenizer"  # directory written by tools/train_tokenizer.py
     skip_invalid: bool = True  # bad manifest lines are skipped with a warning and counted, not fatal
     bins: str | None = None  # bins.json from `sampler.py estimate-bins`; None: estimate at start
@@ -185,33 +186,53 @@ def load_examples(specs: list, skip_invalid: bool, seed: int) -> list:
     return out
 
 
-train_utts = load_examples(cfg.train.manifests, cfg.train.skip_invalid, cfg.seed)
-num_tokens = [len(encode_utterance(tokenizer, u)[0]) for u in train_utts]
-too_long = [i for i, n in enumerate(num_tokens) if n > cfg.model.dec_max_len]
-if too_long:
-    log.warning("dropping %d utterances whose prompt+text exceed dec_max_len=%d tokens, e.g. %s",
-                len(too_long), cfg.model.dec_max_len, train_utts[too_long[0]].where)
-    keep = sorted(set(range(len(train_utts))) - set(too_long))
-    train_utts, num_tokens = [train_utts[i] for i in keep], [num_tokens[i] for i in keep]
-examples = [{"duration": u.duration, "num_tokens": n} for u, n in zip(train_utts, num_tokens)]
-
-if cfg.train.bins:
-    bins = Bins.load(cfg.train.bins)
-else:
-    bins = estimate_bins([e["duration"] for e in examples], [e["num_tokens"] for e in examples],
-                         cfg.train.num_buckets, cfg.train.sub_buckets)
-    if master:
-        bins.save(os.path.join(cfg.run_dir, "bins.json"))
+logmel = LogMel(cfg.features).train()  # train mode: dither
+sampler_args = dict(allocation=cfg.train.allocation, min_tps=cfg.train.min_tps,
+                    max_tps=cfg.train.max_tps, buffer_size=cfg.train.buffer_size, seed=cfg.seed,
+                    rank=rank, world_size=world_size, sync_buckets=cfg.train.sync_buckets,
+                    infinite=True)
+bins = Bins.load(cfg.train.bins) if cfg.train.bins else None  # None: estimated from the manifests
 batch_size_args = {"batch_size": cfg.train.batch_size, "max_duration": None, "batch_sizes": None}
 if cfg.train.batch_sizes:
-    bins, sizes = load_batch_sizes(cfg.train.batch_sizes)
+    bins, sizes = load_batch_sizes(cfg.train.batch_sizes)  # the bins the sizes were searched for
     batch_size_args = {"batch_size": None, "max_duration": None, "batch_sizes": sizes}
 elif cfg.train.batch_size is None:
     batch_size_args["max_duration"] = cfg.train.max_duration
-sampler = BucketingSampler(
-    examples, bins, **batch_size_args, allocation=cfg.train.allocation, min_tps=cfg.train.min_tps,
-    max_tps=cfg.train.max_tps, buffer_size=cfg.train.buffer_size, seed=cfg.seed, rank=rank,
-    world_size=world_size, sync_buckets=cfg.train.sync_buckets, infinite=True, yield_indices=True)
+shard_specs = [s for s in cfg.train.manifests if isinstance(s, dict) and "shards" in s]
+
+if shard_specs:
+    # Tar shards (tools/make_shards.py) stream through the sampler's producer thread; workers
+    # only decode audio. Bins come from `sampler.py estimate-bins` on the source manifests.
+    if len(shard_specs) != len(cfg.train.manifests) or bins is None:
+        sys.exit("config error: sharded training needs every train.manifests entry as {shards: DIR} "
+                 "(convert manifests with tools/make_shards.py) and train.bins or train.batch_sizes")
+    longest = max(max(row) for row in bins.tokens) if bins.tokens else None
+    if longest is None or longest > cfg.model.dec_max_len:
+        sys.exit(f"config error: sharded training needs 2D bins whose token bounds fit "
+                 f"model.dec_max_len={cfg.model.dec_max_len} (the sampler drops longer examples)")
+    sources = [ShardSource(s["shards"]) for s in shard_specs]
+    source = sources[0] if len(sources) == 1 else MixedSource(
+        sources, [float(s.get("weight", 1.0)) for s in shard_specs])
+    sampler = BucketingSampler(source, bins, **batch_size_args, **sampler_args)
+    dataset = ShardDataset(tokenizer, logmel, seed=cfg.seed)
+else:
+    train_utts = load_examples(cfg.train.manifests, cfg.train.skip_invalid, cfg.seed)
+    num_tokens = [len(encode_utterance(tokenizer, u)[0]) for u in train_utts]
+    too_long = [i for i, n in enumerate(num_tokens) if n > cfg.model.dec_max_len]
+    if too_long:
+        log.warning("dropping %d utterances whose prompt+text exceed dec_max_len=%d tokens, e.g. %s",
+                    len(too_long), cfg.model.dec_max_len, train_utts[too_long[0]].where)
+        keep = sorted(set(range(len(train_utts))) - set(too_long))
+        train_utts, num_tokens = [train_utts[i] for i in keep], [num_tokens[i] for i in keep]
+    examples = [{"duration": u.duration, "num_tokens": n} for u, n in zip(train_utts, num_tokens)]
+    if bins is None:
+        bins = estimate_bins([e["duration"] for e in examples], [e["num_tokens"] for e in examples],
+                             cfg.train.num_buckets, cfg.train.sub_buckets)
+        if master:
+            bins.save(os.path.join(cfg.run_dir, "bins.json"))
+    sampler = BucketingSampler(examples, bins, **batch_size_args, **sampler_args,
+                               yield_indices=True)
+    dataset = UtteranceDataset(train_utts, tokenizer, logmel, seed=cfg.seed)
 
 
 class CountingBatches:
@@ -227,8 +248,6 @@ class CountingBatches:
             yield batch
 
 
-logmel = LogMel(cfg.features).train()  # train mode: dither
-dataset = UtteranceDataset(train_utts, tokenizer, logmel, seed=cfg.seed)
 batches = CountingBatches(sampler)
 collate = Collate(tokenizer.pad)
 

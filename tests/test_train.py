@@ -165,3 +165,30 @@ def test_rnnt_pretraining_then_its_encoder_into_an_aed(tmp_path):
     enc = [k for k in src if k.startswith("encoder.") and src[k].is_floating_point()
            and "running" not in k]
     assert enc and all(torch.equal(src[k], dst[k]) for k in enc)
+
+
+def test_sharded_training_resumes_exactly(tmp_path):
+    from aed.data import encode_utterance, read_manifest
+    from aed.tokenizer import Tokenizer
+    from sampler import estimate_bins
+
+    manifest = os.path.join(MINI, "train.jsonl")
+    shards = tmp_path / "shards"
+    subprocess.run([sys.executable, "tools/make_shards.py", manifest, "-o", str(shards),
+                    "--shard-size", "40", "--tokenizer", os.path.join(MINI, "tokenizer")],
+                   cwd=ROOT, check=True, capture_output=True)
+    tok = Tokenizer.load(os.path.join(MINI, "tokenizer"))
+    utts = read_manifest(manifest)
+    bins = estimate_bins([u.duration for u in utts],
+                         [len(encode_utterance(tok, u)[0]) for u in utts], 4, 2)
+    bins.save(tmp_path / "bins.json")
+    args = [f"train.manifests=[{{shards: {shards}}}]", f"train.bins={tmp_path / 'bins.json'}",
+            "ckpt_every=100"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_train(a, "max_steps=4", *args)
+    run_train(b, "max_steps=2", *args)
+    p = run_train(b, "max_steps=4", *args)
+    assert "resumed from" in p.stderr
+    la, lb = losses(a), losses(b)
+    assert sorted(la) == sorted(lb) == [1, 2, 3, 4]
+    assert all(la[s] == lb[s] for s in la), (la, lb)
