@@ -141,7 +141,7 @@ def test_tiny_config_learns_on_the_mini_set(tmp_path):
     run_dir = tmp_path / "tiny"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "train.py", "configs/tiny.yaml", f"run_dir={run_dir}", "max_steps=120",
-           "val.every=120", "log_every=20", "ckpt_every=1000"]
+           "val.every=120", "val.max_utterances=24", "log_every=20", "ckpt_every=1000"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     with open(run_dir / "metrics.jsonl") as f:
