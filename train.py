@@ -474,7 +474,7 @@ consumed = batches.taken = 0  # batches the loop has trained on / the DataLoader
 loader_iter = iter(make_loader())
 bad_steps = skipped_audio = 0
 t_start, t_last, steps_since, start_step = time.time(), time.time(), 0, step
-totals = torch.zeros(7, device=device)  # loss, tokens, audio s, padded frames, frames, padded tok, tok
+totals = torch.zeros(8, device=device)  # loss, tokens, audio s, padded frames, frames, padded tok, tok, utts
 if step == 0 and cfg.val.every > 0:
     log_validation(0)
 
@@ -494,9 +494,9 @@ while step < cfg.max_steps:
                                   for b in micro)), device=device)
     all_reduce(ntok)
     frame_s = cfg.features.hop_length / cfg.features.sample_rate
-    # audio s, padded frames, frames, padded tokens, tokens: from the CPU copy, no device sync
+    # audio s, padded frames, frames, padded tokens, tokens, utterances: from the CPU copy, no sync
     shapes = [torch.tensor([b.feat_lens.sum() * frame_s, b.feats.shape[0] * b.feats.shape[1],
-                            b.feat_lens.sum(), b.tokens.numel(), b.token_lens.sum()],
+                            b.feat_lens.sum(), b.tokens.numel(), b.token_lens.sum(), len(b)],
                            dtype=torch.float, device=device) for b in micro]
     optimizer.zero_grad(set_to_none=True)
     for i, b in enumerate(micro):
@@ -539,7 +539,7 @@ while step < cfg.max_steps:
         mem = (torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else rss_gb())
         values = {"train/loss": loss_v, "train/lr": scheduler.get_last_lr()[0],
                   "train/grad_norm": grad_norm.item(),
-                  "train/batch_size": len(micro[-1]),
+                  "train/batch_size": totals[7].item() / steps_since / world_size,  # per rank and step
                   "train/audio_padding": 100 * (1 - (totals[4] / totals[3]).item()),
                   "train/text_padding": 100 * (1 - (totals[6] / totals[5]).item()),
                   "train/audio_s_per_s": totals[2].item() / dt, "train/tokens_per_s": totals[6].item() / dt,
@@ -547,7 +547,7 @@ while step < cfg.max_steps:
                   "train/skipped_audio": int(all_reduce(skipped).item())}
         report(values, step)
         log.info(f"step {step} | loss {loss_v:.3f} | lr {values['train/lr']:.2e} | "
-                 f"gnorm {values['train/grad_norm']:.2f} | bs {len(micro[-1])} | "
+                 f"gnorm {values['train/grad_norm']:.2f} | bs {values['train/batch_size']:.1f} | "
                  f"pad audio {values['train/audio_padding']:.1f}% text {values['train/text_padding']:.1f}% | "
                  f"{values['train/audio_s_per_s']:.1f} audio s/s | {values['train/tokens_per_s']:.0f} tok/s | "
                  f"{values['train/step_time']:.2f} s/step | mem {mem:.2f} GB | eta {eta / 60:.1f} min")

@@ -1,0 +1,264 @@
+"""Training throughput: fixed batches vs 1D vs 2D bucketing vs 2D + oom.py batch sizes (issue 5).
+
+    python bench/train_bench.py --quick               # tiny, fixed/1D/2D, 30 steps each: ~2 min on 2 CPU cores
+    python bench/train_bench.py --models tiny         # tiny, all four schemes, 60 steps each: ~12 min
+    python bench/train_bench.py                       # and 30M (20 steps): over an hour on 2 busy CPU cores
+    python bench/train_bench.py --models 30m --steps 40 --work-dir /tmp/tb   # keep the run dirs and logs
+
+Every scheme is a real `train.py` run (a subprocess) on the same data (configs/tiny.yaml's: the
+bundled data/mini, 290 utterances of 0.9-4.1 s), the same model and the same number of steps,
+with validation off and one checkpoint at the end. Equal steps rather than equal wall-clock:
+train.py stops on max_steps, every scheme then draws the same number of batches from its batch
+distribution, and the rates below are per second anyway. The schemes:
+
+- fixed: one bucket, `train.batch_size=N`: every batch is a random mix of lengths, padded to its
+  longest. N = floor(max_duration / longest utterance), the largest fixed size whose worst batch
+  (N of the longest utterances) stays inside the same padded-audio budget as the bucketed schemes,
+  i.e. memory-matched, not batch-matched (--fixed-batch N overrides it, e.g. to match 2D's mean);
+- 1D: duration buckets (`train.sub_buckets=1`), n * d <= max_duration per bucket;
+- 2D: duration x token buckets (`train.sub_buckets=2`), the same rule;
+- 2D + oom.py: the 2D run's bins with per-bucket sizes from `oom.py`, whose memory budget is the
+  2D scheme's own worst-bucket peak (margin 0): the same memory, larger batches where it allows.
+
+From RUN_DIR/metrics.jsonl (log_every=1) after the first --warmup steps: mean batch size, audio
+and text padding (element-weighted: 1 - sum(lengths) / sum(padded)), audio seconds and tokens
+per second of wall-clock (data loading included), seconds per step, peak memory as train.py logs
+it (CUDA: max allocated; CPU: process RSS, which includes ~1 GB of runtime), and ratios against
+fixed. "bound" is each scheme's worst bucket, measured by oom.preflight (one real step at every
+bucket's bounds and batch size; CPU: live tensor bytes): the memory the scheme must provision.
+"epoch batch" is the mean batch size over a whole epoch (bins.counts / sizes), which the few
+measured steps only sample.
+
+--quick leaves out what costs minutes on a CPU: the oom.py search (~70 measured steps for 12
+buckets, 5 min for the tiny model on a busy 2-core machine) and the "bound" measurements.
+
+CPU training uses train.py's thread rule (cores - loader workers; OMP_NUM_THREADS to match). The
+machine may be shared: the load average is printed, timings are noisy, and the ratios of padding
+and batch size are more trustworthy than those of speed. The last line printed is a JSON object.
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from aed.model import AED, AEDConfig  # noqa: E402
+from oom import device_memory, load_training_setup, preflight  # noqa: E402
+from sampler import Bins, BucketingSampler, load_batch_sizes  # noqa: E402
+
+BASE_CONFIG = ROOT / "configs" / "tiny.yaml"
+# name -> (model overrides of configs/tiny.yaml, default steps). 30m: Canary-1B-Flash's shape
+# (deep encoder, 4-layer decoder) at 256 wide: 30.0M parameters with the mini vocabulary.
+MODELS = {
+    "tiny": ({}, 60),
+    "30m": ({"enc_d_model": 256, "enc_layers": 16, "enc_heads": 4, "subsampling_channels": 128,
+             "dec_d_model": 256, "dec_layers": 4, "dec_heads": 4}, 20),
+}
+SCHEMES = ["fixed", "1D", "2D", "2D + oom.py"]
+
+
+def load_avg() -> list:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def write_config(name: str, work: Path) -> Path:
+    """configs/tiny.yaml with the model's overrides: one YAML that both train.py and oom.py read."""
+    doc = yaml.safe_load(BASE_CONFIG.read_text())
+    doc["model"].update(MODELS[name][0])
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def longest_utterance(manifests: list) -> float:
+    longest = 0.0
+    for spec in manifests:
+        path = ROOT / (spec["path"] if isinstance(spec, dict) else spec)
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        longest = max(longest, float(json.loads(line)["duration"]))
+                    except (ValueError, KeyError) as e:
+                        raise SystemExit(f"{path}:{i}: no numeric 'duration' ({e!r})") from None
+    return longest
+
+
+def train(config: Path, run_dir: Path, steps: int, threads: int, overrides: list) -> None:
+    """One train.py run; its full log goes to run_dir/train.log."""
+    run_dir.mkdir(parents=True)
+    cmd = [sys.executable, "train.py", str(config), f"run_dir={run_dir}", f"max_steps={steps}",
+           "log_every=1", "val.every=0", f"ckpt_every={steps}", "keep_last=1", f"cpu_threads={threads}",
+           *overrides]
+    print(f"  $ {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    with open(run_dir / "train.log", "w") as log:
+        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = (run_dir / "train.log").read_text().splitlines()[-15:]
+        raise SystemExit(f"train.py exited with {code}; last lines of {run_dir / 'train.log'}:\n" + "\n".join(tail))
+
+
+def summarize(run_dir: Path, warmup: int) -> dict:
+    """Throughput and padding over the steps after `warmup`, from metrics.jsonl (one row per step)."""
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"train/loss"' in line][warmup:]
+    if not rows:
+        raise SystemExit(f"{run_dir / 'metrics.jsonl'}: no steps left after skipping {warmup} warm-up steps")
+    seconds = sum(r["train/step_time"] for r in rows)
+    audio = [r["train/audio_s_per_s"] * r["train/step_time"] for r in rows]  # valid audio s of each step
+    tokens = [r["train/tokens_per_s"] * r["train/step_time"] for r in rows]
+    # padded = valid / (1 - padding): the element-weighted padding of all measured steps together
+    padded_audio = sum(a / (1 - r["train/audio_padding"] / 100) for a, r in zip(audio, rows))
+    padded_tokens = sum(t / (1 - r["train/text_padding"] / 100) for t, r in zip(tokens, rows))
+    return {"steps": len(rows), "batch": sum(r["train/batch_size"] for r in rows) / len(rows),
+            "audio_padding": 100 * (1 - sum(audio) / padded_audio),
+            "text_padding": 100 * (1 - sum(tokens) / padded_tokens),
+            "audio_s_per_s": sum(audio) / seconds, "tokens_per_s": sum(tokens) / seconds,
+            "step_time": seconds / len(rows), "memory_gb": max(r["train/memory_gb"] for r in rows)}
+
+
+def epoch_batch(bins: Bins, sizes: list) -> float:
+    """Examples per batch over an epoch, from the bins' occupancy: sum(n_b) / sum(n_b / size_b)."""
+    counts = [c for row in bins.counts for c in row]
+    return sum(counts) / sum(n / s for n, s in zip(counts, sizes) if n)
+
+
+def bench_model(name: str, args, work: Path, device: torch.device) -> dict:
+    config = write_config(name, work)
+    doc = yaml.safe_load(config.read_text())
+    steps = args.steps or (30 if args.quick else MODELS[name][1])
+    max_duration = doc["train"]["max_duration"]
+    workers = doc["train"]["num_workers"]
+    threads = max(1, len(os.sched_getaffinity(0)) - workers)  # train.py's own rule, made explicit
+    fixed_n = args.fixed_batch or math.floor(max_duration / longest_utterance(
+        doc["train"].get("manifests", ["data/mini/train.jsonl"])))
+    n_params = sum(p.numel() for p in AED(AEDConfig(**doc["model"])).parameters())
+    print(f"\n[{name}] {n_params / 1e6:.2f}M parameters, {steps} steps per scheme, {device}, "
+          f"{threads} torch thread(s) + {workers} loader worker(s), max_duration {max_duration} s, "
+          f"fixed batch {fixed_n}", file=sys.stderr, flush=True)
+
+    def bound(bins: Bins, sizes: list) -> int:
+        """Worst-bucket peak of a scheme's sizes (no budget to enforce: the device's memory). The
+        model lives only during the measurement, so it holds no device memory while train.py runs."""
+        model, optimizer, features, spec_augment, precision = load_training_setup(str(config), device, None)
+        peak = max(preflight(model, optimizer, bins, sizes, device_memory(device), features, precision,
+                             spec_augment))
+        del model, optimizer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return peak
+
+    def max_duration_sizes(bins: Bins) -> list:
+        return BucketingSampler([], bins, max_duration=max_duration, rank=0, world_size=1).sizes
+
+    results = {}
+    schemes = SCHEMES[:3] if args.quick else SCHEMES
+    runs = {s: work / name / s.replace(" + ", "_").replace(".", "") for s in schemes}
+    overrides = {"fixed": ["train.num_buckets=1", "train.sub_buckets=1", f"train.batch_size={fixed_n}",
+                           "train.max_duration=null"],
+                 "1D": ["train.sub_buckets=1"], "2D": ["train.sub_buckets=2"]}
+    for scheme in schemes:
+        t0, load0 = time.time(), load_avg()
+        print(f"[{name}] {scheme}: load average {load0}", file=sys.stderr, flush=True)
+        if scheme == "2D + oom.py":
+            # The budget is what 2D's batch sizes already need, so both schemes get the same memory.
+            budget = results["2D"]["bound_bytes"]
+            sizes_path = work / name / "oom_batch_sizes.json"
+            cmd = [sys.executable, "oom.py", "--config", str(config), "--bins", str(runs["2D"] / "bins.json"),
+                   "-o", str(sizes_path), "--memory-budget", str(budget), "--margin", "0",
+                   "--threshold", str(args.oom_threshold), "--device", str(device)]
+            print(f"  $ {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+            env = {**os.environ, "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))}
+            with open(work / name / "oom.log", "w") as log:
+                t_oom = time.time()
+                code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+                oom_seconds = time.time() - t_oom
+            if code != 0:
+                raise SystemExit(f"oom.py exited with {code}, see {work / name / 'oom.log'}")
+            overrides[scheme] = [f"train.batch_sizes={sizes_path}"]
+        train(config, runs[scheme], steps, threads, overrides[scheme])
+        res = summarize(runs[scheme], args.warmup)
+        if scheme == "2D + oom.py":
+            bins, sizes = load_batch_sizes(sizes_path)
+            sizes = [s for row in sizes for s in row]
+            res["oom_seconds"] = oom_seconds
+        else:
+            bins = Bins.load(runs[scheme] / "bins.json")
+            sizes = [fixed_n] if scheme == "fixed" else max_duration_sizes(bins)
+        res.update(buckets=bins.num_buckets, sizes=sizes,
+                   epoch_batch=epoch_batch(bins, sizes), load_avg=[load0, load_avg()],
+                   bound_bytes=None if args.quick else bound(bins, sizes), seconds=time.time() - t0)
+        results[scheme] = res
+    return {"parameters": n_params, "steps": steps, "warmup": args.warmup, "threads": threads,
+            "loader_workers": workers, "max_duration": max_duration, "fixed_batch": fixed_n, "schemes": results}
+
+
+def print_table(name: str, m: dict) -> None:
+    print(f"\n{name}: {m['parameters'] / 1e6:.1f}M parameters, {m['steps']} steps per scheme, first "
+          f"{m['warmup']} skipped; {m['threads']} torch thread(s) + {m['loader_workers']} loader worker(s)")
+    print(f"{'scheme':<12} {'buckets':>7} {'batch':>6} {'epoch batch':>11} {'pad audio':>9} {'pad text':>8} "
+          f"{'audio s/s':>9} {'tok/s':>7} {'s/step':>6} {'mem GB':>6} {'bound MB':>8} | {'x batch':>7} "
+          f"{'x audio s/s':>11} {'x tok/s':>7}  load avg (1 min) before/after")
+    base = m["schemes"]["fixed"]
+    for scheme, r in m["schemes"].items():
+        label = f"fixed {m['fixed_batch']}" if scheme == "fixed" else scheme
+        bound = f"{r['bound_bytes'] / 1e6:.1f}" if r["bound_bytes"] else "-"
+        print(f"{label:<12} {r['buckets']:>7} {r['batch']:>6.1f} {r['epoch_batch']:>11.1f} "
+              f"{r['audio_padding']:>8.1f}% {r['text_padding']:>7.1f}% {r['audio_s_per_s']:>9.1f} "
+              f"{r['tokens_per_s']:>7.0f} {r['step_time']:>6.2f} {r['memory_gb']:>6.2f} {bound:>8} | "
+              f"{r['batch'] / base['batch']:>6.2f}x {r['audio_s_per_s'] / base['audio_s_per_s']:>10.2f}x "
+              f"{r['tokens_per_s'] / base['tokens_per_s']:>6.2f}x  {r['load_avg'][0][0]:.2f} / "
+              f"{r['load_avg'][1][0]:.2f}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, 30 steps, fixed/1D/2D only, no memory bounds")
+    p.add_argument("--models", default=None, help=f"comma-separated, from {list(MODELS)} (default: all)")
+    p.add_argument("--steps", type=int, default=None, help="steps per scheme (default: per model)")
+    p.add_argument("--warmup", type=int, default=5, help="first steps left out of the averages")
+    p.add_argument("--fixed-batch", type=int, default=None,
+                   help="fixed scheme's batch size (default: memory-matched, max_duration / longest)")
+    p.add_argument("--oom-threshold", type=float, default=0.1, help="oom.py --threshold (its default: 0.05)")
+    p.add_argument("--work-dir", default=None, help="keep run dirs and logs here (default: a temp dir, removed)")
+    args = p.parse_args()
+    names = ["tiny"] if args.quick else (args.models.split(",") if args.models else list(MODELS))
+    unknown = set(names) - set(MODELS)
+    if unknown:
+        p.error(f"--models: unknown {sorted(unknown)}, choose from {list(MODELS)}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # our preflight steps run between trainings
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="train_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    t0, load_start = time.time(), load_avg()
+    try:
+        models = {name: bench_model(name, args, work, device) for name in names}
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    for name, m in models.items():
+        print_table(name, m)
+    load_end = load_avg()
+    print(f"\nload average (1, 5, 15 min) at start {load_start}, at end {load_end} on "
+          f"{len(os.sched_getaffinity(0))} cores: other jobs share this machine, so speeds are noisy; "
+          f"padding and batch sizes are not. {time.time() - t0:.0f} s in total.")
+    print(json.dumps({"device": str(device), "cores": len(os.sched_getaffinity(0)), "load_avg_start": load_start,
+                      "load_avg_end": load_end, "seconds": time.time() - t0, "models": models}))
+
+
+if __name__ == "__main__":
+    main()
