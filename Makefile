@@ -19,7 +19,7 @@ $(VENV)/.installed: requirements.txt
 test: venv
 	$(PY) -m pytest -q tests
 
-# Trains the tiny model on the bundled data (~5 min on 2 CPU cores; dev WER before/after is in
+# Trains the tiny model on the bundled data (~7 min on 2 CPU cores; dev WER before/after is in
 # the log), then transcribes the bundled example wavs with it.
 demo: venv
 	rm -rf runs/demo
