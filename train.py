@@ -394,6 +394,8 @@ def evaluate() -> dict:
         rows, loss_sum = [], torch.zeros(2, device=device)
         for group in groups:
             b = collate([ds[j] for j in group]).to(device)
+            for err in b.errors:
+                log.warning("validation: skipped unreadable audio: %s", err)
             if len(b) == 0:
                 continue
             with autocast():
