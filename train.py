@@ -33,7 +33,7 @@ from torch.utils.tensorboard import SummaryWriter
 from aed.audio import FeatureConfig, LogMel, SpecAugment
 from aed.checkpoint import load_latest, pack_dir, save_checkpoint
 from aed.config import ConfigError, load_config, to_dict
-from aed.data import Collate, UtteranceDataset, encode_utterance, ignore_stop_signals, read_manifest
+from aed.data import Collate, UtteranceDataset, encode_utterance, read_manifest
 from aed.decoding import DecodingOptions, decode
 from aed.distributed import all_gather_objects, all_reduce, cleanup, gather_objects, init_distributed
 from aed.memory import format_bytes, parse_bytes
@@ -257,7 +257,6 @@ def make_loader():
     # dropout and SpecAugment would differ from an uninterrupted one.
     return DataLoader(dataset, batch_sampler=batches, collate_fn=collate,
                       num_workers=cfg.train.num_workers, pin_memory=device.type == "cuda",
-                      worker_init_fn=ignore_stop_signals,
                       generator=torch.Generator().manual_seed(cfg.seed))
 
 
@@ -568,8 +567,6 @@ while step < cfg.max_steps:
         break
 
 # --- cleanup ----------------------------------------------------------------------------------
-
-del loader_iter  # shuts the DataLoader workers down now (they ignore SIGTERM, see make_loader)
 
 if master:
     writer.close()

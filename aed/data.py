@@ -19,7 +19,6 @@ skipped with a warning per line and a count, never silently.
 import json
 import logging
 import os
-import signal
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -224,9 +223,3 @@ class Collate:
         return Batch(feats, feat_lens, tokens, token_lens, prompt_lens,
                      [it["audio_filepath"] for it in items], [it["index"] for it in items], errors)
 
-
-def ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader worker_init_fn: schedulers send SIGTERM to the whole process group; workers
-    ignore it so the training process can save a checkpoint before it shuts them down."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
