@@ -12,6 +12,7 @@ model, optimizer, resume, loop, cleanup. Re-running the same command resumes fro
 checkpoint in `run_dir`; SIGTERM / SIGUSR1 (a cluster job's time limit) saves one and exits 0.
 """
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -33,7 +34,7 @@ from torch.utils.tensorboard import SummaryWriter
 from aed.audio import FeatureConfig, LogMel, SpecAugment
 from aed.checkpoint import load_latest, pack_dir, save_checkpoint
 from aed.config import ConfigError, load_config, to_dict
-from aed.data import Collate, UtteranceDataset, encode_utterance, read_manifest
+from aed.data import Collate, UtteranceDataset, encode_utterance, ignore_stop_signals, read_manifest
 from aed.decoding import DecodingOptions, decode
 from aed.distributed import all_gather_objects, all_reduce, cleanup, gather_objects, init_distributed
 from aed.memory import format_bytes, parse_bytes
@@ -257,7 +258,7 @@ def make_loader():
     # dropout and SpecAugment would differ from an uninterrupted one.
     return DataLoader(dataset, batch_sampler=batches, collate_fn=collate,
                       num_workers=cfg.train.num_workers, pin_memory=device.type == "cuda",
-                      generator=torch.Generator().manual_seed(cfg.seed))
+                      worker_init_fn=ignore_stop_signals, generator=torch.Generator().manual_seed(cfg.seed))
 
 
 spec_augment = SpecAugment(**dataclasses.asdict(cfg.spec_augment)).train().to(device)
@@ -474,6 +475,17 @@ def log_validation(step: int) -> None:
 model.train()
 consumed = batches.taken = 0  # batches the loop has trained on / the DataLoader has taken
 loader_iter = iter(make_loader())
+
+
+def stop_workers():
+    """The workers ignore SIGTERM (make_loader), so multiprocessing's own exit hook, which
+    terminates them with SIGTERM and then waits, would hang: release the iterator first, which
+    shuts them down cleanly. Registered after that hook, so it runs before it on every exit path."""
+    global loader_iter
+    loader_iter = None
+
+
+atexit.register(stop_workers)
 bad_steps = skipped_audio = 0
 t_start, t_last, steps_since, start_step = time.time(), time.time(), 0, step
 totals = torch.zeros(8, device=device)  # loss, tokens, audio s, padded frames, frames, padded tok, tok, utts

@@ -19,6 +19,7 @@ skipped with a warning per line and a count, never silently.
 import json
 import logging
 import os
+import signal
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -223,3 +224,11 @@ class Collate:
         return Batch(feats, feat_lens, tokens, token_lens, prompt_lens,
                      [it["audio_filepath"] for it in items], [it["index"] for it in items], errors)
 
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader worker_init_fn. Cluster schedulers signal every process of the job, workers
+    included; the trainer must outlive its workers long enough to save a checkpoint, and it
+    shuts them down itself (train.py, stop_workers)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)

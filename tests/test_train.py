@@ -62,10 +62,12 @@ def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "train.py", "configs/tiny.yaml", f"run_dir={run_dir}", *SMALL,
            "max_steps=1000", "ckpt_every=1000"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     for line in proc.stderr:
         if "step 2 |" in line:
-            proc.send_signal(signal.SIGTERM)
+            # As a cluster scheduler does: the whole process group, DataLoader workers included.
+            os.killpg(proc.pid, signal.SIGTERM)
             break
     _, rest = proc.communicate(timeout=120)
     assert proc.returncode == 0, rest
