@@ -100,6 +100,8 @@ class TrainConfig:
     seed: int = 0
     objective: str = "aed"  # aed: encoder-decoder cross-entropy | rnnt: encoder + transducer (encoder pretraining)
     rnnt_chunk_size: int = 4  # rnnt: samples per joint tensor (1 = least memory, B = batched speed)
+    rnnt_pred_dim: int = 640  # rnnt: predictor width (NeMo's default)
+    rnnt_joint_dim: int = 640  # rnnt: joint width; the (B, T', U+1, H) joint dominates a small model's step
     max_steps: int = 100000
     log_every: int = 10
     ckpt_every: int = 1000
@@ -268,7 +270,8 @@ spec_augment = SpecAugment(**dataclasses.asdict(cfg.spec_augment)).train().to(de
 if cfg.objective == "aed":
     model = AED(cfg.model).to(device)
 else:  # same encoder and parameter names: init_encoder_only later moves it into an AED
-    model = TransducerASR(cfg.model, tokenizer.vocab_size, cfg.rnnt_chunk_size).to(device)
+    model = TransducerASR(cfg.model, tokenizer.vocab_size, cfg.rnnt_chunk_size,
+                          pred_dim=cfg.rnnt_pred_dim, joint_dim=cfg.rnnt_joint_dim).to(device)
 if cfg.activation_checkpointing:
     model.encoder.checkpoint_activations = True
 decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "pos_bias" not in n]

@@ -16,7 +16,7 @@ from aed.transducer import Transducer, TransducerConfig
 
 class TransducerASR(nn.Module):
     def __init__(self, cfg: AEDConfig, text_vocab_size: int, chunk_size: int = 1,
-                 predictor: str = "lstm"):
+                 predictor: str = "lstm", pred_dim: int = 640, joint_dim: int = 640):
         super().__init__()
         self.cfg, self.chunk_size = cfg, chunk_size
         self.encoder = ConformerEncoder(
@@ -24,9 +24,11 @@ class TransducerASR(nn.Module):
             cfg.conv_norm, cfg.subsampling_channels, cfg.enc_dropout, cfg.enc_dropout_pre_encoder,
             cfg.enc_dropout_att,
         )
-        # Blank is appended after the tokenizer's ids (aed/transducer.py).
+        # Blank is appended after the tokenizer's ids (aed/transducer.py). pred_dim and joint_dim default
+        # to NeMo's 640; a tiny model wants less, as the (B, T', U+1, joint_dim) joint dominates its step.
         self.transducer = Transducer(TransducerConfig(
-            vocab_size=text_vocab_size + 1, enc_dim=cfg.enc_d_model, predictor=predictor))
+            vocab_size=text_vocab_size + 1, enc_dim=cfg.enc_d_model, pred_dim=pred_dim, joint_dim=joint_dim,
+            predictor=predictor))
 
     def count_targets(self, token_lens, prompt_lens):
         """Per-row number of scored tokens: the text, without prompt and EOS."""

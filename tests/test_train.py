@@ -154,7 +154,7 @@ def test_tiny_config_learns_on_the_mini_set(tmp_path):
 
 
 def test_rnnt_pretraining_then_its_encoder_into_an_aed(tmp_path):
-    p = run_train(tmp_path / "rnnt", "max_steps=2", "objective=rnnt", "val.every=2",
+    p = run_train(tmp_path / "rnnt", "max_steps=2", "objective=rnnt", "rnnt_joint_dim=64", "val.every=2",
                   "val.max_utterances=4")
     assert "validation @ step 2: dev/loss=" in p.stderr
     ckpt = tmp_path / "rnnt" / "ckpt-00000002.pt"
