@@ -320,6 +320,12 @@ elif cfg.init_from:
     src = torch.load(cfg.init_from, map_location="cpu", weights_only=False)["model"]
     own = model.state_dict()
     prefix = "encoder." if cfg.init_encoder_only else ""
+    # A tokenizer with blocks appended (a new language's SentencePiece model) keeps every old id:
+    # the old rows of the vocabulary-sized tensors carry over, the new rows stay random.
+    for k in ("decoder.embedding.token_embedding.weight", "decoder.output_proj.weight", "decoder.output_proj.bias"):
+        if k in src and k in own and src[k].shape[1:] == own[k].shape[1:] and len(src[k]) < len(own[k]):
+            log.info("init_from: %s grows from %d to %d rows", k, len(src[k]), len(own[k]))
+            src[k] = torch.cat([src[k], own[k][len(src[k]):]])
     loadable = {k: v for k, v in src.items() if k.startswith(prefix) and k in own
                 and own[k].shape == v.shape}
     mismatched = [f"{k}: {tuple(v.shape)} -> {tuple(own[k].shape)}" for k, v in src.items()

@@ -36,6 +36,12 @@ TRANSLATE = "<|translate|>"
 PNC = "<|pnc|>"
 NOPNC = "<|nopnc|>"
 NOSPEECH = "<|nospeech|>"
+# Only in the "canary2" prompt (the Flash models): the prompt fields our tasks leave at their defaults.
+CONTEXT = "<|startofcontext|>"
+EMO_UNDEFINED = "<|emo:undefined|>"
+NOITN = "<|noitn|>"
+NOTIMESTAMP = "<|notimestamp|>"
+NODIARIZE = "<|nodiarize|>"
 DEFAULT_LANGUAGES = ("en", "de", "fr", "es")
 
 
@@ -83,7 +89,29 @@ def canary_prompt(tok: "Tokenizer", source_lang: str, target_lang: str, pnc: boo
     ]
 
 
-PROMPT_FORMATS = {"canary": canary_prompt}
+def canary2_prompt(tok: "Tokenizer", source_lang: str, target_lang: str, pnc: bool, task: str) -> list[int]:
+    """<|startofcontext|><|startoftranscript|><|emo:undefined|><|SRC|><|TGT|><|pnc|or|nopnc|><|noitn|><|notimestamp|><|nodiarize|>
+
+    NeMo's "canary2" (Canary-1B-Flash, Canary-180M-Flash) with an empty decoder context. It has no
+    task token: the model translates exactly when the target language differs from the source.
+    """
+    if task == "translate" and source_lang == target_lang:
+        raise ValueError(f"prompt format 'canary2' has no task token: translation needs source_lang != "
+                         f"target_lang, got {source_lang} -> {target_lang}")
+    return [
+        tok.token_to_id(CONTEXT),
+        tok.bos,
+        tok.token_to_id(EMO_UNDEFINED),
+        tok.lang_id(source_lang),
+        tok.lang_id(target_lang),
+        tok.token_to_id(PNC if pnc else NOPNC),
+        tok.token_to_id(NOITN),
+        tok.token_to_id(NOTIMESTAMP),
+        tok.token_to_id(NODIARIZE),
+    ]
+
+
+PROMPT_FORMATS = {"canary": canary_prompt, "canary2": canary2_prompt}
 
 
 class Tokenizer:

@@ -1,0 +1,239 @@
+"""tools/convert_nemo.py checked against real NeMo, without NeMo.
+
+tests/fixtures/nemo/ holds two small random-weight NeMo EncDecMultiTaskModel checkpoints (a "canary"
+and a Flash-style "canary2" model) and NeMo's own outputs on data/mini utterances, made by
+tools/make_nemo_fixtures.py with nemo_toolkit 3.0.0. Float32 tolerances reached on this machine:
+features 4.6e-5, encoder output 1.0e-6, decoder log-probs 1.0e-6 (asserted: 1e-4 / 1e-5 / 1e-5).
+"""
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from convert_nemo import ConversionError, convert  # noqa: E402
+
+from aed.audio import LogMel, load_audio  # noqa: E402
+from aed.checkpoint import list_checkpoints, load_model  # noqa: E402
+from aed.decoding import greedy_search  # noqa: E402
+
+FIXTURES = ROOT / "tests" / "fixtures" / "nemo"
+MINI = ROOT / "data" / "mini"
+
+
+@pytest.fixture(scope="module", params=["canary", "canary2"])
+def conv(request, tmp_path_factory):
+    """A fixture model converted once per module: model, tokenizer, features, NeMo's references, paths."""
+    out = tmp_path_factory.mktemp(request.param) / f"{request.param}.pt"
+    convert(FIXTURES / f"{request.param}.nemo", out)
+    model, tokenizer, features = load_model(out)
+    ref = torch.load(FIXTURES / f"{request.param}.ref.pt", weights_only=False)
+    return SimpleNamespace(name=request.param, out=out, model=model, tok=tokenizer, features=features, ref=ref)
+
+
+def strip_eos(tokens, eos):
+    return tokens[: tokens.index(eos)] if eos in tokens else tokens
+
+
+def test_prompt_format_comes_from_the_checkpoint(conv):
+    assert conv.tok.prompt_format == conv.name
+    assert conv.model.cfg.n_mels == conv.features.n_mels == 128
+    assert conv.model.cfg.conv_norm == "batch_norm"
+
+
+def test_features_match_nemo(conv):
+    logmel = LogMel(conv.features).eval()
+    for u in conv.ref["utterances"]:
+        wav = load_audio(MINI / u["audio"])
+        assert wav.numel() == u["num_samples"]
+        feats, feat_lens = logmel(wav[None], torch.tensor([wav.numel()]))
+        assert int(feat_lens[0]) == u["feat_len"]
+        torch.testing.assert_close(feats[0], u["feats"], atol=1e-4, rtol=0)
+
+
+def test_encoder_matches_nemo_in_eval_mode(conv):
+    for u in conv.ref["utterances"]:
+        with torch.no_grad():
+            memory, memory_lens = conv.model.encode(u["feats"][None], torch.tensor([u["feat_len"]]))
+        assert int(memory_lens[0]) == u["memory"].shape[0]
+        torch.testing.assert_close(memory[0], u["memory"], atol=1e-5, rtol=0)
+
+
+def test_decoder_log_probs_under_teacher_forcing_match_nemo(conv):
+    model = conv.model
+    for u in conv.ref["utterances"]:
+        tokens = torch.tensor([u["tokens"]])
+        memory, memory_lens = u["memory"][None], torch.tensor([u["memory"].shape[0]])
+        with torch.no_grad():
+            hidden = model.decoder(tokens[:, :-1], memory, memory_lens)
+            log_probs = torch.log_softmax(model.decoder.output_proj(hidden).float(), dim=-1)
+        torch.testing.assert_close(log_probs[0], u["log_probs"], atol=1e-5, rtol=0)
+        # The training loss is NeMo's summed NLL of the same targets (prompt included).
+        with torch.no_grad():
+            loss, n = model(u["feats"][None], torch.tensor([u["feat_len"]]), tokens,
+                            torch.tensor([tokens.shape[1]]), torch.tensor([u["prompt_len"]]))
+        nemo_nll = -u["log_probs"].gather(1, tokens[0, 1:, None]).sum()
+        assert int(n) == tokens.shape[1] - 1
+        torch.testing.assert_close(loss, nemo_nll, atol=1e-4, rtol=1e-5)
+
+
+def test_greedy_tokens_match_nemo(conv):
+    model, tok = conv.model, conv.tok
+    logmel = LogMel(conv.features).eval()
+    for u in conv.ref["utterances"]:
+        p = u["prompt_len"]
+        prompt = torch.tensor([u["tokens"][:p]])
+        # NeMo's max_generation_delta bounds prompt + output and counts padded encoder frames;
+        # ours bounds the output alone. Give both the same budget.
+        max_delta, limit = conv.ref["max_generation_delta"], u["greedy_limit"]
+        expected = strip_eos(u["greedy"], tok.eos)
+        memory = u["memory"][None]
+        hyp = greedy_search(model, memory, torch.tensor([memory.shape[1]]), prompt, tok.eos, max_delta, limit)[0]
+        assert hyp == expected
+        # End to end from the audio file: our features, our encoder, our decoder.
+        wav = load_audio(MINI / u["audio"])
+        with torch.no_grad():
+            memory, memory_lens = model.encode(*logmel(wav[None], torch.tensor([wav.numel()])))
+        assert greedy_search(model, memory, memory_lens, prompt, tok.eos, max_delta, limit)[0] == expected
+
+
+def test_tokenizer_ids_equal_nemo(conv):
+    tok, ref = conv.tok, conv.ref
+    assert tok.vocab_size == ref["vocab_size"]
+    assert len(ref["special_tokens"]) > 20
+    for token, i in ref["special_tokens"].items():  # every special token of NeMo's CanaryTokenizer
+        assert tok.token_to_id(token) == i, token
+        assert tok.is_special(i) and tok.id_to_token(i) == token
+    assert set(ref["text_ids"]) == {"en", "es", "de", "fr"}
+    for lang, texts in ref["texts"].items():
+        for text, ids in zip(texts, ref["text_ids"][lang]):
+            assert tok.encode(text, lang) == ids, (lang, text)
+    for key, ids in ref["prompts"].items():
+        src, tgt, pnc = key.split("-")
+        assert tok.prompt_ids(src, tgt, pnc == "True") == ids, key
+    for u in ref["utterances"]:  # prompt + text + eos, as NeMo's prompt formatter builds it
+        assert tok.encode_example(u["text"], u["source_lang"], u["target_lang"], True)[0] == u["tokens"]
+
+
+def test_canary2_prompt_has_no_task_token(conv):
+    if conv.tok.prompt_format == "canary2":
+        assert conv.tok.prompt_ids("en", "es", True, "translate") == conv.tok.prompt_ids("en", "es", True)
+        with pytest.raises(ValueError, match="no task token"):
+            conv.tok.prompt_ids("en", "en", True, "translate")
+    else:
+        assert conv.tok.prompt_ids("en", "en", True, "translate") != conv.tok.prompt_ids("en", "en", True)
+
+
+def rewrite_nemo(src, dst, edit):
+    """Copy a .nemo archive with `edit(config)` applied to its model_config.yaml."""
+    with tarfile.open(src) as tin, tarfile.open(dst, "w") as tout:
+        for member in tin.getmembers():
+            data = tin.extractfile(member).read() if member.isfile() else None
+            if member.name.endswith("model_config.yaml"):
+                config = yaml.safe_load(data)
+                edit(config)
+                data = yaml.safe_dump(config, sort_keys=False).encode()
+                member.size = len(data)
+            tout.addfile(member, io.BytesIO(data) if data is not None else None)
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda c: c["encoder"].update(xscaling=True), "encoder.xscaling=True"),
+    (lambda c: c["transf_decoder"]["config_dict"].update(learn_positional_encodings=True),
+     "transf_decoder.config_dict.learn_positional_encodings=True"),
+    (lambda c: c["transf_encoder"].update(num_layers=2), "transf_encoder.num_layers=2"),
+    (lambda c: c.update(prompt_format="whisper"), "prompt_format='whisper'"),
+])
+def test_unsupported_option_is_a_clear_error(tmp_path, edit, named):
+    bad = tmp_path / "bad.nemo"
+    rewrite_nemo(FIXTURES / "canary.nemo", bad, edit)
+    with pytest.raises(ConversionError, match=named.replace("[", r"\[").replace(".", r"\.")):
+        convert(bad, tmp_path / "bad.pt")
+    assert not (tmp_path / "bad.pt").exists()
+
+
+def test_cli_reports_the_unsupported_option(tmp_path):
+    bad = tmp_path / "bad.nemo"
+    rewrite_nemo(FIXTURES / "canary2.nemo", bad, lambda c: c["encoder"].update(xscaling=True))
+    p = subprocess.run([sys.executable, "tools/convert_nemo.py", str(bad), "-o", str(tmp_path / "x.pt")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    assert "encoder.xscaling=True" in p.stderr and "does not scale" in p.stderr
+
+
+def test_converted_checkpoint_fine_tunes_and_still_decodes(tmp_path):
+    """train.py with the YAML the converter writes and init_from= its checkpoint (the Flash-style model)."""
+    out = tmp_path / "flash.pt"
+    convert(FIXTURES / "canary2.nemo", out)
+    converted, _, _ = load_model(out)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "train.py", str(out.with_suffix(".yaml")), f"init_from={out}",
+           f"run_dir={run}", "max_steps=3", "ckpt_every=3", "log_every=1", "val.every=3",
+           "val.max_utterances=2", f"val.manifests=[{MINI / 'dev.jsonl'}]",
+           f"train.manifests=[{MINI / 'train.jsonl'}]", "train.num_buckets=2", "train.max_duration=8",
+           "train.num_workers=0", "optim.warmup_steps=1", "optim.lr=1e-3"]
+    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "left random: nothing" in p.stderr  # every tensor came from the converted checkpoint
+    assert "dev/wer" in p.stderr  # validation decoded the dev utterances
+
+    ckpt = list_checkpoints(run)[-1]
+    model, tok, _ = load_model(ckpt)
+    assert tok.prompt_format == "canary2"
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, converted.state_dict()[k])]
+    assert any(k.startswith("decoder.") for k in changed) and any(k.startswith("encoder.") for k in changed)
+    u = torch.load(FIXTURES / "canary2.ref.pt", weights_only=False)["utterances"][0]
+    prompt = torch.tensor([tok.prompt_ids(u["source_lang"], u["target_lang"], True)])
+    with torch.no_grad():
+        memory, memory_lens = model.encode(u["feats"][None], torch.tensor([u["feat_len"]]))
+    hyp = greedy_search(model, memory, memory_lens, prompt, tok.eos, max_delta=5)[0]
+    assert 0 < len(hyp) <= memory.shape[1] + 5 and all(0 <= t < tok.vocab_size + 8 for t in hyp)
+
+
+def test_fine_tuning_with_a_new_language_block_appended(tmp_path):
+    """A sub-tokenizer appended to the converted aggregate tokenizer keeps every old id and row."""
+    out = tmp_path / "canary.pt"
+    convert(FIXTURES / "canary.nemo", out)
+    converted, old_tok, _ = load_model(out)
+    tok_dir = tmp_path / "with_it"
+    shutil.copytree(out.with_suffix(".tokenizer"), tok_dir)
+    config = json.loads((tok_dir / "tokenizer.json").read_text())
+    shutil.copy(tok_dir / "fr.model", tok_dir / "it.model")  # stands in for an Italian model
+    config["blocks"].append({"kind": "sentencepiece", "lang": "it", "model": "it.model", "size": 80})
+    config["languages"].append("it")  # <|it|> is already one of the special tokens
+    (tok_dir / "tokenizer.json").write_text(json.dumps(config))
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "train.py", str(out.with_suffix(".yaml")), f"init_from={out}", f"run_dir={run}",
+           f"train.tokenizer={tok_dir}", "max_steps=1", "ckpt_every=1", "val.every=0",
+           f"train.manifests=[{MINI / 'train.jsonl'}]", "train.num_buckets=2", "train.max_duration=8",
+           "train.num_workers=0", "optim.warmup_steps=1", "optim.lr=1e-6", "optim.min_lr=1e-7"]
+    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "token_embedding.weight grows from 448 to 528 rows" in p.stderr
+
+    model, tok, _ = load_model(list_checkpoints(run)[-1])
+    assert tok.vocab_size == old_tok.vocab_size + 80
+    assert tok.prompt_ids("en", "es", True) == old_tok.prompt_ids("en", "es", True)
+    new, old = model.decoder.output_proj, converted.decoder.output_proj
+    torch.testing.assert_close(new.weight[:448], old.weight, atol=1e-4, rtol=0)  # one step at lr 1e-6
+    torch.testing.assert_close(new.bias[:448], old.bias, atol=1e-4, rtol=0)
+    u = torch.load(FIXTURES / "canary.ref.pt", weights_only=False)["utterances"][0]
+    with torch.no_grad():
+        memory, memory_lens = model.encode(u["feats"][None], torch.tensor([u["feat_len"]]))
+    prompt = torch.tensor([tok.prompt_ids("en", "it", True)])
+    assert len(greedy_search(model, memory, memory_lens, prompt, tok.eos, max_delta=3)[0]) > 0
