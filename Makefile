@@ -1,4 +1,4 @@
-# Two entry points: `make demo` and `make test`. Both create .venv on first use.
+# Entry points: `make demo`, `make test` and `make report`. Each creates .venv on first use.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # Override on other machines, e.g. `make demo TORCH_PINS=` to take requirements.txt's ranges as they are.
 TORCH_PINS ?= torch==2.14.1 torchaudio==2.11.0
 
-.PHONY: demo test venv clean
+.PHONY: demo test report venv clean
 
 venv: $(VENV)/.installed
 
@@ -25,6 +25,11 @@ demo: venv
 	rm -rf runs/demo
 	$(PY) train.py configs/tiny.yaml run_dir=runs/demo
 	$(PY) infer.py --ckpt runs/demo --manifest data/mini/examples.jsonl
+
+# The paper's experiments at CPU scale -> docs/REPORT.md and its plots (~30 min on 2 CPU cores).
+report: venv
+	$(VENV)/bin/pip install -q -r bench/requirements-report.txt
+	$(PY) bench/report.py --work-dir runs/report/work
 
 clean:
 	rm -rf $(VENV) runs/demo

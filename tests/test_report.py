@@ -1,0 +1,40 @@
+"""bench/report.py --quick end to end: the report is written and every table holds measured numbers."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tables(markdown: str) -> list:
+    """Markdown tables as lists of data rows (header and separator dropped), each row a list of cells."""
+    out, rows = [], []
+    for line in markdown.splitlines() + [""]:
+        if line.startswith("|"):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif rows:
+            out.append(rows[2:])
+            rows = []
+    return out
+
+
+def test_quick_report(tmp_path):
+    out = tmp_path / "docs"
+    p = subprocess.run([sys.executable, "bench/report.py", "--quick", "-o", str(out), "--work-dir",
+                        str(tmp_path / "work")], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    text = (out / "REPORT.md").read_text()
+    for heading in ("## E1", "## E2", "## E3", "## E4"):
+        assert heading in text, f"missing section {heading}"
+    found = tables(text)
+    assert len(found) >= 9, f"expected the report's 9+ tables, found {len(found)}"
+    for rows in found:
+        assert rows, "a table without data rows"
+        for row in rows:
+            assert any(re.search(r"\d", c) for c in row), f"a row without numbers: {row}"
+            assert not any(c.lower() in ("nan", "none", "inf") for c in row), f"a row with a missing value: {row}"
+    run_rows = {r[0]: r for rows in found for r in rows}
+    assert {"fixed", "A", "B", "C", "D"} <= set(run_rows), "E2/E4 training runs missing from the tables"
