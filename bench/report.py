@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -159,6 +160,7 @@ def read_metrics(run_dir: Path) -> list:
 def train_run(name: str, config: Path, overrides: list, mode: dict, work: Path) -> dict:
     """One train.py run stopped at the training-time budget, then one more step and a validation."""
     run_dir = work / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run left by an earlier report would be resumed
     base = [sys.executable, "train.py", str(config), f"run_dir={run_dir}", "log_every=1", "keep_last=1",
             "cpu_threads=1", *overrides]
     t0 = time.time()
