@@ -2,7 +2,7 @@
 
     python bench/report.py                              # full -> docs/REPORT.md, docs/*.png (see below)
     python bench/report.py --quick -o /tmp/report       # 2-4 min, tiny shapes (tests/test_report.py)
-    python bench/report.py --render runs/report/work/results.json   # re-render text and plots only
+    python bench/report.py --render docs/report_results.json   # re-render text and plots of the committed run
     pip install -r bench/requirements-report.txt        # matplotlib, for the plots (optional)
 
 The full mode took 29 min on a shared 2-core machine, plus 6 min the first time to generate the
@@ -365,7 +365,7 @@ def write_report(res: dict, out: Path, pngs: list) -> Path:
                           ["git commit", m["commit"] + (" (with uncommitted changes)" if m["dirty"] else "")],
                           ["machine", f"{m['cores']} cores, {m['cpu']}, torch {m['torch']}, Python {m['python']}"],
                           ["load average (1/5/15 min)", f"{m['load_start']} at start, {m['load_end']} at end "
-                                                        "(other jobs shared the CPU: timings are noisy)"],
+                                                        "(the report itself keeps ~1 core busy; more means other jobs, and noisier timings)"],
                           ["total runtime", f"{res['seconds'] / 60:.1f} min"]]), ""]
 
     # E1
@@ -394,9 +394,9 @@ def write_report(res: dict, out: Path, pngs: list) -> Path:
                     for r in res["e1b"]]))
     s += ["", "step s = mean over steps of the slowest rank's step; busy = mean rank compute / slowest rank "
           "compute. The measured setting gives every batch the same padded duration, so batches of different "
-          "buckets cost about the same; the simulation of such a budget (the 1d-30 rows of (a)) predicts gains of a "
-          "few percent, the size of the step-to-step noise of processes sharing 2 busy cores. The larger simulated "
-          "gains come with per-bucket batch sizes (2d-per-bucket), whose batches differ more in cost.", "",
+          "buckets cost about the same, and the ranks of a step wait little for each other even without sync "
+          "(see busy); differences of a few percent are within the step-to-step noise of processes sharing "
+          "2 cores. The simulation in (a) models a cluster's independent GPUs, which these processes are not.", "",
           figure("e1_sync.png", "E1"), ""]
 
     # E2 sampler-only
@@ -436,8 +436,8 @@ def write_report(res: dict, out: Path, pngs: list) -> Path:
           "padding is element-weighted (1 - real / padded); audio s/s = training audio seconds per second of "
           "training; memory = the worst bucket's peak of live tensors (oom.preflight), RSS = train.py's process "
           "memory (includes ~1 GB of runtime).", "",
-          "The runs ran one after another while other jobs used the same 2 cores, and how much CPU they left "
-          "changed from run to run: compare s/step of runs with similar batch sizes and padding. Steps, audio s/s "
+          "The runs ran one after another; whatever else used the 2 cores (see the load averages) changed how "
+          "much CPU each run got: compare s/step of runs with similar batch sizes and padding. Steps, audio s/s "
           "and the curves against seconds therefore compare the runs only roughly; batch sizes, padding, memory "
           "and the curves against steps do not depend on the load.", "", figure("e2_schemes.png", "E2"), ""]
 
@@ -481,7 +481,7 @@ def write_report(res: dict, out: Path, pngs: list) -> Path:
           "- A model of a few million parameters trained from scratch for minutes on synthetic speech does not "
           "learn to recognise unseen sentences: dev WER stays near (or above) 100%, so the dev loss is the "
           "convergence measure here; the WER columns are reported as measured.",
-          "- Speeds share 2 cores with other jobs (see the load averages); padding, batch sizes and counts are "
+          "- Speeds were taken on 2 cores that other jobs may share (see the load averages); padding, batch sizes and counts are "
           "exact, time ratios are rough."]
     path = out / "REPORT.md"
     path.write_text("\n".join(s) + "\n")
