@@ -232,9 +232,11 @@ class ConformerLayer(nn.Module):
 
 class ConformerEncoder(nn.Module):
     def __init__(self, n_mels, d_model, n_layers, n_heads, ff_mult, conv_kernel, conv_norm,
-                 subsampling_channels, dropout, dropout_pre_encoder, dropout_att):
+                 subsampling_channels, dropout, dropout_pre_encoder, dropout_att, xscaling=False):
         super().__init__()
         self.n_mels, self.d_model = n_mels, d_model
+        # NeMo's xscaling: the subsampled input is multiplied by sqrt(d_model) before the layers.
+        self.xscale = math.sqrt(d_model) if xscaling else 1.0
         self.pre_encode = ConvSubsampling(n_mels, subsampling_channels, d_model)
         self.pre_dropout = nn.Dropout(dropout_pre_encoder)  # NeMo: pos_enc.dropout
         self.layers = nn.ModuleList(
@@ -252,7 +254,7 @@ class ConformerEncoder(nn.Module):
         x, x_lens = self.pre_encode(x, x_lens)
         pad_mask = padding_mask(x_lens, x.size(1))
         pos_emb = rel_positional_encoding(x.size(1), self.d_model, x.device, x.dtype)
-        x = self.pre_dropout(x)
+        x = self.pre_dropout(x * self.xscale)
         for layer in self.layers:
             if self.checkpoint_activations and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, pos_emb, pad_mask, use_reentrant=False)

@@ -36,6 +36,7 @@ class AEDConfig:
     conv_kernel: int = 9  # depthwise conv kernel over encoder frames (FastConformer uses 9, not 31)
     conv_norm: str = "batch_norm"  # batch_norm (Canary, masked statistics) or layer_norm (batch-size independent)
     subsampling_channels: int = 256  # conv channels of the 8x dw_striding subsampling
+    enc_xscaling: bool = False  # scale the subsampled input by sqrt(enc_d_model), as NeMo's xscaling (its default)
     # --- decoder (pre-LN Transformer)
     dec_d_model: int = 1024  # decoder width; an encoder_decoder_proj Linear appears when it differs from enc_d_model
     dec_layers: int = 24  # Canary-1B 24; the decoder dominates decode time, Flash uses 4
@@ -91,6 +92,7 @@ class AED(nn.Module):
         self.encoder = ConformerEncoder(
             cfg.n_mels, cfg.enc_d_model, cfg.enc_layers, cfg.enc_heads, cfg.enc_ff_mult, cfg.conv_kernel,
             cfg.conv_norm, cfg.subsampling_channels, cfg.enc_dropout, cfg.enc_dropout_pre_encoder, cfg.enc_dropout_att,
+            cfg.enc_xscaling,
         )
         # Canary-180M-Flash: 512-wide encoder feeding a 1024-wide decoder.
         if cfg.enc_d_model != cfg.dec_d_model:

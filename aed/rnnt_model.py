@@ -22,7 +22,7 @@ class TransducerASR(nn.Module):
         self.encoder = ConformerEncoder(
             cfg.n_mels, cfg.enc_d_model, cfg.enc_layers, cfg.enc_heads, cfg.enc_ff_mult, cfg.conv_kernel,
             cfg.conv_norm, cfg.subsampling_channels, cfg.enc_dropout, cfg.enc_dropout_pre_encoder,
-            cfg.enc_dropout_att,
+            cfg.enc_dropout_att, cfg.enc_xscaling,
         )
         # Blank is appended after the tokenizer's ids (aed/transducer.py). pred_dim and joint_dim default
         # to NeMo's 640; a tiny model wants less, as the (B, T', U+1, joint_dim) joint dominates its step.

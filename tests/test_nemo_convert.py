@@ -49,6 +49,7 @@ def strip_eos(tokens, eos):
 
 def test_prompt_format_comes_from_the_checkpoint(conv):
     assert conv.tok.prompt_format == conv.name
+    assert conv.model.cfg.enc_xscaling == (conv.name == "canary2")  # the fixtures cover both settings
     assert conv.model.cfg.n_mels == conv.features.n_mels == 128
     assert conv.model.cfg.conv_norm == "batch_norm"
 
@@ -150,7 +151,7 @@ def rewrite_nemo(src, dst, edit):
 
 
 @pytest.mark.parametrize("edit, named", [
-    (lambda c: c["encoder"].update(xscaling=True), "encoder.xscaling=True"),
+    (lambda c: c["encoder"].update(self_attention_model="abs_pos"), "encoder.self_attention_model='abs_pos'"),
     (lambda c: c["transf_decoder"]["config_dict"].update(learn_positional_encodings=True),
      "transf_decoder.config_dict.learn_positional_encodings=True"),
     (lambda c: c["transf_encoder"].update(num_layers=2), "transf_encoder.num_layers=2"),
@@ -166,11 +167,11 @@ def test_unsupported_option_is_a_clear_error(tmp_path, edit, named):
 
 def test_cli_reports_the_unsupported_option(tmp_path):
     bad = tmp_path / "bad.nemo"
-    rewrite_nemo(FIXTURES / "canary2.nemo", bad, lambda c: c["encoder"].update(xscaling=True))
+    rewrite_nemo(FIXTURES / "canary2.nemo", bad, lambda c: c["encoder"].update(subsampling_factor=4))
     p = subprocess.run([sys.executable, "tools/convert_nemo.py", str(bad), "-o", str(tmp_path / "x.pt")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1
-    assert "encoder.xscaling=True" in p.stderr and "does not scale" in p.stderr
+    assert "encoder.subsampling_factor=4" in p.stderr and "aed subsamples 8x" in p.stderr
 
 
 def test_converted_checkpoint_fine_tunes_and_still_decodes(tmp_path):

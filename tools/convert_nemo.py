@@ -25,7 +25,7 @@ What is mapped:
   (every piece of the special-token model becomes a special token at the same id), and the
   checkpoint's prompt format ("canary" or "canary2").
 
-Any architecture option aed does not implement (xscaling, learned decoder positions, post-LN
+Any architecture option aed does not implement (learned decoder positions, post-LN
 decoder, a Transformer encoder between encoder and decoder, a single non-aggregate tokenizer, ...)
 is an error that names the config key and its value. Training-only settings (SpecAugment, data,
 optimiser, stochastic depth) are not converted: train.py has its own.
@@ -163,7 +163,7 @@ def model_config(opt: Options, vocab_size: int, pad_id: int, n_mels: int) -> AED
     opt.require(e + "self_attention_model", lambda v: v == "rel_pos", "rel_pos", "aed uses relative positions")
     opt.require(e + "att_context_size", lambda v: v in (None, [-1, -1]), None, "aed's attention sees all frames")
     opt.require(e + "att_context_style", lambda v: v == "regular", "regular", "aed has no chunked attention")
-    opt.require(e + "xscaling", lambda v: v is False, True, "aed's encoder does not scale its input by sqrt(d_model)")
+    xscaling = opt.require(e + "xscaling", lambda v: isinstance(v, bool), True, "must be true or false")
     opt.require(e + "use_bias", lambda v: v is True, True, "aed's encoder layers have biases")
     opt.require(e + "conv_norm_type", lambda v: v in ("batch_norm", "layer_norm"), "batch_norm",
                 "aed's conv module uses batch_norm or layer_norm")
@@ -209,6 +209,7 @@ def model_config(opt: Options, vocab_size: int, pad_id: int, n_mels: int) -> AED
         enc_layers=opt.get(e + "n_layers"),
         enc_heads=opt.get(e + "n_heads", 4),
         enc_ff_mult=int(ff),
+        enc_xscaling=xscaling,
         conv_kernel=kernel,
         conv_norm=opt.get(e + "conv_norm_type", "batch_norm"),
         subsampling_channels=d_model if opt.get(e + "subsampling_conv_channels", -1) == -1

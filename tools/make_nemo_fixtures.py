@@ -13,7 +13,7 @@ module, pre-LN Transformer decoder, tied output layer) and NeMo's aggregate Cana
 
     canary.nemo   Canary-1B style: 2 + 2 layers, encoder width = decoder width, "canary" prompts
     canary2.nemo  Flash style: 3 + 1 layers, 48-wide encoder -> 32-wide decoder through
-                  encoder_decoder_proj (as Canary-180M-Flash), "canary2" prompts
+                  encoder_decoder_proj (as Canary-180M-Flash), "canary2" prompts, xscaling on (NeMo's default)
 
 and saves NeMo's answers next to each (MODEL.ref.pt), computed on the restored .nemo in eval mode,
 one utterance at a time: features, encoder output (after encoder_decoder_proj), decoder log-probs
@@ -53,9 +53,9 @@ UTTERANCES = {  # dev utterances (audio file stem) per model: ASR in four langua
     "canary": ["dev_en_000006", "dev_de_000008", "dev_fr_000002", "dev_en-es_000004"],
     "canary2": ["dev_es_000008", "dev_es-en_000003", "dev_en_000004", "dev_fr_000004"],
 }
-ARCH = {  # (encoder width, encoder layers, decoder width, decoder layers)
-    "canary": (32, 2, 32, 2),
-    "canary2": (48, 3, 32, 1),
+ARCH = {  # (encoder width, encoder layers, decoder width, decoder layers, encoder xscaling)
+    "canary": (32, 2, 32, 2, False),
+    "canary2": (48, 3, 32, 1, True),  # xscaling: NeMo's default, as in the released FastConformer configs
 }
 MAX_DELTA = 50  # NeMo's max_generation_delta in the released configs
 
@@ -86,7 +86,7 @@ def train_tokenizers(work: Path) -> dict:
 
 
 def model_config(prompt_format: str, tokenizer_dirs: dict) -> dict:
-    enc_d, enc_layers, dec_d, dec_layers = ARCH[prompt_format]
+    enc_d, enc_layers, dec_d, dec_layers, xscaling = ARCH[prompt_format]
     langs = {"spl_tokens": {"dir": str(tokenizer_dirs["spl_tokens"]), "type": "bpe"}}
     langs.update({lang: {"dir": str(tokenizer_dirs[lang]), "type": "bpe"} for lang in LANGS})
     return {
@@ -110,7 +110,7 @@ def model_config(prompt_format: str, tokenizer_dirs: dict) -> dict:
             "feat_in": 128, "feat_out": -1, "n_layers": enc_layers, "d_model": enc_d,
             "subsampling": "dw_striding", "subsampling_factor": 8, "subsampling_conv_channels": 16,
             "causal_downsampling": False, "ff_expansion_factor": 4, "self_attention_model": "rel_pos",
-            "n_heads": 2, "att_context_size": [-1, -1], "xscaling": False, "untie_biases": True,
+            "n_heads": 2, "att_context_size": [-1, -1], "xscaling": xscaling, "untie_biases": True,
             "pos_emb_max_len": 5000, "conv_kernel_size": 9, "conv_norm_type": "batch_norm",
             "conv_context_size": None, "dropout": 0.1, "dropout_pre_encoder": 0.1, "dropout_emb": 0.0,
             "dropout_att": 0.1,
