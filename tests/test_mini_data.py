@@ -26,7 +26,8 @@ def key(text):
     return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
 
 
-@pytest.mark.parametrize("name", ["train.jsonl", "dev.jsonl", "examples.jsonl"])
+@pytest.mark.parametrize("name", ["train.jsonl", "dev.jsonl", "examples.jsonl", "digits/train.jsonl",
+                                  "digits/dev.jsonl"])
 def test_manifest_fields_and_audio(name):
     entries = read_manifest(name)
     assert entries, f"{name} is empty"
@@ -47,7 +48,7 @@ def test_manifest_fields_and_audio(name):
         assert text[-1] in ".!?", f"{where}: PnC text should end a sentence: {text!r}"
         assert not os.path.isabs(e["audio_filepath"]), where
 
-        path = os.path.join(MINI, e["audio_filepath"])
+        path = os.path.join(MINI, os.path.dirname(name), e["audio_filepath"])
         assert os.path.isfile(path), f"{where}: missing {path}"
         info = sf.info(path)
         if name != "examples.jsonl":  # the examples deliberately include a 44.1 kHz stereo file
@@ -81,3 +82,17 @@ def test_examples_are_training_utterances():
     assert rates == {16000, 44100}, rates
     stereo = [e for e in examples if sf.info(os.path.join(MINI, e["audio_filepath"])).channels == 2]
     assert len(stereo) == 1 and "44k_stereo" in stereo[0]["audio_filepath"]
+
+
+def test_digit_strings_are_new_in_dev_and_use_only_digit_words():
+    words = {"en": "zero one two three four five six seven eight nine",
+             "de": "null eins zwei drei vier fünf sechs sieben acht neun",
+             "fr": "zéro un deux trois quatre cinq six sept huit neuf",
+             "es": "cero uno dos tres cuatro cinco seis siete ocho nueve"}
+    train, dev = read_manifest("digits/train.jsonl"), read_manifest("digits/dev.jsonl")
+    for e in train + dev:
+        assert e["taskname"] == "asr" and set(key(e["text"]).split()) <= set(words[e["source_lang"]].split()), e
+    for lang in LANGS:
+        train_strings = {key(e["text"]) for e in train if e["source_lang"] == lang}
+        dev_strings = {key(e["text"]) for e in dev if e["source_lang"] == lang}
+        assert len(train_strings) == 100 and len(dev_strings) == 12 and not train_strings & dev_strings, lang
