@@ -15,6 +15,7 @@ class CTCHead(nn.Module):
         super().__init__()
         self.blank = vocab_size - 1  # vocab_size counts the blank
         self.proj = nn.Linear(enc_dim, vocab_size)
+        self.warned_infeasible = False  # the warning below would otherwise repeat at every step
 
     def forward(self, enc):
         """enc (B, T', enc_dim) -> log-probs (B, T', V) in fp32 (CTC sums log-probs over long paths)."""
@@ -25,7 +26,8 @@ class CTCHead(nn.Module):
 
         enc (B, T', enc_dim), enc_lens (B,), targets (B, U) padded with anything, target_lens (B,).
         An utterance that no alignment fits (needs more frames than it has: one per token plus one
-        between each repeated pair) is left out of both the sum and the count, with a warning.
+        between each repeated pair) is left out of both the sum and the count, with a warning the
+        first time.
         """
         B, U = targets.shape
         assert enc.shape[0] == B and enc_lens.shape == (B,) and target_lens.shape == (B,), \
@@ -38,10 +40,12 @@ class CTCHead(nn.Module):
         targets = targets.masked_fill(~valid, 0)
         repeats = ((targets[:, 1:] == targets[:, :-1]) & valid[:, 1:]).sum(1)  # (B,)
         feasible = enc_lens >= target_lens + repeats
-        if not feasible.all():
+        if not feasible.all() and not self.warned_infeasible:
+            self.warned_infeasible = True
             warnings.warn(f"CTC: {int((~feasible).sum())} of {B} utterances have more tokens than "
                           f"frames allow (enc_lens {enc_lens[~feasible].tolist()}, target_lens "
-                          f"{target_lens[~feasible].tolist()}); left out of the loss")
+                          f"{target_lens[~feasible].tolist()}); left out of the CTC loss, not of the "
+                          f"decoder's (reported once per run)")
         log_probs = self(enc).transpose(0, 1)  # (T', B, V), the layout F.ctc_loss wants
         nll = F.ctc_loss(log_probs, targets, enc_lens, target_lens, blank=self.blank,
                          reduction="none", zero_infinity=True)  # (B,)
