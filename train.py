@@ -124,12 +124,25 @@ class TrainConfig:
 
 # --- config -----------------------------------------------------------------------------------
 
+
+def val_set_names(paths: list[str]) -> dict[str, str]:
+    """Metric prefix per validation manifest: its file stem, or folder_stem when stems repeat
+    (data/mini/dev.jsonl and data/mini/digits/dev.jsonl -> mini_dev, digits_dev)."""
+    stems = [os.path.splitext(os.path.basename(p))[0] for p in paths]
+    names = [f"{os.path.basename(os.path.dirname(os.path.abspath(p)))}_{s}" if stems.count(s) > 1 else s
+             for p, s in zip(paths, stems)]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"val.manifests need distinct file or folder names, got {paths}")
+    return dict(zip(names, paths))
+
+
 if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
     print(__doc__ + "\nUsage: train.py CONFIG.yaml [key=value ...]\n\nKeys and defaults:")
     print(json.dumps(to_dict(TrainConfig()), indent=2, default=str))
     sys.exit(0)
 try:
     cfg = load_config(TrainConfig, sys.argv[1], sys.argv[2:])
+    val_names = val_set_names(cfg.val.manifests)
 except ConfigError as e:
     sys.exit(f"config error: {e}")
 
@@ -389,7 +402,7 @@ def evaluate() -> dict:
     model.eval()
     eval_logmel = LogMel(cfg.features).eval()
     results = {}
-    for path in cfg.val.manifests:
+    for name, path in val_names.items():
         utts = read_manifest(path, skip_invalid=cfg.train.skip_invalid)[: cfg.val.max_utterances]
         order = sorted(range(len(utts)), key=lambda i: utts[i].duration)[rank::world_size]
         ds = UtteranceDataset([utts[i] for i in order], tokenizer, eval_logmel)
@@ -423,7 +436,6 @@ def evaluate() -> dict:
                 rows.append((u.taskname, u.source_lang, u.target_lang, u.text, hyp))
         all_reduce(loss_sum)
         rows = [r for part in all_gather_objects(rows) for r in part]
-        name = os.path.splitext(os.path.basename(path))[0]
         results[f"{name}/loss"] = (loss_sum[0] / loss_sum[1].clamp(min=1)).item()
         for key in sorted({(t, s, g) for t, s, g, _, _ in rows}):
             refs = [r[3] for r in rows if r[:3] == key]
