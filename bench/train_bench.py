@@ -5,7 +5,7 @@
     python bench/train_bench.py                       # and 30M (20 steps): over an hour on 2 busy CPU cores
     python bench/train_bench.py --models 30m --steps 40 --work-dir /tmp/tb   # keep the run dirs and logs
 
-Every scheme is a real `train.py` run (a subprocess) on the same data (configs/tiny.yaml's: the
+Every scheme is a real `train.py` run (a subprocess) on the same data (the sentence part of the
 bundled data/mini, 290 utterances of 0.9-4.1 s), the same model and the same number of steps,
 with validation off and one checkpoint at the end. Equal steps rather than equal wall-clock:
 train.py stops on max_steps, every scheme then draws the same number of batches from its batch
@@ -77,6 +77,8 @@ def write_config(name: str, work: Path) -> Path:
     """configs/tiny.yaml with the model's overrides: one YAML that both train.py and oom.py read."""
     doc = yaml.safe_load(BASE_CONFIG.read_text())
     doc["model"].update(MODELS[name][0])
+    doc["model"]["ctc_weight"] = 0.0  # the paper's models train with cross-entropy alone
+    doc["train"]["manifests"] = ["data/mini/train.jsonl"]  # sentences: more varied lengths than the digits
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
@@ -143,7 +145,7 @@ def bench_model(name: str, args, work: Path, device: torch.device) -> dict:
     workers = doc["train"]["num_workers"]
     threads = max(1, len(os.sched_getaffinity(0)) - workers)  # train.py's own rule, made explicit
     fixed_n = args.fixed_batch or math.floor(max_duration / longest_utterance(
-        doc["train"].get("manifests", ["data/mini/train.jsonl"])))
+        doc["train"]["manifests"]))
     n_params = sum(p.numel() for p in AED(AEDConfig(**doc["model"])).parameters())
     print(f"\n[{name}] {n_params / 1e6:.2f}M parameters, {steps} steps per scheme, {device}, "
           f"{threads} torch thread(s) + {workers} loader worker(s), max_duration {max_duration} s, "

@@ -15,7 +15,8 @@ SMALL = ["model.enc_d_model=64", "model.enc_layers=2", "model.enc_heads=2", "mod
          "model.dec_layers=1", "model.dec_heads=2", "model.subsampling_channels=16",
          "model.dec_max_len=128", "train.num_buckets=4", "train.max_duration=30",
          "train.num_workers=1", "val.every=0", "log_every=1", "optim.warmup_steps=5",
-         "train.buffer_size=200"]
+         "train.buffer_size=200", "train.manifests=[data/mini/train.jsonl]",
+         "val.manifests=[data/mini/dev.jsonl]"]
 
 
 def run_train(run_dir, *overrides, nproc=1, check=True, timeout=300):
@@ -134,23 +135,33 @@ def test_preflight_fails_before_step_0_when_a_bucket_does_not_fit(tmp_path):
     assert "preflight: all 8 buckets fit 20GB" in p.stderr
 
 
-def test_tiny_config_learns_on_the_mini_set(tmp_path):
-    """The bundled tiny config, unedited but shorter: the dev loss must fall well below its start.
+def test_tiny_config_learns_to_transcribe_unseen_digit_strings(tmp_path):
+    """The bundled tiny config, unedited but shorter (on data/mini/digits): dev WER on digit strings
+    it never heard must fall from 100% (or more: an untrained decoder babbles) to well below.
 
-    Dev WER is logged but not asserted: 10 minutes of training audio is far too little for a model
-    trained from scratch to transcribe unseen sentences, so dev WER stays near 100% at this scale.
+    The sentence dev set cannot show this: about half of its words never occur in its 10 minutes
+    of training audio. Measured at step 400 with seeds 0-3: 62, 72, 60, 76% (from 100, 1297, 100,
+    100%); this test uses seed 0. About 3.5 minutes on 2 cores.
     """
     run_dir = tmp_path / "tiny"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "train.py", "configs/tiny.yaml", f"run_dir={run_dir}", "max_steps=120",
-           "val.every=120", "val.max_utterances=24", "log_every=20", "ckpt_every=1000"]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "train.py", "configs/tiny.yaml", f"run_dir={run_dir}", "max_steps=400",
+           "val.every=400", "log_every=50", "ckpt_every=1000"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     with open(run_dir / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
-    dev = {r["step"]: r["val/dev/loss"] for r in rows if "val/dev/loss" in r}
-    assert sorted(dev) == [0, 120]
-    assert dev[120] < 0.75 * dev[0], dev
+    wer = {r["step"]: r["val/dev/wer"] for r in rows if "val/dev/wer" in r}
+    assert sorted(wer) == [0, 400]
+    assert wer[0] >= 95 and wer[400] < 85, wer
+
+
+def test_validation_sets_with_the_same_file_name_are_reported_apart(tmp_path):
+    run_train(tmp_path / "v", "max_steps=1", "val.every=1", "val.max_utterances=2",
+              "val.manifests=[data/mini/dev.jsonl,data/mini/digits/dev.jsonl]")
+    with open(tmp_path / "v" / "metrics.jsonl") as f:
+        keys = {k for line in f for k in json.loads(line)}
+    assert {"val/mini_dev/loss", "val/digits_dev/loss"} <= keys and "val/dev/loss" not in keys, sorted(keys)
 
 
 def test_rnnt_pretraining_then_its_encoder_into_an_aed(tmp_path):

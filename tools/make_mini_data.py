@@ -24,7 +24,7 @@ Output (existing audio/ and examples/ sub-folders of the output folder are repla
     train.jsonl, dev.jsonl   one utterance per line: audio_filepath (relative to the manifest's
                              folder), duration, text, source_lang, target_lang, pnc, taskname
     audio/*.flac             16 kHz mono 16-bit FLAC
-    examples/*.wav           three training utterances as WAV files for the demo, one of them
+    examples/*.wav           three training utterances as WAV files for infer.py, one of them
     examples.jsonl           resampled to 44.1 kHz stereo to exercise the loader's conversions
 """
 
@@ -382,9 +382,9 @@ def write_manifest(path, entries):
 def write_examples(out_dir, train):
     """Copy three training utterances to examples/*.wav (16-bit PCM) plus examples.jsonl.
 
-    They are deliberately IN the training set: the demo shows a small model trained on this set
-    transcribing (and translating) them. One is resampled to 44.1 kHz stereo, a bonus input that
-    exercises the loader's resampling and down-mixing.
+    They are deliberately IN the training set: a small model trained on the sentences can be
+    shown transcribing (and translating) them. One is resampled to 44.1 kHz stereo, a bonus
+    input that exercises the loader's resampling and down-mixing.
     """
     # (source, target, file name, sample rate or None to keep 16 kHz, duration window in s):
     # about 2 s long, a real sentence yet small on disk; the 44.1 kHz stereo file takes 5.5x the
