@@ -19,7 +19,7 @@ $(VENV)/.installed: requirements.txt
 test: venv
 	$(PY) -m pytest -q tests
 
-# Trains the tiny model on the bundled digits set (~5 min on 2 CPU cores; dev WER before/after is
+# Trains the tiny model on the bundled digits set (~6 min on 2 CPU cores; dev WER before/after is
 # in the log), then transcribes the dev set's unseen digit strings with it and scores them.
 demo: venv
 	rm -rf runs/demo

@@ -1,8 +1,8 @@
 """Training throughput: fixed batches vs 1D vs 2D bucketing vs 2D + oom.py batch sizes (issue 5).
 
     python bench/train_bench.py --quick               # tiny, fixed/1D/2D, 30 steps each: ~2 min on 2 CPU cores
-    python bench/train_bench.py --models tiny         # tiny, all four schemes, 60 steps each: ~12 min
-    python bench/train_bench.py                       # and 30M (20 steps): over an hour on 2 busy CPU cores
+    python bench/train_bench.py --models tiny         # tiny, all four schemes, 60 steps each: ~4 min
+    python bench/train_bench.py                       # and 30M (20 steps): ~9 min in all on 2 idle CPU cores
     python bench/train_bench.py --models 30m --steps 40 --work-dir /tmp/tb   # keep the run dirs and logs
 
 Every scheme is a real `train.py` run (a subprocess) on the same data (the sentence part of the
