@@ -40,7 +40,7 @@ class CTCHead(nn.Module):
         targets = targets.masked_fill(~valid, 0)
         repeats = ((targets[:, 1:] == targets[:, :-1]) & valid[:, 1:]).sum(1)  # (B,)
         feasible = enc_lens >= target_lens + repeats
-        if not feasible.all() and not self.warned_infeasible:
+        if not self.warned_infeasible and not feasible.all():
             self.warned_infeasible = True
             warnings.warn(f"CTC: {int((~feasible).sum())} of {B} utterances have more tokens than "
                           f"frames allow (enc_lens {enc_lens[~feasible].tolist()}, target_lens "
@@ -49,7 +49,7 @@ class CTCHead(nn.Module):
         log_probs = self(enc).transpose(0, 1)  # (T', B, V), the layout F.ctc_loss wants
         nll = F.ctc_loss(log_probs, targets, enc_lens, target_lens, blank=self.blank,
                          reduction="none", zero_infinity=True)  # (B,)
-        return nll[feasible].sum(), target_lens[feasible].sum()
+        return nll.masked_fill(~feasible, 0.0).sum(), (target_lens * feasible).sum()  # no host sync
 
     @torch.no_grad()
     def greedy_decode(self, enc, enc_lens):
