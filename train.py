@@ -335,7 +335,10 @@ elif cfg.init_from:
     prefix = "encoder." if cfg.init_encoder_only else ""
     # A tokenizer with blocks appended (a new language's SentencePiece model) keeps every old id:
     # the old rows of the vocabulary-sized tensors carry over, the new rows stay random.
-    for k in ("decoder.embedding.token_embedding.weight", "decoder.output_proj.weight", "decoder.output_proj.bias"):
+    # (A CTC head's rows are not grown: its blank is the last id, so they are listed as a mismatch.)
+    grown = [] if cfg.init_encoder_only else [
+        "decoder.embedding.token_embedding.weight", "decoder.output_proj.weight", "decoder.output_proj.bias"]
+    for k in grown:
         if k in src and k in own and src[k].shape[1:] == own[k].shape[1:] and len(src[k]) < len(own[k]):
             log.info("init_from: %s grows from %d to %d rows", k, len(src[k]), len(own[k]))
             src[k] = torch.cat([src[k], own[k][len(src[k]):]])
