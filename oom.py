@@ -13,8 +13,9 @@ buckets). For each bucket, from the largest to the smallest:
 1. An artificial batch at the bucket's upper bounds: random features of num_frames(d) frames and
    random tokens of its token bound U (1D bins: U = the bin's max tokens/s x d, from bins.max_tps
    or --max-tps; filter the data with train.max_tps to match, or outliers may not fit).
-2. One full training step as train.py runs it (zero_grad, SpecAugment, forward, loss, backward,
-   clip, AdamW step) under the configured precision, with its peak memory measured: on CUDA by the
+2. One full training step, the very function train.py runs (`aed.training.train_step`: zero_grad,
+   SpecAugment, forward, loss, backward, clip, AdamW step), for the config's objective (aed or
+   rnnt) and precision, with its peak memory measured: on CUDA by the
    allocator under set_per_process_memory_fraction, on CPU by tracking live tensor storages
    (aed/memory.py). No formula: every number comes from running the step.
 3. Double the batch while it fits, then bisect between the largest fit and the smallest failure
@@ -34,20 +35,20 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
-import yaml
 from torch.utils._pytree import tree_map
 
 from aed.audio import FeatureConfig, SpecAugment, num_frames
-from aed.config import ConfigError, from_dict
+from aed.config import ConfigError, load_train_config, resolve_model
+from aed.data import Batch
 from aed.memory import OutOfMemory, format_bytes, parse_bytes, peak_memory
-from aed.model import AED, AEDConfig
+from aed.tokenizer import Tokenizer
+from aed.training import AMP_DTYPES, build_model, build_optimizer, count_targets, resolve_precision, train_step
 from sampler import Bins, save_batch_sizes
 
 log = logging.getLogger("oom")
-AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class MemoryBudgetError(RuntimeError):
@@ -71,14 +72,28 @@ def bucket_shapes(bins: Bins, features: FeatureConfig, dec_max_len: int, max_tps
     return shapes
 
 
-class TrainingStep:
-    """train.py's training step on an artificial batch at a bucket's bounds, and its peak memory:
-    feats (B, T, F) of random values, T valid frames each; tokens (B, U) of random ids, all valid."""
+def artificial_batch(batch_size: int, frames: int, tokens: int, n_mels: int, vocab_size: int, device) -> Batch:
+    """A batch at a bucket's bounds, made on the device: feats (B, T, F) of random values, T
+    valid frames each; tokens (B, U) of random ids below vocab_size, all valid, a 1-token prompt."""
+    B, T, U = batch_size, frames, tokens
+    return Batch(feats=torch.randn(B, T, n_mels, device=device),  # (B, T, F)
+                 feat_lens=torch.full((B,), T, device=device),
+                 tokens=torch.randint(0, vocab_size, (B, U), device=device),  # (B, U)
+                 token_lens=torch.full((B,), U, device=device),
+                 prompt_lens=torch.ones(B, dtype=torch.long, device=device),
+                 paths=[f"<artificial {T} frames, {U} tokens>"] * B, indices=list(range(B)), errors=[])
 
-    def __init__(self, model: AED, optimizer, precision: str = "fp32", spec_augment=None, ddp: bool = False):
-        self.model, self.optimizer = model, optimizer
+
+class TrainingStep:
+    """train.py's training step (aed.training.train_step) on an artificial batch at a bucket's
+    bounds, and its peak memory. text_vocab_size bounds the random target ids: the tokenizer's
+    real ids (a transducer's blank comes right after them); default: the model's vocabulary."""
+
+    def __init__(self, model, optimizer, precision: str = "fp32", spec_augment=None, ddp: bool = False,
+                 text_vocab_size: int | None = None):
+        self.model, self.optimizer, self.precision = model, optimizer, precision
         self.device = next(model.parameters()).device
-        self.amp_dtype = AMP_DTYPES[precision]
+        self.vocab_size = text_vocab_size or model.cfg.vocab_size
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "fp16")
         self.spec_augment = (spec_augment or SpecAugment()).train()
         # DDP holds its gradient buckets, one more copy of every gradient, for the whole run.
@@ -86,22 +101,9 @@ class TrainingStep:
         self.ddp_buckets = torch.empty(ddp_bytes, dtype=torch.uint8, device=self.device)
 
     def run(self, batch_size: int, frames: int, tokens: int) -> None:
-        B, T, U, dev, cfg = batch_size, frames, tokens, self.device, self.model.cfg
-        self.optimizer.zero_grad(set_to_none=True)
-        feats = torch.randn(B, T, cfg.n_mels, device=dev)  # (B, T, F)
-        feat_lens = torch.full((B,), T, device=dev)
-        toks = torch.randint(0, cfg.vocab_size, (B, U), device=dev)  # (B, U)
-        token_lens = torch.full((B,), U, device=dev)
-        prompt_lens = torch.ones(B, dtype=torch.long, device=dev)
-        autocast = torch.autocast(dev.type, dtype=self.amp_dtype) if self.amp_dtype else nullcontext()
-        with autocast:
-            feats = self.spec_augment(feats, feat_lens)
-            loss, n = self.model(feats, feat_lens, toks, token_lens, prompt_lens)
-            self.scaler.scale(loss / n).backward()
-        self.scaler.unscale_(self.optimizer)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        batch = artificial_batch(batch_size, frames, tokens, self.model.cfg.n_mels, self.vocab_size, self.device)
+        train_step(self.model, [batch], self.optimizer, self.scaler, self.spec_augment, self.precision,
+                   clip_grad=1.0, num_targets=count_targets(self.model, [batch]))  # the clip value costs no memory
 
     def warm_up(self, frames: int, tokens: int) -> None:
         """AdamW creates its state in its first step; later steps carry it through forward and
@@ -182,8 +184,9 @@ def optimize(step: TrainingStep, shapes: list, limit: int, start: int = 16, thre
     return rows
 
 
-def preflight(model: AED, optimizer, bins: Bins, batch_sizes: list, budget: int, features=FeatureConfig(),
-              precision: str = "fp32", spec_augment=None, ddp: bool = False, max_tps=None) -> list:
+def preflight(model, optimizer, bins: Bins, batch_sizes: list, budget: int, features=FeatureConfig(),
+              precision: str = "fp32", spec_augment=None, ddp: bool = False, max_tps=None,
+              text_vocab_size: int | None = None) -> list:
     """train.py's check before step 0: one step at every bucket's bounds and batch size.
 
     batch_sizes: flat or nested like bins.tokens (e.g. `sampler.sizes`). Returns each bucket's
@@ -196,7 +199,7 @@ def preflight(model: AED, optimizer, bins: Bins, batch_sizes: list, budget: int,
     shapes = bucket_shapes(bins, features, model.cfg.dec_max_len, max_tps)
     if len(sizes) != len(shapes):
         raise ValueError(f"preflight: {len(sizes)} batch sizes for {len(shapes)} buckets")
-    step = TrainingStep(model, optimizer, precision, spec_augment, ddp)
+    step = TrainingStep(model, optimizer, precision, spec_augment, ddp, text_vocab_size)
     saved = tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x,
                      {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
     was_training = model.training
@@ -231,32 +234,30 @@ def preflight(model: AED, optimizer, bins: Bins, batch_sizes: list, budget: int,
 # --- command line -----------------------------------------------------------------------------
 
 
-def load_training_setup(path: str, device: torch.device, precision: str | None):
-    """The parts of a train.py YAML config that decide a step's memory: model, features,
-    spec_augment, optim (lr, betas, weight_decay), precision, activation_checkpointing."""
-    with open(path, encoding="utf-8") as f:
-        doc = yaml.safe_load(f) or {}
+class TrainingSetup(NamedTuple):
+    model: torch.nn.Module  # in train mode, on the device
+    optimizer: torch.optim.Optimizer
+    features: FeatureConfig
+    spec_augment: SpecAugment
+    precision: str  # resolved: fp32, bf16 or fp16
+    text_vocab_size: int  # the tokenizer's real ids
+
+
+def load_training_setup(path: str, device: torch.device, precision: str | None = None,
+                        overrides: list[str] = ()) -> TrainingSetup:
+    """What decides a training step's memory, built from a train.py config exactly as train.py
+    builds it: the model of its objective (vocabulary from its tokenizer), the optimizer with
+    train.py's parameter groups, features, SpecAugment and precision (`precision` overrides)."""
     try:
-        model_cfg = from_dict(AEDConfig, doc.get("model") or {}, prefix="model.")
-        features = from_dict(FeatureConfig, doc.get("features") or {}, prefix="features.")
-        spec_augment = SpecAugment(**(doc.get("spec_augment") or {}))
-    except (ConfigError, TypeError, AssertionError) as e:
+        cfg = load_train_config(path, overrides)
+        tokenizer = Tokenizer.load(cfg.train.tokenizer)
+        cfg = resolve_model(cfg, tokenizer)
+        precision = resolve_precision(precision or cfg.precision, device)
+    except (ConfigError, OSError, ValueError) as e:
         raise SystemExit(f"{path}: {e}") from None
-    precision = precision or doc.get("precision", "auto")
-    if precision == "auto":  # train.py's rule
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    if precision not in AMP_DTYPES:
-        raise SystemExit(f"{path}: precision: expected auto or one of {list(AMP_DTYPES)}, got {precision!r}")
-    model = AED(model_cfg).to(device).train()
-    model.encoder.checkpoint_activations = bool(doc.get("activation_checkpointing", False))
-    optim = doc.get("optim") or {}  # YAML 1.1 reads 3e-4 as a string: float() it
-    kwargs = {k: tuple(map(float, v)) if k == "betas" else float(v) for k, v in optim.items()
-              if k in ("lr", "betas", "weight_decay")}
-    # train.py's parameter groups: foreach AdamW's temporaries are allocated per group
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "pos_bias" not in n]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "pos_bias" in n]
-    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], **kwargs)
-    return model, optimizer, features, spec_augment, precision
+    model = build_model(cfg, tokenizer.vocab_size).to(device).train()
+    return TrainingSetup(model, build_optimizer(model, cfg.optim), cfg.features,
+                         SpecAugment(cfg.spec_augment), precision, tokenizer.vocab_size)
 
 
 def device_memory(device: torch.device) -> int:
@@ -297,7 +298,8 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    model, optimizer, features, spec_augment, precision = load_training_setup(args.config, device, args.dtype)
+    setup = load_training_setup(args.config, device, args.dtype)
+    model, features, precision = setup.model, setup.features, setup.precision
     try:
         bins = Bins.load(args.bins)
         shapes = bucket_shapes(bins, features, model.cfg.dec_max_len, args.max_tps)
@@ -313,7 +315,7 @@ def main(argv=None) -> None:
              format_bytes(budget_bytes), 100 * args.margin, format_bytes(limit), len(shapes))
 
     t0 = time.time()
-    step = TrainingStep(model, optimizer, precision, spec_augment, args.ddp)
+    step = TrainingStep(model, setup.optimizer, precision, setup.spec_augment, args.ddp, setup.text_vocab_size)
     try:
         rows = optimize(step, shapes, limit, args.start_batch_size, args.threshold)
     except MemoryBudgetError as e:

@@ -157,6 +157,14 @@ class LogMel(nn.Module):
         return x.masked_fill(~valid, self.cfg.pad_value)
 
 
+@dataclass(frozen=True)
+class SpecAugmentConfig:
+    freq_masks: int = 2  # Canary's SpecAugment: 2 frequency masks ...
+    freq_width: int = 27  # ... of up to 27 mel bins
+    time_masks: int = 10  # and 10 time masks ...
+    time_width: int | float = 0.05  # ... of up to 5% of the utterance each (an int: that many frames)
+
+
 class SpecAugment(nn.Module):
     """Frequency and time masking (Park et al. 2019) with Canary's settings; identity in eval mode.
 
@@ -165,12 +173,12 @@ class SpecAugment(nn.Module):
     frames, so padding is never touched. Mask value 0 is the per-bin mean after normalisation.
     """
 
-    def __init__(self, freq_masks=2, freq_width=27, time_masks=10, time_width=0.05, generator=None):
+    def __init__(self, cfg: SpecAugmentConfig = SpecAugmentConfig(), generator=None):
         super().__init__()
-        self.freq_masks = freq_masks
-        self.freq_width = freq_width
-        self.time_masks = time_masks
-        self.time_width = time_width
+        self.freq_masks = cfg.freq_masks
+        self.freq_width = cfg.freq_width
+        self.time_masks = cfg.time_masks
+        self.time_width = cfg.time_width
         self.generator = generator  # for reproducible tests; None uses torch's global RNG
 
     def forward(self, feats, feat_lens):

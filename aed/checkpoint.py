@@ -9,9 +9,11 @@ A checkpoint is one `torch.save` dict, self-contained so `infer.py` needs nothin
 import glob
 import logging
 import os
+import random
 import re
 import tempfile
 
+import numpy as np
 import torch
 
 from aed.audio import FeatureConfig
@@ -70,6 +72,50 @@ def load_latest(run_dir: str) -> tuple[str, dict] | tuple[None, None]:
         except Exception as e:  # noqa: BLE001 - any unreadable file: fall back to an older one
             log.warning("cannot read checkpoint %s (%s); trying an older one", path, e)
     return None, None
+
+
+def init_from_checkpoint(model: torch.nn.Module, path: str, encoder_only: bool = False) -> str:
+    """Initialise `model` (a fresh run) with the weights of the checkpoint at `path`; returns a
+    summary for the log. Tensors of equal name and shape are copied; encoder_only copies only
+    `encoder.*` (an rnnt-pretrained encoder into an AED; extra layers stay random). Raises
+    ValueError listing every tensor whose shape differs.
+
+    A tokenizer with blocks appended (a new language's SentencePiece model) keeps every old id, so
+    the decoder's vocabulary-sized tensors grow: their old rows carry over, the new rows stay as
+    initialised. A CTC head's rows are not grown (its blank is the last id): a mismatch."""
+    src = torch.load(path, map_location="cpu", weights_only=False)["model"]
+    own = model.state_dict()
+    prefix = "encoder." if encoder_only else ""
+    grown = [] if encoder_only else [
+        "decoder.embedding.token_embedding.weight", "decoder.output_proj.weight", "decoder.output_proj.bias"]
+    notes = []
+    for k in grown:
+        if k in src and k in own and src[k].shape[1:] == own[k].shape[1:] and len(src[k]) < len(own[k]):
+            notes.append(f"{k} grows from {len(src[k])} to {len(own[k])} rows")
+            src[k] = torch.cat([src[k], own[k][len(src[k]):]])
+    mismatched = [f"{k}: {tuple(v.shape)} -> {tuple(own[k].shape)}" for k, v in src.items()
+                  if k.startswith(prefix) and k in own and own[k].shape != v.shape]
+    if mismatched:
+        raise ValueError(f"init_from={path}: shape mismatches:\n  " + "\n  ".join(mismatched))
+    loadable = {k: v for k, v in src.items() if k.startswith(prefix) and k in own}
+    model.load_state_dict(loadable, strict=False)
+    fresh = sorted({".".join(k.split(".")[:3]) for k in own if k.startswith(prefix) and k not in loadable})
+    return (f"loaded {len(loadable)} tensors{' (encoder only)' if encoder_only else ''}"
+            + "".join(f"; {n}" for n in notes) + f"; left random: {', '.join(fresh) or 'nothing'}")
+
+
+def rng_state(device: torch.device) -> dict:
+    """Every random number generator a training step draws from (dropout, SpecAugment, ...)."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def load_model(path: str, device="cpu") -> tuple[AED, Tokenizer, FeatureConfig]:

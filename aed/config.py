@@ -1,22 +1,143 @@
-"""Typed configuration: dataclass defaults, then a YAML file, then `key=value` overrides.
+"""The run configuration: typed dataclasses, then a YAML file, then `key=value` overrides.
 
-    cfg = load_config(TrainConfig, "configs/tiny.yaml", ["optim.lr=1e-3", "train.manifests=[a.jsonl]"])
+    cfg = load_train_config("configs/tiny.yaml", ["optim.lr=1e-3", "train.manifests=[a.jsonl]"])
 
 Nested dataclass fields are YAML sections and dotted keys on the command line. Override values
 are parsed as YAML, so lists and mappings work (`train.manifests=[{path: a.jsonl, weight: 2}]`).
-Unknown keys and values of the wrong type are errors that name the key.
+Unknown keys and values of the wrong type are errors that name the key. Each field's trailing
+comment is its description: `train.py --help` prints it (`describe`), so the comment next to the
+default is the one place a key is documented.
+
+The model section describes the architecture only. Three of its fields have another source:
+`n_mels` is `features.n_mels`, and `vocab_size` / `pad_id` come from the tokenizer
+(`resolve_model`); a config that sets them is rejected, so they can never disagree.
 """
 
 import dataclasses
+import inspect
+import io
+import re
+import tokenize
 import types
 import typing
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
+from aed.audio import FeatureConfig, SpecAugmentConfig
+from aed.model import AEDConfig
+
 
 class ConfigError(ValueError):
     pass
+
+
+# --- the training run ---------------------------------------------------------------------------
+
+
+@dataclass
+class DataConfig:
+    manifests: list[dict | str] = field(default_factory=lambda: ["data/mini/train.jsonl"])  # paths, {path, weight} or {shards: DIR, weight}
+    tokenizer: str = "data/mini/tokenizer"  # directory written by tools/train_tokenizer.py; sets the model's vocabulary
+    skip_invalid: bool = True  # bad manifest lines are skipped with a warning and counted, not fatal
+    bins: str | None = None  # bins.json from tools/estimate_bins.py; None: estimated at start
+    num_buckets: int = 30  # duration buckets when estimating bins (the paper: 30)
+    sub_buckets: int = 2  # token sub-buckets per duration bucket (2 = the paper's 2D; 1 = 1D)
+    batch_size: int | None = None  # fixed batch size (the padding-heavy baseline)
+    max_duration: float | None = 360.0  # padded seconds of audio per batch (Canary: 360)
+    batch_sizes: str | None = None  # per-bucket batch sizes from oom.py (replaces the two above)
+    allocation: str = "flexible"  # flexible: smallest bucket that fits | strict: drop what its sub-bucket can't hold
+    min_tps: float | None = None  # drop examples below this many output tokens per second
+    max_tps: float | None = None  # ... and above this (the paper filters at 25)
+    buffer_size: int = 20000  # examples held by the bucketing buffer
+    sync_buckets: bool = True  # same bucket on every rank each step (removes the tail-worker effect)
+    num_workers: int = 2  # DataLoader workers decoding audio and computing features
+
+    def __post_init__(self):
+        if self.allocation not in ("flexible", "strict"):
+            raise ConfigError(f"train.allocation: expected flexible or strict, got {self.allocation!r}")
+
+
+@dataclass
+class ValConfig:
+    manifests: list[str] = field(default_factory=lambda: ["data/mini/dev.jsonl"])  # validation manifests, scored separately
+    every: int = 500  # validate every N steps (and before step 1 and at the end); 0: never
+    batch_duration: float = 300.0  # padded seconds of audio per decoding batch (batch size x longest)
+    max_utterances: int | None = None  # validate on the first N utterances of each manifest only
+    num_examples: int = 4  # transcripts shown in the log and TensorBoard
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4  # peak learning rate (Canary)
+    betas: tuple[float, float] = (0.9, 0.98)  # AdamW's moment decay rates
+    weight_decay: float = 1e-3  # AdamW weight decay on matrices (not on norms, biases, position biases)
+    warmup_steps: int = 2500  # linear warmup, then inverse square root decay
+    min_lr: float = 1e-6  # floor of the decay
+    clip_grad: float = 1.0  # max gradient norm
+    grad_accum: int = 1  # micro-batches per optimizer step
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/tiny"  # checkpoints, metrics.jsonl, TensorBoard events, resolved config
+    seed: int = 0  # data order, initialisation, dropout and SpecAugment
+    objective: str = "aed"  # aed: encoder-decoder cross-entropy | rnnt: encoder + transducer (encoder pretraining)
+    rnnt_chunk_size: int = 4  # rnnt: samples per joint tensor (1 = least memory, B = batched speed)
+    rnnt_pred_dim: int = 640  # rnnt: predictor width (NeMo's default)
+    rnnt_joint_dim: int = 640  # rnnt: joint width; the (B, T', U+1, H) joint dominates a small model's step
+    max_steps: int = 100000  # optimizer steps of the whole run
+    log_every: int = 10  # steps between progress lines
+    ckpt_every: int = 1000  # steps between checkpoints (and at the end, and on SIGTERM/SIGUSR1)
+    keep_last: int = 3  # checkpoints kept in run_dir
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
+    compile: bool = False  # torch.compile the model (checkpoints still save the raw module)
+    activation_checkpointing: bool = False  # recompute encoder layers in backward: less memory, ~30% slower
+    init_from: str | None = None  # initialise weights from this checkpoint (a fresh run, new optimizer)
+    init_encoder_only: bool = False  # with init_from: only encoder weights; extra layers stay random
+    max_bad_steps: int = 5  # abort after this many consecutive non-finite steps
+    memory_budget: str | None = None  # e.g. "75GB": before step 0 run every bucket's worst batch once (oom.py)
+    cpu_threads: int | None = None  # CPU training: torch threads; None = cores - DataLoader workers
+    model: AEDConfig = field(default_factory=AEDConfig)  # architecture (aed/model.py)
+    features: FeatureConfig = field(default_factory=FeatureConfig)  # log-mel features (aed/audio.py)
+    spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)  # masking in training
+    train: DataConfig = field(default_factory=DataConfig)  # training data and batching
+    val: ValConfig = field(default_factory=ValConfig)  # validation
+    optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer and schedule
+
+    def __post_init__(self):
+        if self.objective not in ("aed", "rnnt"):
+            raise ConfigError(f"objective: expected aed or rnnt, got {self.objective!r}")
+        if self.precision not in ("auto", "fp32", "bf16", "fp16"):
+            raise ConfigError(f"precision: expected auto, fp32, bf16 or fp16, got {self.precision!r}")
+
+
+# Model fields whose value comes from elsewhere, and where.
+DERIVED = {"model.n_mels": "features.n_mels", "model.vocab_size": "the tokenizer (train.tokenizer)",
+           "model.pad_id": "the tokenizer (train.tokenizer)"}
+
+
+def load_train_config(yaml_path: str | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """A train.py run's config: TrainConfig defaults < YAML < overrides; model.n_mels follows the
+    features (vocab_size and pad_id follow the tokenizer once it is loaded: `resolve_model`)."""
+    d = merged_dict(TrainConfig, yaml_path, overrides)
+    given = _dotted_keys(_user_dict(yaml_path, overrides))
+    for key, source in DERIVED.items():
+        if key in given:
+            raise ConfigError(f"{key} is set from {source}; remove it from the config")
+    cfg = from_dict(TrainConfig, d)
+    cfg.model = dataclasses.replace(cfg.model, n_mels=cfg.features.n_mels)
+    return cfg
+
+
+def resolve_model(cfg: TrainConfig, tokenizer) -> TrainConfig:
+    """The config with the model's vocabulary taken from `tokenizer` (aed.tokenizer.Tokenizer)."""
+    model = dataclasses.replace(cfg.model, vocab_size=tokenizer.padded_vocab_size, pad_id=tokenizer.pad)
+    return dataclasses.replace(cfg, model=model)
+
+
+# --- loading and checking -----------------------------------------------------------------------
 
 
 def _check(value: Any, hint: Any, key: str) -> Any:
@@ -71,7 +192,10 @@ def from_dict(cls, d: dict, prefix: str = ""):
     if unknown:
         raise ConfigError(f"unknown config key(s): {', '.join(prefix + k for k in unknown)}; "
                           f"valid keys here: {', '.join(sorted(names))}")
-    return cls(**{k: _check(v, hints[k], prefix + k) for k, v in d.items()})
+    try:
+        return cls(**{k: _check(v, hints[k], prefix + k) for k, v in d.items()})
+    except AssertionError as e:  # a model dataclass's own consistency check
+        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from None
 
 
 def to_dict(cfg) -> dict:
@@ -94,18 +218,80 @@ def _merge(base: dict, update: dict) -> dict:
     return out
 
 
-def load_config(cls, yaml_path: str | None = None, overrides: list[str] = ()):
-    """Defaults < YAML file < `key=value` overrides, validated against dataclass `cls`."""
-    d = dataclasses.asdict(cls())
+def _user_dict(yaml_path: str | None, overrides: list[str]) -> dict:
+    """What the YAML file and the overrides set, merged, without defaults."""
+    d = {}
     if yaml_path:
         with open(yaml_path, encoding="utf-8") as f:
-            from_file = yaml.safe_load(f) or {}
-        if not isinstance(from_file, dict):
+            d = yaml.safe_load(f) or {}
+        if not isinstance(d, dict):
             raise ConfigError(f"{yaml_path}: expected a mapping at the top level")
-        d = _merge(d, from_file)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         _set_dotted(d, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
-    return from_dict(cls, d)
+    return d
+
+
+def _dotted_keys(d: dict, prefix: str = "") -> set:
+    keys = set()
+    for k, v in d.items():
+        keys.add(prefix + k)
+        if isinstance(v, dict):
+            keys |= _dotted_keys(v, f"{prefix}{k}.")
+    return keys
+
+
+def merged_dict(cls, yaml_path: str | None = None, overrides: list[str] = ()) -> dict:
+    return _merge(dataclasses.asdict(cls()), _user_dict(yaml_path, overrides))
+
+
+def load_config(cls, yaml_path: str | None = None, overrides: list[str] = ()):
+    """Defaults < YAML file < `key=value` overrides, validated against dataclass `cls`."""
+    return from_dict(cls, merged_dict(cls, yaml_path, overrides))
+
+
+# --- documentation ------------------------------------------------------------------------------
+
+
+def _field_comments(cls) -> dict:
+    """{field name: its trailing comment} read from the dataclass's source."""
+    comments, names = {}, {}
+    source = inspect.getsource(cls)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    for lineno, line in enumerate(source.splitlines(), 1):
+        m = re.match(r"\s+(\w+)\s*:\s*[^=]+=", line)
+        if m and lineno in comments:
+            names[m.group(1)] = comments[lineno]
+    return names
+
+
+def describe(cls, defaults=None, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, description) for every leaf field of dataclass `cls`."""
+    defaults = defaults if defaults is not None else cls()
+    hints, comments, rows = typing.get_type_hints(cls), _field_comments(cls), []
+    for f in dataclasses.fields(cls):
+        value, hint = getattr(defaults, f.name), hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            rows += describe(hint, value, f"{prefix}{f.name}.")
+            continue
+        key = prefix + f.name
+        note = f"(set from {DERIVED[key]}) " if key in DERIVED else ""
+        type_name = re.sub(r"\btyping\.|<class '(\w+)'>", r"\1", str(hint))
+        rows.append((key, type_name, repr(value), note + comments.get(f.name, "")))
+    return rows
+
+
+def help_text(cls=TrainConfig) -> str:
+    rows = describe(cls)
+    width = max(len(k) for k, *_ in rows)
+    lines = []
+    for key, type_name, default, text in rows:
+        section = key.rsplit(".", 1)[0] if "." in key else ""
+        if lines and section != lines[-1][0]:
+            lines.append((section, ""))
+        lines.append((section, f"  {key:<{width}}  {type_name} = {default}\n  {'':<{width}}  {text}"))
+    return "\n".join(line for _, line in lines)

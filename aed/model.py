@@ -15,7 +15,6 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from aed import config
 from aed.ctc import CTCHead
 from aed.decoder import KVCache, TransformerDecoder
 from aed.encoder import ConformerEncoder
@@ -62,16 +61,20 @@ class AEDConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "AEDConfig":
         """Build from a mapping (a YAML `model:` section); unknown keys and wrong types name the key."""
-        return config.from_dict(cls, d, prefix="model.")
+        from aed.config import from_dict  # aed.config imports this module (TrainConfig has a model)
+        return from_dict(cls, d, prefix="model.")
 
     @classmethod
     def from_yaml(cls, path) -> "AEDConfig":
-        """The `model:` section of a config file; other top-level sections (training, data) are ignored."""
+        """The architecture a config file describes: its `model:` section, with n_mels from its
+        `features:` section. The vocabulary stays Canary's (5248) unless the section sets it: a
+        training run takes it from its tokenizer instead (aed/config.py)."""
         with open(path) as f:
             doc = yaml.safe_load(f) or {}
         if not isinstance(doc.get("model"), dict):
             raise ValueError(f"{path}: needs a top-level 'model:' mapping")
-        return cls.from_dict(doc["model"])
+        n_mels = (doc.get("features") or {}).get("n_mels", cls.n_mels)
+        return cls.from_dict({"n_mels": n_mels, **doc["model"]})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -150,6 +153,15 @@ class AED(nn.Module):
         """Feed tokens (R, U) after the cached positions; fp32 logits (R, V) of the last position."""
         hidden = self.decoder.forward_cached(tokens, cache)
         return self.decoder.output_proj(hidden[:, -1]).float()
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups: decay on weight matrices only, not on norms, biases or the
+    relative position biases (NeMo's Canary recipe). Works for any of our models."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and "pos_bias" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -234,10 +234,11 @@ def run_training(mode: dict, args, work: Path) -> dict:
     for k, b in bins.items():
         b.save(work / f"bins_{k}.json")
     # Memory of a scheme = its worst bucket's peak, measured by oom.preflight (CPU: live tensor bytes).
-    model, optimizer, features, spec_augment, precision = load_training_setup(str(config), torch.device("cpu"), None)
+    model, optimizer, features, spec_augment, precision, vocab = load_training_setup(str(config), torch.device("cpu"))
 
     def bound(b: Bins, sizes: list, max_tps=None) -> int:
-        return max(preflight(model, optimizer, b, sizes, 1 << 40, features, precision, spec_augment, max_tps=max_tps))
+        return max(preflight(model, optimizer, b, sizes, 1 << 40, features, precision, spec_augment, max_tps=max_tps,
+                             text_vocab_size=vocab))
 
     sizes_a = BucketingSampler([], bins["1d"], max_duration=m, rank=0, world_size=1).sizes
     budget = bound(bins["1d"], sizes_a)

@@ -154,9 +154,9 @@ def bench_model(name: str, args, work: Path, device: torch.device) -> dict:
     def bound(bins: Bins, sizes: list) -> int:
         """Worst-bucket peak of a scheme's sizes (no budget to enforce: the device's memory). The
         model lives only during the measurement, so it holds no device memory while train.py runs."""
-        model, optimizer, features, spec_augment, precision = load_training_setup(str(config), device, None)
+        model, optimizer, features, spec_augment, precision, vocab = load_training_setup(str(config), device)
         peak = max(preflight(model, optimizer, bins, sizes, device_memory(device), features, precision,
-                             spec_augment))
+                             spec_augment, text_vocab_size=vocab))
         del model, optimizer
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -5,7 +5,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from aed.audio import AudioError, FeatureConfig, LogMel, SpecAugment, load_audio, num_frames
+from aed.audio import AudioError, FeatureConfig, LogMel, SpecAugment, SpecAugmentConfig, load_audio, num_frames
 
 
 def pcm16(n, seed=0):
@@ -254,11 +254,11 @@ def test_specaugment_widths():
     feats, lens = random_feats([400, 100, 3000], seed=1)
     g = torch.Generator().manual_seed(1)
     for _ in range(20):
-        time_only = SpecAugment(freq_masks=0, time_masks=1, generator=g).train()(feats, lens)
+        time_only = SpecAugment(SpecAugmentConfig(freq_masks=0, time_masks=1), generator=g).train()(feats, lens)
         for i, n in enumerate(lens.tolist()):
             masked_frames = (time_only[i, :n] == 0).all(-1).sum()
             assert masked_frames <= int(n * 0.05), (n, masked_frames)
-        freq_only = SpecAugment(freq_masks=1, time_masks=0, generator=g).train()(feats, lens)
+        freq_only = SpecAugment(SpecAugmentConfig(freq_masks=1, time_masks=0), generator=g).train()(feats, lens)
         for i, n in enumerate(lens.tolist()):
             masked_bins = (freq_only[i, :n] == 0).all(0)  # (F,) a freq mask spans every valid frame
             assert masked_bins.sum() <= 27

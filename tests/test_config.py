@@ -1,8 +1,14 @@
+import os
+import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import pytest
 
-from aed.config import ConfigError, load_config
+from aed.config import ConfigError, TrainConfig, describe, load_config, load_train_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
@@ -59,3 +65,42 @@ def test_yaml_unknown_key(tmp_path):
     y.write_text("optim:\n  momentum: 0.9\n")
     with pytest.raises(ConfigError, match="optim.momentum"):
         load_config(Run, str(y))
+
+
+# --- train.py's config --------------------------------------------------------------------------
+
+
+def test_model_fields_with_another_source_are_rejected_and_n_mels_follows_the_features():
+    cfg = load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), ["features.n_mels=64"])
+    assert cfg.model.n_mels == cfg.features.n_mels == 64
+    for key, source in [("model.n_mels=80", "features.n_mels"), ("model.vocab_size=528", "tokenizer"),
+                        ("model.pad_id=1", "tokenizer")]:
+        with pytest.raises(ConfigError, match=rf"{key.split('=')[0]} is set from .*{source}"):
+            load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), [key])
+
+
+def test_choices_are_checked_with_the_key_named():
+    for override, key in [("objective=ctc", "objective"), ("precision=int8", "precision"),
+                          ("train.allocation=loose", "train.allocation"), ("model.enc_heads=5", "model")]:
+        with pytest.raises(ConfigError, match=key):
+            load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), [override])
+
+
+def test_every_key_is_described_with_type_and_default():
+    rows = describe(TrainConfig)
+    keys = {k for k, *_ in rows}
+    assert {"optim.lr", "train.manifests", "model.ctc_weight", "spec_augment.time_masks", "val.every"} <= keys
+    for key, type_name, default, text in rows:
+        assert type_name and default and len(text) > 10, (key, type_name, default, text)
+    lr = next(r for r in rows if r[0] == "optim.lr")
+    assert lr[1:3] == ("float", "0.0003") and "learning rate" in lr[3]
+    assert "(set from the tokenizer" in next(r for r in rows if r[0] == "model.vocab_size")[3]
+
+
+def test_train_py_imports_without_running_and_prints_its_keys():
+    p = subprocess.run([sys.executable, "-c", "import train, oom, infer, sampler; print('imported')"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout == "imported\n" and "config" not in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0
+    assert re.search(r"^  optim\.warmup_steps +int = 2500\n +linear warmup", p.stdout, re.M), p.stdout[-2000:]

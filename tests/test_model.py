@@ -15,7 +15,9 @@ from aed.encoder import (
     rel_shift,
     subsampled_length,
 )
+from aed.config import load_train_config, resolve_model
 from aed.model import AED, AEDConfig, count_parameters, text_targets
+from aed.tokenizer import Tokenizer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -55,8 +57,12 @@ def test_parameter_counts_equal_nemo(name, expected):
 
 
 def test_tiny_preset_is_cpu_sized():
+    """The model train.py builds from configs/tiny.yaml: its vocabulary comes from the tokenizer."""
+    cfg = load_train_config(CONFIGS / "tiny.yaml")
+    cfg = resolve_model(cfg, Tokenizer.load(CONFIGS.parent / cfg.train.tokenizer))
+    assert (cfg.model.n_mels, cfg.model.vocab_size) == (80, 528)
     with torch.device("meta"):
-        model = AED(AEDConfig.from_yaml(CONFIGS / "tiny.yaml"))
+        model = AED(cfg.model)
     assert 1_000_000 <= count_parameters(model) <= 3_000_000
 
 

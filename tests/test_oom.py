@@ -228,7 +228,8 @@ def test_preflight_fails_on_an_oversized_table_with_an_actionable_message(search
 def test_cli_writes_monotone_batch_sizes_that_train_py_reads(tmp_path, capsys):
     config = tmp_path / "tiny.yaml"
     config.write_text(json.dumps({  # JSON is YAML; run_dir and train are train.py's, ignored here
-        "model": TINY, "features": {"n_mels": 24}, "optim": {"lr": "1e-3", "betas": [0.9, 0.98]},
+        "model": {k: v for k, v in TINY.items() if k not in ("n_mels", "vocab_size", "pad_id")},  # from features, tokenizer
+        "features": {"n_mels": 24}, "optim": {"lr": "1e-3", "betas": [0.9, 0.98]},
         "run_dir": "ignored", "train": {"num_buckets": 6}}))
     Bins([1.0, 3.0], tokens=[[8, 14], [20, 30]]).save(tmp_path / "bins.json")
     out = tmp_path / "batch_sizes.json"

@@ -376,8 +376,8 @@ def convert(nemo_path, out_path, tokenizer_dir=None, config_path=None) -> dict:
     with tempfile.NamedTemporaryFile(dir=out_path.parent, delete=False) as tmp:
         torch.save(ckpt, tmp)
     os.replace(tmp.name, out_path)  # a killed conversion never leaves half a checkpoint
-    train_config = {
-        "model": dataclasses.asdict(cfg),
+    train_config = {  # n_mels and the vocabulary come from the features and the tokenizer there
+        "model": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("n_mels", "vocab_size", "pad_id")},
         "features": dataclasses.asdict(features),
         "train": {"tokenizer": str(tokenizer_dir.resolve())},
     }

@@ -1,0 +1,114 @@
+"""The training step and what it is made of: precision, model, optimizer, learning-rate schedule.
+
+    model = build_model(cfg, tokenizer.vocab_size)
+    optimizer = build_optimizer(model, cfg.optim)
+    result = train_step(model, [batch], optimizer, scaler, spec_augment, "bf16", clip_grad=1.0,
+                        num_targets=count_targets(model, [batch]))
+
+train.py runs `train_step` every step; oom.py runs the same function on artificial batches to
+measure its memory, so the memory it finds is the memory of the real step by construction.
+Nothing here knows about processes: the caller passes the global target count and world size.
+"""
+
+import logging
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from aed.config import OptimConfig, TrainConfig
+from aed.model import AED, param_groups
+from aed.rnnt_model import TransducerASR
+
+log = logging.getLogger(__name__)
+
+AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """`auto` -> bf16 autocast on CUDA, fp32 elsewhere; explicit choices are kept."""
+    if precision == "auto":
+        return "bf16" if torch.device(device).type == "cuda" else "fp32"
+    if precision not in AMP_DTYPES:
+        raise ValueError(f"precision: expected auto or one of {list(AMP_DTYPES)}, got {precision!r}")
+    return precision
+
+
+def autocast(device: torch.device, precision: str):
+    dtype = AMP_DTYPES[precision]
+    return torch.autocast(torch.device(device).type, dtype=dtype) if dtype else nullcontext()
+
+
+def build_model(cfg: TrainConfig, text_vocab_size: int) -> nn.Module:
+    """The model `cfg.objective` trains. Both share the encoder and its parameter names, so an
+    rnnt-pretrained encoder loads into an AED (`init_from` with `init_encoder_only`).
+    text_vocab_size: the tokenizer's real ids (the transducer's blank comes after them)."""
+    if cfg.objective == "aed":
+        model = AED(cfg.model)
+    else:
+        model = TransducerASR(cfg.model, text_vocab_size, cfg.rnnt_chunk_size,
+                              pred_dim=cfg.rnnt_pred_dim, joint_dim=cfg.rnnt_joint_dim)
+    model.encoder.checkpoint_activations = cfg.activation_checkpointing
+    return model
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=optim.lr, betas=optim.betas)
+
+
+def lr_factor(step: int, optim: OptimConfig) -> float:
+    """Linear warmup to lr, then inverse square root decay (Noam), floored at min_lr."""
+    s, warmup = max(step, 1), max(optim.warmup_steps, 1)
+    return max(min(s / warmup, (warmup / s) ** 0.5), optim.min_lr / optim.lr)
+
+
+def count_targets(model: nn.Module, batches: list) -> int:
+    """Tokens the loss scores in these batches, counted on the host from their lengths."""
+    return sum(int(model.count_targets(b.token_lens, b.prompt_lens).sum()) for b in batches)
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # summed loss over this rank's micro-batches (detached, on the device: no sync)
+    count: torch.Tensor  # the number of targets it sums over
+    grad_norm: torch.Tensor  # before clipping
+    updated: bool  # False when the gradient was not finite and the update was skipped
+
+
+def train_step(model: nn.Module, batches: list, optimizer, scaler, spec_augment, precision: str,
+               clip_grad: float, num_targets: float, world_size: int = 1, no_sync=None) -> StepResult:
+    """One optimizer step over micro-batches (aed.data.Batch, on the host or the device).
+
+    Each micro-batch's summed loss is scaled by world_size / num_targets, with num_targets the
+    step's target count over all ranks and micro-batches: ranks and micro-batches of different
+    2D shapes then weigh every token equally (DDP averages gradients over ranks, hence the
+    world_size). `no_sync` (DDP's) skips the gradient all-reduce of all but the last micro-batch.
+    A non-finite gradient norm skips the update; the caller counts such steps and steps the
+    learning-rate schedule.
+    """
+    device = next(model.parameters()).device
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), device=device)
+    count = torch.zeros((), dtype=torch.long, device=device)
+    for i, batch in enumerate(batches):
+        b = batch.to(device, non_blocking=True)
+        last = i == len(batches) - 1
+        try:
+            with (nullcontext() if last or no_sync is None else no_sync()), autocast(device, precision):
+                feats = spec_augment(b.feats, b.feat_lens)
+                loss, n = model(feats, b.feat_lens, b.tokens, b.token_lens, b.prompt_lens)
+                scaler.scale(loss * world_size / num_targets).backward()
+        except Exception:
+            log.error("training step failed on batch %s: feats %s, tokens %s", b.paths,
+                      tuple(b.feats.shape), tuple(b.tokens.shape))
+            raise
+        loss_sum += loss.detach().float()
+        count += n
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+    updated = bool(torch.isfinite(grad_norm))  # DDP averaged the gradients: every rank agrees
+    if updated:
+        scaler.step(optimizer)
+    scaler.update()
+    return StepResult(loss_sum, count, grad_norm, updated)
