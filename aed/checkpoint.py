@@ -42,35 +42,70 @@ def unpack_tokenizer(files: dict) -> Tokenizer:
         return Tokenizer.load(tmp)
 
 
+# Entries without which a checkpoint cannot serve its purpose: inference, or resuming a run.
+INFERENCE_KEYS = ("model_config", "model", "features", "tokenizer")
+TRAINING_KEYS = INFERENCE_KEYS + ("step", "optimizer", "scheduler", "scaler", "sampler", "rng", "config")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
 def save_checkpoint(state: dict, run_dir: str, step: int, keep_last: int) -> str:
     """Write `ckpt-{step}.pt` via a temp file + rename (a killed job never leaves half a file),
-    then delete all but the newest `keep_last` checkpoints."""
+    then delete older checkpoints beyond the newest `keep_last`. Files numbered above `step`
+    (left by a run that was rolled back past an unreadable checkpoint) are neither deleted nor
+    counted: the checkpoint just written always survives its own cleanup."""
     path = os.path.join(run_dir, f"ckpt-{step:08d}.pt")
     tmp = path + ".tmp"
     torch.save(state, tmp)
     os.replace(tmp, path)
-    for old in list_checkpoints(run_dir)[:-keep_last]:
+    older = [p for p in list_checkpoints(run_dir) if checkpoint_step(p) < step]
+    for old in older[: max(0, len(older) - (keep_last - 1))]:
         os.remove(old)
     return path
 
 
+def checkpoint_step(path: str) -> int:
+    return int(re.search(r"ckpt-(\d+)\.pt$", path).group(1))
+
+
 def list_checkpoints(run_dir: str) -> list[str]:
     """Checkpoints in `run_dir`, oldest first (by step number)."""
-    steps = {}
-    for path in glob.glob(os.path.join(run_dir, "ckpt-*.pt")):
-        m = re.search(r"ckpt-(\d+)\.pt$", path)
-        if m:
-            steps[path] = int(m.group(1))
-    return sorted(steps, key=steps.get)
+    paths = [p for p in glob.glob(os.path.join(run_dir, "ckpt-*.pt")) if re.search(r"ckpt-(\d+)\.pt$", p)]
+    return sorted(paths, key=checkpoint_step)
 
 
-def load_latest(run_dir: str) -> tuple[str, dict] | tuple[None, None]:
-    """The newest checkpoint that loads; unreadable ones (e.g. a full disk) are logged and skipped."""
-    for path in reversed(list_checkpoints(run_dir)):
+def read_checkpoint(path: str, required=INFERENCE_KEYS) -> dict:
+    """torch.load, then check the `required` entries are there; CheckpointError names the file."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - truncated, corrupt, not a torch file: all unreadable
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+    missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path}: not a complete aed checkpoint (no {', '.join(missing)})")
+    return ckpt
+
+
+def load_latest(run_dir: str, required=TRAINING_KEYS) -> tuple[str, dict] | tuple[None, None]:
+    """The newest valid checkpoint of `run_dir`, or (None, None) when it has none. An invalid one
+    (truncated by a full disk, written by something else) is logged by name and the next older one
+    tried; when checkpoints exist but none is valid, CheckpointError: starting from scratch
+    silently would throw a run away."""
+    paths = list_checkpoints(run_dir)
+    problems = []
+    for path in reversed(paths):
         try:
-            return path, torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as e:  # noqa: BLE001 - any unreadable file: fall back to an older one
-            log.warning("cannot read checkpoint %s (%s); trying an older one", path, e)
+            ckpt = read_checkpoint(path, required)
+        except CheckpointError as e:
+            log.warning("skipping invalid checkpoint %s; trying an older one", e)
+            problems.append(str(e))
+            continue
+        return path, ckpt
+    if paths:
+        raise CheckpointError(f"{run_dir} has {len(paths)} checkpoint(s) and none is valid:\n  "
+                              + "\n  ".join(problems) + "\nmove them away to start this run from scratch")
     return None, None
 
 
@@ -120,10 +155,7 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 def load_model(path: str, device="cpu") -> tuple[AED, Tokenizer, FeatureConfig]:
     """Model (eval mode), tokenizer and feature settings from a training checkpoint."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    for key in ("model_config", "model", "tokenizer", "features"):
-        if key not in ckpt:
-            raise ValueError(f"{path}: not an aed checkpoint (no '{key}' entry)")
+    ckpt = read_checkpoint(path, INFERENCE_KEYS)
     model = AED(AEDConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), unpack_tokenizer(ckpt["tokenizer"]), FeatureConfig(**ckpt["features"])
