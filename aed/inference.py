@@ -384,10 +384,10 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
         timings.decoder += decoder_s
         samples = sum(w.numel() for w in wavs)
         for k, wav, ids in zip(kept, wavs, hyps):
-            res = results[segments[k].request]
-            pieces[segments[k].request][k] = ids
-            res.duration += wav.numel() / asr.features.sample_rate
-            res.decode_time += batch_s * wav.numel() / samples  # its share of the batch, by audio length
+            i = segments[k].request
+            pieces[i][k] = ids
+            results[i].duration += wav.numel() / asr.features.sample_rate
+            results[i].decode_time += batch_s * wav.numel() / samples  # its share of the batch, by audio length
         done_s += sum(segments[k].seconds for k in batch)
         if progress:
             progress(done_s, total_s)
