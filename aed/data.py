@@ -1,4 +1,4 @@
-"""Manifests, the utterance dataset and the padded batch.
+"""Manifests, dataset items, batching by duration and the padded batch.
 
 A manifest is NeMo-style JSONL, one utterance per line:
 
@@ -13,7 +13,8 @@ A manifest is NeMo-style JSONL, one utterance per line:
   `taskname` asr/ast, derived from the languages when absent.
 
 Bad lines raise `ManifestError` naming file, line and field; with `skip_invalid=True` they are
-skipped with a warning per line and a count, never silently.
+skipped with a warning per line and a count, never silently. Inference (aed/inference.py) reads
+the same fields with the same checks, but needs only `audio_filepath`.
 """
 
 import json
@@ -21,7 +22,7 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 import torch
 from torch.utils.data import Dataset
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 TASK_ALIASES = {"asr": "asr", "transcribe": "asr", "ast": "ast", "s2t_translation": "ast",
                 "translate": "ast"}
+PROMPT_TASKS = {"asr": "transcribe", "ast": "translate"}  # our taskname -> the tokenizer's prompt task
 PNC_VALUES = {"yes": True, "true": True, True: True, "no": False, "false": False, False: False}
 
 
@@ -52,6 +54,13 @@ class Utterance:
     where: str = ""  # "manifest.jsonl:17", for error messages
 
 
+# --- manifest fields: one set of rules for training (strict) and inference (lenient) ---------
+
+
+def fail(where: str, field: str, why: str) -> NoReturn:
+    raise ManifestError(f"{where}: field '{field}': {why}")
+
+
 def json_object(line: str, where: str) -> dict:
     try:
         d = json.loads(line)
@@ -62,70 +71,89 @@ def json_object(line: str, where: str) -> dict:
     return d
 
 
-def parse_line(line: str, where: str, base_dir: str) -> Utterance:
-    """One manifest line -> Utterance; ManifestError names `where` and the field on bad input."""
-    def fail(field, why):
-        raise ManifestError(f"{where}: field '{field}': {why}")
+def manifest_lines(path: str) -> Iterator[tuple[str, str]]:
+    """("path:lineno", line) per non-blank line, streamed: a manifest may be larger than memory."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield f"{path}:{lineno}", line
 
-    d = json_object(line, where)
+
+def audio_path(d: dict, where: str, base_dir: str) -> str:
+    """`audio_filepath`, resolved against the manifest's folder when relative."""
     path = d.get("audio_filepath")
     if not isinstance(path, str) or not path:
-        fail("audio_filepath", "missing or not a non-empty string")
-    if not os.path.isabs(path):
-        path = os.path.join(base_dir, path)
+        fail(where, "audio_filepath", "missing or not a non-empty string")
+    return path if os.path.isabs(path) else os.path.join(base_dir, path)
 
-    duration = d.get("duration")
-    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not duration > 0:
-        fail("duration", f"must be a positive number of seconds, got {duration!r}")
-    offset = d.get("offset", 0.0)
-    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or offset < 0:
-        fail("offset", f"must be a non-negative number of seconds, got {offset!r}")
 
-    text = d["text"] if "text" in d else d.get("answer")
-    if not isinstance(text, str):
-        fail("text", "missing (neither 'text' nor 'answer') or not a string")
-    if not text.strip():
-        fail("text", "empty transcript")
+def seconds(d: dict, key: str, where: str, positive: bool, required: bool = False) -> float | None:
+    """d[key] as seconds (`duration` > 0, `offset` >= 0); None when absent and not required."""
+    value = d.get(key)
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 if positive else value >= 0):
+        fail(where, key, f"must be a {'positive' if positive else 'non-negative'} number of seconds, got {value!r}")
+    return float(value)
 
-    src = d.get("source_lang", d.get("lang"))
-    tgt = d.get("target_lang", d.get("lang"))
-    for field, value in (("source_lang", src), ("target_lang", tgt)):
+
+def reference_text(d: dict):
+    """`text`, or NeMo Canary's `answer` when there is no `text`; unchecked."""
+    return d["text"] if "text" in d else d.get("answer")
+
+
+def languages(d: dict, source_lang=None, target_lang=None) -> tuple:
+    """(source_lang, target_lang) of a line; `lang` sets both when they are absent, then the defaults."""
+    return d.get("source_lang", d.get("lang", source_lang)), d.get("target_lang", d.get("lang", target_lang))
+
+
+def check_task(where: str, source_lang, target_lang, pnc, taskname) -> tuple[str, str, bool, str]:
+    """Validated task fields: language codes, pnc yes/no -> bool, taskname asr/ast (an alias is mapped;
+    None means asr iff the languages agree). ManifestError names `where` and the field."""
+    for field, value in (("source_lang", source_lang), ("target_lang", target_lang)):
         if not isinstance(value, str) or not value:
-            fail(field, f"missing or not a language code, got {value!r}")
+            fail(where, field, f"missing or not a language code, got {value!r}")
+    flag = pnc.lower() if isinstance(pnc, str) else pnc
+    if flag not in PNC_VALUES:
+        fail(where, "pnc", f"must be yes/no, got {pnc!r}")
+    if taskname is None:
+        taskname = "asr" if source_lang == target_lang else "ast"
+    elif taskname not in TASK_ALIASES:
+        fail(where, "taskname", f"must be one of {sorted(TASK_ALIASES)}, got {taskname!r}")
+    taskname = TASK_ALIASES[taskname]
+    if taskname == "asr" and source_lang != target_lang:
+        fail(where, "taskname", f"'asr' needs source_lang == target_lang, got {source_lang} -> {target_lang}")
+    return source_lang, target_lang, PNC_VALUES[flag], taskname
 
-    pnc = d.get("pnc", "yes")
-    pnc = pnc.lower() if isinstance(pnc, str) else pnc
-    if pnc not in PNC_VALUES:
-        fail("pnc", f"must be yes/no, got {d.get('pnc')!r}")
 
-    task = d.get("taskname")
-    if task is None:
-        task = "asr" if src == tgt else "ast"
-    elif task not in TASK_ALIASES:
-        fail("taskname", f"must be one of {sorted(TASK_ALIASES)}, got {task!r}")
-    task = TASK_ALIASES[task]
-    if task == "asr" and src != tgt:
-        fail("taskname", f"'asr' needs source_lang == target_lang, got {src} -> {tgt}")
-
-    return Utterance(path, float(duration), text, src, tgt, PNC_VALUES[pnc], task,
-                     float(offset), where)
+def parse_line(line: str, where: str, base_dir: str) -> Utterance:
+    """A training manifest line -> Utterance: every field but `offset` is required."""
+    d = json_object(line, where)
+    path = audio_path(d, where, base_dir)
+    duration = seconds(d, "duration", where, positive=True, required=True)
+    offset = seconds(d, "offset", where, positive=False) or 0.0
+    text = reference_text(d)
+    if not isinstance(text, str):
+        fail(where, "text", "missing (neither 'text' nor 'answer') or not a string")
+    if not text.strip():
+        fail(where, "text", "empty transcript")
+    task = check_task(where, *languages(d), d.get("pnc", "yes"), d.get("taskname"))
+    return Utterance(path, duration, text, *task, offset, where)
 
 
 def iter_manifest(path: str, skip_invalid: bool = False) -> Iterator[Utterance]:
-    """Stream a manifest line by line (it may be larger than memory). Blank lines are ignored."""
+    """Stream a manifest's utterances. A bad line raises ManifestError, or with `skip_invalid` is
+    logged and counted. Blank lines are ignored."""
     base_dir = os.path.dirname(os.path.abspath(path))
     skipped = 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield parse_line(line, f"{path}:{lineno}", base_dir)
-            except ManifestError as e:
-                if not skip_invalid:
-                    raise
-                skipped += 1
-                log.warning("skipping invalid manifest line: %s", e)
+    for where, line in manifest_lines(path):
+        try:
+            yield parse_line(line, where, base_dir)
+        except ManifestError as e:
+            if not skip_invalid:
+                raise
+            skipped += 1
+            log.warning("skipping invalid manifest line: %s", e)
     if skipped:
         log.warning("%s: skipped %d invalid line(s)", path, skipped)
 
@@ -134,21 +162,39 @@ def read_manifest(path: str, skip_invalid: bool = False) -> list[Utterance]:
     return list(iter_manifest(path, skip_invalid))
 
 
+# --- dataset items ------------------------------------------------------------------------------
+
+
 def encode_utterance(tokenizer, utt: Utterance) -> tuple[list[int], int]:
     """Prompt + target text + EOS token ids, and the prompt length."""
     return tokenizer.encode_example(utt.text, utt.source_lang, utt.target_lang, utt.pnc,
-                                    task="transcribe" if utt.taskname == "asr" else "translate")
+                                    task=PROMPT_TASKS[utt.taskname])
+
+
+def make_item(wav: torch.Tensor, utt: Utterance, index: int, tokenizer, logmel: LogMel, seed: int = 0) -> dict:
+    """One utterance's audio (S,) -> the item every dataset returns, which `Collate` pads:
+
+        {"feats": (T, F), "tokens": prompt + text + EOS ids, "prompt_len", "audio_filepath", "index"}
+
+    or {"error", "audio_filepath"} when the audio is shorter than one frame. Features are per
+    utterance (normalisation uses only its frames), so this is exactly what the batched `LogMel`
+    gives. Dither noise is seeded by (seed, index): a resumed run sees the same features whichever
+    DataLoader worker loads the utterance.
+    """
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1_000_003 + index)
+        feats, feat_lens = logmel(wav[None], torch.tensor([wav.numel()]))
+    if feat_lens[0] == 0:
+        return {"error": f"{utt.where}: audio shorter than one frame", "audio_filepath": utt.audio_filepath}
+    tokens, prompt_len = encode_utterance(tokenizer, utt)
+    return {"feats": feats[0, : feat_lens[0]], "tokens": tokens, "prompt_len": prompt_len,
+            "audio_filepath": utt.audio_filepath, "index": index}
 
 
 class UtteranceDataset(Dataset):
-    """Map-style dataset: index -> features and token ids, computed in DataLoader workers.
-
-    Features are per utterance (normalisation uses only that utterance's frames), so computing
-    them here gives exactly what the batched `LogMel` gives. An unreadable audio file does not
-    crash the epoch: the item comes back as `{"error": ...}` and `Collate` reports it.
-    Dither noise is seeded by (seed, index), so a resumed run sees the same features whichever
-    DataLoader worker loads an utterance.
-    """
+    """Map-style dataset over manifest utterances: index -> `make_item`, computed in DataLoader
+    workers. An unreadable audio file does not crash the epoch: the item comes back as
+    `{"error": ...}` and `Collate` reports it."""
 
     def __init__(self, utterances: list[Utterance], tokenizer, logmel: LogMel, seed: int = 0):
         self.utterances = utterances
@@ -166,15 +212,28 @@ class UtteranceDataset(Dataset):
                              sample_rate=self.logmel.cfg.sample_rate)
         except AudioError as e:
             return {"error": f"{utt.where}: {e}", "audio_filepath": utt.audio_filepath}
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed * 1_000_003 + i)
-            feats, feat_lens = self.logmel(wav[None], torch.tensor([wav.numel()]))
-        if feat_lens[0] == 0:
-            return {"error": f"{utt.where}: audio shorter than one frame",
-                    "audio_filepath": utt.audio_filepath}
-        tokens, prompt_len = encode_utterance(self.tokenizer, utt)
-        return {"feats": feats[0, : feat_lens[0]], "tokens": tokens, "prompt_len": prompt_len,
-                "audio_filepath": utt.audio_filepath, "index": i}
+        return make_item(wav, utt, i, self.tokenizer, self.logmel, self.seed)
+
+
+# --- batches ------------------------------------------------------------------------------------
+
+
+def duration_batches(durations: list[float], max_padded_seconds: float) -> list[list[int]]:
+    """Indices of `durations` cut into batches of at most `max_padded_seconds` padded seconds
+    (batch size x longest member); every index lands in exactly one batch, and one longer than
+    the budget gets a batch of its own.
+
+    For passes that visit every utterance once in any order (inference, validation): a global sort
+    gives the least padding there is, where training needs sampler.py's shuffled buckets. Longest
+    first, so an out-of-memory batch shows up at once, not at the end of a long job.
+    """
+    batches, batch = [], []
+    for i in sorted(range(len(durations)), key=lambda i: -durations[i]):
+        if batch and (len(batch) + 1) * durations[batch[0]] > max_padded_seconds:
+            batches.append(batch)
+            batch = []
+        batch.append(i)
+    return (batches + [batch]) if batch else batches
 
 
 @dataclass
@@ -223,7 +282,6 @@ class Collate:
         prompt_lens = torch.tensor([it["prompt_len"] for it in items], dtype=torch.long)
         return Batch(feats, feat_lens, tokens, token_lens, prompt_lens,
                      [it["audio_filepath"] for it in items], [it["index"] for it in items], errors)
-
 
 
 def ignore_stop_signals(worker_id: int) -> None:

@@ -19,34 +19,54 @@ from torch import nn
 
 
 class KVCache:
-    """Decoding state for a batch of R rows (utterances, or utterances x beams).
+    """Decoding state for a batch of R rows (utterances, or utterances x beams), in preallocated buffers.
 
     self_kv:  (L, 2, R, H, U_max, d_k) self-attention keys and values; positions [0, length) are filled.
     cross_kv: (L, 2, R, H, T', d_k) cross-attention keys and values, projected once from the encoder output
-              (NeMo re-projects them at every step: about 2/3 of its decode time, per issue 3).
+              (NeMo re-projects them at every step: about 2/3 of its decode time).
     memory_mask: (R, 1, 1, T') True at valid encoder frames (SDPA's boolean mask convention).
     length: positions written so far; a Python int shared by all rows, so the loop never syncs with the device.
+
+    A decoder step calls `update` once per layer with the new positions' keys and values, then
+    `advance` once: every layer of a step writes at the same positions.
     """
 
-    def __init__(self, self_kv, cross_kv, memory_mask):
+    def __init__(self, self_kv, cross_kv, memory_mask, length: int = 0):
         self.self_kv, self.cross_kv, self.memory_mask = self_kv, cross_kv, memory_mask
-        self.length = 0
+        self.length = length
 
     @property
-    def max_len(self):
+    def max_len(self) -> int:
         return self.self_kv.size(4)
+
+    def cross(self, layer: int):
+        """Cross-attention keys, values of `layer`: (R, H, T', d_k) each."""
+        return self.cross_kv[layer, 0], self.cross_kv[layer, 1]
+
+    def update(self, layer: int, k, v):
+        """Write `layer`'s keys and values (R, H, U, d_k) of positions [length, length + U) and return
+        its keys and values of positions [0, length + U): (R, H, length + U, d_k) each."""
+        end = self.length + k.size(2)
+        assert end <= self.max_len, f"cache holds {self.max_len} positions, need {end}"
+        self.self_kv[layer, 0, :, :, self.length : end] = k
+        self.self_kv[layer, 1, :, :, self.length : end] = v
+        return self.self_kv[layer, 0, :, :, :end], self.self_kv[layer, 1, :, :, :end]
+
+    def advance(self, n: int) -> None:
+        """Commit the n positions every layer has just written with `update`."""
+        assert self.length + n <= self.max_len, f"cache holds {self.max_len} positions, need {self.length + n}"
+        self.length += n
 
     def repeat_interleave(self, repeats: int) -> "KVCache":
         """A new cache with each row repeated `repeats` times, copies adjacent (B -> B*repeats rows): starts a beam search."""
-        cache = KVCache(
+        return KVCache(
             self.self_kv.repeat_interleave(repeats, dim=2),
             self.cross_kv.repeat_interleave(repeats, dim=2),
             self.memory_mask.repeat_interleave(repeats, dim=0),
+            self.length,
         )
-        cache.length = self.length
-        return cache
 
-    def reorder(self, index):
+    def reorder(self, index) -> None:
         """Row r takes the self-attention history of row index[r] (beam search survivors).
 
         `index` must map each row to a row of the same utterance: the cross-attention K/V, identical
@@ -107,15 +127,14 @@ class DecoderBlock(nn.Module):
         self.ffn = PositionWiseFF(d_model, ff_mult * d_model)
         self.dropout = nn.Dropout(dropout)  # NeMo: attn_layer_dropout and ffn_dropout, on each sublayer output
 
-    def forward(self, x, cross_k, cross_v, memory_mask, self_kv=None, offset=0):
-        """x (B, U, D) at positions [offset, offset+U). self_kv: this layer's (2, B, H, U_max, d_k) cache or None."""
+    def forward(self, x, cross_k, cross_v, memory_mask, cache: KVCache | None = None, layer: int = 0):
+        """x (B, U, D) -> (B, U, D). With a cache, x holds the positions after the cached ones and this
+        block's self-attention keys/values go to the cache as `layer`."""
         u = x.size(1)
         h = self.norm_self_attn(x)
         k, v = self.self_attn.project_kv(h)
-        if self_kv is not None:
-            self_kv[0, :, :, offset : offset + u] = k
-            self_kv[1, :, :, offset : offset + u] = v
-            k, v = self_kv[0, :, :, : offset + u], self_kv[1, :, :, : offset + u]
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
         # A single new token may see every cached position; a chunk starting at 0 needs the causal mask.
         x = x + self.dropout(self.self_attn(h, k, v, is_causal=u > 1))
         h = self.norm_cross_attn(x)
@@ -192,11 +211,10 @@ class TransformerDecoder(nn.Module):
         """
         offset, u = cache.length, tokens.size(1)
         assert offset == 0 or u == 1, f"after the prompt, feed one token per step (got {u} at position {offset})"
-        assert offset + u <= cache.max_len, f"cache holds {cache.max_len} positions, need {offset + u}"
         x = self.embedding(tokens, offset)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cache.cross_kv[i, 0], cache.cross_kv[i, 1], cache.memory_mask, cache.self_kv[i], offset)
-        cache.length = offset + u
+            x = layer(x, *cache.cross(i), cache.memory_mask, cache, i)
+        cache.advance(u)
         return self.final_layer_norm(x)
 
     @staticmethod

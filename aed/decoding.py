@@ -1,7 +1,9 @@
 """Batched greedy and beam search over the KV-cached decoder.
 
     model.eval()
-    hyps = decode(model, feats, feat_lens, prompt, eos_id, DecodingOptions(beam_size=4))
+    options = DecodingOptions(beam_size=4)
+    hyps = decode(model, feats, feat_lens, prompt, eos_id, options)
+    hyps = search(model, *model.encode(feats, feat_lens), prompt, eos_id, options)  # the same, in two steps
 
 `prompt` (B, P) holds the same-length Canary prompt per utterance (`<|startoftranscript|><|src|><|task|>
 <|tgt|><|pnc|>`); the result is, per utterance, the generated ids after the prompt, without EOS.
@@ -22,27 +24,36 @@ class DecodingOptions:
     beam_size: int = 1  # 1: batched greedy search; >1: vectorised beam search over B x beam_size rows
     length_penalty: float = 0.0  # GNMT alpha: rank by logP / ((5 + len) / 6)^alpha; 0 ranks by logP (Canary's default)
     max_delta: int = 50  # at most encoder frames + max_delta new tokens per utterance (NeMo's max_generation_delta)
-    max_tokens: int | None = None  # an absolute cap on new tokens per utterance, on top of max_delta
+    max_new_tokens: int | None = None  # an absolute cap on new tokens per utterance, on top of max_delta
 
 
 @torch.inference_mode()
 def decode(model, feats, feat_lens, prompt, eos_id: int, options: DecodingOptions = DecodingOptions()) -> list[list[int]]:
     """feats (B, T, F), feat_lens (B,), prompt (B, P) long -> B lists of generated ids (no prompt, no EOS)."""
     memory, memory_lens = model.encode(feats, feat_lens)
+    return search(model, memory, memory_lens, prompt, eos_id, options)
+
+
+@torch.inference_mode()
+def search(model, memory, memory_lens, prompt, eos_id: int,
+           options: DecodingOptions = DecodingOptions()) -> list[list[int]]:
+    """`decode` after the encoder: memory (B, T', D) and memory_lens (B,) from model.encode. For callers
+    that time or batch the encoder themselves (aed/inference.py)."""
     if options.beam_size == 1:
-        return greedy_search(model, memory, memory_lens, prompt, eos_id, options.max_delta, options.max_tokens)
+        return greedy_search(model, memory, memory_lens, prompt, eos_id, options.max_delta, options.max_new_tokens)
     return beam_search(model, memory, memory_lens, prompt, eos_id, options.beam_size, options.length_penalty,
-                       options.max_delta, options.max_tokens)
+                       options.max_delta, options.max_new_tokens)
 
 
-def max_new_tokens(model, memory_lens, prompt_len: int, max_delta: int, max_tokens: int | None = None):
-    """(B,) generation budget: encoder frames + delta, and prompt + generated must fit the decoder's positions.
+def token_budget(model, memory_lens, prompt_len: int, max_delta: int, max_new_tokens: int | None = None):
+    """(B,) new tokens each utterance may generate: encoder frames + delta, at most max_new_tokens, and
+    prompt + generated must fit the decoder's positions.
 
     Per utterance (not per batch), so an utterance decodes the same alone and inside a padded batch.
     """
     assert prompt_len < model.cfg.dec_max_len, f"prompt of {prompt_len} tokens leaves no room in {model.cfg.dec_max_len} positions"
     limit = model.cfg.dec_max_len - prompt_len
-    return (memory_lens + max_delta).clamp(max=limit if max_tokens is None else min(limit, max_tokens))
+    return (memory_lens + max_delta).clamp(max=limit if max_new_tokens is None else min(limit, max_new_tokens))
 
 
 def _check_prompt(prompt, memory):
@@ -61,11 +72,11 @@ def _strip(tokens, eos_id: int) -> list[list[int]]:
 
 @torch.inference_mode()
 def greedy_search(model, memory, memory_lens, prompt, eos_id: int, max_delta: int = 50,
-                  max_tokens: int | None = None) -> list[list[int]]:
+                  max_new_tokens: int | None = None) -> list[list[int]]:
     """Argmax decoding for the whole batch at once; memory (B, T', D) from model.encode."""
     _check_prompt(prompt, memory)
     b, p = prompt.shape
-    limits = max_new_tokens(model, memory_lens, p, max_delta, max_tokens)  # (B,)
+    limits = token_budget(model, memory_lens, p, max_delta, max_new_tokens)  # (B,)
     steps = int(limits.max())  # the one sync before the loop
     cache = model.new_cache(memory, memory_lens, p + steps)
     logits = model.decode_step(prompt, cache)  # (B, V): the prompt in one chunk
@@ -88,7 +99,7 @@ def length_penalty(lengths, alpha: float):
 
 @torch.inference_mode()
 def beam_search(model, memory, memory_lens, prompt, eos_id: int, beam_size: int = 4, alpha: float = 0.0,
-                max_delta: int = 50, max_tokens: int | None = None) -> list[list[int]]:
+                max_delta: int = 50, max_new_tokens: int | None = None) -> list[list[int]]:
     """Beam search vectorised over R = B * K rows (K = beam_size); returns the best hypothesis per utterance.
 
     Each step: one log-softmax, one topk over the K*V candidates of each utterance, one cache reorder.
@@ -98,7 +109,7 @@ def beam_search(model, memory, memory_lens, prompt, eos_id: int, beam_size: int 
     _check_prompt(prompt, memory)
     (b, p), k = prompt.shape, beam_size
     device = memory.device
-    limits = max_new_tokens(model, memory_lens, p, max_delta, max_tokens).repeat_interleave(k)  # (R,)
+    limits = token_budget(model, memory_lens, p, max_delta, max_new_tokens).repeat_interleave(k)  # (R,)
     steps = int(limits.max())
     cache = model.new_cache(memory, memory_lens, p + steps)
     logits = model.decode_step(prompt, cache)  # (B, V): the prompt runs once per utterance, not once per beam

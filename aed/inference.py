@@ -15,9 +15,9 @@ How the work is cut:
    are cut, without overlap, at the quietest 100 ms within the last quarter of each chunk, so a cut
    rarely splits a word and nothing needs de-duplicating. The chunks' texts are joined with spaces.
 2. Batch: segments sorted by duration, longest first, and cut into batches of at most
-   `batch_duration` padded seconds (batch size x longest segment).
-3. Per batch: load + log-mel features, encoder, then greedy or beam search; each phase is timed
-   separately (the device is synchronised between phases) for the RTFx report.
+   `batch_duration` padded seconds (batch size x longest segment): `aed.data.duration_batches`.
+3. Per batch: load + log-mel features, encoder, then greedy or beam search (`aed.decoding.search`);
+   each phase is timed separately (the device is synchronised between phases) for the RTFx report.
 """
 
 import glob
@@ -27,6 +27,7 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import soundfile as sf
 import torch
@@ -34,9 +35,10 @@ import torch.nn.functional as F
 
 from aed.audio import AudioError, FeatureConfig, LogMel, load_audio, num_frames
 from aed.checkpoint import list_checkpoints, load_model
-from aed.data import PNC_VALUES, TASK_ALIASES, json_object
-from aed.decoding import beam_search, greedy_search
-from aed.metrics import bleu, wer
+from aed.data import (PROMPT_TASKS, audio_path, check_task, duration_batches, json_object, languages, manifest_lines,
+                      reference_text, seconds)
+from aed.decoding import DecodingOptions, search
+from aed.metrics import corpus_scores
 from aed.model import AED
 from aed.tokenizer import Tokenizer
 
@@ -97,17 +99,9 @@ class Request:
 def make_request(audio_filepath: str, source_lang: str = "en", target_lang: str | None = None,
                  task: str | None = None, pnc: bool = True, where: str = "", **kw) -> Request:
     """Fill the defaults (target = source; task = asr iff source == target) and validate the task."""
-    target_lang = target_lang or source_lang
     where = where or audio_filepath
-    if task is None:
-        task = "asr" if source_lang == target_lang else "ast"
-    if task not in TASK_ALIASES:
-        raise ValueError(f"{where}: field 'taskname': must be one of {sorted(TASK_ALIASES)}, got {task!r}")
-    task = TASK_ALIASES[task]
-    if task == "asr" and source_lang != target_lang:
-        raise ValueError(f"{where}: field 'taskname': 'asr' needs source_lang == target_lang, "
-                         f"got {source_lang} -> {target_lang}")
-    return Request(audio_filepath, source_lang, target_lang, pnc, task, where=where, **kw)
+    task_fields = check_task(where, source_lang, target_lang or source_lang, pnc, task)
+    return Request(audio_filepath, *task_fields, where=where, **kw)
 
 
 def read_requests(manifest: str, source_lang: str = "en", target_lang: str | None = None,
@@ -115,35 +109,17 @@ def read_requests(manifest: str, source_lang: str = "en", target_lang: str | Non
     """NeMo-style JSONL (aed/data.py) -> Requests. Only `audio_filepath` is required: the task fields
     default to the arguments, per-line values win; `duration` defaults to the whole file; `text`
     (or `answer`) is a reference when present. Bad lines raise ValueError naming file, line and field."""
-    base = os.path.dirname(os.path.abspath(manifest))
+    base_dir = os.path.dirname(os.path.abspath(manifest))
     out = []
-    with open(manifest, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{manifest}:{lineno}"
-            d = json_object(line, where)
-            path = d.get("audio_filepath")
-            if not isinstance(path, str) or not path:
-                raise ValueError(f"{where}: field 'audio_filepath': missing or not a non-empty string")
-            for key, lowest in (("offset", 0.0), ("duration", 1e-9)):
-                v = d.get(key)
-                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < lowest):
-                    raise ValueError(f"{where}: field '{key}': must be a {'positive' if lowest else 'non-negative'} "
-                                     f"number of seconds, got {v!r}")
-            line_pnc = d.get("pnc", pnc)
-            line_pnc = line_pnc.lower() if isinstance(line_pnc, str) else line_pnc
-            if line_pnc not in PNC_VALUES:
-                raise ValueError(f"{where}: field 'pnc': must be yes/no, got {d['pnc']!r}")
-            text = d.get("text", d.get("answer"))
-            out.append(make_request(
-                path if os.path.isabs(path) else os.path.join(base, path),
-                source_lang=d.get("source_lang", d.get("lang", source_lang)),
-                target_lang=d.get("target_lang", d.get("lang", target_lang)),
-                task=d.get("taskname", task), pnc=PNC_VALUES[line_pnc], where=where,
-                offset=float(d.get("offset") or 0.0),
-                duration=float(d["duration"]) if d.get("duration") is not None else None,
-                text=text if isinstance(text, str) else None, fields=d))
+    for where, line in manifest_lines(manifest):
+        d = json_object(line, where)
+        path = audio_path(d, where, base_dir)
+        offset = seconds(d, "offset", where, positive=False) or 0.0
+        duration = seconds(d, "duration", where, positive=True)
+        src, tgt = languages(d, source_lang, target_lang)
+        text = reference_text(d)
+        out.append(make_request(path, src, tgt, d.get("taskname", task), d.get("pnc", pnc), where, offset=offset,
+                                duration=duration, text=text if isinstance(text, str) else None, fields=d))
     return out
 
 
@@ -208,22 +184,11 @@ class Timings:
 
 
 def score(results: list[Result]) -> dict:
-    """Corpus WER (normalised and with punctuation/case) per ASR language and BLEU per AST pair,
-    over the results that have a reference and did not fail: {"asr en": {"wer": .., "wer_pnc": .., "n": ..}}."""
-    groups = {}
-    for res in results:
-        r = res.request
-        if res.error is None and r.text is not None:
-            key = f"asr {r.source_lang}" if r.taskname == "asr" else f"ast {r.source_lang}-{r.target_lang}"
-            groups.setdefault(key, []).append((r.text, res.pred_text))
-    out = {}
-    for key, pairs in sorted(groups.items()):
-        refs, hyps = [p[0] for p in pairs], [p[1] for p in pairs]
-        if key.startswith("asr"):
-            out[key] = {"wer": wer(refs, hyps), "wer_pnc": wer(refs, hyps, normalize=False), "n": len(pairs)}
-        else:
-            out[key] = {"bleu": bleu(refs, hyps), "n": len(pairs)}
-    return out
+    """`aed.metrics.corpus_scores` of the results that have a reference and did not fail:
+    {"asr en": {"wer": .., "wer_pnc": .., "n": ..}, "ast es-en": {"bleu": .., "n": ..}}."""
+    rows = [(res.request.taskname, res.request.source_lang, res.request.target_lang, res.request.text, res.pred_text)
+            for res in results if res.error is None and res.request.text is not None]
+    return corpus_scores(rows)[0]
 
 
 # --- planning: durations and chunks -----------------------------------------------------------
@@ -274,9 +239,110 @@ def plan_segments(req: Request, chunk_seconds: float, sample_rate: int) -> list[
 # --- transcription ----------------------------------------------------------------------------
 
 
-def _sync(device: torch.device) -> None:
+class Segment(NamedTuple):
+    request: int  # index of its Request
+    offset: float  # seconds into the file
+    duration: float | None  # seconds from offset; None: to the end of the file
+    seconds: float  # estimated length, for batching and progress
+
+
+def to_requests(inputs: list, **task_defaults) -> list[Request]:
+    """Requests as given; paths, directories and globs expanded into Requests with `task_defaults`."""
+    requests = []
+    for item in inputs:
+        if isinstance(item, Request):
+            requests.append(item)
+        else:
+            requests += [make_request(p, **task_defaults) for p in expand_inputs([os.fspath(item)])]
+    return requests
+
+
+def request_prompts(requests: list[Request], tokenizer: Tokenizer) -> list[list[int]]:
+    """Each request's decoder prompt. An unknown language is the caller's mistake: it fails here,
+    before any work, naming the request."""
+    prompts = []
+    for r in requests:
+        try:
+            prompts.append(tokenizer.prompt_ids(r.source_lang, r.target_lang, r.pnc, PROMPT_TASKS[r.taskname]))
+        except ValueError as e:
+            raise ValueError(f"{r.where}: {e}") from None
+    return prompts
+
+
+def plan(requests: list[Request], results: list[Result], chunk_seconds: float, sample_rate: int) -> list[Segment]:
+    """Every request's segments, in file order; a file whose length cannot be read fails its Result."""
+    segments = []
+    for i, r in enumerate(requests):
+        try:
+            segments += [Segment(i, *piece) for piece in plan_segments(r, chunk_seconds, sample_rate)]
+        except AudioError as e:
+            results[i].error = e.reason
+    return segments
+
+
+def load_segments(asr: LoadedModel, requests: list[Request], segments: list[Segment], batch: list[int],
+                  results: list[Result]) -> tuple[list[int], list[torch.Tensor]]:
+    """The segments of `batch` that load, and their waveforms (S,). A failure is recorded on its
+    file's Result, and the file's remaining segments are skipped."""
+    kept, wavs = [], []
+    for k in batch:
+        seg = segments[k]
+        res = results[seg.request]
+        if res.error is not None:  # another chunk of this file already failed
+            continue
+        try:
+            wav = load_audio(requests[seg.request].audio_filepath, seg.offset, seg.duration, asr.features.sample_rate)
+        except AudioError as e:
+            res.error = e.reason
+            continue
+        if num_frames(wav.numel(), asr.features.hop_length) == 0:
+            res.error = f"audio shorter than one feature frame ({wav.numel()} samples)"
+            continue
+        kept.append(k)
+        wavs.append(wav)
+    return kept, wavs
+
+
+def _synced_time(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # so each phase's wall time is its own, not queued work
+    return time.perf_counter()
+
+
+def decode_batch(asr: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], prompts: list[list[int]],
+                 options: DecodingOptions, dtype: torch.dtype | None) -> tuple[list[list[int]], float, float]:
+    """Waveforms (S,) and their prompts -> generated ids per waveform, and the seconds spent in the
+    encoder and in the search (the device is synchronised between phases)."""
+    device = asr.device
+    wav_lens = torch.tensor([w.numel() for w in wavs])
+    wav = torch.zeros(len(wavs), int(wav_lens.max()))  # (B, S) zero padded
+    for b, w in enumerate(wavs):
+        wav[b, : w.numel()] = w
+    feats, feat_lens = logmel(wav.to(device), wav_lens.to(device))  # (B, T, F), (B,)
+    if len({len(p) for p in prompts}) > 1:
+        raise ValueError(f"prompts of different lengths {sorted({len(p) for p in prompts})} in one batch; prompt "
+                         f"format {asr.tokenizer.prompt_format!r} must give equal-length prompts")
+    prompt = torch.tensor(prompts, dtype=torch.long, device=device)  # (B, P)
+    amp = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
+    t0 = _synced_time(device)
+    with amp:
+        memory, memory_lens = asr.model.encode(feats, feat_lens)  # (B, T', D), (B,)
+    t1 = _synced_time(device)
+    with amp:
+        hyps = search(asr.model, memory, memory_lens, prompt, asr.tokenizer.eos, options)
+    t2 = _synced_time(device)
+    return hyps, t1 - t0, t2 - t1
+
+
+def join_pieces(results: list[Result], pieces: list[dict], tokenizer: Tokenizer) -> None:
+    """Each transcribed file's text and ids: its segments' in file order, texts joined with spaces."""
+    for res, by_segment in zip(results, pieces):
+        if res.error is None:
+            ordered = [by_segment[k] for k in sorted(by_segment)]
+            # The model's vocabulary is padded to a multiple of 8; ids past the tokenizer's are not text.
+            texts = [tokenizer.decode([t for t in ids if t < tokenizer.vocab_size]) for ids in ordered]
+            res.pred_text = " ".join(text for text in texts if text)
+            res.tokens = [t for ids in ordered for t in ids]
 
 
 @torch.inference_mode()
@@ -289,117 +355,44 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
 
     source_lang/target_lang/task/pnc apply to plain paths (Requests carry their own). beam_size 1 is
     greedy search; length_penalty is GNMT's alpha (0 ranks by log-probability); at most encoder
-    frames + max_delta and `max_new_tokens` tokens are generated. batch_duration: padded seconds of
-    audio per batch. chunk_seconds: longer inputs are cut at pauses (see the module docstring).
-    dtype: torch.bfloat16 for bf16 autocast, None for fp32. progress(done_s, total_s) is called
-    after every batch with seconds of audio.
+    frames + max_delta and `max_new_tokens` tokens are generated (see `aed.decoding.DecodingOptions`).
+    batch_duration: padded seconds of audio per batch (`aed.data.duration_batches`). chunk_seconds:
+    longer inputs are cut at pauses (see the module docstring). dtype: torch.bfloat16 for bf16
+    autocast, None for fp32. progress(done_s, total_s) is called after every batch with seconds of audio.
     """
     t_start = time.perf_counter()
-    model, tokenizer, device = asr.model, asr.tokenizer, asr.device
-    sr = asr.features.sample_rate
-    requests = []
-    for item in inputs:
-        if isinstance(item, Request):
-            requests.append(item)
-        else:
-            requests += [make_request(p, source_lang, target_lang, task, pnc) for p in expand_inputs([os.fspath(item)])]
+    options = DecodingOptions(beam_size, length_penalty, max_delta, max_new_tokens)
+    requests = to_requests(inputs, source_lang=source_lang, target_lang=target_lang, task=task, pnc=pnc)
     results = [Result(r) for r in requests]
-    prompts = []
-    for r in requests:  # an unknown language is the caller's mistake: fail before any work
-        try:
-            prompts.append(tokenizer.prompt_ids(r.source_lang, r.target_lang, r.pnc,
-                                                "transcribe" if r.taskname == "asr" else "translate"))
-        except ValueError as e:
-            raise ValueError(f"{r.where}: {e}") from None
-
-    # Plan: (request index, offset, duration, estimated seconds) per segment.
-    segments = []
-    for i, r in enumerate(requests):
-        try:
-            segments += [(i, off, dur, est) for off, dur, est in plan_segments(r, chunk_seconds, sr)]
-        except AudioError as e:
-            results[i].error = e.reason
-    # Sorted, not sampler.py's buckets: inference visits every segment once, in any order, so a global
-    # sort gives the least padding there is; the sampler's shuffling, buffer and bins serve training.
-    # Longest first: an out-of-memory batch shows up at once, not at the end of a long job.
-    order = sorted(range(len(segments)), key=lambda k: -segments[k][3])
-    batches, batch = [], []
-    for k in order:  # padded seconds = batch size x longest (first) segment
-        if batch and (len(batch) + 1) * segments[batch[0]][3] > batch_duration:
-            batches.append(batch)
-            batch = []
-        batch.append(k)
-    batches += [batch] if batch else []
+    prompts = request_prompts(requests, asr.tokenizer)
+    segments = plan(requests, results, chunk_seconds, asr.features.sample_rate)
     timings = Timings(load_features=time.perf_counter() - t_start)
 
-    logmel = LogMel(asr.features).to(device).eval()
-    amp = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
-    pieces = [{} for _ in requests]  # per request: {segment index: (text, ids)}, joined in order at the end
-    total_s, done_s = sum(s[3] for s in segments), 0.0
-    for batch in batches:
+    logmel = LogMel(asr.features).to(asr.device).eval()
+    pieces = [{} for _ in requests]  # per request: {segment index: generated ids}
+    total_s, done_s = sum(s.seconds for s in segments), 0.0
+    for batch in duration_batches([s.seconds for s in segments], batch_duration):
         t0 = time.perf_counter()
-        wavs, keep = [], []
-        for k in batch:
-            i, off, dur, _ = segments[k]
-            if results[i].error is not None:  # another chunk of this file already failed
-                continue
-            try:
-                wav = load_audio(requests[i].audio_filepath, off, dur, sr)
-            except AudioError as e:
-                results[i].error = e.reason
-                continue
-            if num_frames(wav.numel(), asr.features.hop_length) == 0:
-                results[i].error = f"audio shorter than one feature frame ({wav.numel()} samples)"
-                continue
-            wavs.append(wav)
-            keep.append(k)
-        done_s += sum(segments[k][3] for k in batch)
-        if not keep:
-            timings.load_features += time.perf_counter() - t0
-            if progress:
-                progress(done_s, total_s)
-            continue
-        wav_lens = torch.tensor([w.numel() for w in wavs])
-        wav = torch.zeros(len(wavs), int(wav_lens.max()))  # (B, S) zero padded
-        for b, w in enumerate(wavs):
-            wav[b, : w.numel()] = w
-        feats, feat_lens = logmel(wav.to(device), wav_lens.to(device))  # (B, T, F), (B,)
-        prompt = [prompts[segments[k][0]] for k in keep]
-        if len({len(p) for p in prompt}) > 1:
-            raise ValueError(f"prompts of different lengths {sorted({len(p) for p in prompt})} in one batch; "
-                             f"prompt format {tokenizer.prompt_format!r} must give equal-length prompts")
-        prompt = torch.tensor(prompt, dtype=torch.long, device=device)  # (B, P)
-        _sync(device)
-        t1 = time.perf_counter()
-        with amp:
-            memory, memory_lens = model.encode(feats, feat_lens)  # (B, T', D), (B,)
-        _sync(device)
-        t2 = time.perf_counter()
-        with amp:
-            if beam_size == 1:
-                hyps = greedy_search(model, memory, memory_lens, prompt, tokenizer.eos, max_delta, max_new_tokens)
-            else:
-                hyps = beam_search(model, memory, memory_lens, prompt, tokenizer.eos, beam_size,
-                                   length_penalty, max_delta, max_new_tokens)
-        _sync(device)
-        t3 = time.perf_counter()
-        timings.load_features += t1 - t0
-        timings.encoder += t2 - t1
-        timings.decoder += t3 - t2
-        for b, (k, ids) in enumerate(zip(keep, hyps)):
-            i = segments[k][0]
-            # The model's vocabulary is padded to a multiple of 8; ids past the tokenizer's are not text.
-            pieces[i][k] = (tokenizer.decode([t for t in ids if t < tokenizer.vocab_size]), ids)
-            results[i].duration += wavs[b].numel() / sr
-            results[i].decode_time += (t3 - t0) * wavs[b].numel() / int(wav_lens.sum())
+        kept, wavs = load_segments(asr, requests, segments, batch, results)
+        hyps, encoder_s, decoder_s = [], 0.0, 0.0
+        if kept:
+            batch_prompts = [prompts[segments[k].request] for k in kept]
+            hyps, encoder_s, decoder_s = decode_batch(asr, logmel, wavs, batch_prompts, options, dtype)
+        batch_s = time.perf_counter() - t0
+        timings.load_features += batch_s - encoder_s - decoder_s
+        timings.encoder += encoder_s
+        timings.decoder += decoder_s
+        samples = sum(w.numel() for w in wavs)
+        for k, wav, ids in zip(kept, wavs, hyps):
+            i = segments[k].request
+            pieces[i][k] = ids
+            results[i].duration += wav.numel() / asr.features.sample_rate
+            results[i].decode_time += batch_s * wav.numel() / samples  # its share of the batch, by audio length
+        done_s += sum(segments[k].seconds for k in batch)
         if progress:
             progress(done_s, total_s)
 
-    for i, res in enumerate(results):
-        if res.error is None:
-            ordered = [pieces[i][k] for k in sorted(pieces[i])]
-            res.pred_text = " ".join(text for text, _ in ordered if text)
-            res.tokens = [t for _, ids in ordered for t in ids]
-            timings.audio += res.duration
+    join_pieces(results, pieces, asr.tokenizer)
+    timings.audio = sum(res.duration for res in results if res.error is None)
     timings.wall = time.perf_counter() - t_start
     return results, timings

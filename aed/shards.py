@@ -1,4 +1,4 @@
-"""Sharded tar datasets: sequential reading of many small utterances (issue 11).
+"""Sharded tar datasets: sequential reading of many small utterances.
 
 At cluster scale, opening one small audio file per example on a shared filesystem is the
 bottleneck. `tools/make_shards.py` packs a manifest into tar shards; this module streams them.
@@ -55,6 +55,7 @@ import torchaudio.functional as AF
 from torch.utils.data import Dataset
 
 from aed.audio import AudioError
+from aed.data import Utterance, make_item
 
 log = logging.getLogger(__name__)
 
@@ -254,9 +255,9 @@ def decode_audio(example: dict, sample_rate: int = 16000) -> torch.Tensor:
 class ShardDataset(Dataset):
     """Decodes the example dicts of a streamed batch in DataLoader workers: use it with
     `DataLoader(..., batch_sampler=BucketingSampler(source, ...))`, which hands each example dict
-    to `__getitem__`. Items are those of `aed.data.UtteranceDataset` (feats, tokens, prompt_len,
-    audio_filepath, index), so `aed.data.Collate` pads them; a bad audio comes back as
-    {"error": ...}. Dither is seeded by (seed, example location), as the per-file dataset does by index.
+    to `__getitem__`. Items are `aed.data.make_item`'s, as the per-file dataset's, so
+    `aed.data.Collate` pads them; a bad audio comes back as {"error": ...}. Dither is seeded by
+    (seed, example location), as the per-file dataset does by index.
     """
 
     def __init__(self, tokenizer, logmel, seed: int = 0):
@@ -264,18 +265,13 @@ class ShardDataset(Dataset):
 
     def __getitem__(self, ex: dict) -> dict:
         where = ex["where"]
-        index = zlib.crc32(where.encode())  # stable across processes, unlike hash()
         try:
             wav = decode_audio(ex, self.logmel.cfg.sample_rate)
         except AudioError as e:
             return {"error": str(e), "audio_filepath": where}
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed * 1_000_003 + index)
-            feats, feat_lens = self.logmel(wav[None], torch.tensor([wav.numel()]))
-        if feat_lens[0] == 0:
-            return {"error": f"{where}: audio shorter than one frame", "audio_filepath": where}
-        task = "transcribe" if ex["taskname"] == "asr" else "translate"
-        tokens, prompt_len = self.tokenizer.encode_example(ex["text"], ex["source_lang"], ex["target_lang"],
-                                                           ex["pnc"], task=task)
-        return {"feats": feats[0, : feat_lens[0]], "tokens": tokens, "prompt_len": prompt_len,
-                "audio_filepath": where, "index": index}
+        # The shard location names the example in batches and messages: its original file may
+        # not exist where training runs. Fields were validated when the shard was made.
+        utt = Utterance(where, ex["duration"], ex["text"], ex["source_lang"], ex["target_lang"], ex["pnc"],
+                        ex["taskname"], where=where)
+        index = zlib.crc32(where.encode())  # stable across processes, unlike hash()
+        return make_item(wav, utt, index, self.tokenizer, self.logmel, self.seed)

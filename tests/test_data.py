@@ -6,8 +6,11 @@ import pytest
 import soundfile as sf
 import torch
 
-from aed.audio import FeatureConfig, LogMel
-from aed.data import Collate, ManifestError, UtteranceDataset, iter_manifest, read_manifest
+from aed.audio import FeatureConfig, LogMel, load_audio
+from aed.data import (Collate, ManifestError, UtteranceDataset, duration_batches, iter_manifest, make_item,
+                      read_manifest)
+from aed.inference import read_requests, request_prompts
+from aed.shards import ShardDataset
 from aed.tokenizer import Tokenizer
 
 MINI = os.path.join(os.path.dirname(__file__), "..", "data", "mini")
@@ -101,3 +104,46 @@ def test_dataset_collate_offsets_and_bad_audio(tmp_path, tokenizer):
     assert batch.tokens[1, : len(ids1)].tolist() == ids1
     assert (batch.tokens[1, len(ids1):] == tokenizer.pad).all()
     assert tokenizer.decode(batch.tokens[1, p1: len(ids1) - 1].tolist()) == "Hola."
+
+
+def test_make_item_is_the_item_of_files_and_shards_and_inference_prompts_agree(tmp_path, tokenizer):
+    wav = (np.random.default_rng(1).standard_normal(16000 * 2) * 0.1).astype("float32")
+    sf.write(tmp_path / "a.wav", wav, 16000, subtype="FLOAT")
+    m = write_lines(tmp_path / "m.jsonl", [
+        rec(duration=2.0, text="Hola.", source_lang="en", target_lang="es", pnc="no"),
+        rec(duration=1.0, offset=0.5, text="A segment."),
+    ])
+    logmel = LogMel(FeatureConfig(n_mels=80)).train()  # dither on: the seed must match too
+    utts = read_manifest(m)
+    per_file = UtteranceDataset(utts, tokenizer, logmel, seed=3)
+    for i, (utt, prompt) in enumerate(zip(utts, request_prompts(read_requests(m), tokenizer))):
+        item = per_file[i]
+        direct = make_item(load_audio(utt.audio_filepath, utt.offset, utt.duration), utt, i, tokenizer, logmel, seed=3)
+        assert item.keys() == direct.keys() and torch.equal(item["feats"], direct["feats"])
+        assert (item["tokens"], item["prompt_len"], item["index"]) == (direct["tokens"], direct["prompt_len"], i)
+        assert item["tokens"][: item["prompt_len"]] == prompt  # inference prompts the model as training did
+        # The same utterance as a shard example (aed/shards.py): its audio already cut to the segment.
+        seg = tmp_path / f"seg{i}.wav"
+        sf.write(seg, load_audio(utt.audio_filepath, utt.offset, utt.duration).numpy(), 16000, subtype="FLOAT")
+        ex = {"audio": seg.read_bytes(), "duration": utt.duration, "text": utt.text, "source_lang": utt.source_lang,
+              "target_lang": utt.target_lang, "pnc": utt.pnc, "taskname": utt.taskname, "where": f"s.tar#{i}"}
+        shard_item = ShardDataset(tokenizer, logmel, seed=3)[ex]
+        assert shard_item["audio_filepath"] == f"s.tar#{i}"
+        assert (shard_item["tokens"], shard_item["prompt_len"]) == (item["tokens"], item["prompt_len"])
+        assert torch.equal(shard_item["feats"], make_item(load_audio(utt.audio_filepath, utt.offset, utt.duration),
+                                                          utt, shard_item["index"], tokenizer, logmel, seed=3)["feats"])
+
+
+def test_duration_batches_respect_the_padded_budget_and_cover_every_index_once():
+    durations = np.random.default_rng(0).uniform(0.5, 20.0, 500).tolist() + [45.0, 12.0, 12.0]
+    budget = 60.0
+    batches = duration_batches(durations, budget)
+    assert sorted(i for b in batches for i in b) == list(range(len(durations)))
+    longest = [durations[b[0]] for b in batches]
+    assert longest == sorted(longest, reverse=True), "longest first"
+    for b in batches:
+        assert durations[b[0]] == max(durations[i] for i in b)
+        assert len(b) * durations[b[0]] <= budget
+    assert [len(b) for b in duration_batches([3.0, 1.0, 2.0, 2.5], 6.0)] == [2, 2]  # padded 2 x 3 s, then 2 x 2 s
+    assert duration_batches([5.0, 1.0], 2.0) == [[0], [1]]  # over the budget alone: a batch of its own
+    assert duration_batches([], 10.0) == []

@@ -2,11 +2,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aed.decoding import DecodingOptions, beam_search, decode, greedy_search, length_penalty, max_new_tokens
+from aed.decoding import DecodingOptions, beam_search, decode, greedy_search, length_penalty, search, token_budget
+from aed.decoder import KVCache
 from aed.model import AED, AEDConfig
 
 V = 40
-
 
 
 def random_model(seed=0, **overrides):
@@ -71,6 +71,33 @@ def test_cached_decoding_equals_full_recomputation_at_every_step():
     assert cache.length == tokens.size(1)
 
 
+def test_kv_cache_update_writes_at_the_position_and_advance_commits_it():
+    layers, rows, heads, max_len, d_k = 2, 3, 2, 5, 4
+    cache = KVCache(torch.zeros(layers, 2, rows, heads, max_len, d_k), torch.randn(layers, 2, rows, heads, 7, d_k),
+                    torch.ones(rows, 1, 1, 7, dtype=torch.bool))
+    prompt_k, prompt_v = torch.randn(rows, heads, 2, d_k), torch.randn(rows, heads, 2, d_k)
+    k, v = cache.update(0, prompt_k, prompt_v)
+    assert torch.equal(k, prompt_k) and torch.equal(v, prompt_v) and cache.length == 0
+    assert cache.self_kv[1].abs().sum() == 0, "a layer's update writes only that layer"
+    cache.update(1, -prompt_k, -prompt_v)
+    cache.advance(2)
+    step_k, step_v = torch.randn(rows, heads, 1, d_k), torch.randn(rows, heads, 1, d_k)
+    k, v = cache.update(0, step_k, step_v)
+    assert torch.equal(k, torch.cat([prompt_k, step_k], dim=2)) and torch.equal(v, torch.cat([prompt_v, step_v], dim=2))
+    again_k, _ = cache.update(0, 2 * step_k, step_v)  # not advanced yet: the same position is rewritten
+    assert torch.equal(again_k[:, :, 2], 2 * step_k[:, :, 0])
+    cache.advance(1)
+    assert cache.length == 3
+    assert [t.shape for t in cache.cross(1)] == [(rows, heads, 7, d_k)] * 2
+    beams = cache.repeat_interleave(2)
+    assert beams.length == 3 and beams.self_kv.shape[2] == 2 * rows
+    assert all(torch.equal(beams.self_kv[:, :, r], cache.self_kv[:, :, 2]) for r in (4, 5))  # copies adjacent
+    with pytest.raises(AssertionError, match="cache holds 5 positions, need 6"):
+        cache.update(0, torch.randn(rows, heads, 3, d_k), torch.randn(rows, heads, 3, d_k))
+    with pytest.raises(AssertionError, match="cache holds 5 positions, need 6"):
+        cache.advance(3)
+
+
 def test_cache_reorder_moves_histories_within_an_utterance():
     model = random_model()
     feats, lens, prompt = batch(lens=(50, 80))
@@ -102,13 +129,23 @@ def test_batched_greedy_equals_each_utterance_alone():
         assert alone == [hyps[i]], f"utterance {i} decodes differently inside the padded batch"
 
 
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_search_after_the_encoder_equals_decode(beam_size):
+    model = random_model()
+    feats, lens, prompt = batch()
+    memory, memory_lens = model.encode(feats, lens)
+    eos = pick_eos(model, memory, memory_lens, prompt)
+    options = DecodingOptions(beam_size=beam_size, max_delta=6)
+    assert search(model, memory, memory_lens, prompt, eos, options) == decode(model, feats, lens, prompt, eos, options)
+
+
 def test_generation_budget_is_encoder_frames_plus_delta_capped_by_positions():
     model = random_model(dec_max_len=40)
     feats, lens, prompt = batch(lens=(300, 60, 16))
     with torch.no_grad():
         model.decoder.output_proj.bias[V - 1] = -1e9  # EOS never wins: every row runs to its budget
     memory, memory_lens = model.encode(feats, lens)
-    limits = max_new_tokens(model, memory_lens, prompt.size(1), max_delta=5)
+    limits = token_budget(model, memory_lens, prompt.size(1), max_delta=5)
     assert limits.tolist() == [min(int(t) + 5, 40 - 3) for t in memory_lens]
     for opts in (DecodingOptions(max_delta=5), DecodingOptions(beam_size=3, max_delta=5)):
         hyps = decode(model, feats, lens, prompt, V - 1, opts)

@@ -14,10 +14,11 @@ import torch
 
 from aed.audio import FeatureConfig, LogMel, load_audio
 from aed.checkpoint import pack_dir, save_checkpoint
-from aed.data import encode_utterance, read_manifest
+from aed.data import ManifestError, encode_utterance, read_manifest
 from aed.decoding import decode
 from aed.inference import (Request, expand_inputs, load_checkpoint, plan_segments, quiet_point, read_requests,
-                           transcribe)
+                           request_prompts, transcribe)
+from aed.metrics import corpus_scores, wer
 from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
 
@@ -189,8 +190,7 @@ def test_beam_search_is_at_least_as_likely_as_greedy(asr):
     def logprob(req, ids):
         wav = load_audio(req.audio_filepath)
         feats, feat_lens = logmel(wav[None], torch.tensor([wav.numel()]))
-        prompt = tokenizer.prompt_ids(req.source_lang, req.target_lang, req.pnc,
-                                      "transcribe" if req.taskname == "asr" else "translate")
+        (prompt,) = request_prompts([req], tokenizer)
         tokens = torch.tensor([prompt + ids + [tokenizer.eos]])
         with torch.no_grad():  # loss_on_prompt=False: the summed NLL of ids + EOS
             nll, _ = model(feats, feat_lens, tokens, torch.tensor([tokens.size(1)]), torch.tensor([len(prompt)]))
@@ -264,6 +264,36 @@ def test_manifest_lines_override_the_defaults_and_bad_lines_name_the_field(tmp_p
         m.write_text(line + "\n")
         with pytest.raises(ValueError, match=message):
             read_requests(str(m))
+
+
+def test_requests_and_training_utterances_share_fields_and_messages(tmp_path):
+    m = tmp_path / "m.jsonl"
+    full = {"audio_filepath": "a.wav", "duration": 2.0, "offset": 0.5, "text": "Hola.", "source_lang": "en",
+            "target_lang": "es", "pnc": "no", "taskname": "s2t_translation"}
+    m.write_text(json.dumps(full) + "\n")
+    (req,), (utt,) = read_requests(str(m)), read_manifest(str(m))
+    fields = ("audio_filepath", "source_lang", "target_lang", "pnc", "taskname", "offset", "duration", "text", "where")
+    assert [getattr(req, f) for f in fields] == [getattr(utt, f) for f in fields]
+    for bad in ({"pnc": "maybe"}, {"offset": -1}, {"duration": 0}, {"taskname": "asr"}, {"source_lang": 7}):
+        m.write_text(json.dumps(full | bad) + "\n")
+        with pytest.raises(ManifestError) as strict:
+            read_manifest(str(m))
+        with pytest.raises(ManifestError) as lenient:
+            read_requests(str(m))
+        assert str(strict.value) == str(lenient.value) and f"m.jsonl:1: field '{next(iter(bad))}'" in str(strict.value)
+
+
+def test_corpus_scores_per_language_pair_and_pooled_asr_wer():
+    rows = [("asr", "en", "en", "the cat sat", "the cat sat"), ("ast", "es", "en", "a b c d", "a b c d"),
+            ("asr", "de", "de", "Ein Hund.", "ein hund"), ("asr", "en", "en", "on the mat", "on a mat")]
+    scores, asr_wer = corpus_scores(rows)
+    assert list(scores) == ["asr de", "asr en", "ast es-en"]
+    assert scores["asr en"] == {"wer": pytest.approx(100 / 6), "wer_pnc": pytest.approx(100 / 6), "n": 2}
+    assert scores["asr de"] == {"wer": 0.0, "wer_pnc": 100.0, "n": 1}  # normalised vs raw text
+    assert scores["ast es-en"]["n"] == 1 and scores["ast es-en"]["bleu"] == pytest.approx(100.0)
+    assert asr_wer == pytest.approx(100 / 8) == wer([r[3] for r in rows if r[0] == "asr"],
+                                                    [r[4] for r in rows if r[0] == "asr"])
+    assert corpus_scores(rows[1:2]) == ({"ast es-en": scores["ast es-en"]}, None)
 
 
 def test_expand_inputs_walks_directories_and_keeps_unmatched_patterns(tmp_path):

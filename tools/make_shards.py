@@ -1,4 +1,4 @@
-"""Pack a manifest into tar shards for sequential reading at cluster scale (issue 11).
+"""Pack a manifest into tar shards for sequential reading at cluster scale.
 
     python tools/make_shards.py data/mini/train.jsonl -o /tmp/mini_shards --shard-size 100 \\
         --shuffle --seed 0 --tokenizer data/mini/tokenizer --num-workers 2
@@ -34,7 +34,7 @@ import soundfile as sf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
 
-from aed.data import ManifestError, encode_utterance, parse_line  # noqa: E402
+from aed.data import ManifestError, encode_utterance, manifest_lines, parse_line  # noqa: E402
 from aed.shards import INDEX_NAME, SHARD_NAME  # noqa: E402
 from aed.tokenizer import Tokenizer  # noqa: E402
 
@@ -102,13 +102,11 @@ def read_utterances(manifest: str) -> tuple:
     """Valid utterances of the manifest and the messages of the lines skipped."""
     base_dir = os.path.dirname(os.path.abspath(manifest))
     utts, bad = [], []
-    with open(manifest, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    utts.append(parse_line(line, f"{manifest}:{line_no}", base_dir))
-                except ManifestError as e:
-                    bad.append(str(e))
+    for where, line in manifest_lines(manifest):
+        try:
+            utts.append(parse_line(line, where, base_dir))
+        except ManifestError as e:
+            bad.append(str(e))
     return utts, bad
 
 
