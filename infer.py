@@ -87,63 +87,70 @@ class ProgressBar:
               flush=True)
 
 
-# --- inputs and model -------------------------------------------------------------------------
+# --- the run ----------------------------------------------------------------------------------
 
-args = parse_args()
-logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-try:
-    defaults = dict(source_lang=args.source_lang, target_lang=args.target_lang, task=args.task, pnc=args.pnc)
-    requests = [req for path in args.manifest for req in read_requests(path, **defaults)]
-    requests += [make_request(path, **defaults) for path in expand_inputs(args.inputs)]
-except (OSError, ValueError) as e:
-    sys.exit(f"error: {e}")
-if not requests:
-    sys.exit("error: no inputs (empty manifest or directory)")
 
-device = torch.device(args.device)
-t_load = time.perf_counter()
-try:
-    asr = load_checkpoint(args.ckpt, device)
-except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:  # missing, not ours, or corrupt
-    sys.exit(f"error: cannot load --ckpt {args.ckpt}: {e}")
-t_load = time.perf_counter() - t_load
-dtype = {"bf16": torch.bfloat16, "fp32": None}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-print(f"model {asr.path} ({sum(p.numel() for p in asr.model.parameters()) / 1e6:.1f}M parameters) on {device}, "
-      f"{'bf16' if dtype else 'fp32'}, {'greedy' if args.beam_size == 1 else f'beam {args.beam_size}'}; "
-      f"{len(requests)} input(s)", file=sys.stderr)
+def main() -> None:
+    # --- inputs and model
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        defaults = dict(source_lang=args.source_lang, target_lang=args.target_lang, task=args.task, pnc=args.pnc)
+        requests = [req for path in args.manifest for req in read_requests(path, **defaults)]
+        requests += [make_request(path, **defaults) for path in expand_inputs(args.inputs)]
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    if not requests:
+        sys.exit("error: no inputs (empty manifest or directory)")
 
-# --- transcription ----------------------------------------------------------------------------
+    device = torch.device(args.device)
+    t_load = time.perf_counter()
+    try:
+        asr = load_checkpoint(args.ckpt, device)
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:  # missing, not ours, or corrupt
+        sys.exit(f"error: cannot load --ckpt {args.ckpt}: {e}")
+    t_load = time.perf_counter() - t_load
+    dtype = {"bf16": torch.bfloat16, "fp32": None}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    print(f"model {asr.path} ({sum(p.numel() for p in asr.model.parameters()) / 1e6:.1f}M parameters) on {device}, "
+          f"{'bf16' if dtype else 'fp32'}, {'greedy' if args.beam_size == 1 else f'beam {args.beam_size}'}; "
+          f"{len(requests)} input(s)", file=sys.stderr)
 
-try:
-    results, timings = transcribe(
-        asr, requests, beam_size=args.beam_size, length_penalty=args.length_penalty, max_delta=args.max_delta,
-        max_new_tokens=args.max_new_tokens, batch_duration=args.batch_duration, chunk_seconds=args.chunk_seconds,
-        dtype=dtype, progress=ProgressBar(not args.quiet and len(requests) > 1))
-except ValueError as e:  # e.g. a language the tokenizer does not know, named with its manifest line
-    sys.exit(f"error: {e}")
+    # --- transcription
 
-# --- output -----------------------------------------------------------------------------------
+    try:
+        results, timings = transcribe(
+            asr, requests, beam_size=args.beam_size, length_penalty=args.length_penalty, max_delta=args.max_delta,
+            max_new_tokens=args.max_new_tokens, batch_duration=args.batch_duration, chunk_seconds=args.chunk_seconds,
+            dtype=dtype, progress=ProgressBar(not args.quiet and len(requests) > 1))
+    except ValueError as e:  # e.g. a language the tokenizer does not know, named with its manifest line
+        sys.exit(f"error: {e}")
 
-failed = [r for r in results if r.error is not None]
-for r in results:
-    if r.error is None:
-        print(f"{r.request.audio_filepath}\t{r.pred_text}")
-for r in failed:
-    where = "" if r.request.where == r.request.audio_filepath else f" ({r.request.where})"
-    print(f"FAILED {r.request.audio_filepath}{where}: {r.error}", file=sys.stderr)
-if args.out:
-    with open(args.out, "w", encoding="utf-8") as f:
-        for r in results:
-            f.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
+    # --- output
 
-for key, m in score(results).items():
-    if "wer" in m:
-        print(f"{key}: WER {m['wer']:.2f}% (with punctuation and case {m['wer_pnc']:.2f}%) on {m['n']} file(s)",
-              file=sys.stderr)
-    else:
-        print(f"{key}: BLEU {m['bleu']:.2f} on {m['n']} file(s)", file=sys.stderr)
-t = timings
-print(f"RTFx {t.rtfx:.1f}: {t.audio:.1f} s of audio in {t.wall:.2f} s (load+features {t.load_features:.2f} s, "
-      f"encoder {t.encoder:.2f} s, decoder {t.decoder:.2f} s; model loading {t_load:.1f} s not counted); "
-      f"{len(results) - len(failed)} transcribed, {len(failed)} failed", file=sys.stderr)
-sys.exit(1 if failed else 0)
+    failed = [r for r in results if r.error is not None]
+    for r in results:
+        if r.error is None:
+            print(f"{r.request.audio_filepath}\t{r.pred_text}")
+    for r in failed:
+        where = "" if r.request.where == r.request.audio_filepath else f" ({r.request.where})"
+        print(f"FAILED {r.request.audio_filepath}{where}: {r.error}", file=sys.stderr)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            for r in results:
+                f.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
+
+    for key, m in score(results).items():
+        if "wer" in m:
+            print(f"{key}: WER {m['wer']:.2f}% (with punctuation and case {m['wer_pnc']:.2f}%) on {m['n']} file(s)",
+                  file=sys.stderr)
+        else:
+            print(f"{key}: BLEU {m['bleu']:.2f} on {m['n']} file(s)", file=sys.stderr)
+    t = timings
+    print(f"RTFx {t.rtfx:.1f}: {t.audio:.1f} s of audio in {t.wall:.2f} s (load+features {t.load_features:.2f} s, "
+          f"encoder {t.encoder:.2f} s, decoder {t.decoder:.2f} s; model loading {t_load:.1f} s not counted); "
+          f"{len(results) - len(failed)} transcribed, {len(failed)} failed", file=sys.stderr)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -34,11 +34,11 @@ from aed.audio import LogMel, SpecAugment
 from aed.checkpoint import (CheckpointError, init_from_checkpoint, load_latest, pack_dir, rng_state, save_checkpoint,
                             set_rng_state)
 from aed.config import ConfigError, help_text, load_train_config, resolve_model, to_dict
-from aed.data import Collate, UtteranceDataset, encode_utterance, ignore_stop_signals, read_manifest
+from aed.data import Collate, UtteranceDataset, duration_batches, encode_utterance, ignore_stop_signals, read_manifest
 from aed.decoding import DecodingOptions, decode
 from aed.distributed import all_gather_objects, all_reduce, cleanup, gather_objects, init_distributed
 from aed.memory import format_bytes, parse_bytes
-from aed.metrics import bleu, wer
+from aed.metrics import corpus_scores
 from aed.shards import MixedSource, ShardDataset, ShardSource
 from aed.tokenizer import Tokenizer
 from aed.training import (autocast, build_model, build_optimizer, count_targets, lr_factor, resolve_precision,
@@ -172,16 +172,8 @@ def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, 
         utts = read_manifest(path, skip_invalid=cfg.train.skip_invalid)[: cfg.val.max_utterances]
         order = sorted(range(len(utts)), key=lambda i: utts[i].duration)[rank::world_size]
         ds = UtteranceDataset([utts[i] for i in order], tokenizer, logmel)
-        groups, group, dur = [], [], 0.0  # batches of ~batch_duration seconds
-        for j in range(len(ds)):
-            group.append(j)
-            dur += ds.utterances[j].duration
-            if dur >= cfg.val.batch_duration:
-                groups.append(group)
-                group, dur = [], 0.0
-        groups += [group] if group else []
         rows, loss_sum, count = [], torch.zeros((), device=device), torch.zeros((), device=device)
-        for group in groups:
+        for group in duration_batches([u.duration for u in ds.utterances], cfg.val.batch_duration):
             b = collate([ds[j] for j in group]).to(device)
             for err in b.errors:
                 log.warning("validation: skipped unreadable audio: %s", err)
@@ -203,17 +195,13 @@ def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, 
         totals = all_reduce(torch.stack([loss_sum, count]))
         rows = [r for part in all_gather_objects(rows) for r in part]
         results[f"{name}/loss"] = (totals[0] / totals[1].clamp(min=1)).item()
-        for key in sorted({(t, s, g) for t, s, g, _, _ in rows}):
-            refs = [r[3] for r in rows if r[:3] == key]
-            hyps = [r[4] for r in rows if r[:3] == key]
-            if key[0] == "asr":
-                results[f"{name}/wer_{key[1]}"] = wer(refs, hyps)
-                results[f"{name}/wer_pnc_{key[1]}"] = wer(refs, hyps, normalize=False)
-            else:
-                results[f"{name}/bleu_{key[1]}-{key[2]}"] = bleu(refs, hyps)
-        asr = [r for r in rows if r[0] == "asr"]
-        if asr:
-            results[f"{name}/wer"] = wer([r[3] for r in asr], [r[4] for r in asr])
+        groups, asr_wer = corpus_scores(rows)
+        for group_name, scores in groups.items():  # "asr en" -> wer_en, wer_pnc_en; "ast en-es" -> bleu_en-es
+            for metric in ("wer", "wer_pnc", "bleu"):
+                if metric in scores:
+                    results[f"{name}/{metric}_{group_name.split()[1]}"] = scores[metric]
+        if asr_wer is not None:
+            results[f"{name}/wer"] = asr_wer
         results[f"{name}/examples"] = [f"{r[1]}->{r[2]} REF: {r[3]} | HYP: {r[4]}"
                                        for r in rows[: cfg.val.num_examples]]
     model.train()

@@ -154,8 +154,11 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 
 def load_model(path: str, device="cpu") -> tuple[AED, Tokenizer, FeatureConfig]:
-    """Model (eval mode), tokenizer and feature settings from a training checkpoint."""
-    ckpt = read_checkpoint(path, INFERENCE_KEYS)
+    """Model (eval mode), tokenizer and feature settings from a checkpoint file."""
+    return model_from_checkpoint(read_checkpoint(path, INFERENCE_KEYS), device)
+
+
+def model_from_checkpoint(ckpt: dict, device="cpu") -> tuple[AED, Tokenizer, FeatureConfig]:
     model = AED(AEDConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), unpack_tokenizer(ckpt["tokenizer"]), FeatureConfig(**ckpt["features"])

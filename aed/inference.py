@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from aed.audio import AudioError, FeatureConfig, LogMel, load_audio, num_frames
-from aed.checkpoint import list_checkpoints, load_model
+from aed.checkpoint import INFERENCE_KEYS, load_latest, load_model, model_from_checkpoint
 from aed.data import (PROMPT_TASKS, audio_path, check_task, duration_batches, json_object, languages, manifest_lines,
                       reference_text, seconds)
 from aed.decoding import DecodingOptions, search
@@ -65,15 +65,18 @@ class LoadedModel:
 
 
 def load_checkpoint(path: str, device="cpu") -> LoadedModel:
-    """A train.py checkpoint file, or a run directory (its newest `ckpt-*.pt`), ready for inference."""
+    """A train.py checkpoint file, or a run directory (its newest valid `ckpt-*.pt`: a truncated
+    newer one is skipped with a warning naming it), ready for inference."""
     if os.path.isdir(path):
-        ckpts = list_checkpoints(path)
-        if not ckpts:
+        newest, ckpt = load_latest(path, INFERENCE_KEYS)
+        if ckpt is None:
             raise FileNotFoundError(f"{path}: a directory without ckpt-*.pt checkpoints")
-        path = ckpts[-1]
-    elif not os.path.isfile(path):
+        model, tokenizer, features = model_from_checkpoint(ckpt, device)
+        path = newest
+    elif os.path.isfile(path):
+        model, tokenizer, features = load_model(path, device)
+    else:
         raise FileNotFoundError(f"{path}: no such checkpoint file or run directory")
-    model, tokenizer, features = load_model(path, device)
     return LoadedModel(model, tokenizer, features, path)
 
 

@@ -1,13 +1,19 @@
 """Injected faults that used to lose work: corrupt checkpoints, replayed steps after a kill."""
 
+import dataclasses
 import json
 import os
 
 import pytest
 import torch
 
-from aed.checkpoint import CheckpointError, TRAINING_KEYS, list_checkpoints, load_latest, save_checkpoint
-from test_train import run_train
+from aed.audio import FeatureConfig
+from aed.checkpoint import CheckpointError, TRAINING_KEYS, list_checkpoints, load_latest, pack_dir, save_checkpoint
+from aed.inference import load_checkpoint
+from aed.model import AED, AEDConfig
+from test_train import ROOT, run_train
+
+MINI_TOKENIZER = os.path.join(ROOT, "data", "mini", "tokenizer")
 
 
 def fake_state(step: int) -> dict:
@@ -60,3 +66,18 @@ def test_steps_replayed_after_a_kill_are_logged_once(tmp_path):
     with open(tmp_path / "metrics.jsonl") as f:
         steps = [json.loads(line)["step"] for line in f if "train/loss" in line]
     assert steps == [1, 2, 3, 4]
+
+
+
+def test_inference_on_a_run_dir_falls_back_past_a_truncated_newest_checkpoint(tmp_path, caplog):
+    cfg = AEDConfig(n_mels=80, vocab_size=528, enc_d_model=32, enc_layers=1, enc_heads=2, subsampling_channels=8,
+                    dec_d_model=32, dec_layers=1, dec_heads=2, dec_max_len=64)
+    state = {"model_config": dataclasses.asdict(cfg), "model": AED(cfg).state_dict(),
+             "features": dataclasses.asdict(FeatureConfig(n_mels=80)), "tokenizer": pack_dir(MINI_TOKENIZER)}
+    save_checkpoint(state, tmp_path, 1, keep_last=2)
+    save_checkpoint(state, tmp_path, 2, keep_last=2)
+    truncate(tmp_path / "ckpt-00000002.pt")
+    asr = load_checkpoint(str(tmp_path))
+    assert asr.path.endswith("ckpt-00000001.pt") and "ckpt-00000002.pt: unreadable" in caplog.text
+    with pytest.raises(CheckpointError, match="ckpt-00000002.pt: unreadable"):
+        load_checkpoint(str(tmp_path / "ckpt-00000002.pt"))  # a file named explicitly: no substitute
