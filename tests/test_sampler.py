@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sampler import (BucketingSampler, Bins, JsonlSource, _Allocator, estimate_bins, load_batch_sizes, main,
-                     save_batch_sizes)
+from bins import Allocator
+from sampler import BucketingSampler, Bins, JsonlSource, estimate_bins, load_batch_sizes, save_batch_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def test_every_example_once_per_epoch_and_equal_batch_counts(world_size):
         counts.append(len(batches))
         assert len(batches) == len(s)
         seen += [i for b in batches for i in b]
-    kept = [i for i, e in enumerate(EX) if isinstance(_Allocator(BINS)(e["duration"], e["num_tokens"]), int)]
+    kept = [i for i, e in enumerate(EX) if isinstance(Allocator(BINS)(e["duration"], e["num_tokens"]), int)]
     assert sorted(seen) == kept
     assert len(set(counts)) == 1, counts  # the natural counts differ: ranks with fewer split batches
 
@@ -98,7 +98,7 @@ def test_no_batch_exceeds_its_limit():
 
 def test_strict_vs_flexible_allocation():
     bins = Bins([2.0, 4.0], [[10, 20], [30, 40]])
-    strict, flexible = _Allocator(bins, "strict"), _Allocator(bins, "flexible")
+    strict, flexible = Allocator(bins, "strict"), Allocator(bins, "flexible")
     assert strict(1.5, 15) == flexible(1.5, 15) == 1
     assert strict(1.5, 25) == "tokens_over_bins" and flexible(1.5, 25) == 2  # long transcript moves up
     assert strict(3.0, 5) == flexible(3.0, 5) == 2
@@ -151,14 +151,38 @@ def test_bins_and_batch_sizes_files_roundtrip(tmp_path):
         Bins([3.0, 2.0])
 
 
-def test_estimate_bins_cli_uses_a_uniform_sample(tmp_path, capsys):
-    exs = sorted(make_examples(2000, seed=5), key=lambda e: e["duration"])  # sorted: a head-only sample would be biased
-    write_jsonl(tmp_path / "m.jsonl", exs)
-    main(["estimate-bins", "--manifest", str(tmp_path / "m.jsonl"), "--buckets", "5", "--sub-buckets", "2",
-          "--sample", "500", "-o", str(tmp_path / "b.json")])
-    bins = Bins.load(tmp_path / "b.json")
-    assert bins.num_buckets >= 8 and bins.durations[-1] > 15.0
-    assert "scanned" not in capsys.readouterr().out
+def test_estimate_bins_tool_counts_tokens_as_training_does(tmp_path, capsys):
+    from aed.data import encode_utterance, read_manifest
+    from aed.tokenizer import Tokenizer
+    from tools.estimate_bins import main
+
+    tok_dir = ROOT / "data/mini/tokenizer"
+    lines = (ROOT / "data/mini/train.jsonl").read_text().splitlines()
+    rows = sorted((json.loads(x) for x in lines), key=lambda e: e["duration"])  # a head-only sample would be biased
+    for e in rows:
+        e["audio_filepath"] = str(ROOT / "data/mini" / e["audio_filepath"])
+    bad = ['{"duration": 2.0}', '{"audio_filepath": "a.wav", "duration": 1.0, "text": "hi", "lang": "xx"}']
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join([json.dumps(e) for e in rows] + bad) + "\n")
+    main(["--manifest", str(path), "--tokenizer", str(tok_dir), "--buckets", "4", "--sub-buckets", "2",
+          "-o", str(tmp_path / "b.json")])
+    out = json.loads((tmp_path / "b.json").read_text())
+    assert out["meta"]["skipped"] == {"bad_line": 1, "not_tokenizable": 1}
+    assert "skipped 1 sampled lines (bad_line)" in capsys.readouterr().err
+    tok = Tokenizer.load(tok_dir)
+    utts = read_manifest(str(ROOT / "data/mini/train.jsonl"))
+    n = [len(encode_utterance(tok, u)[0]) for u in utts]
+    assert Bins.load(tmp_path / "b.json") == estimate_bins([u.duration for u in utts], n, 4, 2)
+
+    main(["--manifest", str(path), "--tokenizer", str(tok_dir), "--sample", "50", "-o", str(tmp_path / "s.json")])
+    assert json.loads((tmp_path / "s.json").read_text())["meta"]["sampled"] == 50
+    assert Bins.load(tmp_path / "s.json").durations[-1] > 2.5  # uniform over the sorted file, not its head (<= 1.7 s)
+
+
+def test_old_estimate_bins_command_names_the_new_one():
+    out = subprocess.run([sys.executable, str(ROOT / "sampler.py"), "estimate-bins", "--manifest", "m.jsonl"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "tools/estimate_bins.py" in out.stderr
 
 
 class SlowJsonl(JsonlSource):
