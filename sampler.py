@@ -14,8 +14,12 @@ prompt included). A batch is padded along both, so we group examples that are si
    `concurrent=True` (a producer thread reads and tokenizes the source into a bounded queue) the
    batches are exactly those of the single-threaded run, whatever the thread timing.
 3. Synchronized buckets. The bucket is drawn from an RNG seeded by (seed, epoch) only, identical
-   on every rank and weighted by each bucket's expected number of batches; a rank whose drawn
-   bucket has no full batch takes the nearest bucket that has one. No inter-process traffic.
+   on every rank and weighted by each bucket's expected number of batches. No inter-process
+   traffic. Each step draws first, then fills: if the drawn bucket has no full batch, the rank
+   reads on for it, holding up to `overfill` x the fill target; only beyond that (or at the end
+   of the data) does it take the nearest bucket that has a batch, the paper's fallback. Stopping
+   at the first bucket with a batch instead let ranks disagree on most steps with small buffers.
+   A rank that often falls back logs a warning with the buffer_size that would fix it.
 4. Epoch end. When a finite source is exhausted the rest of the buffer is cut into batches (the
    last one of a bucket may be short). For an in-memory list every rank can count every rank's
    batches in advance (sum over buckets of ceil(n / batch size)), so ranks with fewer batches
@@ -39,6 +43,7 @@ see `save_batch_sizes` / `load_batch_sizes`). A batch never exceeds its bucket's
 import copy
 import json
 import logging
+import math
 import random
 import sys
 import threading
@@ -246,6 +251,9 @@ class BucketingSampler:
     """
 
     SNAPSHOT_EVERY = 100  # batches between the snapshots that `state_dict(rewind=...)` replays from
+    AGREEMENT_WINDOW = 500  # steps over which a rank measures how often it took the drawn bucket
+    AGREEMENT_WARN = 0.9  # warn when the ranks are expected to agree on fewer steps than this
+    SUPPLY_MARGIN = 3.5  # buffer needed / expected reads per batch, fitted in bench/sync_bench.py
 
     def __init__(
         self,
@@ -263,6 +271,7 @@ class BucketingSampler:
         buffer_size: int = 20000,  # examples held in the bucket queues; more = more random batches
         start_fill: float = 0.1,  # fraction of the buffer read before the first batch (paper: 10%)
         fill_ramp: float = 0.01,  # fraction of the buffer the fill target grows by per batch
+        overfill: float = 4.0,  # read on for the drawn bucket up to this x the fill target (1: the paper's)
         seed: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
@@ -284,6 +293,9 @@ class BucketingSampler:
         self.buffer_size = buffer_size
         self.start = max(1, int(start_fill * buffer_size))
         self.ramp = max(1, int(fill_ramp * buffer_size))
+        if overfill < 1:
+            raise ValueError(f"overfill must be >= 1, got {overfill}")
+        self.overfill = overfill
         self.allocate = Allocator(bins, allocation, min_tps, max_tps)
         self.bucket_bounds = bins.buckets()
         self.sizes = self._batch_sizes(batch_size, max_duration, quadratic_duration, batch_sizes)
@@ -308,12 +320,16 @@ class BucketingSampler:
         # Weight = expected batches per bucket, so draws follow how fast each bucket fills up.
         w = counts / np.array(self.sizes) if counts is not None and counts.sum() > 0 else np.ones(len(self.sizes))
         self.cum_weights = list(accumulate((w / w.sum()).tolist()))
+        # Examples to read for one full batch of each bucket at its share of the data.
+        share = counts / counts.sum() if counts is not None and counts.sum() > 0 else np.ones(len(self.sizes))
+        self._supply = np.array(self.sizes) / np.maximum(share, 1e-12)
 
     def _reset(self) -> None:
         self._stats = {"batches": 0, "examples": 0, "duration": 0.0, "padded_duration": 0.0,
                        "tokens": 0, "padded_tokens": 0, "drops": {}}
         self._live = self._pending = self.last_batch_info = None
         self._snapshots = deque(maxlen=3)
+        self._hits, self._num_hits, self._warned_agreement = deque(maxlen=self.AGREEMENT_WINDOW), 0, False
 
     def for_rank(self, rank: int) -> "BucketingSampler":
         """The same sampler for another rank, sharing the measured list (rank simulations)."""
@@ -447,11 +463,17 @@ class BucketingSampler:
                 raise ValueError(f"rank {self.rank}: a full pass over the source gave no usable example")
             pass_idx, cursor = pass_idx + 1, None
 
-    def _fill(self, st: _State, reader, want: int) -> None:
-        """Moves examples from the source into the bucket queues until `want` are buffered and
-        some bucket holds a full batch (or the source ends). Runs once per example, hence the locals."""
+    def _fill(self, st: _State, reader, drawn: int) -> None:
+        """Moves examples from the source into the bucket queues until the fill target is buffered
+        and the drawn bucket holds a full batch, reading on past the target for it up to
+        `overfill` x target (the first batch: only the target, which keeps time-to-first-batch
+        short). Beyond that bound, or when the source ends, the caller falls back to the nearest
+        bucket with a batch. Runs once per example, hence the locals."""
+        want = min(self.buffer_size, self.start + st.batches * self.ramp)
+        cap = want if st.batches == 0 else int(self.overfill * want)
         queues, sizes, occ, ready = st.queues, self.sizes, st.occupancy, st.ready
-        if occ >= want and ready:
+        mine, k = queues[drawn], sizes[drawn]
+        if occ >= want and ready and (len(mine) >= k or occ >= cap):
             return
         for item in reader:
             st.pass_idx, st.cursor, b, entry = item
@@ -463,14 +485,44 @@ class BucketingSampler:
             q.append(entry)
             occ += 1
             ready += len(q) == sizes[b]
-            if occ >= want and ready:
+            if occ >= want and ready and (len(mine) >= k or occ >= cap):
                 break
-            if occ == self.buffer_size and not ready and not self._warned_overflow:
+            if occ == cap and not ready and not self._warned_overflow:
                 self._warned_overflow = True
-                log.warning("sampler: buffer full (%d) but no bucket has a full batch; reading past buffer_size", occ)
+                log.warning("sampler: buffer full (%d) but no bucket has a full batch; reading on", occ)
         else:
             st.exhausted = True
         st.occupancy, st.ready = occ, ready
+
+    def _track_agreement(self, hit: bool, occupancy: int) -> None:
+        """Warns once when this rank often could not take the drawn bucket: with sync_buckets the
+        ranks then train on different buckets, and a DDP step waits for the slowest."""
+        if not self.sync_buckets or self.world_size == 1:
+            return
+        w = self._hits
+        if len(w) == w.maxlen:
+            self._num_hits -= w[0]
+        w.append(hit)
+        self._num_hits += hit
+        rate = self._num_hits / len(w)
+        # Ranks miss independently, so all of them take the drawn bucket on about rate^R of the steps.
+        if len(w) == w.maxlen and rate**self.world_size < self.AGREEMENT_WARN and not self._warned_agreement:
+            self._warned_agreement = True
+            log.warning("sampler: rank %d took the drawn bucket on %.1f%% of the last %d steps, so %d ranks agree "
+                        "on about %.0f%% (buffer_size %d, %d examples held); buffer_size=%d should give %.0f%%",
+                        self.rank, 100 * rate, len(w), self.world_size, 100 * rate**self.world_size,
+                        self.buffer_size, occupancy, self.suggested_buffer_size(), 100 * self.AGREEMENT_WARN)
+
+    def suggested_buffer_size(self, agreement: float = AGREEMENT_WARN) -> int:
+        """A buffer_size at which all ranks take the drawn bucket on about `agreement` of the steps:
+        each rank must supply the buckets drawn agreement^(1/R) of the time, and bucket b needs
+        about batch size / its share of the data examples read to gather one batch."""
+        p = np.diff(self.cum_weights, prepend=0.0)
+        order = np.argsort(self._supply)
+        covered = np.cumsum(p[order])
+        share = agreement ** (1 / self.world_size)
+        need = self._supply[order][min(int(np.searchsorted(covered, share)), len(order) - 1)]
+        return int(math.ceil(self.SUPPLY_MARGIN * need / self.overfill / 100) * 100)
 
     def _nearest(self, b: int, ok) -> int:
         for dist in range(len(self.sizes)):
@@ -481,20 +533,23 @@ class BucketingSampler:
 
     def _next_batch(self, st: _State, reader):
         """Advances the state by one batch; returns (bucket, entries) or None at the epoch end."""
-        if not st.exhausted:
-            self._fill(st, reader, min(self.buffer_size, self.start + st.batches * self.ramp))
-        if st.exhausted and st.drain is None:
-            st.drain = self._plan_drain(st)
         if st.drain is not None and not any(st.drain):
             return None
         # One draw per batch on every rank keeps the shared selection RNG aligned across ranks.
-        u = st.select_rng.random()
-        drawn = min(bisect_right(self.cum_weights, u), len(self.sizes) - 1)
+        drawn = min(bisect_right(self.cum_weights, st.select_rng.random()), len(self.sizes) - 1)
+        if not st.exhausted:
+            self._fill(st, reader, drawn)
+        if st.exhausted and st.drain is None:
+            st.drain = self._plan_drain(st)
+            if not any(st.drain):
+                return None
         if st.drain is not None:
             b = self._nearest(drawn, lambda c: len(st.drain[c]) > 0)
             batch = st.drain[b].pop()
         else:
             b = self._nearest(drawn, lambda c: len(st.queues[c]) >= self.sizes[c])
+            if self.start + st.batches * self.ramp >= self.buffer_size:  # past the ramp: misses are the buffer's
+                self._track_agreement(b == drawn, st.occupancy)
             q, k, rand = st.queues[b], self.sizes[b], st.data_rng.random
             for t in range(len(q) - 1, len(q) - 1 - k, -1):  # partial Fisher-Yates: O(batch size)
                 j = int(rand() * (t + 1))

@@ -216,6 +216,36 @@ def test_sync_buckets_same_buckets_different_data():
     assert np.mean([len({r[k][0] for r in unsync}) == 1 for k in range(200)]) < 0.2
 
 
+def agreement_at(buffer_size, **kw):
+    """Share of steps (after the fill ramp) on which two simulated ranks use the same bucket."""
+    kw = dict(max_duration=60.0, buffer_size=buffer_size, yield_indices=True, world_size=2, infinite=True, **kw)
+    runs = [run(BucketingSampler(EX, BINS, rank=r, **kw), limit=700) for r in range(2)]
+    return np.mean([runs[0][k][0] == runs[1][k][0] for k in range(100, 700)])
+
+
+def test_sync_buckets_agree_with_a_small_buffer(caplog):
+    assert agreement_at(100) > 0.9  # the ranks read on until the drawn bucket has a batch
+    with caplog.at_level("WARNING", logger="sampler"):
+        assert agreement_at(100, overfill=1.0) < 0.6  # fall back once the buffer is full: the paper's
+    warned = [r.getMessage() for r in caplog.records if "took the drawn bucket" in r.getMessage()]
+    assert warned and "buffer_size=500 should give 90%" in warned[0]
+    assert agreement_at(500, overfill=1.0) > 0.9  # the suggested buffer keeps its promise
+
+
+def test_resume_while_reading_on_for_the_drawn_bucket(tmp_path):
+    resume_check(lambda: BucketingSampler(EX, BINS, max_duration=60.0, buffer_size=100, world_size=2, rank=1),
+                 cut=77, rewind=5)
+    path = write_jsonl(tmp_path / "m.jsonl", EX[:1500])
+    kw = dict(max_duration=60.0, buffer_size=80, seed=7, infinite=True)
+    ref = run(BucketingSampler(JsonlSource(path), BINS, concurrent=False, **kw), limit=300)
+    assert run(BucketingSampler(SlowJsonl(path), BINS, concurrent=True, **kw), limit=300) == ref
+    s = BucketingSampler(JsonlSource(path), BINS, concurrent=True, **kw)
+    head = run(s, limit=120)
+    s2 = BucketingSampler(JsonlSource(path), BINS, concurrent=True, **kw)
+    s2.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    assert head + run(s2, limit=180) == ref
+
+
 def resume_check(make, cut, rewind=0):
     ref = run(make())
     s = make()
