@@ -60,9 +60,27 @@ def synthetic_corpus(n: int, seed: int = 0) -> list:
     return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
 
 
+def wide_corpus(n: int, seed: int = 0) -> list:
+    """A corpus whose speech rate varies widely (issue 19): speakers, languages and tokenizations
+    from ~0.5 to ~6 tokens/s, 0.5-40 s, 6% long segments with little speech, 1% transcript
+    outliers (3-5x); plus the 6-token prompt and EOS as in synthetic_corpus."""
+    rng = np.random.default_rng(seed)
+    kind = rng.choice(3, size=n, p=[0.93, 0.06, 0.01])
+    d = np.clip(0.5 + 39.5 * rng.beta(1.3, 3.0, n), 0.5, 40.0)
+    tps = np.exp(rng.uniform(np.log(0.5), np.log(6.0), n))  # rates spread evenly on a log scale
+    m = kind == 1  # long recordings with little speech
+    d[m] = rng.uniform(15.0, 40.0, m.sum())
+    tps[m] = rng.uniform(0.02, 0.4, m.sum())
+    m = kind == 2  # long-transcript outliers (e.g. hallucinated synthetic labels)
+    tps[m] *= rng.uniform(3.0, 5.0, m.sum())
+    d = d.round(2)
+    t = (tps * d).astype(int) + 6
+    return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
+
+
 def load_examples(args) -> list:
     if args.manifest is None:
-        return synthetic_corpus(args.synthetic, args.seed)
+        return (wide_corpus if args.workload == "wide" else synthetic_corpus)(args.synthetic, args.seed)
     with open(args.manifest) as f:
         return [{"id": i, **json.loads(line)} for i, line in enumerate(f) if line.strip()]
 

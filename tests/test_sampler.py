@@ -22,8 +22,9 @@ def make_examples(n, seed=0):
     return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
 
 
-def make_bins(examples, buckets=8, sub=2):
-    return estimate_bins([e["duration"] for e in examples], [e["num_tokens"] for e in examples], buckets, sub)
+def make_bins(examples, buckets=8, sub=2, method="equal"):
+    return estimate_bins([e["duration"] for e in examples], [e["num_tokens"] for e in examples], buckets, sub,
+                         method=method)
 
 
 def write_jsonl(path, examples):
@@ -125,7 +126,7 @@ def test_bins_equal_occupancy_outliers_and_merged_duplicates():
     d = rng.uniform(1.0, 20.0, 50_000)
     t = (d * rng.uniform(2.0, 6.0, len(d))).astype(int) + 1
     t[:20] = 2000  # TPS outliers
-    bins = estimate_bins(d, t, num_buckets=10, sub_buckets=2)
+    bins = estimate_bins(d, t, num_buckets=10, sub_buckets=2, method="equal")
     edges = [0.0] + bins.durations
     per_bin = [d[(d > lo) & (d <= hi)].sum() for lo, hi in zip(edges, edges[1:])]
     assert max(per_bin) / min(per_bin) < 1.05
@@ -135,9 +136,57 @@ def test_bins_equal_occupancy_outliers_and_merged_duplicates():
     assert max(bins.max_tps) < 7.0  # the 2000-token outliers were excluded from max TPS and bounds
     assert sum(map(sum, bins.counts)) == len(d) - 20  # outliers fit no bucket
     skew = np.concatenate([rng.uniform(1, 10, 1000), np.full(3000, 30.0)])
-    sk = estimate_bins(skew, (skew * 4).astype(int), num_buckets=10, sub_buckets=2)
+    sk = estimate_bins(skew, (skew * 4).astype(int), num_buckets=10, sub_buckets=2, method="equal")
     assert sk.durations == sorted(set(sk.durations)) and sk.durations[-1] == 30.0
     assert len(sk.tokens[-1]) >= 2 and len(sk.durations) < 10
+
+
+def wide_examples(n, seed=0):
+    """Speech rates from 0.5 to 6 tokens/s, long segments with little speech, 1% transcript outliers."""
+    rng = np.random.default_rng(seed)
+    d = np.clip(0.5 + 39.5 * rng.beta(1.3, 3.0, n), 0.5, 40.0).round(2)
+    tps = np.exp(rng.uniform(np.log(0.5), np.log(6.0), n))
+    tps[: n // 20] = rng.uniform(0.02, 0.4, n // 20)
+    tps[-(n // 100):] *= 4
+    t = (tps * d).astype(int) + 6
+    return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
+
+
+WIDE = wide_examples(4000)
+OPT = make_bins(WIDE, 10, 3, method="optimised")
+
+
+def padding_of(examples, bins):
+    s = BucketingSampler(examples, bins, max_duration=200.0, buffer_size=1000)
+    for _ in s:
+        pass
+    return s.stats
+
+
+def test_optimised_bins_keep_the_bucket_count_and_pad_less_without_dropping_more():
+    equal = make_bins(WIDE, 10, 3, method="equal")
+    assert OPT.num_buckets == equal.num_buckets == 30 and len(set(OPT.shape)) > 1  # sub-bins where needed
+    assert OPT.max_tps is not None and len(OPT.max_tps) == len(OPT.durations)
+    opt, eq = padding_of(WIDE, OPT), padding_of(WIDE, equal)
+    assert sum(opt["drops"].values()) <= sum(eq["drops"].values())
+    assert opt["audio_padding"] <= eq["audio_padding"] + 0.005
+    assert opt["text_padding"] < eq["text_padding"] - 0.03
+    assert make_bins(WIDE, 10, 3, method="optimised") == OPT  # deterministic
+    tiny = make_bins(WIDE[:5], 10, 3, method="optimised")  # fewer distinct values than buckets
+    assert tiny.num_buckets <= 30 and sum(map(sum, tiny.counts)) == 5
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_optimised_bins_every_example_once_and_resume(world_size):
+    kw = dict(max_duration=200.0, buffer_size=300, yield_indices=True, world_size=world_size, seed=1)
+    seen, counts = [], []
+    for rank in range(world_size):
+        batches = list(BucketingSampler(WIDE, OPT, rank=rank, **kw))
+        counts.append(len(batches))
+        seen += [i for b in batches for i in b]
+    kept = [i for i, e in enumerate(WIDE) if isinstance(Allocator(OPT)(e["duration"], e["num_tokens"]), int)]
+    assert sorted(seen) == kept and len(set(counts)) == 1
+    resume_check(lambda: BucketingSampler(WIDE, OPT, rank=world_size - 1, **kw), cut=31, rewind=4)
 
 
 def test_bins_and_batch_sizes_files_roundtrip(tmp_path):
@@ -165,14 +214,14 @@ def test_estimate_bins_tool_counts_tokens_as_training_does(tmp_path, capsys):
     path = tmp_path / "m.jsonl"
     path.write_text("\n".join([json.dumps(e) for e in rows] + bad) + "\n")
     main(["--manifest", str(path), "--tokenizer", str(tok_dir), "--buckets", "4", "--sub-buckets", "2",
-          "-o", str(tmp_path / "b.json")])
+          "--method", "equal", "-o", str(tmp_path / "b.json")])
     out = json.loads((tmp_path / "b.json").read_text())
     assert out["meta"]["skipped"] == {"bad_line": 1, "not_tokenizable": 1}
     assert "skipped 1 sampled lines (bad_line)" in capsys.readouterr().err
     tok = Tokenizer.load(tok_dir)
     utts = read_manifest(str(ROOT / "data/mini/train.jsonl"))
     n = [len(encode_utterance(tok, u)[0]) for u in utts]
-    assert Bins.load(tmp_path / "b.json") == estimate_bins([u.duration for u in utts], n, 4, 2)
+    assert Bins.load(tmp_path / "b.json") == estimate_bins([u.duration for u in utts], n, 4, 2, method="equal")
 
     main(["--manifest", str(path), "--tokenizer", str(tok_dir), "--sample", "50", "-o", str(tmp_path / "s.json")])
     assert json.loads((tmp_path / "s.json").read_text())["meta"]["sampled"] == 50

@@ -2,7 +2,7 @@
 
     python tools/estimate_bins.py --manifest train.jsonl --tokenizer data/mini/tokenizer -o bins.json
     python tools/estimate_bins.py --manifest a.jsonl --manifest b.jsonl --tokenizer TOK_DIR \\
-        --buckets 30 --sub-buckets 2 --sample 100000 --max-tokens 512 -o bins.json
+        --buckets 30 --sub-buckets 2 --method equal --sample 100000 --max-tokens 512 -o bins.json
 
 An example's token count is the length of what the decoder is trained on: prompt + text + EOS,
 from `aed.data.encode_utterance` with the training tokenizer (train.tokenizer), after the line is
@@ -83,6 +83,9 @@ def main(argv=None) -> None:
     p.add_argument("--tokenizer", required=True, help="the training tokenizer directory (train.tokenizer)")
     p.add_argument("--buckets", type=int, default=30, help="duration bins")
     p.add_argument("--sub-buckets", type=int, default=2, help="token sub-bins per duration bin (1 = 1D bucketing)")
+    p.add_argument("--method", choices=["optimised", "equal"], default="optimised",
+                   help="optimised: --buckets x --sub-buckets buckets laid out for the least padding; "
+                        "equal: the paper's equal-count bins")
     p.add_argument("--sample", type=int, default=None, help="estimate from a uniform random sample of this many lines")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--outlier-z", type=float, default=4.0, help="drop TPS outliers above this z-score per duration bin")
@@ -99,10 +102,10 @@ def main(argv=None) -> None:
         print(f"estimate_bins: skipped {n:,} sampled lines ({reason}), e.g. {example[reason]}", file=sys.stderr)
     if not durations:
         raise SystemExit(f"estimate_bins: no usable line in {len(lines):,} sampled lines")
-    bins = estimate_bins(durations, num_tokens, args.buckets, args.sub_buckets, args.outlier_z)
+    bins = estimate_bins(durations, num_tokens, args.buckets, args.sub_buckets, args.outlier_z, args.method)
 
     meta = {"manifests": args.manifest, "tokenizer": args.tokenizer, "lines": total, "sampled": len(lines),
-            "skipped": dict(skipped), "seed": args.seed, "outlier_z": args.outlier_z, "max_tokens": args.max_tokens}
+            "skipped": dict(skipped), "method": args.method, "seed": args.seed, "outlier_z": args.outlier_z, "max_tokens": args.max_tokens}
     Path(args.output).write_text(json.dumps({**bins.to_dict(), "meta": meta}) + "\n")
     print(f"{'bucket':>6} {'<= s':>8} {'<= tokens':>9} {'max tps':>8} {'count':>7}", file=sys.stderr)
     counts = [c for row in bins.counts for c in row]
