@@ -618,7 +618,7 @@ class BucketingSampler:
     def _copy(self, st: _State) -> _State:
         c = copy.copy(st)
         c.queues = [list(q) for q in st.queues]
-        c.drain = None if st.drain is None else [[list(x) for x in bb] for bb in st.drain]
+        c.drain = None if st.drain is None else [list(bb) for bb in st.drain]  # planned batches are never modified
         c.data_rng, c.select_rng = random.Random(), random.Random()
         c.data_rng.setstate(st.data_rng.getstate())
         c.select_rng.setstate(st.select_rng.getstate())
