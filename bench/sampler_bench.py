@@ -9,11 +9,13 @@ Schemes: fixed batch size (one bucket: the baseline that pads everything), 1D 30
 360 s padded-duration budget, 2D 30x2 equal-count (the paper's) strict / flexible with the same
 budget, 2D flexible plus the per-bucket TPS filter, 2D with per-bucket batch sizes
 (`--batch-sizes`, oom.py's JSON; by default a stand-in memory model, see `model_batch_sizes`),
-and `2d-optimised`: the same 60 buckets laid out for the least padding (bins.py), flexible. Padding is element-weighted over the
-epoch: 1 - sum(lengths) / sum(batch_size * max_length). Every scheme runs in a fresh process so
-its peak RSS is its own (the RSS includes the examples list). A second table replays a slow
-source (--slow-us per example, e.g. JSONL parsing plus tokenization) with a simulated training
-step of --step-ms per batch, with and without the producer thread.
+and `2d-optimised`: the same 60 buckets laid out for the least padding (bins.py), flexible.
+Padding is element-weighted over the epoch: 1 - sum(lengths) / sum(batch_size * max_length).
+Every scheme runs in a fresh process so its peak RSS is its own (the RSS includes the examples
+list). A second table replays a slow source (--slow-us per example, e.g. JSONL parsing plus
+tokenization) with a simulated training step of --step-ms per batch, with and without the
+producer thread: the first batch waits for start_fill x buffer_size examples, so at 200 us per
+example and 10% of 20000 it cannot come before 0.4 s.
 
 `--synthetic N` mimics a large ASR/AST corpus: 64% of utterances 2-20 s, 28% a tail to 40 s, 4%
 long recordings with little speech, 3% under 2 s, 1% high-TPS outliers (2-4x); 3.4 +- 0.5
@@ -63,7 +65,7 @@ def synthetic_corpus(n: int, seed: int = 0) -> list:
 
 
 def wide_corpus(n: int, seed: int = 0) -> list:
-    """A corpus whose speech rate varies widely (issue 19): speakers, languages and tokenizations
+    """A corpus whose speech rate varies widely: speakers, languages and tokenizations
     from ~0.5 to ~6 tokens/s, 0.5-40 s, 6% long segments with little speech, 1% transcript
     outliers (3-5x); plus the 6-token prompt and EOS as in synthetic_corpus."""
     rng = np.random.default_rng(seed)

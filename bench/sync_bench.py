@@ -2,7 +2,7 @@
 
     python bench/sync_bench.py                      # R = 2, 16, 128 ranks, both schemes
     python bench/sync_bench.py --ranks 16 --steps 1000 --scheme 2d-per-bucket
-    python bench/sync_bench.py --table agreement    # same-bucket steps vs buffer size (issue 19)
+    python bench/sync_bench.py --table agreement    # same-bucket steps vs buffer size
 
 R ranks each run their own BucketingSampler (rank r of R, infinite mode) on their own slice of
 the synthetic corpus of sampler_bench.py, with and without `sync_buckets`. A DDP step lasts as
@@ -21,10 +21,10 @@ at a few shapes and fits seconds = w . [1, B T', B T'^2, B U, B U T'] (non-negat
 measurements, but of a small model on CPU, whose cost balance differs from a 1B model on a GPU.
 Timings of the samplers themselves are not measured here (see sampler_bench.py).
 
-The agreement table (2D 30x2 flexible, 360 s budget) counts the steps on which every rank used
-the drawn bucket, for --agreement-ranks x --agreement-buffers, with `overfill=1` (the paper's
-fallback as soon as the buffer reaches its fill target: the behaviour before issue 19) and with
-the default `overfill` (ranks read on for the drawn bucket). Steps are counted after the fill
+The agreement table (2D 30x2 equal-count, flexible, 360 s budget) counts the steps on which
+every rank used the drawn bucket, for --agreement-ranks x --agreement-buffers, with `overfill=1`
+(the paper's fallback as soon as the buffer reaches its fill target: the sampler's earlier
+behaviour) and with the default `overfill` (ranks read on for the drawn bucket). Steps are counted after the fill
 ramp (the first 1/fill_ramp batches). It also gives each rank's own hit rate, the examples held
 and the sampler's `suggested_buffer_size()`. With many ranks the 100k examples are split thin,
 so the rank's buffer may hold several passes over its share: that changes the data, not the rates.
@@ -125,7 +125,7 @@ def agreement(args, ex, bins, ranks: int, buffer_size: int, overfill: float) -> 
     samplers = [base] + [base.for_rank(r) for r in range(1, ranks)]
     iters = [iter(s) for s in samplers]
     ramp = 100  # 1 / fill_ramp: the batches before the buffer reaches its fill target
-    same = hits = held = 0
+    same = held = 0
     for step in range(ramp + args.agreement_steps):
         buckets = set()
         for s, it in zip(samplers, iters):
@@ -141,7 +141,7 @@ def agreement(args, ex, bins, ranks: int, buffer_size: int, overfill: float) -> 
 
 
 def agreement_table(args, ex) -> list:
-    bins = estimate_bins([e["duration"] for e in ex], [e["num_tokens"] for e in ex], 30, 2)
+    bins = estimate_bins([e["duration"] for e in ex], [e["num_tokens"] for e in ex], 30, 2, method="equal")
     rows, checks = [], {}
     print(f"{'ranks':>5} {'buffer':>6} {'same bucket':>11} {'(overfill 1)':>12} {'rank hit':>8} {'(1)':>6} "
           f"{'held':>6} {'(1)':>6} {'suggested':>9} {'sim s':>6}")
@@ -160,7 +160,7 @@ def agreement_table(args, ex) -> list:
         print(f"{r:>5} {b:>6} {check['same_bucket']:>11.1%} {'':>12} {check['rank_hit']:>8.1%} {'':>6} "
               f"{check['held']:>6.0f} {'':>6} {'(itself)':>9}")
     print(f"same bucket: steps (after the fill ramp, {args.agreement_steps}) where every rank used the drawn bucket; "
-          f"overfill {args.overfill:g} (default) vs 1 (before issue 19); held: mean examples in rank 0's buffer")
+          f"overfill {args.overfill:g} (default) vs 1 (the paper's fallback); held: mean examples in rank 0's buffer")
     return rows, checks
 
 
@@ -205,7 +205,7 @@ def main():
     if args.scheme in ("1d-30", "both"):
         schemes["1d-30"] = (estimate_bins(durs, toks, 30, 1), {"max_duration": args.max_duration})
     if args.scheme in ("2d-per-bucket", "both"):
-        bins2d = estimate_bins(durs, toks, 30, 2)
+        bins2d = estimate_bins(durs, toks, 30, 2, method="equal")
         schemes["2d-per-bucket"] = (bins2d, {"batch_sizes": model_batch_sizes(bins2d)})
 
     results = []
