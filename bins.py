@@ -300,8 +300,8 @@ def estimate_bins(durations, num_tokens, num_buckets: int = 30, sub_buckets: int
     equal): the same number of buckets, num_buckets x sub_buckets, and the same TPS rule, but the
     duration edges, the number of token sub-bins of each duration bin and their token edges
     minimise the text padding while the audio padding stays at most that of the equal-count bins
-    (every example padded to its bucket's bounds), and the longest token bound is kept, so no more
-    of the sample is dropped. Speech rates that vary widely need more token sub-bins where the
+    (every example padded to its bucket's bounds), and the longest token bound is kept, so flexible
+    allocation drops no more of the sample. Speech rates that vary widely need more token sub-bins where the
     token counts spread most; measured in bench/sampler_bench.py.
     """
     if method not in ("equal", "optimised"):
@@ -315,9 +315,9 @@ def estimate_bins(durations, num_tokens, num_buckets: int = 30, sub_buckets: int
     order = np.argsort(d, kind="stable")
     d, t = d[order], t[order]
     bins = _equal_bins(d, t, num_buckets, sub_buckets, outlier_z)
-    counts = _padding(bins, d, t)[3]
+    equal_audio, _, _, counts = _padding(bins, d, t)
     if method == "optimised" and sub_buckets > 1:
-        equal_audio, longest = _padding(bins, d, t)[0], max(row[-1] for row in bins.tokens)
+        longest = max(row[-1] for row in bins.tokens)
         layouts = _Layouts(d, t, num_buckets * sub_buckets, outlier_z)
 
         def layout(log2_weight: float) -> tuple:
@@ -329,7 +329,8 @@ def estimate_bins(durations, num_tokens, num_buckets: int = 30, sub_buckets: int
             return candidate, candidate_counts, audio <= equal_audio
 
         # The least text padding whose audio padding is no more than the equal-count bins': the
-        # smallest audio weight that gets there, by bisection on its log (2^0 .. 2^6).
+        # smallest audio weight that gets there, by bisection on its log (2^0 .. 2^6). If even
+        # 2^6 does not, the equal-count bins stay.
         lo, hi = 0.0, 6.0
         found = layout(hi)
         if found[2]:

@@ -321,7 +321,8 @@ class BucketingSampler:
         w = counts / np.array(self.sizes) if counts is not None and counts.sum() > 0 else np.ones(len(self.sizes))
         self.cum_weights = list(accumulate((w / w.sum()).tolist()))
         # Examples to read for one full batch of each bucket at its share of the data.
-        share = counts / counts.sum() if counts is not None and counts.sum() > 0 else np.ones(len(self.sizes))
+        n = len(self.sizes)
+        share = counts / counts.sum() if counts is not None and counts.sum() > 0 else np.full(n, 1 / n)
         self._supply = np.array(self.sizes) / np.maximum(share, 1e-12)
 
     def _reset(self) -> None:
