@@ -278,7 +278,7 @@ def print_table(rows: list, changes: dict) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="oom.py", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="train.py YAML (model, features, optim, precision sections)")
-    p.add_argument("--bins", required=True, help="bins.json from `sampler.py estimate-bins`")
+    p.add_argument("--bins", required=True, help="bins.json from tools/estimate_bins.py (or a run dir's bins.json)")
     p.add_argument("-o", "--output", required=True, help="batch sizes JSON for train.batch_sizes")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--memory-budget", help="memory the training may use, e.g. 20GB (CPU: live tensor bytes)")
