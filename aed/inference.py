@@ -17,7 +17,8 @@ How the work is cut:
 2. Batch: segments sorted by duration, longest first, and cut into batches of at most
    `batch_duration` padded seconds (batch size x longest segment): `aed.data.duration_batches`.
 3. Per batch: load + log-mel features, encoder, then greedy or beam search (`aed.decoding.search`);
-   each phase is timed separately (the device is synchronised between phases) for the RTFx report.
+   joint with the CTC head when the model has one; each phase is timed separately (the device is
+   synchronised between phases) for the RTFx report.
 """
 
 import glob
@@ -38,6 +39,7 @@ from aed.checkpoint import INFERENCE_KEYS, load_latest, load_model, model_from_c
 from aed.data import (PROMPT_TASKS, audio_path, check_task, duration_batches, json_object, languages, manifest_lines,
                       reference_text, seconds)
 from aed.decoding import DecodingOptions, search
+from aed.encoder import frame_seconds
 from aed.metrics import corpus_scores
 from aed.model import AED
 from aed.tokenizer import Tokenizer
@@ -329,10 +331,10 @@ def decode_batch(asr: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], pro
     amp = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
     t0 = _synced_time(device)
     with amp:
-        memory, memory_lens = asr.model.encode(feats, feat_lens)  # (B, T', D), (B,)
+        memory, memory_lens, ctc_log_probs = asr.model.encode_with_ctc(feats, feat_lens)  # CTC log-probs: (B, T', V+1) or None
     t1 = _synced_time(device)
     with amp:
-        hyps = search(asr.model, memory, memory_lens, prompt, asr.tokenizer.eos, options)
+        hyps = search(asr.model, memory, memory_lens, prompt, asr.tokenizer.eos, options, ctc_log_probs)
     t2 = _synced_time(device)
     return hyps, t1 - t0, t2 - t1
 
@@ -351,20 +353,25 @@ def join_pieces(results: list[Result], pieces: list[dict], tokenizer: Tokenizer)
 @torch.inference_mode()
 def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", target_lang: str | None = None,
                task: str | None = None, pnc: bool = True, beam_size: int = 1, length_penalty: float = 0.0,
-               max_delta: int = 50, max_new_tokens: int | None = None, batch_duration: float = 300.0,
+               max_delta: int = 50, max_new_tokens: int | None = None, ctc_weight: float = 0.3,
+               max_repeats: int = 4, max_tokens_per_second: float | None = 25.0, batch_duration: float = 300.0,
                chunk_seconds: float = 40.0, dtype: torch.dtype | None = None,
                progress=None) -> tuple[list[Result], Timings]:
     """Transcribe/translate `inputs` (paths, directories, globs, or Requests) -> one Result each, in order.
 
     source_lang/target_lang/task/pnc apply to plain paths (Requests carry their own). beam_size 1 is
     greedy search; length_penalty is GNMT's alpha (0 ranks by log-probability); at most encoder
-    frames + max_delta and `max_new_tokens` tokens are generated (see `aed.decoding.DecodingOptions`).
+    frames + max_delta and `max_new_tokens` tokens are generated. ctc_weight: joint CTC/attention decoding
+    for models with a CTC head (0: attention only); max_repeats and max_tokens_per_second stop looping
+    hypotheses (see `aed.decoding.DecodingOptions`).
     batch_duration: padded seconds of audio per batch (`aed.data.duration_batches`). chunk_seconds:
     longer inputs are cut at pauses (see the module docstring). dtype: torch.bfloat16 for bf16
     autocast, None for fp32. progress(done_s, total_s) is called after every batch with seconds of audio.
     """
     t_start = time.perf_counter()
-    options = DecodingOptions(beam_size, length_penalty, max_delta, max_new_tokens)
+    options = DecodingOptions(beam_size, length_penalty, max_delta, max_new_tokens, ctc_weight=ctc_weight,
+                              max_repeats=max_repeats, max_tokens_per_second=max_tokens_per_second,
+                              frame_seconds=frame_seconds(asr.features.hop_length, asr.features.sample_rate))
     requests = to_requests(inputs, source_lang=source_lang, target_lang=target_lang, task=task, pnc=pnc)
     results = [Result(r) for r in requests]
     prompts = request_prompts(requests, asr.tokenizer)
