@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from aed.config import OptimConfig, TrainConfig
-from aed.model import AED, param_groups
+from aed.ctc import infeasible
+from aed.encoder import subsampled_length
+from aed.model import AED, param_groups, text_targets
 from aed.rnnt_model import TransducerASR
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,15 @@ def lr_factor(step: int, optim: OptimConfig) -> float:
 def count_targets(model: nn.Module, batches: list) -> int:
     """Tokens the loss scores in these batches, counted on the host from their lengths."""
     return sum(int(model.count_targets(b.token_lens, b.prompt_lens).sum()) for b in batches)
+
+
+def count_ctc_skipped(model: nn.Module, batches: list) -> int:
+    """Utterances in these batches that the CTC loss leaves out (more text tokens than encoder frames
+    allow, aed/ctc.py), counted from their lengths; 0 for a model without a CTC head."""
+    if getattr(model, "ctc", None) is None:
+        return 0
+    return sum(int(infeasible(subsampled_length(b.feat_lens), *text_targets(b.tokens, b.token_lens, b.prompt_lens)).sum())
+               for b in batches)
 
 
 @dataclass
