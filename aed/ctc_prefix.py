@@ -42,33 +42,35 @@ class CTCPrefixScorer:
         end = scorer.end_score()         # (R,) log P_ctc(g | x): g followed by EOS
         scorer.select(origin, choice)    # row r now holds hypothesis origin[r] + cand[origin[r], choice[r]]
 
-    ctc_log_probs (B, T', V + 1) from `model.ctc` (blank = the last id), enc_lens (B,). The sums over
-    frames run in float64: cumulative log-probabilities reach -1e4 over a few hundred frames, where
-    float32 keeps only about three decimals of their differences.
+    ctc_log_probs (B, T', V + 1) from `model.ctc` (blank = the last id), enc_lens (B,). The log-probs
+    are read where they are, per step only those of the candidates; the sums over frames run in
+    float64: cumulative log-probabilities reach -1e4 over a few hundred frames, where float32 keeps
+    only about three decimals of their differences.
     """
 
     def __init__(self, ctc_log_probs, enc_lens, rows_per_utterance: int = 1):
         b, t, _ = ctc_log_probs.shape
         assert enc_lens.shape == (b,), f"enc_lens {tuple(enc_lens.shape)} != ({b},)"
-        k = rows_per_utterance
-        log_probs = ctc_log_probs.double()
-        self.x = log_probs[..., :-1].transpose(1, 2).repeat_interleave(k, dim=0)  # (R, V, T'): time last, for cumsum
-        blank = log_probs[..., -1].repeat_interleave(k, dim=0)  # (R, T')
+        k, device = rows_per_utterance, ctc_log_probs.device
+        self.log_probs = ctc_log_probs
+        self.utterance = torch.arange(b, device=device).repeat_interleave(k)  # (R,) each row's utterance
+        self.frames = torch.arange(t, device=device)
+        blank = ctc_log_probs[..., -1].double().repeat_interleave(k, dim=0)  # (R, T')
         self.blank_sum = F.pad(blank.cumsum(-1), (1, 0))  # (R, T'+1): log prod of blanks up to frame t, from frame -1
         lens = enc_lens.repeat_interleave(k)
-        self.valid = torch.arange(t, device=lens.device)[None, :] < lens[:, None]  # (R, T')
+        self.valid = self.frames[None, :] < lens[:, None]  # (R, T')
         self.last_frame = lens  # index of frame T'-1 in the (T'+1)-long variables, which start at frame -1
         # The empty prefix: emitted nothing (r_n = 0), only blanks (r_b = cumulative blank prob, 1 at frame -1).
         r_n = torch.full_like(self.blank_sum, NEG_INF)
         self.r = torch.stack([r_n, self.blank_sum], dim=1)  # (R, 2, T'+1): log r_n, log r_b per frame -1..T'-1
-        self.psi = torch.zeros(b * k, dtype=torch.float64, device=log_probs.device)  # log psi of each row's prefix
-        self.last = torch.full((b * k,), -1, dtype=torch.long, device=log_probs.device)  # its last token; -1: none
+        self.psi = torch.zeros(b * k, dtype=torch.float64, device=device)  # log psi of each row's prefix
+        self.last = torch.full((b * k,), -1, dtype=torch.long, device=device)  # its last token; -1: none
         self.cand_r = None  # (R, C, 2, T'+1) variables of the last scored candidates, for `select`
 
     def score(self, cand):
         """cand (R, C) token ids (no EOS, no blank) -> log psi(g + c) (R, C), float64."""
         r, c = cand.shape
-        x = self.x.gather(1, cand[:, :, None].expand(r, c, self.x.size(2)))  # (R, C, T') log x_t(c)
+        x = self.log_probs[self.utterance[:, None, None], self.frames, cand[:, :, None]].double()  # (R, C, T') log x_t(c)
         r_n, r_b = self.r[:, 0, None, :-1], self.r[:, 1, None, :-1]  # (R, 1, T') prefix g at frames -1..T'-2
         # phi[t-1]: g is complete by frame t-1 and c may start at t; a repeated label needs a blank between.
         phi = torch.where(cand[:, :, None] == self.last[:, None, None], r_b, torch.logaddexp(r_n, r_b))  # (R, C, T')
