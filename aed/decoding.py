@@ -38,7 +38,9 @@ class DecodingOptions:
     # al. 2017; 0.3 is ESPnet's usual weight for ASR). 0 ranks by the attention decoder alone.
     ctc_weight: float = 0.3
     ctc_candidates: int = 8  # tokens per hypothesis and step that CTC scores: the attention decoder's best, plus EOS
-    max_repeats: int = 4  # stop a hypothesis that ends in one n-gram (up to REPEAT_NGRAM tokens) more than this many times in a row; 0: never
+    # Stop a hypothesis that ends in one n-gram (up to REPEAT_NGRAM tokens) more than this many times in a row;
+    # 0: never. The bundled transcripts repeat an n-gram at most 3 times (digit strings).
+    max_repeats: int = 4
     # At most this many tokens per second of audio; None: no bound. The bundled sentences have at most 16
     # (espeak-ng speaks fast and their BPE pieces are short); Canary's tokenizers give about 4 on real speech.
     max_tokens_per_second: float | None = 25.0

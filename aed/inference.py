@@ -331,7 +331,7 @@ def decode_batch(asr: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], pro
     amp = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
     t0 = _synced_time(device)
     with amp:
-        memory, memory_lens, ctc_log_probs = asr.model.encode_with_ctc(feats, feat_lens)  # CTC log-probs: (B, T', V+1) or None
+        memory, memory_lens, ctc_log_probs = asr.model.encode_with_ctc(feats, feat_lens)  # ..., (B, T', V+1) or None
     t1 = _synced_time(device)
     with amp:
         hyps = search(asr.model, memory, memory_lens, prompt, asr.tokenizer.eos, options, ctc_log_probs)
