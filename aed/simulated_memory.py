@@ -38,7 +38,7 @@ What a CUDA device adds on top of the tensors, and how each term is treated:
 """
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -87,10 +87,10 @@ class HostValues(TorchDispatchMode):
         self.values = WeakTensorKeyDictionary()  # fake tensor -> its real value
 
     def _real(self, x):
-        return self.values.get(x) if isinstance(x, torch.Tensor) else x
+        return self.values.get(x) if isinstance(x, FakeTensor) else x  # a real tensor (torch.tensor's data) is its value
 
     def _known(self, args) -> bool:
-        return all(t in self.values for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor))
+        return all(t in self.values for t in tree_flatten(args)[0] if isinstance(t, FakeTensor))
 
     def _fake_like(self, real):
         """A fake tensor shaped like `real`, made by the fake mode under this one."""
@@ -103,10 +103,10 @@ class HostValues(TorchDispatchMode):
         out = []
         for idx in indices:
             if isinstance(idx, torch.Tensor) and idx.dtype == torch.bool:
-                if idx not in self.values:
+                if self._real(idx) is None:
                     raise RuntimeError("simulated step: boolean-mask indexing with a mask of unknown value")
                 with _disable_current_modes():
-                    real = self.values[idx].nonzero().unbind(1)
+                    real = self._real(idx).nonzero().unbind(1)
                 out.extend(self._fake_like(i) for i in real)
             else:
                 out.append(idx)
