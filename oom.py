@@ -3,6 +3,12 @@
     python oom.py --config configs/canary-1b-flash.yaml --bins bins.json -o batch_sizes.json   # GPU: 90%
     python oom.py --config configs/tiny.yaml --bins bins.json --memory-budget 4GB -o batch_sizes.json
     python train.py configs/canary-1b-flash.yaml train.bins=bins.json train.batch_sizes=batch_sizes.json
+    python oom.py --config configs/canary-1b.yaml --bins bins.json --simulate-memory 80GiB --memory-model -o bs.json
+
+--simulate-memory sizes a CUDA device of that size on a CPU: the same step on fake tensors
+(aed/simulated_memory.py). A 1B-parameter fake step takes 15-90 s, so --memory-model fits peak
+memory as a low-order function of (B, T, U) to --fit-steps steps (aed/memory_model.py), takes every
+bucket's size from it and measures --verify buckets at their answer.
 
 The cumulative-duration heuristic (train.max_duration) gives every bucket the same seconds of
 audio, but memory is not linear in duration (attention is quadratic in frames; the decoder and its

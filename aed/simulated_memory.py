@@ -28,10 +28,10 @@ What a CUDA device adds on top of the tensors, and how each term is treated:
   counted in max_memory_allocated: `CUBLAS_WORKSPACE` per stream, one stream (train.py uses one).
 * modelled, CUDA context: the driver's and kernels' memory outside the allocator, never in
   max_memory_allocated but on the device: `CUDA_CONTEXT`, taken off the device's memory.
-* measured, not modelled, attention kernels: the step runs with the CPU's choice of SDPA kernel
-  and CPU autocast's op lists, not CUDA's; `bench/oom_scale_bench.py` compares the forward of a
-  fake CPU and a fake CUDA step (forward runs on fake CUDA tensors, backward does not) and reports
-  the difference, which the safety margin must cover.
+* not modelled, attention kernels and autocast: the step runs the CPU's choice of SDPA kernel and
+  CPU autocast's op lists, not CUDA's (whose memory-efficient kernel keeps no B x H x T' x T'
+  probabilities, and whose fp32 list differs). Not yet measured here: tests/test_cuda_oom.py
+  checks the total against max_memory_allocated on a GPU; until it has run, the margin covers it.
 * margin only: fragmentation (reserved minus allocated), the data loader's pinned buffers,
   NCCL's buffers, and anything a kernel allocates beyond its output (cuDNN convolution workspaces
   go through the allocator but depend on the algorithm cuDNN picks at run time).
