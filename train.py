@@ -40,7 +40,7 @@ from aed.distributed import all_gather_objects, all_reduce, cleanup, gather_obje
 from aed.memory import format_bytes, parse_bytes
 from aed.metrics import bleu, wer
 from aed.model import AED, AEDConfig
-from aed.rnnt_model import TransducerASR
+from aed.transducer import TransducerASR
 from aed.shards import MixedSource, ShardDataset, ShardSource
 from aed.tokenizer import Tokenizer
 from oom import MemoryBudgetError, preflight
