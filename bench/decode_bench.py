@@ -22,11 +22,8 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
 
 from aed.encoder import subsampled_length
 from aed.model import AED, AEDConfig

@@ -21,20 +21,17 @@ import argparse
 import contextlib
 import io
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from aed.data import encode_utterance, read_manifest  # noqa: E402
-from aed.shards import ShardSource, decode_audio  # noqa: E402
-from aed.tokenizer import Tokenizer  # noqa: E402
-from sampler import BucketingSampler, JsonlSource, estimate_bins  # noqa: E402
-from tools import make_shards  # noqa: E402
+from aed.data import encode_utterance, read_manifest
+from aed.shards import ShardSource, decode_audio
+from aed.tokenizer import Tokenizer
+from sampler import BucketingSampler, JsonlSource, estimate_bins
+from tools import make_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,19 +29,15 @@ import logging
 import math
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from aed.audio import FeatureConfig  # noqa: E402
-from aed.memory import format_bytes, parse_bytes  # noqa: E402
-from aed.model import AED, AEDConfig  # noqa: E402
-from oom import TrainingStep, bucket_shapes, make_monotone, optimize, preflight  # noqa: E402
-from sampler import estimate_bins  # noqa: E402
-from sampler_bench import synthetic_corpus  # noqa: E402
+from aed.audio import FeatureConfig
+from aed.memory import format_bytes, parse_bytes
+from aed.model import AED, AEDConfig
+from oom import TrainingStep, bucket_shapes, make_monotone, optimize, preflight
+from sampler import estimate_bins
+from sampler_bench import synthetic_corpus
 
 
 def mean_batch(counts: list, sizes: list) -> float:

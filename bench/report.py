@@ -51,14 +51,13 @@ import numpy as np
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from aed.data import encode_utterance, read_manifest
+from aed.model import AED, AEDConfig, count_parameters
+from aed.tokenizer import Tokenizer
+from oom import load_training_setup, preflight
+from sampler import Bins, BucketingSampler, estimate_bins, load_batch_sizes
 
-from aed.data import encode_utterance, read_manifest  # noqa: E402
-from aed.model import AED, AEDConfig, count_parameters  # noqa: E402
-from aed.tokenizer import Tokenizer  # noqa: E402
-from oom import load_training_setup, preflight  # noqa: E402
-from sampler import Bins, BucketingSampler, estimate_bins, load_batch_sizes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PAPER = {"sync": {2: 7, 16: 13, 128: 20}, "b/a": 3.4, "c/a": 5.0,
          "rtfx": {"canary-1b (24+24)": 345, "24+4": 1097, "canary-1b-flash (32+4)": 992}}

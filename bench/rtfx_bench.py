@@ -35,7 +35,6 @@ import numpy as np
 import soundfile as sf
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
 
 from aed.audio import FeatureConfig
 from aed.inference import LoadedModel, Timings, transcribe

@@ -51,13 +51,11 @@ from pathlib import Path
 import torch
 import yaml
 
+from aed.model import AED, AEDConfig
+from oom import device_memory, load_training_setup, preflight
+from sampler import Bins, BucketingSampler, load_batch_sizes
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from aed.model import AED, AEDConfig  # noqa: E402
-from oom import device_memory, load_training_setup, preflight  # noqa: E402
-from sampler import Bins, BucketingSampler, load_batch_sizes  # noqa: E402
-
 BASE_CONFIG = ROOT / "configs" / "tiny.yaml"
 # name -> (model overrides of configs/tiny.yaml, default steps). 30m: Canary-1B-Flash's shape
 # (deep encoder, 4-layer decoder) at 256 wide: 30.0M parameters with the mini vocabulary.

@@ -38,7 +38,6 @@ TARGET_SHAPE = (32, 200, 50, 1024)  # issue 8: sample-wise memory <= 0.1x, time 
 def run_worker(args):
     """One measurement in this process; prints a JSON line."""
     import torch
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from aed.transducer import Transducer, TransducerConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,5 +1,9 @@
+import os
+
 import pytest
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -10,3 +14,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def checkout_on_pythonpath():
+    """Tests run bench/ and tools/ scripts in subprocesses; without `pip install -e .` those find `aed`
+    (and `sampler`, `oom`, `tools`) only through PYTHONPATH. This checkout goes first, so a venv shared
+    between checkouts tests the code of this one."""
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, old] if old else [ROOT])
+    yield
+    if old is None:
+        del os.environ["PYTHONPATH"]
+    else:
+        os.environ["PYTHONPATH"] = old

@@ -32,8 +32,6 @@ from pathlib import Path
 
 import soundfile as sf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
-
 from aed.data import ManifestError, encode_utterance, parse_line  # noqa: E402
 from aed.shards import INDEX_NAME, SHARD_NAME  # noqa: E402
 from aed.tokenizer import Tokenizer  # noqa: E402
