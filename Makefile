@@ -20,7 +20,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 test: venv
 	$(PY) -m pytest -q tests
 
-# Under a minute on 2 CPU cores: everything but the tests marked slow (training runs, benchmarks, DDP).
+# Under a minute on 2 CPU cores: all but the tests marked slow (training runs, scripts in subprocesses, overfitting).
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow" tests
 

@@ -63,6 +63,7 @@ def test_tracker_limit_raises_like_a_device_out_of_memory():
     del a
 
 
+@pytest.mark.slow
 def test_tracker_matches_process_rss_growth():
     # glibc keeps freed heap memory, which RSS would count; a fixed mmap threshold makes it
     # return every large buffer, so RSS growth is the memory tensors really held at the peak.
