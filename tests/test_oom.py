@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from aed.memory import LiveTensorMemory, OutOfMemory, is_out_of_memory, parse_bytes
 from aed.memory_model import MemoryModel
 from aed.model import AED, AEDConfig
-from aed.rnnt_model import TransducerASR
+from aed.transducer import TransducerASR
 from aed.simulated_memory import CUBLAS_WORKSPACE, CUDA_CONTEXT, SimulatedDevice, allocated_limit
 from oom import (MemoryBudgetError, TrainingStep, bucket_shapes, main, make_monotone, optimize, preflight,
                  search_batch_size)
@@ -68,6 +68,7 @@ def test_tracker_limit_raises_like_a_device_out_of_memory():
     del a
 
 
+@pytest.mark.slow
 def test_tracker_matches_process_rss_growth():
     # glibc keeps freed heap memory, which RSS would count; a fixed mmap threshold makes it
     # return every large buffer, so RSS growth is the memory tensors really held at the peak.
