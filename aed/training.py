@@ -21,7 +21,7 @@ from aed.config import OptimConfig, TrainConfig
 from aed.ctc import infeasible
 from aed.encoder import subsampled_length
 from aed.model import AED, param_groups, text_targets
-from aed.rnnt_model import TransducerASR
+from aed.transducer import TransducerASR
 
 log = logging.getLogger(__name__)
 

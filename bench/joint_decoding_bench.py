@@ -3,6 +3,8 @@
     python train.py configs/tiny.yaml train.manifests=[data/mini/train.jsonl] val.manifests=[data/mini/dev.jsonl] \\
         max_steps=400 run_dir=runs/dec                                   # ~10 min on a busy 2-core machine
     python bench/joint_decoding_bench.py --ckpt runs/dec/ckpt-00000200.pt runs/dec/ckpt-00000400.pt
+    python train.py configs/tiny.yaml max_steps=400 run_dir=runs/digits          # the digit strings
+    python bench/joint_decoding_bench.py --ckpt runs/digits --manifest data/mini/digits/dev.jsonl
 
 Each checkpoint transcribes the manifest through infer.py's pipeline (aed.inference.transcribe) with:
 - attention: the attention decoder alone, no guards (the decoding before joint CTC/attention existed);
@@ -16,17 +18,13 @@ Prints a table, then a JSON object as the last line.
 """
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
 import jiwer
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
 
 from aed.inference import load_checkpoint, read_requests, score, transcribe
 from aed.metrics import normalize_text
+from common import add_device_args, device_from_args, load_avg, log, print_json, print_table
 
 SETTINGS = {  # name: transcribe() options
     "attention": dict(ctc_weight=0.0, max_repeats=0, max_tokens_per_second=None),
@@ -50,19 +48,19 @@ def main():
     p.add_argument("--manifest", default="data/mini/dev.jsonl")
     p.add_argument("--beam-sizes", type=int, nargs="+", default=[1, 4])
     p.add_argument("--repeats", type=int, default=2, help="runs per row; the fastest search time is reported")
+    add_device_args(p)
     args = p.parse_args()
-    torch.set_num_threads(1)
+    device = device_from_args(args)
 
     rows = []
     for ckpt in args.ckpt:
-        asr = load_checkpoint(ckpt)
+        asr = load_checkpoint(ckpt, device)
         requests = read_requests(args.manifest)
         for beam in args.beam_sizes:
             for name, options in SETTINGS.items():
                 runs = [transcribe(asr, requests, beam_size=beam, **options) for _ in range(args.repeats)]
                 results, _ = runs[0]
                 scores = score(results)
-                wers = [(m["wer"], m["n"]) for k, m in scores.items() if k.startswith("asr")]
                 bleus = [m["bleu"] for k, m in scores.items() if k.startswith("ast")]
                 errors = asr_errors(results)
                 rows.append({"ckpt": asr.path, "beam": beam, "decoding": name,
@@ -72,19 +70,16 @@ def main():
                              "search_s": round(min(t.decoder for _, t in runs), 2),
                              "encoder_s": round(min(t.encoder for _, t in runs), 2),
                              "audio_s": round(runs[0][1].audio, 1)})
-                r = rows[-1]
-                print(f"  done {Path(r['ckpt']).name} beam {beam} {name}: WER {r['wer']} (asr groups {wers})",
-                      file=sys.stderr, flush=True)
+                log(f"{Path(asr.path).name} beam {beam} {name}: WER {rows[-1]['wer']}, search {rows[-1]['search_s']} s")
 
-    header = (f"{'checkpoint':20s} {'beam':>4s} {'decoding':>9s} {'WER %':>7s} {'ins':>5s} {'del':>5s} {'sub':>5s} "
-              f"{'hyp/ref words':>13s} {'tokens':>6s} {'BLEU':>5s} {'search s':>8s} {'encoder s':>9s}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{Path(r['ckpt']).name:20s} {r['beam']:4d} {r['decoding']:>9s} {r['wer']:7.2f} {r['ins']:5d} "
-              f"{r['del']:5d} {r['sub']:5d} {r['hyp_words']:6d}/{r['ref_words']:<6d} {r['tokens']:6d} "
-              f"{r['bleu'] or 0:5.2f} {r['search_s']:8.2f} {r['encoder_s']:9.2f}")
-    print(json.dumps({"manifest": args.manifest, "threads": torch.get_num_threads(), "rows": rows}))
+    print_table([("checkpoint", "<16"), ("beam", "4d"), ("decoding", "<9"), ("WER %", "7.2f"), ("ins", "4d"),
+                 ("del", "4d"), ("sub", "4d"), ("hyp words", "9d"), ("ref words", "9d"), ("tokens", "6d"),
+                 ("BLEU", ">5"), ("search s", "8.2f"), ("encoder s", "9.2f")],
+                [[Path(r["ckpt"]).name, r["beam"], r["decoding"], r["wer"], r["ins"], r["del"], r["sub"],
+                  r["hyp_words"], r["ref_words"], r["tokens"], "-" if r["bleu"] is None else f"{r['bleu']:.2f}",
+                  r["search_s"], r["encoder_s"]] for r in rows])
+    print_json({"manifest": args.manifest, "device": str(device), "threads": args.threads, "load_avg": load_avg(),
+                "rows": rows})
 
 
 if __name__ == "__main__":

@@ -340,6 +340,7 @@ def test_repetition_guard_finds_repeated_ngrams_at_the_end():
     assert ends_in_repeats(tokens, 3, max_repeats=2).tolist() == [True, False, False, False, True]
 
 
+@pytest.mark.slow
 def test_tiny_model_overfits_eight_synthetic_utterances():
     """8 utterances whose features are a per-token spectrum held for 12 frames: learn to transcribe them all."""
     torch.manual_seed(0)

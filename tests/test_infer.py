@@ -228,6 +228,7 @@ def test_joint_ctc_decoding_is_on_by_default_for_a_model_with_a_ctc_head(asr):
     assert [r.tokens for r in joint] == [[] for _ in requests]
 
 
+@pytest.mark.slow
 def test_cli_directory_with_a_corrupt_file_and_a_manifest(run_dir, tmp_path):
     audio = tmp_path / "clips"
     (audio / "sub").mkdir(parents=True)
