@@ -27,6 +27,7 @@ import yaml
 
 from aed.audio import FeatureConfig, SpecAugmentConfig
 from aed.model import AEDConfig
+from aed.normalize import NORMALIZERS
 
 
 class ConfigError(ValueError):
@@ -66,6 +67,11 @@ class ValConfig:
     batch_duration: float = 300.0  # padded seconds of audio per decoding batch (batch size x longest)
     max_utterances: int | None = None  # validate on the first N utterances of each manifest only
     num_examples: int = 4  # transcripts shown in the log and TensorBoard
+    normalizer: str = "simple"  # WER text normaliser: simple (case, punctuation) | whisper (the leaderboards', aed/normalize.py)
+
+    def __post_init__(self):
+        if self.normalizer not in NORMALIZERS:
+            raise ConfigError(f"val.normalizer: expected one of {NORMALIZERS}, got {self.normalizer!r}")
 
 
 @dataclass
