@@ -87,10 +87,9 @@ def load_checkpoint(path: str, device="cpu") -> LoadedModel:
 
 def chunk_length(asr: LoadedModel, chunk_seconds: float | None) -> float:
     """Seconds per chunk of a long input: `chunk_seconds` when given, else the longest utterance
-    the model was trained on (attention models trained on short utterances fail on longer ones:
-    the tiny demo model, trained on <= 4.6 s, recovered 12 of 143 words of a 91 s file cut into
-    40 s chunks and 99 with 4 s chunks), else 40 s (Canary's training maximum). A chunk longer
-    than the training maximum gets a warning."""
+    the model was trained on (an attention model trained on short utterances drops most of the
+    words of much longer ones), else 40 s (Canary's training maximum). A chunk longer than the
+    training maximum gets a warning."""
     trained = asr.max_train_duration
     if chunk_seconds is None:
         return trained if trained is not None else DEFAULT_CHUNK
