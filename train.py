@@ -103,7 +103,7 @@ def build_training_data(cfg, tokenizer, logmel, rank: int, world_size: int, mast
     sampler_args = dict(allocation=cfg.train.allocation, min_tps=cfg.train.min_tps,
                         max_tps=cfg.train.max_tps, buffer_size=cfg.train.buffer_size, seed=cfg.seed,
                         rank=rank, world_size=world_size, sync_buckets=cfg.train.sync_buckets,
-                        infinite=True)
+                        overfill=cfg.train.buffer_overfill, infinite=True)
     bins = Bins.load(cfg.train.bins) if cfg.train.bins else None  # None: estimated from the manifests
     if cfg.train.batch_sizes:
         bins, sizes = load_batch_sizes(cfg.train.batch_sizes)  # the bins the sizes were searched for
@@ -136,7 +136,8 @@ def build_training_data(cfg, tokenizer, logmel, rank: int, world_size: int, mast
         keep = sorted(set(range(len(utts))) - set(too_long))
         utts, num_tokens = [utts[i] for i in keep], [num_tokens[i] for i in keep]
     if bins is None:
-        bins = estimate_bins([u.duration for u in utts], num_tokens, cfg.train.num_buckets, cfg.train.sub_buckets)
+        bins = estimate_bins([u.duration for u in utts], num_tokens, cfg.train.num_buckets, cfg.train.sub_buckets,
+                             method=cfg.train.bin_method)
         if master:
             bins.save(os.path.join(cfg.run_dir, "bins.json"))
     examples = [{"duration": u.duration, "num_tokens": n} for u, n in zip(utts, num_tokens)]

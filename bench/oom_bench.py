@@ -74,7 +74,7 @@ def main():
     ex = synthetic_corpus(args.synthetic, args.seed)
     durs, toks = [e["duration"] for e in ex], [e["num_tokens"] for e in ex]
     bins_1d = estimate_bins(durs, toks, args.buckets, 1)
-    bins_2d = estimate_bins(durs, toks, args.buckets, 2)
+    bins_2d = estimate_bins(durs, toks, args.buckets, 2, method="equal")  # the paper's 2D bins
     features = FeatureConfig(n_mels=args.n_mels)
     torch.manual_seed(args.seed)
     cfg = AEDConfig(n_mels=args.n_mels, vocab_size=args.vocab_size, enc_d_model=args.d_model, dec_d_model=args.d_model,

@@ -230,7 +230,7 @@ def run_training(mode: dict, args, work: Path) -> dict:
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
 
     nb, m = mode["buckets"], mode["max_duration"]
-    bins = {"1d": estimate_bins(durs, toks, nb, 1), "2d": estimate_bins(durs, toks, nb, 2)}
+    bins = {"1d": estimate_bins(durs, toks, nb, 1), "2d": estimate_bins(durs, toks, nb, 2, method="equal")}  # the paper's bins
     for k, b in bins.items():
         b.save(work / f"bins_{k}.json")
     # Memory of a scheme = its worst bucket's peak, measured by oom.preflight (CPU: live tensor bytes).
