@@ -155,7 +155,8 @@ def main() -> None:
         results, timings = transcribe(
             asr, requests, beam_size=args.beam_size, length_penalty=args.length_penalty, max_delta=args.max_delta,
             max_new_tokens=args.max_new_tokens, batch_duration=args.batch_duration, chunk_seconds=args.chunk_seconds,
-            dtype=dtype, timestamps=args.timestamps is not None, progress=ProgressBar(not args.quiet and len(requests) > 1))
+            dtype=dtype, timestamps=args.timestamps is not None,
+            progress=ProgressBar(not args.quiet and len(requests) > 1))
     except ValueError as e:  # e.g. a language the tokenizer does not know, named with its manifest line
         sys.exit(f"error: {e}")
 
@@ -183,7 +184,8 @@ def main() -> None:
             print(f"{key}: BLEU {m['bleu']:.2f} on {m['n']} file(s)", file=sys.stderr)
     t = timings
     print(f"RTFx {t.rtfx:.1f}: {t.audio:.1f} s of audio in {t.wall:.2f} s (load+features {t.load_features:.2f} s, "
-          f"encoder {t.encoder:.2f} s, decoder {t.decoder:.2f} s{f', alignment {t.align:.2f} s' if t.align else ''}; model loading {t_load:.1f} s not counted); "
+          f"encoder {t.encoder:.2f} s, decoder {t.decoder:.2f} s"
+          f"{f', alignment {t.align:.2f} s' if t.align else ''}; model loading {t_load:.1f} s not counted); "
           f"{len(results) - len(failed)} transcribed, {len(failed)} failed", file=sys.stderr)
     sys.exit(1 if failed else 0)
 

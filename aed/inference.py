@@ -203,7 +203,7 @@ class Timings:
     load_features: float = 0.0  # planning (headers, pause search), audio decoding, resampling, log-mel
     encoder: float = 0.0
     decoder: float = 0.0  # greedy or beam search, including the cross-attention K/V projection
-    align: float = 0.0  # timestamps: the CTC head and forced alignment
+    align: float = 0.0  # timestamps: forced alignment (the CTC head's projection counts as encoder time)
 
     @property
     def rtfx(self) -> float:
@@ -403,9 +403,9 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
     greedy search; length_penalty is GNMT's alpha (0 ranks by log-probability); at most encoder
     frames + max_delta and `max_new_tokens` tokens are generated (see `aed.decoding.DecodingOptions`).
     batch_duration: padded seconds of audio per batch (`aed.data.duration_batches`). chunk_seconds:
-    longer inputs are cut at pauses (see the module docstring); None: `chunk_length` picks it. dtype: torch.bfloat16 for bf16
-    autocast, None for fp32. timestamps: set every Result's `words` (`aed.timestamps`); a model
-    without a CTC head raises ValueError, before any work. progress(done_s, total_s) is called after
+    longer inputs are cut at pauses (see the module docstring); None: `chunk_length` picks it.
+    dtype: torch.bfloat16 for bf16 autocast, None for fp32. timestamps: set every Result's `words`
+    (`aed.timestamps`); a model without a CTC head raises ValueError, before any work. progress(done_s, total_s) is called after
     every batch with seconds of audio.
     """
     if timestamps and asr.model.ctc is None:

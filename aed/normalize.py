@@ -52,7 +52,8 @@ def basic(text: str) -> str:
 
 
 # Letters NFKD does not decompose into a base letter and a diacritic.
-_LETTER_FOLDS = {"œ": "oe", "Œ": "OE", "ø": "o", "Ø": "O", "æ": "ae", "Æ": "AE", "ß": "ss", "ẞ": "SS", "đ": "d",
+_LETTER_FOLDS = {"œ": "oe", "Œ": "OE", "ø": "o", "Ø": "O", "æ": "ae", "Æ": "AE", "ß": "ss", "ẞ": "SS",
+                 "đ": "d",
                  "Đ": "D", "ð": "d", "Ð": "D", "þ": "th", "Þ": "th", "ł": "l", "Ł": "L"}
 
 
@@ -101,7 +102,8 @@ class NumberNormalizer:
 
     def __init__(self):
         ordinal = {"first": 1, "second": 2, "third": 3, "fifth": 5, "twelfth": 12, "zeroth": 0}
-        ordinal |= {w + ("h" if w.endswith("t") else "th"): n for w, n in self.ONES.items() if n not in (1, 2, 3, 5, 12)}
+        ordinal |= {w + ("h" if w.endswith("t") else "th"): n for w, n in self.ONES.items()
+                    if n not in (1, 2, 3, 5, 12)}
         suffix = {1: "st", 2: "nd", 3: "rd"}
         # word -> (value, suffix): numbers that end a number on the spot ("thirds", "sixties", "hundredth")
         self.ones_with_suffix = {("sixes" if w == "six" else w + "s"): (n, "s") for w, n in self.ONES.items()}

@@ -15,11 +15,12 @@ A model without a CTC head (ctc_weight = 0, and the released Canary checkpoints)
 posteriors to align to: asking it for timestamps is an error, raised before any audio is decoded
 (`aed.inference.transcribe`), not a silent guess.
 
-Precision. Times are multiples of one encoder frame (80 ms at a 10 ms hop and 8x subsampling).
-A word runs from the first frame of its first token to the end of its last token's frames, so
-its times are only as good as the CTC head's sense of where it heard each token. CTC's loss does
-not reward firing inside the word. Aligners built on large trained CTC models (NeMo's forced
-aligner, WhisperX's wav2vec2 step) rely on such models doing so; a tiny one need not. A 2-layer, 64-wide model trained for 300-500 steps on the generated word sequences of
+Precision. Times are multiples of one encoder frame (80 ms at a 10 ms hop and 8x subsampling). A
+word runs from the first frame of its first token to the end of its last token's frames, so its
+times are only as good as the CTC head's sense of where it heard each token. CTC's loss does not
+reward firing inside the word. Aligners built on large trained CTC models (NeMo's forced
+aligner, WhisperX's wav2vec2 step) rely on such models doing so; a tiny one need not. A 2-layer,
+64-wide model trained for 300-500 steps on the generated word sequences of
 tests/test_timestamps.py recognised them but fired its first word at frame 0 wherever it was
 spoken: median boundary error 0.35-0.4 s. The tests therefore check the bookkeeping (spans,
 offsets across chunks, order, formats) with exact synthetic posteriors and an untrained model,

@@ -2,7 +2,7 @@
 and the decoder (and CTC head) rows for them, with every existing id and output unchanged.
 
     # a SentencePiece model trained on the new language's manifest text (tools/train_tokenizer.py's settings)
-    python tools/add_language.py --ckpt runs/tiny --lang it --manifest it/train.jsonl --vocab-size 256 -o runs/tiny-it.pt
+    python tools/add_language.py --ckpt runs/tiny --lang it --manifest it/train.jsonl -o runs/tiny-it.pt
     # or a SentencePiece model you already have
     python tools/add_language.py --ckpt canary-1b-flash.pt --lang it --spm it.model -o canary-it.pt
     # then fine-tune on the new language with the old ones still in the mix (README: "A new language")
