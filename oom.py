@@ -52,7 +52,7 @@ from aed.config import ConfigError, load_train_config, resolve_model
 from aed.data import Batch
 from aed.memory import OutOfMemory, format_bytes, parse_bytes, peak_memory
 from aed.memory_model import MemoryModel
-from aed.rnnt_model import TransducerASR
+from aed.transducer import TransducerASR
 from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice, allocated_limit
 from aed.tokenizer import Tokenizer
 from aed.training import AMP_DTYPES, build_model, build_optimizer, count_targets, resolve_precision, train_step

@@ -415,13 +415,14 @@ def main(argv: list[str] | None = None) -> None:
 
     model.train()
     consumed = batches.taken = 0  # batches the loop has trained on / the DataLoader has taken
-    loader = [iter(make_loader())]
+    loader = iter(make_loader())
 
     def stop_workers():
         """The workers ignore SIGTERM (make_loader), so multiprocessing's own exit hook, which
         terminates them with SIGTERM and then waits, would hang: release the iterator first,
         which shuts them down cleanly. Registered after that hook, so it runs before it."""
-        loader.clear()
+        nonlocal loader
+        loader = None
 
     atexit.register(stop_workers)
     frame_s = cfg.features.hop_length / cfg.features.sample_rate
@@ -434,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     while step < cfg.max_steps:
         micro = []
         while len(micro) < cfg.optim.grad_accum:
-            batch = next(loader[0])
+            batch = next(loader)
             consumed += 1
             for err in batch.errors:
                 log.warning("skipped unreadable audio: %s", err)

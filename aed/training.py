@@ -19,7 +19,7 @@ from torch import nn
 
 from aed.config import OptimConfig, TrainConfig
 from aed.model import AED, param_groups
-from aed.rnnt_model import TransducerASR
+from aed.transducer import TransducerASR
 
 log = logging.getLogger(__name__)
 

@@ -19,21 +19,18 @@ tests/test_cuda_oom.py on a GPU.
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from aed.config import OptimConfig  # noqa: E402
-from aed.memory_model import MemoryModel  # noqa: E402
-from aed.model import AED, AEDConfig  # noqa: E402
-from aed.rnnt_model import TransducerASR  # noqa: E402
-from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice  # noqa: E402
-from aed.training import build_optimizer  # noqa: E402
-from oom import TrainingStep  # noqa: E402
+from aed.config import OptimConfig
+from aed.memory_model import MemoryModel
+from aed.model import AED, AEDConfig
+from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice
+from aed.transducer import TransducerASR
+from aed.training import build_optimizer
+from oom import TrainingStep
 
 # (seconds of audio, tokens per second, seconds in the batch): 0.5-40 s, 3-25 tokens/s (25: the
 # long-transcript outliers), batches of 500 or 900 s (Canary-1B fills 80 GiB near 900 s).

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from aed.memory import LiveTensorMemory, OutOfMemory, is_out_of_memory, parse_bytes
 from aed.memory_model import MemoryModel
 from aed.model import AED, AEDConfig
-from aed.rnnt_model import TransducerASR
+from aed.transducer import TransducerASR
 from aed.simulated_memory import CUBLAS_WORKSPACE, CUDA_CONTEXT, SimulatedDevice, allocated_limit
 from oom import (MemoryBudgetError, TrainingStep, bucket_shapes, main, make_monotone, optimize, preflight,
                  search_batch_size)
@@ -68,6 +68,7 @@ def test_tracker_limit_raises_like_a_device_out_of_memory():
     del a
 
 
+@pytest.mark.slow
 def test_tracker_matches_process_rss_growth():
     # glibc keeps freed heap memory, which RSS would count; a fixed mmap threshold makes it
     # return every large buffer, so RSS growth is the memory tensors really held at the peak.
@@ -252,6 +253,7 @@ def test_cli_writes_monotone_batch_sizes_that_train_py_reads(tmp_path, capsys):
 # --- simulated device memory ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_simulated_step_on_fake_tensors_matches_the_real_step():
     # Same step, same tracker: fake tensors must reproduce the real CPU peak (every op's output has
     # the same size; a boolean-mask index and host reads of lengths go through HostValues).
@@ -279,14 +281,17 @@ def test_simulated_rnnt_step_is_close_to_the_real_one():
         model = TransducerASR(AEDConfig(**TINY), 38, 4, pred_dim=32, joint_dim=32)
         return TrainingStep(model, torch.optim.AdamW(model.parameters()), text_vocab_size=38)
 
+    shapes = [(4, 200, 10), (3, 400, 30)]
     real = setup()
     real.warm_up(50, 5)
+    real_peaks = [real.peak(*shape) for shape in shapes]
     with SimulatedDevice():
         fake = setup()
         fake.warm_up(50, 5)
-        for shape in [(4, 200, 10), (3, 400, 30)]:
-            # The LSTM predictor's CPU kernel keeps buffers the fake kernel does not (2-6% of a tiny step).
-            assert 0.9 < fake.peak(*shape) / real.peak(*shape) <= 1.0, shape
+        fake_peaks = [fake.peak(*shape) for shape in shapes]
+    for shape, f, r in zip(shapes, fake_peaks, real_peaks):
+        # The LSTM predictor's CPU kernel keeps buffers the fake kernel does not (2-6% of a tiny step).
+        assert 0.9 < f / r <= 1.0, (shape, f, r)
 
 
 def test_host_values_answer_host_reads_and_masks_of_a_fake_computation():
@@ -334,6 +339,7 @@ def test_memory_model_keeps_coefficients_non_negative():
     assert all(c >= 0 for c in MemoryModel.fit(samples).coef[1:])
 
 
+@pytest.mark.slow
 def test_cli_simulates_a_cuda_device_and_sizes_from_a_fitted_memory_model(tmp_path, capsys):
     config = tmp_path / "tiny.yaml"
     config.write_text(json.dumps({"model": {k: v for k, v in TINY.items() if k not in ("n_mels", "vocab_size", "pad_id")},
@@ -347,7 +353,9 @@ def test_cli_simulates_a_cuda_device_and_sizes_from_a_fitted_memory_model(tmp_pa
     assert "(bf16, simulated CUDA)" in table, "auto precision resolves as on CUDA"
     limit = allocated_limit(10**9, 0.1)
     peaks = re.findall(r"^\s+\d+\s+\S+\s+\d+\s+\d+\s+\d+\s+([0-9.]+) (MB|GB)", table, re.M)
-    assert len(peaks) == 2 and all(float(p) * {"MB": 1e6, "GB": 1e9}[u] <= limit * 1.01 for p, u in peaks), table
+    # The table rounds to 0.01 GB / 0.1 MB: a printed peak may exceed the limit by half of that.
+    half_digit = {"MB": 0.05e6, "GB": 0.005e9}
+    assert len(peaks) == 2 and all(float(p) * {"MB": 1e6, "GB": 1e9}[u] - half_digit[u] <= limit for p, u in peaks), table
     assert min(s for row in sizes for s in row) > 100
 
 
