@@ -366,15 +366,20 @@ def decode_batch(asr: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], pro
     return hyps, ctc, t1 - t0, t2 - t1
 
 
-def timed_words(asr: LoadedModel, ids: list[int], log_probs: torch.Tensor, offset: float, where: str) -> list[Word]:
+def timed_words(asr: LoadedModel, ids: list[int], log_probs: torch.Tensor, offset: float, seconds: float,
+                where: str) -> list[Word]:
     """One segment's hypothesis, force-aligned to its CTC log-probs (T', V) -> its words, with times
-    in the file (`offset`: the segment's start). Special and padding ids carry no text and no time."""
+    in the file (the segment spans [offset, offset + seconds)). Special and padding ids carry no text
+    and no time. The last encoder frame reaches past the segment's end (up to 80 ms of padding): times
+    are clipped to the segment, so the words of consecutive chunks never overlap."""
     text_ids = [t for t in ids if t < asr.tokenizer.vocab_size and not asr.tokenizer.is_special(t)]
     if not feasible(log_probs.shape[0], text_ids):
         log.warning("%s at %.2f s: %d tokens do not fit a CTC path through %d frames; their times are "
                     "spread evenly over the segment", where, offset, len(text_ids), log_probs.shape[0])
     spans = align(log_probs, text_ids, asr.model.ctc.blank)
-    return to_words(asr.tokenizer, text_ids, spans, frame_seconds(asr.features), offset)
+    words = to_words(asr.tokenizer, text_ids, spans, frame_seconds(asr.features), offset)
+    end = offset + seconds
+    return [Word(w.text, min(w.start, end), min(w.end, end)) for w in words]
 
 
 def join_pieces(results: list[Result], pieces: list[dict], tokenizer: Tokenizer, words: list[dict] | None) -> None:
@@ -435,8 +440,8 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
             t_align = time.perf_counter()
             log_probs, lens = ctc[0].cpu(), ctc[1].tolist()
             for b, (k, ids) in enumerate(zip(kept, hyps)):
-                seg = segments[k]
-                words[seg.request][k] = timed_words(asr, ids, log_probs[b, : lens[b]], seg.offset,
+                seg, seconds = segments[k], wavs[b].numel() / asr.features.sample_rate
+                words[seg.request][k] = timed_words(asr, ids, log_probs[b, : lens[b]], seg.offset, seconds,
                                                     requests[seg.request].where)
             align_s = time.perf_counter() - t_align
         batch_s = time.perf_counter() - t0

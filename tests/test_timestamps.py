@@ -129,7 +129,7 @@ def test_times_are_monotonic_within_the_audio_and_offset_per_chunk(tmp_path, tok
     assert all(0 <= w.start < w.end <= res.duration + 1e-6 for w in res.words)
     assert all(a.end <= b.start + 1e-6 for a, b in zip(res.words, res.words[1:]))
     bounds = [(start, start + length) for start, _, length in pieces]
-    assert all(any(a - 1e-6 <= w.start and w.end <= b + 0.08 for a, b in bounds) for w in res.words)
+    assert all(any(a - 1e-6 <= w.start and w.end <= b + 1e-6 for a, b in bounds) for w in res.words)
     later = [w for w in res.words if w.start >= bounds[1][0]]
     assert later, "no word came from a later chunk: the offsets are untested"
 
