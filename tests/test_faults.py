@@ -48,16 +48,23 @@ def test_newest_valid_checkpoint_is_found_and_the_bad_one_named(tmp_path, caplog
     assert "ckpt-00000002.pt: unreadable" in caplog.text
 
 
-def test_run_dir_whose_only_checkpoint_is_corrupt_is_not_restarted_silently(tmp_path):
+def test_run_dir_whose_only_checkpoint_is_corrupt_has_none_to_resume_from(tmp_path):
     save_checkpoint(fake_state(5), tmp_path, 5, keep_last=1)
     truncate(tmp_path / "ckpt-00000005.pt")
     with pytest.raises(CheckpointError, match="(?s)ckpt-00000005.pt: unreadable.*move them away"):
         load_latest(tmp_path)
+
+
+@pytest.mark.slow
+def test_train_py_does_not_restart_a_run_whose_checkpoints_are_all_corrupt(tmp_path):
+    save_checkpoint(fake_state(5), tmp_path, 5, keep_last=1)
+    truncate(tmp_path / "ckpt-00000005.pt")
     p = run_train(tmp_path, "max_steps=2", check=False)
     assert p.returncode != 0 and "cannot resume" in p.stderr and "ckpt-00000005.pt" in p.stderr
     assert not os.path.exists(tmp_path / "metrics.jsonl")  # no step was trained
 
 
+@pytest.mark.slow
 def test_steps_replayed_after_a_kill_are_logged_once(tmp_path):
     run_train(tmp_path, "max_steps=4", "ckpt_every=2")
     os.remove(tmp_path / "ckpt-00000004.pt")  # as if killed after step 4 was logged, before its save

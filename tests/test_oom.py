@@ -275,6 +275,7 @@ def test_simulated_step_on_fake_tensors_matches_the_real_step():
             assert all(0.99 < s / m <= 1.0 for s, m in zip(simulated, measured)), (simulated, measured)
 
 
+@pytest.mark.slow
 def test_simulated_rnnt_step_is_close_to_the_real_one():
     def setup():
         torch.manual_seed(0)
@@ -359,6 +360,7 @@ def test_cli_simulates_a_cuda_device_and_sizes_from_a_fitted_memory_model(tmp_pa
     assert min(s for row in sizes for s in row) > 100
 
 
+@pytest.mark.slow
 def test_cli_sizes_a_transducer_objective(tmp_path, capsys):
     # train.py's objective=rnnt: the random targets stay below the tokenizer's ids (blank comes after).
     config = tmp_path / "rnnt.yaml"
