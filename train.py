@@ -37,10 +37,10 @@ from aed.config import ConfigError, help_text, load_train_config, resolve_model,
 from aed.data import Collate, UtteranceDataset, duration_batches, encode_utterance, ignore_stop_signals, read_manifest
 from aed.decoding import DecodingOptions, decode
 from aed.distributed import all_gather_objects, all_reduce, cleanup, gather_objects, init_distributed
-from aed.encoder import frame_seconds
 from aed.memory import format_bytes, parse_bytes
 from aed.metrics import corpus_scores
 from aed.shards import MixedSource, ShardDataset, ShardSource
+from aed.timestamps import frame_seconds
 from aed.tokenizer import Tokenizer
 from aed.training import (autocast, build_model, build_optimizer, count_ctc_skipped, count_targets, lr_factor,
                           resolve_precision, train_step)
@@ -170,7 +170,7 @@ def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, 
     model.eval()
     logmel, collate = LogMel(cfg.features).eval(), Collate(tokenizer.pad)
     options = DecodingOptions(ctc_weight=cfg.val.ctc_weight,
-                              frame_seconds=frame_seconds(cfg.features.hop_length, cfg.features.sample_rate))
+                              frame_seconds=frame_seconds(cfg.features))
     results = {}
     for name, path in val_names.items():
         utts = read_manifest(path, skip_invalid=cfg.train.skip_invalid)[: cfg.val.max_utterances]
@@ -204,7 +204,7 @@ def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, 
         if totals[2] > 0:
             log.info("validation %s: %d of %d utterances have more tokens than CTC frames allow: left out of the "
                      "CTC term of its loss", name, int(totals[2]), len(rows))
-        groups, asr_wer = corpus_scores(rows)
+        groups, asr_wer = corpus_scores(rows, cfg.val.normalizer)
         for group_name, scores in groups.items():  # "asr en" -> wer_en, wer_pnc_en; "ast en-es" -> bleu_en-es
             for metric in ("wer", "wer_pnc", "bleu"):
                 if metric in scores:
@@ -398,7 +398,8 @@ def main(argv: list[str] | None = None) -> None:
             "features": dataclasses.asdict(cfg.features), "tokenizer": pack_dir(cfg.train.tokenizer),
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(), "sampler": [s["sampler"] for s in states],
-            "rng": [s["rng"] for s in states], "config": to_dict(cfg)},
+            "rng": [s["rng"] for s in states], "config": to_dict(cfg),
+            "max_train_duration": bins.durations[-1]},  # infer.py's default chunk length
             cfg.run_dir, step, cfg.keep_last)
         log.info("saved %s (parameter checksum %.6e, equal on %d rank(s))", path, checksum, world_size)
 

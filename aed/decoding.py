@@ -44,7 +44,7 @@ class DecodingOptions:
     # At most this many tokens per second of audio; None: no bound. The bundled sentences have at most 16
     # (espeak-ng speaks fast and their BPE pieces are short); Canary's tokenizers give about 4 on real speech.
     max_tokens_per_second: float | None = 25.0
-    frame_seconds: float = 0.08  # one encoder frame (aed.encoder.frame_seconds; 10 ms hop x 8): converts the bound above
+    frame_seconds: float = 0.08  # seconds per encoder frame (aed.timestamps.frame_seconds): converts the bound above
 
 
 @torch.inference_mode()

@@ -34,11 +34,6 @@ def subsampled_length(lengths):
     return lengths
 
 
-def frame_seconds(hop_length: int, sample_rate: int) -> float:
-    """Seconds of audio per encoder output frame: the feature hop times the subsampling (0.08 at a 10 ms hop)."""
-    return hop_length / sample_rate * 2**SUBSAMPLING_STAGES
-
-
 def padding_mask(lengths, max_len):
     """(B, max_len) bool, True at padded positions."""
     return torch.arange(max_len, device=lengths.device)[None, :] >= lengths[:, None]
