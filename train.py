@@ -169,8 +169,7 @@ def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, 
     device = next(model.parameters()).device
     model.eval()
     logmel, collate = LogMel(cfg.features).eval(), Collate(tokenizer.pad)
-    options = DecodingOptions(ctc_weight=cfg.val.ctc_weight,
-                              frame_seconds=frame_seconds(cfg.features))
+    options = DecodingOptions(ctc_weight=cfg.val.ctc_weight, frame_seconds=frame_seconds(cfg.features))
     results = {}
     for name, path in val_names.items():
         utts = read_manifest(path, skip_invalid=cfg.train.skip_invalid)[: cfg.val.max_utterances]
