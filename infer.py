@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from aed.inference import expand_inputs, load_checkpoint, make_request, read_requests, score, transcribe
+from aed.inference import (expand_inputs, known_languages, load_checkpoint, make_request, read_requests, score,
+                           transcribe)
 
 
 def parse_args():
@@ -57,6 +58,8 @@ def parse_args():
                           "quietest 100 ms in the last quarter of each chunk, decoded separately, and the "
                           "texts joined with spaces")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--skip-invalid", action="store_true",
+                     help="skip manifest lines that are malformed or name a language the model lacks (logged, counted)")
     args = p.parse_args()
     if not args.inputs and not args.manifest:
         p.error("give audio files/directories/patterns and/or --manifest")
@@ -96,7 +99,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         defaults = dict(source_lang=args.source_lang, target_lang=args.target_lang, task=args.task, pnc=args.pnc)
-        requests = [req for path in args.manifest for req in read_requests(path, **defaults)]
+        requests = [req for path in args.manifest for req in read_requests(path, **defaults,
+                                                                           skip_invalid=args.skip_invalid)]
         requests += [make_request(path, **defaults) for path in expand_inputs(args.inputs)]
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
@@ -110,6 +114,10 @@ def main() -> None:
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:  # missing, not ours, or corrupt
         sys.exit(f"error: cannot load --ckpt {args.ckpt}: {e}")
     t_load = time.perf_counter() - t_load
+    if args.skip_invalid:
+        requests = known_languages(requests, asr.tokenizer)
+        if not requests:
+            sys.exit("error: no valid inputs left")
     dtype = {"bf16": torch.bfloat16, "fp32": None}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     print(f"model {asr.path} ({sum(p.numel() for p in asr.model.parameters()) / 1e6:.1f}M parameters) on {device}, "
           f"{'bf16' if dtype else 'fp32'}, {'greedy' if args.beam_size == 1 else f'beam {args.beam_size}'}; "

@@ -34,7 +34,8 @@ from aed.audio import LogMel, SpecAugment
 from aed.checkpoint import (CheckpointError, init_from_checkpoint, load_latest, pack_dir, rng_state, save_checkpoint,
                             set_rng_state)
 from aed.config import ConfigError, help_text, load_train_config, resolve_model, to_dict
-from aed.data import Collate, UtteranceDataset, duration_batches, encode_utterance, ignore_stop_signals, read_manifest
+from aed.data import (Collate, ManifestError, UtteranceDataset, check_audio, duration_batches, encodable,
+                      ignore_stop_signals, read_manifest)
 from aed.decoding import DecodingOptions, decode
 from aed.distributed import all_gather_objects, all_reduce, cleanup, gather_objects, init_distributed
 from aed.memory import format_bytes, parse_bytes
@@ -80,21 +81,54 @@ def val_set_names(paths: list[str]) -> dict[str, str]:
 # --- data -------------------------------------------------------------------------------------
 
 
-def load_examples(specs: list, skip_invalid: bool, seed: int) -> list:
-    """Manifests (paths or {path, weight}) -> utterances; weight w repeats a manifest's
-    utterances int(w) times per epoch plus a random fraction w - int(w) of them."""
+def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_size: int) -> tuple[list, list]:
+    """Manifests (paths or {path, weight}) -> (utterances, token counts); weight w repeats a
+    manifest's utterances int(w) times per epoch plus a random fraction w - int(w) of them.
+    Lines the tokenizer cannot encode and (with check_audio) utterances whose audio is unreadable
+    or disagrees with its duration are skipped and counted, or stop the run without skip_invalid."""
     rng = random.Random(seed)
-    out = []
+    out, out_tokens = [], []
     for spec in specs:
         spec = {"path": spec} if isinstance(spec, str) else spec
         if set(spec) - {"path", "weight"} or "path" not in spec:
             raise ConfigError(f"train.manifests entry {spec!r}: expected a path or {{path, weight}}")
-        utts = read_manifest(spec["path"], skip_invalid=skip_invalid)
+        utts = read_manifest(spec["path"], skip_invalid=data_cfg.skip_invalid)
+        utts, num_tokens = encodable(utts, tokenizer, data_cfg.skip_invalid)
+        if data_cfg.check_audio:
+            utts, num_tokens = with_valid_audio(spec["path"], utts, num_tokens, data_cfg, rank, world_size)
         weight = float(spec.get("weight", 1.0))
-        out += utts * int(weight) + rng.sample(utts, round((weight - int(weight)) * len(utts)))
+        picked = list(range(len(utts))) * int(weight) + rng.sample(range(len(utts)),
+                                                                   round((weight - int(weight)) * len(utts)))
+        out += [utts[i] for i in picked]
+        out_tokens += [num_tokens[i] for i in picked]
         log.info("%s: %d utterances, %.2f h, weight %g", spec["path"], len(utts),
                  sum(u.duration for u in utts) / 3600, weight)
-    return out
+    return out, out_tokens
+
+
+def with_valid_audio(path: str, utts: list, num_tokens: list, data_cfg, rank: int, world_size: int):
+    """(utts, num_tokens) without the utterances whose audio header is unreadable or disagrees with
+    the manifest's duration. Each rank reads 1/world_size of the headers; the problems are shared."""
+    t0 = time.time()
+    problems = sorted(p for part in all_gather_objects(
+        check_audio(utts, data_cfg.duration_tolerance, rank, world_size)) for p in part)
+    log.info("%s: read the audio headers of %d utterances in %.1f s", path, len(utts), time.time() - t0)
+    if not problems:
+        return utts, num_tokens
+    if not data_cfg.skip_invalid:
+        i, why = problems[0]
+        raise ManifestError(f"{utts[i].where}: {utts[i].audio_filepath}: {why} ({len(problems)} such "
+                            f"utterance(s); train.skip_invalid=true skips them)")
+    if rank == 0:
+        for i, why in problems[:10]:
+            log.warning("skipping %s: %s: %s", utts[i].where, utts[i].audio_filepath, why)
+        unreadable = sum(why.startswith("unreadable") for _, why in problems)
+        log.warning("%s: skipped %d utterance(s) after reading their audio headers: %d unreadable, %d whose "
+                    "duration is off by more than %g%%%s", path, len(problems), unreadable, len(problems) - unreadable,
+                    100 * data_cfg.duration_tolerance, " (first 10 shown)" if len(problems) > 10 else "")
+    bad = {i for i, _ in problems}
+    keep = [i for i in range(len(utts)) if i not in bad]
+    return [utts[i] for i in keep], [num_tokens[i] for i in keep]
 
 
 def build_training_data(cfg, tokenizer, logmel, rank: int, world_size: int, master: bool):
@@ -127,8 +161,7 @@ def build_training_data(cfg, tokenizer, logmel, rank: int, world_size: int, mast
             sources, [float(s.get("weight", 1.0)) for s in shard_specs])
         return BucketingSampler(source, bins, **sampler_args), ShardDataset(tokenizer, logmel, seed=cfg.seed), bins
 
-    utts = load_examples(cfg.train.manifests, cfg.train.skip_invalid, cfg.seed)
-    num_tokens = [len(encode_utterance(tokenizer, u)[0]) for u in utts]
+    utts, num_tokens = load_examples(cfg.train.manifests, cfg.train, tokenizer, cfg.seed, rank, world_size)
     too_long = [i for i, n in enumerate(num_tokens) if n > cfg.model.dec_max_len]
     if too_long:
         log.warning("dropping %d utterances whose prompt+text exceed dec_max_len=%d tokens, e.g. %s",
@@ -170,6 +203,7 @@ def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, 
     results = {}
     for name, path in val_names.items():
         utts = read_manifest(path, skip_invalid=cfg.train.skip_invalid)[: cfg.val.max_utterances]
+        utts, _ = encodable(utts, tokenizer, cfg.train.skip_invalid)
         order = sorted(range(len(utts)), key=lambda i: utts[i].duration)[rank::world_size]
         ds = UtteranceDataset([utts[i] for i in order], tokenizer, logmel)
         rows, loss_sum, count = [], torch.zeros((), device=device), torch.zeros((), device=device)
@@ -310,6 +344,8 @@ def main(argv: list[str] | None = None) -> None:
         sampler, dataset, bins = build_training_data(cfg, tokenizer, logmel, rank, world_size, master)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+    except ManifestError as e:
+        sys.exit(f"data error: {e}")
     batches = CountingBatches(sampler)
 
     def make_loader():
@@ -424,6 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     atexit.register(stop_workers)
     frame_s = cfg.features.hop_length / cfg.features.sample_rate
     bad_steps = skipped_audio = 0
+    bad_audio = set()  # the errors of unreadable files already logged
     totals = torch.zeros(len(TOTALS), device=device)
     if step == 0 and cfg.val.every > 0:
         validate(0)
@@ -434,8 +471,9 @@ def main(argv: list[str] | None = None) -> None:
         while len(micro) < cfg.optim.grad_accum:
             batch = next(loader[0])
             consumed += 1
-            for err in batch.errors:
-                log.warning("skipped unreadable audio: %s", err)
+            for err in set(batch.errors) - bad_audio:  # the sampler draws a bad file again every pass
+                log.warning("skipped unreadable audio (logged once per run): %s", err)
+                bad_audio.add(err)
             skipped_audio += len(batch.errors)
             if len(batch):
                 micro.append(batch)

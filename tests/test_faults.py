@@ -1,14 +1,18 @@
-"""Injected faults that used to lose work: corrupt checkpoints, replayed steps after a kill."""
+"""Injected faults that used to lose work or stop a run: corrupt checkpoints, replayed steps after a
+kill, bad manifest lines and audio."""
 
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from aed.audio import FeatureConfig
 from aed.checkpoint import CheckpointError, TRAINING_KEYS, list_checkpoints, load_latest, pack_dir, save_checkpoint
+from aed.data import Utterance, check_audio
 from aed.inference import load_checkpoint
 from aed.model import AED, AEDConfig
 from test_train import ROOT, run_train
@@ -69,11 +73,15 @@ def test_steps_replayed_after_a_kill_are_logged_once(tmp_path):
 
 
 
-def test_inference_on_a_run_dir_falls_back_past_a_truncated_newest_checkpoint(tmp_path, caplog):
+def tiny_inference_state() -> dict:
     cfg = AEDConfig(n_mels=80, vocab_size=528, enc_d_model=32, enc_layers=1, enc_heads=2, subsampling_channels=8,
                     dec_d_model=32, dec_layers=1, dec_heads=2, dec_max_len=64)
-    state = {"model_config": dataclasses.asdict(cfg), "model": AED(cfg).state_dict(),
-             "features": dataclasses.asdict(FeatureConfig(n_mels=80)), "tokenizer": pack_dir(MINI_TOKENIZER)}
+    return {"model_config": dataclasses.asdict(cfg), "model": AED(cfg).state_dict(),
+            "features": dataclasses.asdict(FeatureConfig(n_mels=80)), "tokenizer": pack_dir(MINI_TOKENIZER)}
+
+
+def test_inference_on_a_run_dir_falls_back_past_a_truncated_newest_checkpoint(tmp_path, caplog):
+    state = tiny_inference_state()
     save_checkpoint(state, tmp_path, 1, keep_last=2)
     save_checkpoint(state, tmp_path, 2, keep_last=2)
     truncate(tmp_path / "ckpt-00000002.pt")
@@ -81,3 +89,92 @@ def test_inference_on_a_run_dir_falls_back_past_a_truncated_newest_checkpoint(tm
     assert asr.path.endswith("ckpt-00000001.pt") and "ckpt-00000002.pt: unreadable" in caplog.text
     with pytest.raises(CheckpointError, match="ckpt-00000002.pt: unreadable"):
         load_checkpoint(str(tmp_path / "ckpt-00000002.pt"))  # a file named explicitly: no substitute
+
+
+# --- bad data ---------------------------------------------------------------------------------
+
+
+def mini_records(n: int) -> list[dict]:
+    with open(os.path.join(ROOT, "data", "mini", "train.jsonl")) as f:
+        records = [json.loads(line) for line in f.read().splitlines()[:n]]
+    for r in records:
+        r["audio_filepath"] = os.path.join(ROOT, "data", "mini", r["audio_filepath"])
+    return records
+
+
+def bad_manifest(tmp_path) -> str:
+    """20 good lines, then: not UTF-8, an unknown language, a missing file, a doubled duration."""
+    records = mini_records(20)
+    lines = [json.dumps(r).encode() for r in records]
+    lines.append(json.dumps(dict(records[0], text="caf\u00e9")).encode().replace(b"\\u00e9", b"\xe9"))  # Latin-1
+    lines.append(json.dumps(dict(records[1], source_lang="xx", target_lang="xx")).encode())
+    lines.append(json.dumps(dict(records[2], audio_filepath=str(tmp_path / "gone.flac"))).encode())
+    lines.append(json.dumps(dict(records[3], duration=2 * records[3]["duration"])).encode())
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return str(path)
+
+
+def test_bad_lines_and_bad_audio_are_skipped_with_file_and_line(tmp_path):
+    manifest = bad_manifest(tmp_path)
+    p = run_train(tmp_path / "run", "max_steps=2", f"train.manifests=[{manifest}]")
+    assert "m.jsonl:21: not UTF-8 (byte 0xe9 at column" in p.stderr
+    assert "m.jsonl:22: unknown language 'xx'" in p.stderr
+    assert "m.jsonl:23: " in p.stderr and "gone.flac: unreadable audio" in p.stderr
+    assert "m.jsonl:24: " in p.stderr and "but the audio lasts" in p.stderr
+    assert "skipped 2 utterance(s) after reading their audio headers: 1 unreadable, 1 whose duration" in p.stderr
+    assert "m.jsonl: 20 utterances" in p.stderr
+
+    p = run_train(tmp_path / "strict", "max_steps=2", f"train.manifests=[{manifest}]", "train.skip_invalid=false",
+                  check=False)
+    assert p.returncode != 0 and "data error: " in p.stderr and "m.jsonl:21: not UTF-8" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_segments_may_be_shorter_than_their_file_but_must_end_inside_it(tmp_path):
+    utts = [Utterance(r["audio_filepath"], r["duration"], "x", "en", "en", True, "asr", where=f"m:{i}")
+            for i, r in enumerate(mini_records(1))]
+    whole = utts[0]
+    half = dataclasses.replace(whole, duration=whole.duration / 2, where="m:1")
+    segment = dataclasses.replace(half, offset=0.1, segment=True, where="m:2")
+    past_end = dataclasses.replace(segment, offset=whole.duration * 0.9, where="m:3")
+    problems = dict(check_audio([whole, half, segment, past_end], tolerance=0.1))
+    assert sorted(problems) == [1, 3], problems
+    assert problems[3].startswith("segment")
+
+
+def test_unreadable_audio_is_logged_once_per_run_however_often_it_is_drawn(tmp_path):
+    records = mini_records(12)
+    (tmp_path / "corrupt.flac").write_bytes(b"fLaC but not really")
+    records.append(dict(records[0], audio_filepath=str(tmp_path / "corrupt.flac")))
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in records))
+    # check_audio=false: the file must get past the start-up check, as one that breaks mid-run does
+    p = run_train(tmp_path / "run", "max_steps=6", f"train.manifests=[{manifest}]", "train.check_audio=false",
+                  "train.batch_size=8", "train.max_duration=null")
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        drawn = [json.loads(line)["train/skipped_audio"] for line in f][-1]
+    assert drawn >= 2  # 6 steps x 8 of 13 utterances: the bad one comes round more than once
+    assert p.stderr.count("skipped unreadable audio") == 1 and "corrupt.flac" in p.stderr
+
+
+def test_infer_skip_invalid_skips_and_counts_bad_manifest_lines(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    save_checkpoint(tiny_inference_state(), run_dir, 1, keep_last=1)
+    wav = os.path.join(ROOT, "data", "mini", "examples", "en_asr_16k.wav")
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_bytes(b"\n".join([json.dumps({"audio_filepath": wav, "lang": "en"}).encode(),
+                                     b'{"audio_filepath": "caf\xe9.wav"}',  # Latin-1
+                                     json.dumps({"lang": "en"}).encode(),
+                                     json.dumps({"audio_filepath": wav, "lang": "xx"}).encode()]) + b"\n")
+    cmd = [sys.executable, "infer.py", "--ckpt", str(run_dir), "--manifest", str(manifest), "--max-new-tokens", "4"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode != 0 and "m.jsonl:2: not UTF-8" in p.stderr and "Traceback" not in p.stderr
+    p = subprocess.run(cmd + ["--skip-invalid"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "m.jsonl:2: not UTF-8" in p.stderr and "m.jsonl:3: field 'audio_filepath'" in p.stderr
+    assert "skipped 2 invalid line(s)" in p.stderr
+    assert "skipping " in p.stderr and "m.jsonl:4: language xx -> xx" in p.stderr
+    assert "1 transcribed, 0 failed" in p.stderr
