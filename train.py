@@ -37,7 +37,7 @@ from aed.config import ConfigError, help_text, load_train_config, resolve_model,
 from aed.data import (Collate, ManifestError, UtteranceDataset, check_audio, duration_batches, encodable,
                       ignore_stop_signals, read_manifest)
 from aed.decoding import DecodingOptions, decode
-from aed.distributed import all_gather_objects, all_reduce, cleanup, gather_objects, init_distributed
+from aed.distributed import all_gather_objects, all_reduce, cleanup, gather_objects, init_distributed, peer_lost
 from aed.memory import format_bytes, parse_bytes
 from aed.metrics import corpus_scores
 from aed.shards import MixedSource, ShardDataset, ShardSource
@@ -533,4 +533,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RuntimeError as e:
+        if not peer_lost(e):
+            raise
+        # The rank that failed first logs its own reason; the others would only show a broken socket.
+        sys.exit(f"stopping: a peer rank exited or lost its connection ({str(e).splitlines()[0][:200]}); "
+                 "the log of the rank that failed first says why")

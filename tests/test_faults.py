@@ -4,6 +4,7 @@ kill, bad manifest lines and audio."""
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from aed.checkpoint import CheckpointError, TRAINING_KEYS, list_checkpoints, loa
 from aed.data import Utterance, check_audio
 from aed.inference import load_checkpoint
 from aed.model import AED, AEDConfig
-from test_train import ROOT, run_train
+from test_train import ROOT, SMALL, run_train
 
 MINI_TOKENIZER = os.path.join(ROOT, "data", "mini", "tokenizer")
 
@@ -178,3 +179,31 @@ def test_infer_skip_invalid_skips_and_counts_bad_manifest_lines(tmp_path):
     assert "skipped 2 invalid line(s)" in p.stderr
     assert "skipping " in p.stderr and "m.jsonl:4: language xx -> xx" in p.stderr
     assert "1 transcribed, 0 failed" in p.stderr
+
+
+# --- distributed ------------------------------------------------------------------------------
+
+
+def rank_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of the torchrun worker with RANK=rank among the launcher's children."""
+    with open(f"/proc/{launcher_pid}/task/{launcher_pid}/children") as f:
+        for pid in map(int, f.read().split()):
+            with open(f"/proc/{pid}/environ", "rb") as env:
+                if f"RANK={rank}".encode() in env.read().split(b"\0"):
+                    return pid
+    raise AssertionError(f"no worker with RANK={rank} under pid {launcher_pid}")
+
+
+def test_survivors_say_a_peer_rank_exited_instead_of_blaming_their_batch(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=1000", "ckpt_every=1000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    for line in proc.stderr:
+        if "step 2 |" in line:
+            os.kill(rank_pid(proc.pid, 1), signal.SIGKILL)  # as an OOM killer or a failed node does
+            break
+    _, rest = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "stopping: a peer rank exited or lost its connection" in rest, rest[-3000:]  # rank 0's last words
+    assert "training step failed on batch" not in rest
