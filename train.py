@@ -31,13 +31,14 @@ from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 
 from aed.audio import LogMel, SpecAugment
-from aed.checkpoint import (CheckpointError, init_from_checkpoint, load_latest, pack_dir, rng_state, save_checkpoint,
-                            set_rng_state)
+from aed.checkpoint import (CheckpointError, begin_checkpoint, checkpoint_dir, init_from_checkpoint, load_latest,
+                            pack_dir, publish_checkpoint, rng_state, set_rng_state, write_shard)
 from aed.config import ConfigError, help_text, load_train_config, resolve_model, to_dict
 from aed.data import (Collate, ManifestError, UtteranceDataset, check_audio, duration_batches, encodable,
                       ignore_stop_signals, read_manifest)
 from aed.decoding import DecodingOptions, decode
-from aed.distributed import all_gather_objects, all_reduce, cleanup, gather_objects, init_distributed, peer_lost
+from aed.distributed import (all_gather_objects, all_reduce, barrier, cleanup, gather_objects, init_distributed,
+                             peer_lost)
 from aed.memory import format_bytes, parse_bytes
 from aed.metrics import corpus_scores
 from aed.shards import MixedSource, ShardDataset, ShardSource
@@ -379,11 +380,22 @@ def main(argv: list[str] | None = None) -> None:
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])
         step = ckpt["step"]
-        if len(ckpt["sampler"]) != world_size:
-            sys.exit(f"{ckpt_path} was written by {len(ckpt['sampler'])} ranks; resume with the same "
-                     f"world size (got {world_size}) or start a new run_dir with init_from={ckpt_path}")
-        sampler.load_state_dict(ckpt["sampler"][rank])
-        set_rng_state(ckpt["rng"][rank], device)
+        saved_world = len(ckpt["sampler"])
+        if saved_world == world_size:
+            sampler.load_state_dict(ckpt["sampler"][rank])
+            set_rng_state(ckpt["rng"][rank], device)
+        else:
+            try:
+                sampler.load_state_dict(sampler.regroup_state(ckpt["sampler"]))
+            except ValueError as e:
+                sys.exit(f"cannot resume {ckpt_path}, written by {saved_world} ranks, on {world_size}: {e}; "
+                         f"resume with {saved_world} ranks or start a new run_dir with init_from={ckpt_path}")
+            if rank < saved_world:
+                set_rng_state(ckpt["rng"][rank], device)
+            log.warning("%s was written by %d ranks, this run has %d: weights, optimizer, schedule and step "
+                        "continue exactly; the data continues the interrupted pass without repeating what was "
+                        "trained in it, in other batches than %d ranks would have drawn", ckpt_path, saved_world,
+                        world_size, saved_world)
         log.info("resumed from %s at step %d", ckpt_path, step)
     elif cfg.init_from:
         try:
@@ -408,29 +420,44 @@ def main(argv: list[str] | None = None) -> None:
     fwd_model = torch.compile(ddp_model) if cfg.compile else ddp_model
 
     def save(step: int) -> None:
-        """All ranks send their sampler and RNG states to rank 0, which writes. Also checks that
-        DDP kept the ranks' parameters identical (a desync would otherwise go unnoticed)."""
+        """Every rank writes its share of the weights and optimizer state at once (aed/checkpoint.py);
+        rank 0 adds the gathered sampler and RNG states and publishes the checkpoint once every
+        shard is written. Also checks that DDP kept the ranks' parameters identical (a desync would
+        otherwise go unnoticed)."""
+        t0 = time.time()
         checksum = sum(p.detach().double().sum().item() for p in model.parameters())
         states = gather_objects({"checksum": checksum, "rng": rng_state(device),
                                  "sampler": sampler.state_dict(rewind=batches.taken - consumed)})
-        if not master:
-            return
-        checksums = [s["checksum"] for s in states]
-        if len(set(checksums)) > 1:
-            raise RuntimeError(f"step {step}: ranks disagree on parameters (checksums {checksums})")
-        path = save_checkpoint({
-            "step": step, "model": model.state_dict(), "model_config": dataclasses.asdict(cfg.model),
-            "features": dataclasses.asdict(cfg.features), "tokenizer": pack_dir(cfg.train.tokenizer),
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(), "sampler": [s["sampler"] for s in states],
-            "rng": [s["rng"] for s in states], "config": to_dict(cfg)},
-            cfg.run_dir, step, cfg.keep_last)
-        log.info("saved %s (parameter checksum %.6e, equal on %d rank(s))", path, checksum, world_size)
+        path = checkpoint_dir(cfg.run_dir, step)
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        if master:
+            checksums = [s["checksum"] for s in states]
+            if len(set(checksums)) > 1:
+                raise RuntimeError(f"step {step}: ranks disagree on parameters (checksums {checksums})")
+            state |= {"step": step, "model_config": dataclasses.asdict(cfg.model),
+                      "features": dataclasses.asdict(cfg.features), "tokenizer": pack_dir(cfg.train.tokenizer),
+                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                      "sampler": [s["sampler"] for s in states], "rng": [s["rng"] for s in states],
+                      "config": to_dict(cfg)}
+            begin_checkpoint(path)
+        barrier()  # the directory exists before anyone writes into it
+        written = torch.tensor(float(write_shard(state, path, rank, world_size)), device=device)
+        written = all_reduce(written).item()  # returns once every rank has written its shard
+        if master:
+            publish_checkpoint(path, cfg.run_dir, step, cfg.keep_last)
+        log.info("saved %s: %.2f GB in %.1f s (parameter checksum %.6e, equal on %d rank(s))",
+                 path, written / 1e9, time.time() - t0, checksum, world_size)
 
     # --- training loop
     stop_signal = []
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+
+    def stop_requested() -> bool:
+        """Whether any rank got SIGTERM / SIGUSR1: all ranks stop at the same step."""
+        flag = torch.tensor(float(bool(stop_signal)), device=device)
+        return bool(all_reduce(flag, op=torch.distributed.ReduceOp.MAX).item())
+
     run_log = RunLog(cfg.run_dir, master, resumed_step=step)
     val_seconds = 0.0  # validation time, kept out of step times and the ETA
 
@@ -518,12 +545,16 @@ def main(argv: list[str] | None = None) -> None:
             totals.zero_()
             t_last, val_at_last, steps_since = time.time(), val_seconds, 0
 
-        if cfg.val.every > 0 and (step % cfg.val.every == 0 or step == cfg.max_steps):
+        # A preempted job has a grace period (often ~30 s) to save: a signal skips validation, and
+        # one that arrives during validation or a save stops right after it, not after another step.
+        stop = stop_requested()
+        if not stop and cfg.val.every > 0 and (step % cfg.val.every == 0 or step == cfg.max_steps):
             validate(step)
-        stop = all_reduce(torch.tensor(float(bool(stop_signal)), device=device), op=torch.distributed.ReduceOp.MAX)
-        if step % cfg.ckpt_every == 0 or step == cfg.max_steps or stop.item():
+            stop = stop_requested()
+        if stop or step % cfg.ckpt_every == 0 or step == cfg.max_steps:
             save(step)
-        if stop.item():
+            stop = stop or stop_requested()
+        if stop:
             log.info("stopping on signal at step %d; rerun the same command to resume", step)
             break
 

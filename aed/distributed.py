@@ -60,6 +60,11 @@ def gather_objects(obj) -> list | None:
     return out
 
 
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
 def cleanup() -> None:
     if is_distributed():
         dist.destroy_process_group()

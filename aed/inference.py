@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from aed.audio import AudioError, FeatureConfig, LogMel, load_audio, num_frames
-from aed.checkpoint import INFERENCE_KEYS, load_latest, load_model, model_from_checkpoint
+from aed.checkpoint import INFERENCE_KEYS, is_checkpoint, load_latest, load_model, model_from_checkpoint
 from aed.data import (PROMPT_TASKS, ManifestError, audio_path, check_task, duration_batches, json_object, languages,
                       manifest_lines, reference_text, seconds)
 from aed.decoding import DecodingOptions, search
@@ -65,15 +65,15 @@ class LoadedModel:
 
 
 def load_checkpoint(path: str, device="cpu") -> LoadedModel:
-    """A train.py checkpoint file, or a run directory (its newest valid `ckpt-*.pt`: a truncated
-    newer one is skipped with a warning naming it), ready for inference."""
-    if os.path.isdir(path):
+    """A checkpoint (a train.py `ckpt-*` directory or a single file), or a run directory (its newest
+    valid checkpoint: a truncated newer one is skipped with a warning naming it), ready for inference."""
+    if os.path.isdir(path) and not is_checkpoint(path):
         newest, ckpt = load_latest(path, INFERENCE_KEYS)
         if ckpt is None:
-            raise FileNotFoundError(f"{path}: a directory without ckpt-*.pt checkpoints")
+            raise FileNotFoundError(f"{path}: a directory without ckpt-* checkpoints")
         model, tokenizer, features = model_from_checkpoint(ckpt, device)
         path = newest
-    elif os.path.isfile(path):
+    elif os.path.exists(path):
         model, tokenizer, features = load_model(path, device)
     else:
         raise FileNotFoundError(f"{path}: no such checkpoint file or run directory")
