@@ -289,3 +289,21 @@ def test_resume_on_fewer_ranks_continues_weights_optimizer_schedule_and_data(tmp
     assert one["scheduler"]["last_epoch"] == 5
     assert all(int(s["step"]) == 5 for s in one["optimizer"]["state"].values())  # 3 + 2 AdamW updates
     assert one["sampler"][0]["pass_idx"] == two["sampler"][0]["pass_idx"]  # the same pass continues
+
+
+def test_a_stop_signal_skips_the_validation_that_is_due(tmp_path):
+    """Preemption leaves ~30 s: a signal that arrives during a step saves right after it, without
+    first decoding the validation set (which takes minutes at scale)."""
+    cmd = [sys.executable, "train.py", "configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=1000",
+           "ckpt_every=1000", "val.every=3", "val.max_utterances=8"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    for line in proc.stderr:
+        if "step 2 |" in line:  # step 3, the one with validation, is running now (or about to)
+            os.killpg(proc.pid, signal.SIGTERM)
+            break
+    _, rest = proc.communicate(timeout=120)
+    assert proc.returncode == 0, rest
+    stopped = int(rest.split("stopping on signal at step ")[1].split(";")[0])
+    assert stopped in (2, 3) and os.path.isdir(tmp_path / f"ckpt-{stopped:08d}")
+    assert "validation @ step 3" not in rest
