@@ -1,23 +1,28 @@
-# Entry points: `make demo`, `make test` and `make report`. Each creates .venv on first use.
+# Entry points: `make demo`, `make test` (`make test-fast` leaves out the slow tests) and `make report`.
+# Each creates .venv on first use, with aed installed in it in editable mode (pyproject.toml).
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 PY := $(VENV)/bin/python
 # The torch build that installs quickly on our CI machines (CPU and CUDA capable).
 # Override on other machines, e.g. `make demo TORCH_PINS=` to take requirements.txt's ranges as they are.
 TORCH_PINS ?= torch==2.14.1 torchaudio==2.11.0
 
-.PHONY: demo test report venv clean
+.PHONY: demo test test-fast report venv clean
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@if [ -n "$(TORCH_PINS)" ]; then $(VENV)/bin/pip install -q $(TORCH_PINS); fi
-	$(VENV)/bin/pip install -q -r requirements.txt
+	$(VENV)/bin/pip install -q -e .
 	touch $@
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# Under a minute on 2 CPU cores: all but the tests marked slow (training runs, scripts in subprocesses, overfitting).
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" tests
 
 # Trains the tiny model on the bundled digits set (~6 min on 2 CPU cores; dev WER before/after is
 # in the log), then transcribes the dev set's unseen digit strings with it and scores them.
@@ -32,4 +37,4 @@ report: venv
 	$(PY) bench/report.py --work-dir runs/report/work
 
 clean:
-	rm -rf $(VENV) runs/demo
+	rm -rf $(VENV) runs/demo aed.egg-info

@@ -3,6 +3,12 @@
     python oom.py --config configs/canary-1b-flash.yaml --bins bins.json -o batch_sizes.json   # GPU: 90%
     python oom.py --config configs/tiny.yaml --bins bins.json --memory-budget 4GB -o batch_sizes.json
     python train.py configs/canary-1b-flash.yaml train.bins=bins.json train.batch_sizes=batch_sizes.json
+    python oom.py --config configs/canary-1b.yaml --bins bins.json --simulate-memory 80GiB --memory-model -o bs.json
+
+--simulate-memory sizes a CUDA device of that size on a CPU: the same step on fake tensors
+(aed/simulated_memory.py). A 1B-parameter fake step takes 15-90 s, so --memory-model fits peak
+memory as a low-order function of (B, T, U) to --fit-steps steps (aed/memory_model.py), takes every
+bucket's size from it and measures --verify buckets at their answer.
 
 The cumulative-duration heuristic (train.max_duration) gives every bucket the same seconds of
 audio, but memory is not linear in duration (attention is quadratic in frames; the decoder and its
@@ -35,6 +41,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -44,6 +51,9 @@ from aed.audio import FeatureConfig, SpecAugment, num_frames
 from aed.config import ConfigError, load_train_config, resolve_model
 from aed.data import Batch
 from aed.memory import OutOfMemory, format_bytes, parse_bytes, peak_memory
+from aed.memory_model import MemoryModel
+from aed.transducer import TransducerASR
+from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice, allocated_limit
 from aed.tokenizer import Tokenizer
 from aed.training import AMP_DTYPES, build_model, build_optimizer, count_targets, resolve_precision, train_step
 from sampler import Bins, save_batch_sizes
@@ -90,8 +100,9 @@ class TrainingStep:
     real ids (a transducer's blank comes right after them); default: the model's vocabulary."""
 
     def __init__(self, model, optimizer, precision: str = "fp32", spec_augment=None, ddp: bool = False,
-                 text_vocab_size: int | None = None):
+                 text_vocab_size: int | None = None, granularity: int = 1):
         self.model, self.optimizer, self.precision = model, optimizer, precision
+        self.granularity = granularity  # CPU tracker's allocation rounding (simulating CUDA: 512)
         self.device = next(model.parameters()).device
         self.vocab_size = text_vocab_size or model.cfg.vocab_size
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "fp16")
@@ -118,7 +129,8 @@ class TrainingStep:
         self.optimizer.zero_grad(set_to_none=True)
         state = [v for s in self.optimizer.state.values() for v in s.values()]
         existing = [*self.model.parameters(), *self.model.buffers(), *state, self.ddp_buckets]
-        return peak_memory(lambda: self.run(batch_size, frames, tokens), self.device, limit, existing)
+        return peak_memory(lambda: self.run(batch_size, frames, tokens), self.device, limit, existing,
+                           self.granularity)
 
 
 def search_batch_size(peak_at, start: int, threshold: float) -> tuple:
@@ -184,6 +196,63 @@ def optimize(step: TrainingStep, shapes: list, limit: int, start: int = 16, thre
     return rows
 
 
+def fit_memory_model(step: TrainingStep, shapes: list, limit: int, fit_steps: int = 12, chunk: int = 0) -> tuple:
+    """A MemoryModel (aed/memory_model.py) of this step, fitted to `fit_steps` measured steps.
+
+    Two probes on the middle bucket (batch 2 and 6) give the bytes per utterance there; each fit
+    step then takes a bucket spread over `shapes` at the batch that would fill 60% or 95% of
+    `limit` if memory scaled with seconds of audio, so the fit sees near-limit steps of every
+    shape. Returns (model, samples [(B, T, U, peak)]). Steps over the limit are skipped.
+    """
+    def measure(B, frames, tokens):
+        try:
+            peak = step.peak(B, frames, tokens)
+        except OutOfMemory:  # a real device ran out: nothing to fit on
+            return None
+        log.info("fit: batch %d, %d frames, %d tokens: peak %s", B, frames, tokens, format_bytes(peak))
+        return (B, frames, tokens, peak)
+
+    step.warm_up(*shapes[0][1:])
+    d_mid, t_mid, u_mid = shapes[len(shapes) // 2]
+    samples = [measure(2, t_mid, u_mid), measure(6, t_mid, u_mid)]
+    per_second = (samples[1][3] - samples[0][3]) / (4 * d_mid)  # bytes per second of audio there
+    fixed = samples[0][3] - 2 * d_mid * per_second
+    seconds = (limit - fixed) / per_second  # a duration heuristic's budget that would fill the limit
+    picks = sorted({round(i * (len(shapes) - 1) / max(1, fit_steps - 1)) for i in range(fit_steps)})
+    for n, b in enumerate(picks):
+        d, frames, tokens = shapes[b]
+        samples.append(measure(max(1, math.floor((0.6, 0.95)[n % 2] * seconds / d)), frames, tokens))
+    samples = [x for x in samples if x is not None and x[3] <= limit]
+    return MemoryModel.fit(samples, chunk), samples
+
+
+def optimize_with_model(step: TrainingStep, model: MemoryModel, shapes: list, limit: int, verify: int = 4) -> list:
+    """Every bucket's batch size from the fitted model; `verify` buckets spread over the list are
+    then measured at that size (shapes the fit did not see at that batch). A bucket whose step is
+    over the limit is lowered to the model's answer for limit / (measured / predicted). Rows as
+    `optimize`'s, with "predicted" and, when verified, "peak" and "error" (relative, measured)."""
+    rows = []
+    checked = {round(i * (len(shapes) - 1) / max(1, verify - 1)) for i in range(verify)} if verify else set()
+    for b, (d, frames, tokens) in enumerate(shapes):
+        t0 = time.time()
+        size = model.max_batch_size(frames, tokens, limit)
+        if size == 0:
+            raise MemoryBudgetError(f"bucket {b} ({d:.2f} s, {tokens} tokens) does not fit a batch of 1 in "
+                                    f"{format_bytes(limit)} (memory model)")
+        row = {"bucket": b, "duration": d, "frames": frames, "tokens": tokens, "batch_size": size,
+               "predicted": model.predict(size, frames, tokens), "peak": None, "trials": 0}
+        if b in checked:
+            peak = step.peak(size, frames, tokens)
+            row.update(peak=peak, trials=1, error=row["predicted"] / peak - 1)
+            log.info("verify bucket %d (%.2f s, %d tokens) batch %d: predicted %s, measured %s (%+.1f%%)", b, d,
+                     tokens, size, format_bytes(row["predicted"]), format_bytes(peak), 100 * row["error"])
+            if peak > limit:
+                row["batch_size"] = model.max_batch_size(frames, tokens, limit * row["predicted"] / peak)
+        row["seconds"] = time.time() - t0
+        rows.append(row)
+    return rows
+
+
 def preflight(model, optimizer, bins: Bins, batch_sizes: list, budget: int, features=FeatureConfig(),
               precision: str = "fp32", spec_augment=None, ddp: bool = False, max_tps=None,
               text_vocab_size: int | None = None) -> list:
@@ -244,18 +313,22 @@ class TrainingSetup(NamedTuple):
 
 
 def load_training_setup(path: str, device: torch.device, precision: str | None = None,
-                        overrides: list[str] = ()) -> TrainingSetup:
+                        overrides: list[str] = (), simulated: bool = False) -> TrainingSetup:
     """What decides a training step's memory, built from a train.py config exactly as train.py
     builds it: the model of its objective (vocabulary from its tokenizer), the optimizer with
-    train.py's parameter groups, features, SpecAugment and precision (`precision` overrides)."""
+    train.py's parameter groups, features, SpecAugment and precision (`precision` overrides).
+    simulated: built inside aed.simulated_memory.SimulatedDevice, standing in for a CUDA device,
+    so `auto` precision resolves as it would there (bf16)."""
     try:
         cfg = load_train_config(path, overrides)
         tokenizer = Tokenizer.load(cfg.train.tokenizer)
         cfg = resolve_model(cfg, tokenizer)
-        precision = resolve_precision(precision or cfg.precision, device)
+        precision = resolve_precision(precision or cfg.precision, torch.device("cuda") if simulated else device)
     except (ConfigError, OSError, ValueError) as e:
         raise SystemExit(f"{path}: {e}") from None
-    model = build_model(cfg, tokenizer.vocab_size).to(device).train()
+    model = build_model(cfg, tokenizer.vocab_size).train()
+    if not simulated:  # fake parameters cannot move (and are on the CPU already)
+        model = model.to(device)
     return TrainingSetup(model, build_optimizer(model, cfg.optim), cfg.features,
                          SpecAugment(cfg.spec_augment), precision, tokenizer.vocab_size)
 
@@ -271,20 +344,31 @@ def print_table(rows: list, changes: dict) -> None:
           f"{'time s':>7}  note")
     for r in rows:
         note = f"lowered from {changes[r['bucket']]} (monotone)" if r["bucket"] in changes else ""
+        if r.get("predicted") is not None:  # --memory-model
+            note = f"predicted {format_bytes(r['predicted'])}" + (f" ({100 * r['error']:+.1f}%)" if "error" in r else "")
+        peak = format_bytes(r["peak"]) if r["peak"] is not None else "-"
         print(f"{r['bucket']:>6} {r['duration']:>7.2f} {r['tokens']:>6} {r['frames']:>6} {r['batch_size']:>6} "
-              f"{format_bytes(r['peak']):>10} {r['trials']:>6} {r['seconds']:>7.1f}  {note}")
+              f"{peak:>10} {r['trials']:>6} {r['seconds']:>7.1f}  {note}")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="oom.py", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="train.py YAML (model, features, optim, precision sections)")
-    p.add_argument("--bins", required=True, help="bins.json from `sampler.py estimate-bins`")
+    p.add_argument("--bins", required=True, help="bins.json from tools/estimate_bins.py (or a run dir's bins.json)")
     p.add_argument("-o", "--output", required=True, help="batch sizes JSON for train.batch_sizes")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--memory-budget", help="memory the training may use, e.g. 20GB (CPU: live tensor bytes)")
     budget.add_argument("--memory-fraction", type=float, default=0.9,
                         help="budget as a fraction of the device's memory (CPU: of the RAM)")
+    budget.add_argument("--simulate-memory", metavar="SIZE",
+                        help="simulate a CUDA device of this size (e.g. 80GB) with fake tensors on the CPU "
+                        "(aed/simulated_memory.py); the margin covers what the simulation does not model")
     p.add_argument("--margin", type=float, default=0.1, help="safety margin: steps must fit budget x (1 - margin)")
+    p.add_argument("--memory-model", action="store_true",
+                   help="fit a memory model to --fit-steps steps and take every bucket's size from it "
+                   "(aed/memory_model.py), instead of bisecting every bucket with steps")
+    p.add_argument("--fit-steps", type=int, default=12, help="--memory-model: steps to fit on")
+    p.add_argument("--verify", type=int, default=4, help="--memory-model: buckets measured at their answer")
     p.add_argument("--dtype", choices=list(AMP_DTYPES), default=None, help="precision (default: the config's)")
     p.add_argument("--ddp", action="store_true", help="add DDP's gradient bucket memory (multi-GPU training)")
     p.add_argument("--threshold", type=float, default=0.05, help="stop when fit and failure are this close")
@@ -295,31 +379,46 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
 
-    device = torch.device(args.device)
+    simulated = args.simulate_memory is not None
+    device = torch.device("cpu" if simulated else args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    setup = load_training_setup(args.config, device, args.dtype)
-    model, features, precision = setup.model, setup.features, setup.precision
-    try:
-        bins = Bins.load(args.bins)
-        shapes = bucket_shapes(bins, features, model.cfg.dec_max_len, args.max_tps)
-        total = device_memory(device)
-        budget_bytes = parse_bytes(args.memory_budget) if args.memory_budget else int(args.memory_fraction * total)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"oom.py: {e}") from None
-    limit = int(budget_bytes * (1 - args.margin))
-    if device.type == "cuda":  # real OOMs at the limit, like a GPU that is this size
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
-    log.info("model %.1fM parameters, %s, %s%s; budget %s - %.0f%% margin = limit %s; %d buckets",
-             sum(p.numel() for p in model.parameters()) / 1e6, device, precision, " + DDP buckets" if args.ddp else "",
-             format_bytes(budget_bytes), 100 * args.margin, format_bytes(limit), len(shapes))
+    with SimulatedDevice() if simulated else nullcontext():  # the model must be built on fake tensors
+        setup = load_training_setup(args.config, device, args.dtype, simulated=simulated)
+        model, features, precision = setup.model, setup.features, setup.precision
+        try:
+            bins = Bins.load(args.bins)
+            shapes = bucket_shapes(bins, features, model.cfg.dec_max_len, args.max_tps)
+            total = parse_bytes(args.simulate_memory) if simulated else device_memory(device)
+            budget_bytes = parse_bytes(args.memory_budget) if args.memory_budget else int(args.memory_fraction * total)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"oom.py: {e}") from None
+        if simulated:  # tensors may fill what the CUDA context, cuBLAS and the margin leave
+            budget_bytes, limit = total, allocated_limit(total, args.margin)
+        else:
+            limit = int(budget_bytes * (1 - args.margin))
+        if device.type == "cuda":  # real OOMs at the limit, like a GPU that is this size
+            torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+        log.info("model %.1fM parameters, %s%s, %s%s; budget %s -> limit %s (margin %.0f%%); %d buckets",
+                 sum(p.numel() for p in model.parameters()) / 1e6, device, " (simulated CUDA)" if simulated else "",
+                 precision, " + DDP buckets" if args.ddp else "", format_bytes(budget_bytes), format_bytes(limit),
+                 100 * args.margin, len(shapes))
 
-    t0 = time.time()
-    step = TrainingStep(model, setup.optimizer, precision, setup.spec_augment, args.ddp, setup.text_vocab_size)
-    try:
-        rows = optimize(step, shapes, limit, args.start_batch_size, args.threshold)
-    except MemoryBudgetError as e:
-        raise SystemExit(f"oom.py: {e}") from None
+        t0 = time.time()
+        step = TrainingStep(model, setup.optimizer, precision, setup.spec_augment, args.ddp, setup.text_vocab_size,
+                            granularity=CUDA_BLOCK if simulated else 1)
+        try:
+            if args.memory_model:
+                chunk = model.chunk_size if isinstance(model, TransducerASR) else 0
+                memory_model, samples = fit_memory_model(step, shapes, limit, args.fit_steps, chunk)
+                fit_errors = memory_model.relative_errors(samples)
+                log.info("%s; fit error on its %d steps: max |%.1f%%|", memory_model, len(samples),
+                         100 * max(map(abs, fit_errors)))
+                rows = optimize_with_model(step, memory_model, shapes, limit, args.verify)
+            else:
+                rows = optimize(step, shapes, limit, args.start_batch_size, args.threshold)
+        except MemoryBudgetError as e:
+            raise SystemExit(f"oom.py: {e}") from None
     sizes, changes = make_monotone(shapes, [r["batch_size"] for r in rows])
     for b, old, new in changes:
         log.warning("bucket %d: batch size %d lowered to %d, the size of a smaller bucket (monotone)", b, old, new)
@@ -328,7 +427,8 @@ def main(argv=None) -> None:
     save_batch_sizes(args.output, bins, [[next(it) for _ in range(k)] for k in bins.shape])
     print_table(rows, {b: old for b, old, _ in changes})
     print(f"{len(rows)} buckets, {sum(r['trials'] for r in rows)} trials in {time.time() - t0:.0f} s; limit "
-          f"{format_bytes(limit)} ({precision}{', DDP' if args.ddp else ''}) -> {args.output}")
+          f"{format_bytes(limit)} ({precision}{', DDP' if args.ddp else ''}"
+          f"{', simulated CUDA' if simulated else ''}) -> {args.output}")
 
 
 if __name__ == "__main__":

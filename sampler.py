@@ -3,50 +3,43 @@
 Every example has an input length (`duration`, seconds) and an output length (`num_tokens`,
 prompt included). A batch is padded along both, so we group examples that are similar in both:
 
-1. Bins. `estimate-bins` cuts the duration axis into N bins holding equal total audio, then cuts
-   each duration bin into M token sub-bins holding equal total tokens, after dropping that bin's
-   tokens-per-second (TPS) outliers (z-score > 4) and recording its max TPS. A bucket is one
-   (duration bound, token bound) cell; bounds are inclusive upper bounds, buckets are numbered
-   duration-major. Duplicate bounds (skewed data) are merged, the merged bin gets more sub-bins.
-2. Allocation. `strict`: duration bin first, then its token sub-bin; no fit -> dropped.
-   `flexible` (default, the paper's): the first bucket whose two bounds both fit, so an example
-   with a long transcript moves to a longer bucket instead of being dropped. Examples longer
-   than every bin, or outside the optional TPS limits, are dropped. Every drop is counted by
-   reason (`sampler.stats["drops"]`) and logged at the end of each finite epoch.
-3. Buffer. Examples flow from the source into per-bucket queues holding up to `buffer_size`
+1. Bins (`bins.py`): a grid of (duration bound, token bound) buckets estimated from a sample of
+   the data, and an allocation rule (`flexible` by default, or `strict`) mapping each example to
+   a bucket or to the reason it is dropped (too long, outside the optional TPS limits). Every
+   drop is counted by reason (`sampler.stats["drops"]`) and logged at the end of each finite epoch.
+2. Buffer. Examples flow from the source into per-bucket queues holding up to `buffer_size`
    examples. Each step picks a bucket and draws a random batch from it; what is consumed is
    replaced from the source. Sampling starts once `start_fill` of the buffer is filled and the
    fill target then grows by `fill_ramp` per batch. That schedule is fixed, so with
    `concurrent=True` (a producer thread reads and tokenizes the source into a bounded queue) the
    batches are exactly those of the single-threaded run, whatever the thread timing.
-4. Synchronized buckets. The bucket is drawn from an RNG seeded by (seed, epoch) only, identical
-   on every rank and weighted by each bucket's expected number of batches; a rank whose drawn
-   bucket has no full batch takes the nearest bucket that has one. No inter-process traffic.
-5. Epoch end. When a finite source is exhausted the rest of the buffer is cut into batches (the
+3. Synchronized buckets. The bucket is drawn from an RNG seeded by (seed, epoch) only, identical
+   on every rank and weighted by each bucket's expected number of batches. No inter-process
+   traffic. Each step draws first, then fills: if the drawn bucket has no full batch, the rank
+   reads on for it, holding up to `overfill` x the fill target; only beyond that (or at the end
+   of the data) does it take the nearest bucket that has a batch, the paper's fallback. Stopping
+   at the first bucket with a batch instead let ranks disagree on most steps with small buffers.
+   A rank that often falls back logs a warning with the buffer_size that would fix it.
+4. Epoch end. When a finite source is exhausted the rest of the buffer is cut into batches (the
    last one of a bucket may be short). For an in-memory list every rank can count every rank's
    batches in advance (sum over buckets of ceil(n / batch size)), so ranks with fewer batches
    split their largest remaining ones: all ranks yield the same number of steps and every
    example is used exactly once. Streamed sources cannot count ahead: use `infinite=True` there.
-6. Resume. `state_dict()` stores the queues as (key, duration, num_tokens), the source cursor and
+5. Resume. `state_dict()` stores the queues as (key, duration, num_tokens), the source cursor and
    the RNG states; `load_state_dict()` rebuilds them in O(buffer), no replay of the epoch.
 
 Batch size per bucket: `batch_size` (fixed), `max_duration` (`n * d <= max_duration` with d the
 bucket's duration bound, or `d + d^2 / quadratic_duration`), or `batch_sizes` per bucket (oom.py,
 see `save_batch_sizes` / `load_batch_sizes`). A batch never exceeds its bucket's size.
 
-    bins = Bins.load("bins.json")
+    bins = Bins.load("bins.json")       # python tools/estimate_bins.py --manifest train.jsonl ...
     sampler = BucketingSampler(examples, bins, max_duration=360, yield_indices=True)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)   # list[int] batches
     sampler = BucketingSampler(JsonlSource("train.jsonl"), bins, batch_sizes=sizes, infinite=True)
     for examples in sampler: ...                                             # list[dict] batches
     sampler.last_batch_info, sampler.stats, sampler.state_dict(rewind=num_prefetched_batches)
-
-CLI (bins from a uniform random sample of the manifest lines, progress on stderr):
-    python sampler.py estimate-bins --manifest train.jsonl --buckets 30 --sub-buckets 2 \\
-        --sample 100000 [--tokenizer spm.model --prompt-tokens 9] -o bins.json
 """
 
-import argparse
 import copy
 import json
 import logging
@@ -54,14 +47,16 @@ import math
 import random
 import sys
 import threading
-import time
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+
+from bins import Allocator, Bins, estimate_bins, load_batch_sizes, save_batch_sizes  # noqa: F401 - re-exported
 
 log = logging.getLogger("sampler")
 
@@ -72,168 +67,13 @@ def _seed(*parts: int) -> int:
     return (int(a) << 32) | int(b)
 
 
-# --- bins --------------------------------------------------------------------------------------
+class Entry(NamedTuple):
+    """An example waiting in a bucket queue, with the two lengths batching looks at."""
 
-
-@dataclass
-class Bins:
-    """Bucket bounds. `durations[i]` is the inclusive upper bound of duration bin i (ascending);
-    `tokens[i]` the ascending token bounds of its sub-bins (None: 1D bucketing, tokens unbounded);
-    `max_tps[i]` the bin's max tokens/s without outliers; `counts[i][j]` how many sampled
-    examples landed in bucket (i, j), used to weight bucket selection."""
-
-    durations: list
-    tokens: list | None = None
-    max_tps: list | None = None
-    counts: list | None = None
-
-    def __post_init__(self):
-        d = self.durations
-        if not d or any(x <= 0 for x in d) or any(a >= b for a, b in zip(d, d[1:])):
-            raise ValueError(f"bins: durations must be positive and ascending, got {d}")
-        for name in ("tokens", "max_tps", "counts"):
-            v = getattr(self, name)
-            if v is not None and len(v) != len(d):
-                raise ValueError(f"bins: {name} has {len(v)} entries for {len(d)} duration bins")
-        for i, t in enumerate(self.tokens or []):
-            if not t or any(a >= b for a, b in zip(t, t[1:])):
-                raise ValueError(f"bins: tokens[{i}] must be non-empty and ascending, got {t}")
-        if self.counts is not None and [len(c) for c in self.counts] != self.shape:
-            raise ValueError(f"bins: counts shape {[len(c) for c in self.counts]} != {self.shape}")
-
-    @property
-    def shape(self) -> list:
-        """Number of token sub-bins of each duration bin."""
-        return [len(t) for t in self.tokens] if self.tokens else [1] * len(self.durations)
-
-    @property
-    def num_buckets(self) -> int:
-        return sum(self.shape)
-
-    def buckets(self) -> list:
-        """(duration bound, token bound) of every bucket, duration-major."""
-        toks = self.tokens or [[math.inf]] * len(self.durations)
-        return [(d, t) for d, ts in zip(self.durations, toks) for t in ts]
-
-    def to_dict(self) -> dict:
-        return {"durations": self.durations, "tokens": self.tokens, "max_tps": self.max_tps, "counts": self.counts}
-
-    @classmethod
-    def from_dict(cls, d: dict, where: str = "bins") -> "Bins":
-        unknown = set(d) - {"durations", "tokens", "max_tps", "counts", "meta"}
-        if unknown or "durations" not in d:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)} or missing 'durations'")
-        return cls(d["durations"], d.get("tokens"), d.get("max_tps"), d.get("counts"))
-
-    def save(self, path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict()) + "\n")
-
-    @classmethod
-    def load(cls, path) -> "Bins":
-        return cls.from_dict(json.loads(Path(path).read_text()), where=str(path))
-
-
-def save_batch_sizes(path, bins: Bins, batch_sizes: list) -> None:
-    """Per-bucket batch sizes (oom.py's output): {"bins": ..., "batch_sizes": [[...], ...]},
-    nested like `bins.tokens` (one list per duration bin) so a size cannot drift from its bucket."""
-    Path(path).write_text(json.dumps({"bins": bins.to_dict(), "batch_sizes": batch_sizes}) + "\n")
-
-
-def load_batch_sizes(path) -> tuple:
-    """Returns (bins, batch_sizes) as written by `save_batch_sizes`."""
-    d = json.loads(Path(path).read_text())
-    bins = Bins.from_dict(d["bins"], where=f"{path}: bins")
-    if [len(s) for s in d["batch_sizes"]] != bins.shape:
-        raise ValueError(f"{path}: batch_sizes shape does not match the bins shape {bins.shape}")
-    return bins, d["batch_sizes"]
-
-
-def _equal_mass_bounds(sorted_values: np.ndarray, n: int) -> np.ndarray:
-    """Upper bounds of n bins over ascending values such that each bin holds ~1/n of their sum."""
-    cum = np.cumsum(sorted_values)
-    cuts = np.searchsorted(cum, cum[-1] * np.arange(1, n) / n)
-    return np.append(sorted_values[np.minimum(cuts, len(cum) - 1)], sorted_values[-1])
-
-
-def estimate_bins(durations, num_tokens, num_buckets: int = 30, sub_buckets: int = 2, outlier_z: float = 4.0) -> Bins:
-    """Bins from a sample: equal total duration per duration bin, then (2D, sub_buckets > 1) equal
-    total tokens per token sub-bin after dropping examples whose TPS z-score exceeds outlier_z."""
-    d = np.asarray(durations, dtype=np.float64)
-    t = np.asarray(num_tokens, dtype=np.int64)
-    keep = d > 0
-    d, t = d[keep], t[keep]
-    if len(d) == 0:
-        raise ValueError("estimate_bins: no example with a positive duration")
-    order = np.argsort(d, kind="stable")
-    d, t = d[order], t[order]
-    bounds, merged = np.unique(_equal_mass_bounds(d, num_buckets), return_counts=True)
-    tokens, max_tps, lo = [], [], 0
-    for ub, m in zip(bounds, merged):
-        hi = int(np.searchsorted(d, ub, side="right"))
-        bd, bt = d[lo:hi], t[lo:hi]
-        lo = hi
-        tps = bt / bd
-        std = tps.std()
-        # One-sided: only long-transcript outliers hurt (OOM, hallucinated labels), as in NeMo.
-        ok = tps <= tps.mean() + outlier_z * std if std > 0 else np.ones(len(bt), dtype=bool)
-        max_tps.append(math.ceil(float(tps[ok].max()) * 1000) / 1000)  # rounded up: keeps the max itself
-        if sub_buckets > 1:
-            sub = _equal_mass_bounds(np.sort(bt[ok]), sub_buckets * int(m))
-            tokens.append([int(x) for x in np.unique(sub)])
-    bins = Bins([float(x) for x in bounds], tokens or None, max_tps)
-    alloc = _Allocator(bins)
-    counts = np.zeros(bins.num_buckets, dtype=np.int64)
-    for dd, tt in zip(d.tolist(), t.tolist()):
-        b = alloc(dd, tt)
-        if isinstance(b, int):
-            counts[b] += 1
-    starts = list(accumulate(bins.shape, initial=0))
-    bins.counts = [counts[s:e].tolist() for s, e in zip(starts, starts[1:])]
-    return bins
-
-
-# --- allocation ---------------------------------------------------------------------------------
-
-
-def _per_bin(value, n: int, name: str):
-    if value is None:
-        return None
-    if isinstance(value, (int, float)):
-        return [float(value)] * n
-    if len(value) != n:
-        raise ValueError(f"{name}: got {len(value)} values for {n} duration bins")
-    return [float(v) for v in value]
-
-
-class _Allocator:
-    """Maps (duration, num_tokens) to a bucket index, or to the reason the example is dropped."""
-
-    def __init__(self, bins: Bins, allocation: str = "flexible", min_tps=None, max_tps=None):
-        if allocation not in ("flexible", "strict"):
-            raise ValueError(f"allocation must be 'flexible' or 'strict', got {allocation!r}")
-        self.strict = allocation == "strict"
-        self.durations = bins.durations
-        self.tokens = bins.tokens or [[math.inf]] * len(bins.durations)
-        self.first = list(accumulate(bins.shape, initial=0))
-        self.min_tps = _per_bin(min_tps, len(bins.durations), "min_tps")
-        self.max_tps = _per_bin(max_tps, len(bins.durations), "max_tps")
-
-    def __call__(self, d: float, n: int):
-        if not d > 0:
-            return "bad_duration"
-        i = bisect_left(self.durations, d)
-        if i == len(self.durations):
-            return "duration_over_bins"
-        # TPS limits belong to the duration bin the example falls in, before any flexible move.
-        if self.max_tps is not None and n / d > self.max_tps[i]:
-            return "tps_above_max"
-        if self.min_tps is not None and n / d < self.min_tps[i]:
-            return "tps_below_min"
-        for k in range(i, i + 1 if self.strict else len(self.durations)):
-            j = bisect_left(self.tokens[k], n)
-            if j < len(self.tokens[k]):
-                return self.first[k] + j
-        return "tokens_over_bins"
+    key: object  # list index, or the source's key (re-reads the example on resume)
+    duration: float
+    num_tokens: int
+    example: dict | None  # streamed sources: the example read; list sources: None (indexed by key)
 
 
 # --- sources ------------------------------------------------------------------------------------
@@ -388,7 +228,7 @@ class _State:
     target: int | None = None  # batches every rank yields this epoch (finite in-memory lists)
     pass_idx: int = 0  # source pass; infinite mode starts a reshuffled pass when one ends
     cursor: object = None  # source position after the last example taken (None: pass start)
-    queues: list = field(default_factory=list)  # per bucket: entries (key, duration, num_tokens, example)
+    queues: list = field(default_factory=list)  # per bucket: a list of Entry
     occupancy: int = 0
     ready: int = 0  # buckets holding at least one full batch
     batches: int = 0
@@ -412,6 +252,9 @@ class BucketingSampler:
     """
 
     SNAPSHOT_EVERY = 100  # batches between the snapshots that `state_dict(rewind=...)` replays from
+    AGREEMENT_WINDOW = 500  # steps over which a rank measures how often it took the drawn bucket
+    AGREEMENT_WARN = 0.9  # warn when the ranks are expected to agree on fewer steps than this
+    SUPPLY_MARGIN = 3.5  # buffer needed / expected reads per batch, fitted in bench/sync_bench.py
 
     def __init__(
         self,
@@ -429,6 +272,7 @@ class BucketingSampler:
         buffer_size: int = 20000,  # examples held in the bucket queues; more = more random batches
         start_fill: float = 0.1,  # fraction of the buffer read before the first batch (paper: 10%)
         fill_ramp: float = 0.01,  # fraction of the buffer the fill target grows by per batch
+        overfill: float = 4.0,  # read on for the drawn bucket up to this x the fill target (1: the paper's)
         seed: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
@@ -450,7 +294,10 @@ class BucketingSampler:
         self.buffer_size = buffer_size
         self.start = max(1, int(start_fill * buffer_size))
         self.ramp = max(1, int(fill_ramp * buffer_size))
-        self.allocate = _Allocator(bins, allocation, min_tps, max_tps)
+        if overfill < 1:
+            raise ValueError(f"overfill must be >= 1, got {overfill}")
+        self.overfill = overfill
+        self.allocate = Allocator(bins, allocation, min_tps, max_tps)
         self.bucket_bounds = bins.buckets()
         self.sizes = self._batch_sizes(batch_size, max_duration, quadratic_duration, batch_sizes)
         self.epoch = 0
@@ -466,7 +313,7 @@ class BucketingSampler:
             # exact selection weights and the per-rank batch counts needed for equal epoch lengths.
             meas = [self._measure(ex, f"examples[{i}]") for i, ex in enumerate(source)]
             self.where = [self.allocate(d, n) for d, n in meas]  # bucket, or why it is dropped
-            self.entries = [(i, d, n, None) for i, (d, n) in enumerate(meas)]
+            self.entries = [Entry(i, d, n, None) for i, (d, n) in enumerate(meas)]
             self.alloc = np.array([a if isinstance(a, int) else -1 for a in self.where], dtype=np.int64)
             counts = np.bincount(self.alloc[self.alloc >= 0], minlength=len(self.sizes)).astype(np.float64)
         else:
@@ -474,12 +321,17 @@ class BucketingSampler:
         # Weight = expected batches per bucket, so draws follow how fast each bucket fills up.
         w = counts / np.array(self.sizes) if counts is not None and counts.sum() > 0 else np.ones(len(self.sizes))
         self.cum_weights = list(accumulate((w / w.sum()).tolist()))
+        # Examples to read for one full batch of each bucket at its share of the data.
+        n = len(self.sizes)
+        share = counts / counts.sum() if counts is not None and counts.sum() > 0 else np.full(n, 1 / n)
+        self._supply = np.array(self.sizes) / np.maximum(share, 1e-12)
 
     def _reset(self) -> None:
         self._stats = {"batches": 0, "examples": 0, "duration": 0.0, "padded_duration": 0.0,
                        "tokens": 0, "padded_tokens": 0, "drops": {}}
         self._live = self._pending = self.last_batch_info = None
         self._snapshots = deque(maxlen=3)
+        self._hits, self._num_hits, self._warned_agreement = deque(maxlen=self.AGREEMENT_WINDOW), 0, False
 
     def for_rank(self, rank: int) -> "BucketingSampler":
         """The same sampler for another rank, sharing the measured list (rank simulations)."""
@@ -566,7 +418,7 @@ class BucketingSampler:
     @staticmethod
     def _record(stats: dict, bucket: int, batch: list) -> dict:
         n = len(batch)
-        durs, toks = [e[1] for e in batch], [e[2] for e in batch]
+        durs, toks = [e.duration for e in batch], [e.num_tokens for e in batch]
         dmax, tmax, dsum, tsum = max(durs), max(toks), sum(durs), sum(toks)
         stats["batches"] += 1
         stats["examples"] += n
@@ -606,18 +458,24 @@ class BucketingSampler:
                     d, n = self._measure(ex, self.source.describe(key))
                     a = self.allocate(d, n)
                     used += isinstance(a, int)
-                    yield pass_idx, cur, a, (key, d, n, ex)
+                    yield pass_idx, cur, a, Entry(key, d, n, ex)
             if not self.infinite:
                 return
             if used == 0 and cursor is None:
                 raise ValueError(f"rank {self.rank}: a full pass over the source gave no usable example")
             pass_idx, cursor = pass_idx + 1, None
 
-    def _fill(self, st: _State, reader, want: int) -> None:
-        """Moves examples from the source into the bucket queues until `want` are buffered and
-        some bucket holds a full batch (or the source ends). Runs once per example, hence the locals."""
+    def _fill(self, st: _State, reader, drawn: int) -> None:
+        """Moves examples from the source into the bucket queues until the fill target is buffered
+        and the drawn bucket holds a full batch, reading on past the target for it up to
+        `overfill` x target (the first batch: only the target, which keeps time-to-first-batch
+        short). Beyond that bound, or when the source ends, the caller falls back to the nearest
+        bucket with a batch. Runs once per example, hence the locals."""
+        want = min(self.buffer_size, self.start + st.batches * self.ramp)
+        cap = want if st.batches == 0 else int(self.overfill * want)
         queues, sizes, occ, ready = st.queues, self.sizes, st.occupancy, st.ready
-        if occ >= want and ready:
+        mine, k = queues[drawn], sizes[drawn]
+        if occ >= want and ready and (len(mine) >= k or occ >= cap):
             return
         for item in reader:
             st.pass_idx, st.cursor, b, entry = item
@@ -629,14 +487,44 @@ class BucketingSampler:
             q.append(entry)
             occ += 1
             ready += len(q) == sizes[b]
-            if occ >= want and ready:
+            if occ >= want and ready and (len(mine) >= k or occ >= cap):
                 break
-            if occ == self.buffer_size and not ready and not self._warned_overflow:
+            if occ == cap and not ready and not self._warned_overflow:
                 self._warned_overflow = True
-                log.warning("sampler: buffer full (%d) but no bucket has a full batch; reading past buffer_size", occ)
+                log.warning("sampler: buffer full (%d) but no bucket has a full batch; reading on", occ)
         else:
             st.exhausted = True
         st.occupancy, st.ready = occ, ready
+
+    def _track_agreement(self, hit: bool, occupancy: int) -> None:
+        """Warns once when this rank often could not take the drawn bucket: with sync_buckets the
+        ranks then train on different buckets, and a DDP step waits for the slowest."""
+        if not self.sync_buckets or self.world_size == 1:
+            return
+        w = self._hits
+        if len(w) == w.maxlen:
+            self._num_hits -= w[0]
+        w.append(hit)
+        self._num_hits += hit
+        rate = self._num_hits / len(w)
+        # Ranks miss independently, so all of them take the drawn bucket on about rate^R of the steps.
+        if len(w) == w.maxlen and rate**self.world_size < self.AGREEMENT_WARN and not self._warned_agreement:
+            self._warned_agreement = True
+            log.warning("sampler: rank %d took the drawn bucket on %.1f%% of the last %d steps, so %d ranks agree "
+                        "on about %.0f%% (buffer_size %d, %d examples held); buffer_size=%d should give %.0f%%",
+                        self.rank, 100 * rate, len(w), self.world_size, 100 * rate**self.world_size,
+                        self.buffer_size, occupancy, self.suggested_buffer_size(), 100 * self.AGREEMENT_WARN)
+
+    def suggested_buffer_size(self, agreement: float = AGREEMENT_WARN) -> int:
+        """A buffer_size at which all ranks take the drawn bucket on about `agreement` of the steps:
+        each rank must supply the buckets drawn agreement^(1/R) of the time, and bucket b needs
+        about batch size / its share of the data examples read to gather one batch."""
+        p = np.diff(self.cum_weights, prepend=0.0)
+        order = np.argsort(self._supply)
+        covered = np.cumsum(p[order])
+        share = agreement ** (1 / self.world_size)
+        need = self._supply[order][min(int(np.searchsorted(covered, share)), len(order) - 1)]
+        return int(math.ceil(self.SUPPLY_MARGIN * need / self.overfill / 100) * 100)
 
     def _nearest(self, b: int, ok) -> int:
         for dist in range(len(self.sizes)):
@@ -647,20 +535,23 @@ class BucketingSampler:
 
     def _next_batch(self, st: _State, reader):
         """Advances the state by one batch; returns (bucket, entries) or None at the epoch end."""
-        if not st.exhausted:
-            self._fill(st, reader, min(self.buffer_size, self.start + st.batches * self.ramp))
-        if st.exhausted and st.drain is None:
-            st.drain = self._plan_drain(st)
         if st.drain is not None and not any(st.drain):
             return None
         # One draw per batch on every rank keeps the shared selection RNG aligned across ranks.
-        u = st.select_rng.random()
-        drawn = min(bisect_right(self.cum_weights, u), len(self.sizes) - 1)
+        drawn = min(bisect_right(self.cum_weights, st.select_rng.random()), len(self.sizes) - 1)
+        if not st.exhausted:
+            self._fill(st, reader, drawn)
+        if st.exhausted and st.drain is None:
+            st.drain = self._plan_drain(st)
+            if not any(st.drain):
+                return None
         if st.drain is not None:
             b = self._nearest(drawn, lambda c: len(st.drain[c]) > 0)
             batch = st.drain[b].pop()
         else:
             b = self._nearest(drawn, lambda c: len(st.queues[c]) >= self.sizes[c])
+            if self.start + st.batches * self.ramp >= self.buffer_size:  # past the ramp: misses are the buffer's
+                self._track_agreement(b == drawn, st.occupancy)
             q, k, rand = st.queues[b], self.sizes[b], st.data_rng.random
             for t in range(len(q) - 1, len(q) - 1 - k, -1):  # partial Fisher-Yates: O(batch size)
                 j = int(rand() * (t + 1))
@@ -695,10 +586,10 @@ class BucketingSampler:
 
     def _output(self, batch: list) -> list:
         if self.yield_indices:
-            return [e[0] for e in batch]
+            return [e.key for e in batch]
         if self.is_list:
-            return [self.source[e[0]] for e in batch]
-        return [e[3] for e in batch]
+            return [self.source[e.key] for e in batch]
+        return [e.example for e in batch]
 
     def _reader(self, st: _State, threaded: bool):
         items = self._stream(st.epoch, st.pass_idx, st.cursor, st.skip)
@@ -729,7 +620,7 @@ class BucketingSampler:
     def _copy(self, st: _State) -> _State:
         c = copy.copy(st)
         c.queues = [list(q) for q in st.queues]
-        c.drain = None if st.drain is None else [[list(x) for x in bb] for bb in st.drain]
+        c.drain = None if st.drain is None else [list(bb) for bb in st.drain]  # planned batches are never modified
         c.data_rng, c.select_rng = random.Random(), random.Random()
         c.data_rng.setstate(st.data_rng.getstate())
         c.select_rng.setstate(st.select_rng.getstate())
@@ -756,8 +647,8 @@ class BucketingSampler:
                 self._record(st.stats, *self._next_batch(st, reader))
             reader.close()
 
-        def pack(entries):  # (key, duration, num_tokens); the example itself is re-read on load
-            return [list(e[:3]) for e in entries]
+        def pack(entries):  # the example itself is re-read on load
+            return [[e.key, e.duration, e.num_tokens] for e in entries]
 
         return {
             "fingerprint": self._fingerprint(),
@@ -819,7 +710,7 @@ class BucketingSampler:
             out = []
             for key, d, n in es:
                 key = key if self.is_list else tuple(key)
-                out.append((key, d, n, None if self.is_list else self.source.get(key)))
+                out.append(Entry(key, d, n, None if self.is_list else self.source.get(key)))
             return out
 
         def rng(state):
@@ -847,72 +738,6 @@ def _dist_info(rank, world_size) -> tuple:
     return rank or 0, world_size or 1
 
 
-# --- CLI ----------------------------------------------------------------------------------------
-
-
-def _sample_lines(paths: list, n: int | None, seed: int) -> tuple:
-    """Uniform random sample of n non-empty lines over all manifests (reservoir sampling, one pass)."""
-    rng, sample, seen, last = random.Random(seed), [], 0, time.time()
-    for path in paths:
-        with open(path, "rb") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                if n is None or seen < n:
-                    sample.append((path, line_no, line))
-                elif (j := rng.randrange(seen + 1)) < n:
-                    sample[j] = (path, line_no, line)
-                seen += 1
-                if seen % 100_000 == 0 and time.time() - last > 2:
-                    last = time.time()
-                    print(f"estimate-bins: scanned {seen:,} lines ({path})", file=sys.stderr)
-    return sample, seen
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="sampler.py", description="Bucketing sampler tools.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("estimate-bins", help="estimate 1D/2D bucket bins from JSONL manifests")
-    e.add_argument("--manifest", action="append", required=True, help="JSONL with 'duration' (repeat for shards)")
-    e.add_argument("--buckets", type=int, default=30, help="duration bins")
-    e.add_argument("--sub-buckets", type=int, default=2, help="token sub-bins per duration bin (1 = 1D bucketing)")
-    e.add_argument("--sample", type=int, default=None, help="estimate from a uniform random sample of this many lines")
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--outlier-z", type=float, default=4.0, help="drop TPS outliers above this z-score per duration bin")
-    e.add_argument("--tokenizer", default=None, help="sentencepiece model; else the 'num_tokens' field is used")
-    e.add_argument("--text-field", default="text")
-    e.add_argument("--prompt-tokens", type=int, default=0, help="added to each tokenized text (the decoder prompt)")
-    e.add_argument("-o", "--output", required=True)
-    args = p.parse_args(argv)
-
-    t0 = time.time()
-    lines, total = _sample_lines(args.manifest, args.sample, args.seed)
-    sp = None
-    if args.tokenizer:
-        import sentencepiece
-
-        sp = sentencepiece.SentencePieceProcessor(model_file=args.tokenizer)
-    durs, toks = [], []
-    for path, line_no, line in lines:
-        try:
-            ex = json.loads(line)
-            durs.append(float(ex["duration"]))
-            toks.append(len(sp.encode(ex[args.text_field])) + args.prompt_tokens if sp else int(ex["num_tokens"]))
-        except (ValueError, KeyError, TypeError) as err:
-            need = args.text_field if sp else "num_tokens"
-            raise SystemExit(f"{path}:{line_no}: bad line, need 'duration' and '{need}' ({err!r})") from None
-    bins = estimate_bins(durs, toks, args.buckets, args.sub_buckets, args.outlier_z)
-    meta = {"manifests": args.manifest, "lines": total, "sampled": len(lines), "seed": args.seed,
-            "outlier_z": args.outlier_z}
-    Path(args.output).write_text(json.dumps({**bins.to_dict(), "meta": meta}) + "\n")
-    print(f"{'bucket':>6} {'<= s':>8} {'<= tokens':>9} {'max tps':>8} {'count':>7}", file=sys.stderr)
-    counts = [c for row in bins.counts for c in row]
-    for b, (d, t) in enumerate(bins.buckets()):
-        i = bisect_left(bins.durations, d)
-        print(f"{b:>6} {d:>8.2f} {t:>9} {bins.max_tps[i]:>8.2f} {counts[b]:>7}", file=sys.stderr)
-    print(f"estimate-bins: {bins.num_buckets} buckets from {len(lines):,} of {total:,} lines "
-          f"in {time.time() - t0:.1f}s -> {args.output}", file=sys.stderr)
-
-
 if __name__ == "__main__":
-    main()
+    sys.exit("sampler.py has no command line any more: estimate bins with the training tokenizer using\n"
+             "    python tools/estimate_bins.py --manifest train.jsonl --tokenizer TOKENIZER_DIR -o bins.json")

@@ -138,7 +138,7 @@ def build_training_data(cfg, tokenizer, logmel, rank: int, world_size: int, mast
     sampler_args = dict(allocation=cfg.train.allocation, min_tps=cfg.train.min_tps,
                         max_tps=cfg.train.max_tps, buffer_size=cfg.train.buffer_size, seed=cfg.seed,
                         rank=rank, world_size=world_size, sync_buckets=cfg.train.sync_buckets,
-                        infinite=True)
+                        overfill=cfg.train.buffer_overfill, infinite=True)
     bins = Bins.load(cfg.train.bins) if cfg.train.bins else None  # None: estimated from the manifests
     if cfg.train.batch_sizes:
         bins, sizes = load_batch_sizes(cfg.train.batch_sizes)  # the bins the sizes were searched for
@@ -170,7 +170,8 @@ def build_training_data(cfg, tokenizer, logmel, rank: int, world_size: int, mast
         keep = sorted(set(range(len(utts))) - set(too_long))
         utts, num_tokens = [utts[i] for i in keep], [num_tokens[i] for i in keep]
     if bins is None:
-        bins = estimate_bins([u.duration for u in utts], num_tokens, cfg.train.num_buckets, cfg.train.sub_buckets)
+        bins = estimate_bins([u.duration for u in utts], num_tokens, cfg.train.num_buckets, cfg.train.sub_buckets,
+                             method=cfg.train.bin_method)
         if master:
             bins.save(os.path.join(cfg.run_dir, "bins.json"))
     examples = [{"duration": u.duration, "num_tokens": n} for u, n in zip(utts, num_tokens)]
@@ -476,13 +477,14 @@ def main(argv: list[str] | None = None) -> None:
 
     model.train()
     consumed = batches.taken = 0  # batches the loop has trained on / the DataLoader has taken
-    loader = [iter(make_loader())]
+    loader = iter(make_loader())
 
     def stop_workers():
         """The workers ignore SIGTERM (make_loader), so multiprocessing's own exit hook, which
         terminates them with SIGTERM and then waits, would hang: release the iterator first,
         which shuts them down cleanly. Registered after that hook, so it runs before it."""
-        loader.clear()
+        nonlocal loader
+        loader = None
 
     atexit.register(stop_workers)
     frame_s = cfg.features.hop_length / cfg.features.sample_rate
@@ -496,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
     while step < cfg.max_steps:
         micro = []
         while len(micro) < cfg.optim.grad_accum:
-            batch = next(loader[0])
+            batch = next(loader)
             consumed += 1
             for err in set(batch.errors) - bad_audio:  # the sampler draws a bad file again every pass
                 log.warning("skipped unreadable audio (logged once per run): %s", err)

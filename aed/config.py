@@ -45,7 +45,8 @@ class DataConfig:
     duration_tolerance: float = 0.1  # check_audio: a manifest duration further than this fraction from the header's is wrong
     bins: str | None = None  # bins.json from tools/estimate_bins.py; None: estimated at start
     num_buckets: int = 30  # duration buckets when estimating bins (the paper: 30)
-    sub_buckets: int = 2  # token sub-buckets per duration bucket (2 = the paper's 2D; 1 = 1D)
+    sub_buckets: int = 2  # token sub-buckets per duration bucket, on average (2 = the paper's 2D; 1 = 1D)
+    bin_method: str = "optimised"  # 2D bins: optimised (least padded compute) | equal (the paper's equal-count)
     batch_size: int | None = None  # fixed batch size (the padding-heavy baseline)
     max_duration: float | None = 360.0  # padded seconds of audio per batch (Canary: 360)
     batch_sizes: str | None = None  # per-bucket batch sizes from oom.py (replaces the two above)
@@ -53,12 +54,15 @@ class DataConfig:
     min_tps: float | None = None  # drop examples below this many output tokens per second
     max_tps: float | None = None  # ... and above this (the paper filters at 25)
     buffer_size: int = 20000  # examples held by the bucketing buffer
+    buffer_overfill: float = 4.0  # read on up to this x the buffer for the bucket all ranks drew (1: the paper's)
     sync_buckets: bool = True  # same bucket on every rank each step (removes the tail-worker effect)
     num_workers: int = 2  # DataLoader workers decoding audio and computing features
 
     def __post_init__(self):
         if self.allocation not in ("flexible", "strict"):
             raise ConfigError(f"train.allocation: expected flexible or strict, got {self.allocation!r}")
+        if self.bin_method not in ("optimised", "equal"):
+            raise ConfigError(f"train.bin_method: expected optimised or equal, got {self.bin_method!r}")
 
 
 @dataclass

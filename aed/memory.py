@@ -2,8 +2,8 @@
 
     peak = peak_memory(step, device, limit=20e9, existing=[*model.parameters(), ...])  # bytes
 
-CUDA: the caching allocator's `max_memory_allocated`; a real `torch.cuda.OutOfMemoryError`
-becomes `OutOfMemory`.
+CUDA: the caching allocator's `max_memory_allocated`; a real `torch.cuda.OutOfMemoryError`, or a
+cuBLAS/cuDNN allocation failure on the full device (`is_out_of_memory`), becomes `OutOfMemory`.
 
 CPU: PyTorch keeps no allocator statistics there, so `LiveTensorMemory` (a TorchDispatchMode)
 sees the output of every aten op, forward, backward and optimizer, and counts each storage's bytes
@@ -49,17 +49,31 @@ class OutOfMemory(RuntimeError):
         super().__init__(f"over the {format_bytes(limit)} limit" if limit else "out of device memory")
 
 
+# Allocation failures that are not the caching allocator's OutOfMemoryError: libraries that
+# allocate their own handles or workspaces (cuBLAS, cuDNN, cuFFT, cuSOLVER) report a full device
+# with their status code, and a cudaMalloc outside the allocator with CUDA's own message.
+_DEVICE_FULL = re.compile(r"\b(CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|CUFFT_ALLOC_FAILED|"
+                          r"CUSOLVER_STATUS_ALLOC_FAILED)\b|CUDA error: out of memory")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Did the device run out of memory? Other errors (wrong shapes, bad kernels) must propagate."""
+    return isinstance(error, torch.cuda.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and _DEVICE_FULL.search(str(error)) is not None)
+
+
 class LiveTensorMemory(TorchDispatchMode):
     """Bytes of live CPU tensor storages while the mode is active: `current` and `peak`.
 
     Storages that existed before (weights, optimizer state) are counted once passed to `add`.
     With `limit`, the op whose output takes the total past it raises OutOfMemory, as a device
     would: the failed step stops early instead of growing into the machine's real memory.
+    `granularity` rounds every storage up as an allocator would (CUDA's caching allocator: 512).
     """
 
-    def __init__(self, limit=None):
+    def __init__(self, limit=None, granularity: int = 1):
         super().__init__()
-        self.limit = limit
+        self.limit, self.granularity = limit, granularity
         self.current = self.peak = 0
         self._sizes = {}  # id(storage) -> bytes; the Python object lives as long as the storage
         self._finalizers = []
@@ -70,7 +84,7 @@ class LiveTensorMemory(TorchDispatchMode):
                 self._add(t.untyped_storage())
 
     def _add(self, storage) -> None:
-        key, size = id(storage), storage.nbytes()
+        key, size = id(storage), -(-storage.nbytes() // self.granularity) * self.granularity
         old = self._sizes.get(key)
         if old == size:  # a view or an in-place result: memory we already count
             return
@@ -96,12 +110,13 @@ class LiveTensorMemory(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def peak_memory(fn, device, limit=None, existing=()) -> int:
+def peak_memory(fn, device, limit=None, existing=(), granularity: int = 1) -> int:
     """Run `fn()` once; return the peak bytes of tensor memory on `device` while it ran.
 
     On CPU, `existing` lists the tensors alive before the call that belong in the total (model,
     gradients, optimizer state); on CUDA the allocator already knows them. Raises OutOfMemory when
-    the peak exceeds `limit` bytes (or CUDA runs out of memory first).
+    the peak exceeds `limit` bytes (or CUDA runs out of memory first). `granularity`: see
+    LiveTensorMemory (CPU only; on CUDA the allocator rounds for real).
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -109,13 +124,15 @@ def peak_memory(fn, device, limit=None, existing=()) -> int:
         failed = False
         try:
             fn()
-        except torch.cuda.OutOfMemoryError:
+        except RuntimeError as e:
+            if not is_out_of_memory(e):
+                raise
             failed = True  # raised below, outside this block: its traceback holds the step's tensors
         if failed:
             raise OutOfMemory(None, limit)
         peak = torch.cuda.max_memory_allocated(device)
     else:
-        with LiveTensorMemory(limit) as mem:
+        with LiveTensorMemory(limit, granularity) as mem:
             mem.add(existing)
             fn()
         peak = mem.peak

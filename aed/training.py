@@ -20,7 +20,7 @@ from torch import nn
 from aed.config import OptimConfig, TrainConfig
 from aed.distributed import peer_lost
 from aed.model import AED, param_groups
-from aed.rnnt_model import TransducerASR
+from aed.transducer import TransducerASR
 
 log = logging.getLogger(__name__)
 

@@ -19,23 +19,13 @@ numbers, and rerun if a row looks off. Prints a table, then a JSON object as the
 """
 
 import argparse
-import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
-
 from aed.encoder import subsampled_length
-from aed.model import AED, AEDConfig
-
-LAYOUTS = {  # name: (encoder layers, decoder layers), as in configs/canary-*.yaml
-    "canary-1b (24+24)": (24, 24),
-    "canary-1b-flash (32+4)": (32, 4),
-    "24+4": (24, 4),
-}
+from aed.model import count_parameters
+from common import LAYOUTS, add_device_args, add_width_args, device_from_args, log, print_json, print_table, random_aed
 
 
 def sync(device):
@@ -70,13 +60,7 @@ def recompute_step(model, memory, memory_lens, tokens):
 
 
 def bench_layout(name, enc_layers, dec_layers, args, device):
-    cfg = AEDConfig(
-        n_mels=128, vocab_size=5248, enc_d_model=args.d_model, enc_layers=enc_layers, enc_heads=args.heads,
-        subsampling_channels=args.subsampling_channels, dec_d_model=args.d_model, dec_layers=dec_layers,
-        dec_heads=args.heads, dec_max_len=1024,
-    )
-    torch.manual_seed(0)
-    model = AED(cfg).to(device).eval()
+    model = random_aed(args, enc_layers, dec_layers).to(device).eval()
     frames = int(args.seconds * 100)  # 10 ms feature hop
     feats = torch.randn(args.batch, frames, 128, device=device)
     feat_lens = torch.full((args.batch,), frames, device=device)
@@ -106,7 +90,7 @@ def bench_layout(name, enc_layers, dec_layers, args, device):
         )
     return {
         "layout": name,
-        "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+        "params_m": round(count_parameters(model) / 1e6, 2),
         "encoder_s": round(enc_s, 4),
         "dec_ms_per_step_cached_mean": round(cached_mean_ms, 3),
         "dec_ms_at_token_n_cached": round(cached_ms, 3),
@@ -119,40 +103,32 @@ def bench_layout(name, enc_layers, dec_layers, args, device):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--d-model", type=int, default=256, help="shared encoder/decoder width (Canary: 1024)")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--subsampling-channels", type=int, default=64, help="Canary: 256; scaled with the width")
+    add_width_args(parser, d_model=256, subsampling_channels=64)
     parser.add_argument("--batch", type=int, default=2, help="utterances per batch")
     parser.add_argument("--seconds", type=float, default=30.0, help="duration of each input")
     parser.add_argument("--tokens", type=int, default=100, help="generated tokens per utterance for RTFx (~30 s of speech)")
     parser.add_argument("--cache-tokens", type=int, default=50, help="n: compare cached vs recomputed at the n-th token")
     parser.add_argument("--repeats", type=int, default=2, help="take the best of this many runs")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads; 1 avoids thrashing a shared machine")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_args(parser)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = device_from_args(args)
     print(f"device {device}, threads {torch.get_num_threads()}, width {args.d_model}, batch {args.batch} x {args.seconds:g} s "
           f"({subsampled_length(int(args.seconds * 100))} encoder frames), {args.tokens} tokens for RTFx")
 
     rows = []
     for name, (enc_layers, dec_layers) in LAYOUTS.items():
         rows.append(bench_layout(name, enc_layers, dec_layers, args, device))
-        r = rows[-1]
-        print(f"  done {name}: rtfx {r['rtfx']}", file=sys.stderr)
+        log(f"done {name}: rtfx {rows[-1]['rtfx']}")
 
-    base = rows[0]["rtfx"]
-    n = args.cache_tokens
-    header = (f"{'layout':24s} {'params M':>9s} {'encoder s':>10s} {'cached ms/step':>15s} {f'cached ms @{n}':>15s} "
-              f"{f'recomp ms @{n}':>15s} {'cache x':>8s} {'e2e s':>8s} {'RTFx':>8s} {'vs 24+24':>9s}")
-    print(header)
-    print("-" * len(header))
     for r in rows:
-        r["rtfx_vs_canary_1b"] = round(r["rtfx"] / base, 2)
-        print(f"{r['layout']:24s} {r['params_m']:9.2f} {r['encoder_s']:10.3f} {r['dec_ms_per_step_cached_mean']:15.2f} "
-              f"{r['dec_ms_at_token_n_cached']:15.2f} {r['dec_ms_at_token_n_recomputed']:15.2f} "
-              f"{r['kv_cache_speedup_at_token_n']:8.1f} {r['end_to_end_s']:8.2f} "
-              f"{r['rtfx']:8.1f} {r['rtfx_vs_canary_1b']:9.2f}")
+        r["rtfx_vs_canary_1b"] = round(r["rtfx"] / rows[0]["rtfx"], 2)
+    n = args.cache_tokens
+    print_table([("layout", "<24"), ("params M", "9.2f"), ("encoder s", "10.3f"), ("cached ms/step", "15.2f"),
+                 (f"cached ms @{n}", "15.2f"), (f"recomp ms @{n}", "15.2f"), ("cache x", "8.1f"), ("e2e s", "8.2f"),
+                 ("RTFx", "8.1f"), ("vs 24+24", "9.2f")],
+                [[r["layout"], r["params_m"], r["encoder_s"], r["dec_ms_per_step_cached_mean"],
+                  r["dec_ms_at_token_n_cached"], r["dec_ms_at_token_n_recomputed"], r["kv_cache_speedup_at_token_n"],
+                  r["end_to_end_s"], r["rtfx"], r["rtfx_vs_canary_1b"]] for r in rows])
     flash = next(r for r in rows if "flash" in r["layout"])
     summary = {
         "device": str(device),
@@ -167,7 +143,7 @@ def main():
         "flash_rtfx_vs_canary_1b": flash["rtfx_vs_canary_1b"],
         "targets": {"kv_cache_speedup_at_token_n": 5.0, "flash_rtfx_vs_canary_1b": 2.5},
     }
-    print(json.dumps(summary))
+    print_json(summary)
 
 
 if __name__ == "__main__":

@@ -21,22 +21,18 @@ import argparse
 import contextlib
 import io
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from aed.data import encode_utterance, read_manifest  # noqa: E402
-from aed.shards import ShardSource, decode_audio  # noqa: E402
-from aed.tokenizer import Tokenizer  # noqa: E402
-from sampler import BucketingSampler, JsonlSource, estimate_bins  # noqa: E402
-from tools import make_shards  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from aed.data import encode_utterance, read_manifest
+from aed.shards import ShardSource, decode_audio
+from aed.tokenizer import Tokenizer
+from common import MINI_TOKENIZER, ROOT, print_json, print_table
+from sampler import BucketingSampler, JsonlSource, estimate_bins
+from tools import make_shards
 
 
 class SlowShards(ShardSource):
@@ -83,7 +79,7 @@ def run(source, bins, args, concurrent: bool) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--manifest", default=str(ROOT / "data/mini/train.jsonl"))
-    p.add_argument("--tokenizer", default=str(ROOT / "data/mini/tokenizer"))
+    p.add_argument("--tokenizer", default=str(MINI_TOKENIZER))
     p.add_argument("--repeat", type=int, default=8, help="repeat the manifest this many times")
     p.add_argument("--shard-size", type=int, default=100)
     p.add_argument("--open-ms", type=float, default=5.0, help="simulated latency of every file open")
@@ -123,16 +119,16 @@ def main() -> None:
                 source = SlowFiles(manifest, open_s) if reader == "files" else SlowShards(f"{tmp}/shards", open_s)
                 results.append({"reader": reader, "concurrent": concurrent, **run(source, bins, args, concurrent)})
 
-    print(f"{'reader':<7} {'thread':>6} {'examples':>8} {'ttfb s':>7} {'epoch s':>8} {'ex/s':>7} {'audio s/s':>9}")
-    for r in results:
-        print(f"{r['reader']:<7} {str(r['concurrent']):>6} {r['examples']:>8} {r['ttfb_s']:>7.3f} "
-              f"{r['epoch_s']:>8.2f} {r['examples_per_s']:>7.1f} {r['audio_s_per_s']:>9.1f}")
+    print_table([("reader", "<7"), ("thread", ">6"), ("examples", ">8"), ("ttfb s", ">7.3f"), ("epoch s", ">8.2f"),
+                 ("ex/s", ">7.1f"), ("audio s/s", ">9.1f")],
+                [[r["reader"], str(r["concurrent"]), r["examples"], r["ttfb_s"], r["epoch_s"], r["examples_per_s"],
+                  r["audio_s_per_s"]] for r in results])
     print("timings share 2 CPU cores with other jobs: noisy")
-    print(json.dumps({"workload": {"examples": len(lines), "hours": round(hours, 3), "open_ms": args.open_ms,
-                                   "step_ms": args.step_ms, "batch_size": args.batch_size,
-                                   "buffer_size": args.buffer_size, "shard_size": args.shard_size,
-                                   "make_shards_s": round(shard_s, 2)},
-                      "results": results}))
+    print_json({"workload": {"examples": len(lines), "hours": round(hours, 3), "open_ms": args.open_ms,
+                             "step_ms": args.step_ms, "batch_size": args.batch_size,
+                             "buffer_size": args.buffer_size, "shard_size": args.shard_size,
+                             "make_shards_s": round(shard_s, 2)},
+                "results": results})
 
 
 if __name__ == "__main__":

@@ -24,29 +24,18 @@ other jobs. Prints a table, then a JSON object as the last line.
 """
 
 import argparse
-import json
-import logging
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from aed.audio import FeatureConfig  # noqa: E402
-from aed.memory import format_bytes, parse_bytes  # noqa: E402
-from aed.model import AED, AEDConfig  # noqa: E402
-from oom import TrainingStep, bucket_shapes, make_monotone, optimize, preflight  # noqa: E402
-from sampler import estimate_bins  # noqa: E402
-from sampler_bench import synthetic_corpus  # noqa: E402
-
-
-def mean_batch(counts: list, sizes: list) -> float:
-    """Examples per batch over an epoch: sum(n_b) / sum(n_b / size_b)."""
-    return sum(counts) / sum(n / s for n, s in zip(counts, sizes) if n)
+from aed.audio import FeatureConfig
+from aed.memory import format_bytes, parse_bytes
+from aed.model import count_parameters
+from common import add_width_args, epoch_batch, log, print_json, print_table, random_aed, show_library_logs
+from oom import TrainingStep, bucket_shapes, make_monotone, optimize, preflight
+from sampler import estimate_bins
+from sampler_bench import synthetic_corpus
 
 
 def main():
@@ -56,11 +45,9 @@ def main():
     p.add_argument("--margin", type=float, default=0.1)
     p.add_argument("--threshold", type=float, default=0.05)
     p.add_argument("--buckets", type=int, default=30, help="duration buckets (2D: x2)")
-    p.add_argument("--d-model", type=int, default=64)
+    add_width_args(p, d_model=64, subsampling_channels=16, heads=1)
     p.add_argument("--enc-layers", type=int, default=4)
     p.add_argument("--dec-layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=1)
-    p.add_argument("--subsampling-channels", type=int, default=16)
     p.add_argument("--n-mels", type=int, default=80)
     p.add_argument("--vocab-size", type=int, default=320)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -68,26 +55,24 @@ def main():
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
+    show_library_logs()
     t_start = time.time()
 
     ex = synthetic_corpus(args.synthetic, args.seed)
     durs, toks = [e["duration"] for e in ex], [e["num_tokens"] for e in ex]
     bins_1d = estimate_bins(durs, toks, args.buckets, 1)
-    bins_2d = estimate_bins(durs, toks, args.buckets, 2)
+    bins_2d = estimate_bins(durs, toks, args.buckets, 2, method="equal")  # the paper's 2D bins
     features = FeatureConfig(n_mels=args.n_mels)
-    torch.manual_seed(args.seed)
-    cfg = AEDConfig(n_mels=args.n_mels, vocab_size=args.vocab_size, enc_d_model=args.d_model, dec_d_model=args.d_model,
-                    enc_layers=args.enc_layers, dec_layers=args.dec_layers, enc_heads=args.heads, dec_heads=args.heads,
-                    subsampling_channels=args.subsampling_channels, dec_max_len=512)
-    model = AED(cfg).train()
+    model = random_aed(args, args.enc_layers, args.dec_layers, seed=args.seed, n_mels=args.n_mels,
+                       vocab_size=args.vocab_size, dec_max_len=512).train()
+    cfg = model.cfg
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step = TrainingStep(model, optimizer)
     budget = parse_bytes(args.budget)
     limit = int(budget * (1 - args.margin))
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model {n_params / 1e6:.1f}M parameters (d {args.d_model}, {args.enc_layers}+{args.dec_layers} layers, "
-          f"{args.n_mels} mels, vocab {args.vocab_size}), limit {format_bytes(limit)}, CPU", file=sys.stderr)
+    n_params = count_parameters(model)
+    log(f"model {n_params / 1e6:.1f}M parameters (d {args.d_model}, {args.enc_layers}+{args.dec_layers} layers, "
+        f"{args.n_mels} mels, vocab {args.vocab_size}), limit {format_bytes(limit)}, CPU")
 
     # (b) 1D + oom.py, then (a) the heuristic's largest safe M from the same measurements
     shapes_1d = bucket_shapes(bins_1d, features, cfg.dec_max_len)
@@ -109,30 +94,28 @@ def main():
 
     counts_1d = [c for row in bins_1d.counts for c in row]
     counts_2d = [c for row in bins_2d.counts for c in row]
-    mean = {"a": mean_batch(counts_1d, sizes_a), "b": mean_batch(counts_1d, sizes_b),
-            "c": mean_batch(counts_2d, sizes_c)}
+    mean = {"a": epoch_batch(bins_1d, sizes_a), "b": epoch_batch(bins_1d, sizes_b), "c": epoch_batch(bins_2d, sizes_c)}
 
+    bucket = [("bucket", ">6"), ("<= s", ">6.2f"), ("<= tok", ">6"), ("count", ">6"), ("|", "")]
     print(f"\n1D, {len(shapes_1d)} buckets: (a) heuristic, M < {max_duration:.1f} s of padded audio per batch; "
           "(b) oom.py")
-    print(f"{'bucket':>6} {'<= s':>6} {'<= tok':>6} {'count':>6} | {'a: batch':>8} {'peak':>9} | {'b: batch':>8} "
-          f"{'peak':>9} {'trials':>6}")
-    for b, ((d, _, t), r) in enumerate(zip(shapes_1d, rows_b)):
-        print(f"{b:>6} {d:>6.2f} {t:>6} {counts_1d[b]:>6} | {sizes_a[b]:>8} {format_bytes(peaks_a[b]):>9} | "
-              f"{sizes_b[b]:>8} {format_bytes(r['peak']):>9} {r['trials']:>6}")
+    print_table(bucket + [("a: batch", ">8"), ("peak", ">9"), ("|", ""), ("b: batch", ">8"), ("peak", ">9"),
+                          ("trials", ">6")],
+                [[b, d, t, counts_1d[b], "|", sizes_a[b], format_bytes(peaks_a[b]), "|", sizes_b[b],
+                  format_bytes(r["peak"]), r["trials"]] for b, ((d, _, t), r) in enumerate(zip(shapes_1d, rows_b))])
     print(f"\n2D, {len(shapes_2d)} buckets: (c) oom.py")
-    print(f"{'bucket':>6} {'<= s':>6} {'<= tok':>6} {'count':>6} | {'c: batch':>8} {'peak':>9} {'trials':>6}")
-    for b, ((d, _, t), r) in enumerate(zip(shapes_2d, rows_c)):
-        print(f"{b:>6} {d:>6.2f} {t:>6} {counts_2d[b]:>6} | {sizes_c[b]:>8} {format_bytes(r['peak']):>9} "
-              f"{r['trials']:>6}")
-    print(f"\n{'scheme':<24} {'mean batch':>10} {'vs (a)':>7} {'paper':>6}")
+    print_table(bucket + [("c: batch", ">8"), ("peak", ">9"), ("trials", ">6")],
+                [[b, d, t, counts_2d[b], "|", sizes_c[b], format_bytes(r["peak"]), r["trials"]]
+                 for b, ((d, _, t), r) in enumerate(zip(shapes_2d, rows_c))])
+    print()
     schemes = [("a", "(a) 1D heuristic", "1x"), ("b", "(b) 1D + oom.py", "3.4x"), ("c", "(c) 2D 30x2 + oom.py", "5x")]
-    for key, name, paper in schemes:
-        print(f"{name:<24} {mean[key]:>10.1f} {mean[key] / mean['a']:>6.2f}x {paper:>6}")
+    print_table([("scheme", "<24"), ("mean batch", ">10.1f"), ("vs (a)", ">7"), ("paper", ">6")],
+                [[name, mean[key], f"{mean[key] / mean['a']:.2f}x", paper] for key, name, paper in schemes])
     total = time.time() - t_start
     print(f"search: 1D {seconds_b:.0f} s ({sum(r['trials'] for r in rows_b)} trials), 2D {seconds_c:.0f} s "
           f"({sum(r['trials'] for r in rows_c)} trials); total {total:.0f} s; monotone fixes in 2D: {len(changes_c)}")
 
-    print(json.dumps({
+    print_json({
         "model": {"parameters": n_params, **{k: getattr(cfg, k) for k in (
             "enc_d_model", "enc_heads", "enc_layers", "dec_layers", "n_mels", "vocab_size", "subsampling_channels")}},
         "budget_bytes": budget, "limit_bytes": limit, "threshold": args.threshold, "synthetic": args.synthetic,
@@ -142,7 +125,7 @@ def main():
         "c": {"sizes": sizes_c, "peaks": [r["peak"] for r in rows_c], "trials": [r["trials"] for r in rows_c],
               "mean_batch": mean["c"], "seconds": seconds_c, "monotone_fixes": changes_c},
         "ratios": {"b/a": mean["b"] / mean["a"], "c/a": mean["c"] / mean["a"]}, "paper": {"b/a": 3.4, "c/a": 5.0},
-        "targets": {"c_over_a_ge_3x": mean["c"] / mean["a"] >= 3.0}, "seconds": total}))
+        "targets": {"c_over_a_ge_3x": mean["c"] / mean["a"] >= 3.0}, "seconds": total})
 
 
 if __name__ == "__main__":

@@ -49,16 +49,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from aed.data import encode_utterance, read_manifest  # noqa: E402
-from aed.model import AED, AEDConfig, count_parameters  # noqa: E402
-from aed.tokenizer import Tokenizer  # noqa: E402
-from oom import load_training_setup, preflight  # noqa: E402
-from sampler import Bins, BucketingSampler, estimate_bins, load_batch_sizes  # noqa: E402
+from aed.data import encode_utterance, read_manifest
+from aed.model import AED, AEDConfig, count_parameters
+from aed.tokenizer import Tokenizer
+from common import (MINI_TOKENIZER, ROOT, cores, epoch_batch, last_json, load_avg, log, max_duration_sizes,
+                    read_metrics, run_script, script_failed, step_totals, write_config)
+from oom import load_training_setup, preflight
+from sampler import Bins, estimate_bins, load_batch_sizes
 
 PAPER = {"sync": {2: 7, 16: 13, 128: 20}, "b/a": 3.4, "c/a": 5.0,
          "rtfx": {"canary-1b (24+24)": 345, "24+4": 1097, "canary-1b-flash (32+4)": 992}}
@@ -88,22 +86,18 @@ MODES = {
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per process on a shared 2-core machine
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def run_json(cmd: list, log_path: Path) -> dict:
-    """Run a benchmark; its stdout and stderr go to log_path; returns its JSON last line."""
-    log(f"$ {shlex.join(str(c) for c in cmd)}")
+def run_json(args: list, log_path: Path) -> dict:
+    """`python *args` (a benchmark); its stdout and stderr go to log_path; returns its JSON last line."""
+    log(f"$ {shlex.join(str(a) for a in args)}")
     t0 = time.time()
     with open(log_path, "w") as f:
-        p = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=f, text=True)
+        p = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=f,
+                           text=True)
         f.write(p.stdout)
     if p.returncode != 0 or not p.stdout.strip():
-        tail = "\n".join(log_path.read_text().splitlines()[-15:])
-        raise SystemExit(f"{cmd[1]} exited with {p.returncode}; last lines of {log_path}:\n{tail}")
+        script_failed(args[0], p.returncode, log_path)
     log(f"  done in {time.time() - t0:.0f} s")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return last_json(p.stdout)
 
 
 def machine() -> dict:
@@ -113,8 +107,8 @@ def machine() -> dict:
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()
     return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git or "unknown",
-            "dirty": bool(dirty), "cores": len(os.sched_getaffinity(0)), "cpu": cpu, "torch": torch.__version__,
-            "python": platform.python_version(), "load_start": [round(x, 2) for x in os.getloadavg()]}
+            "dirty": bool(dirty), "cores": cores(), "cpu": cpu, "torch": torch.__version__,
+            "python": platform.python_version(), "load_start": load_avg()}
 
 
 # --- E2 / E4: real training runs ---------------------------------------------------------------
@@ -125,15 +119,12 @@ def prepare_corpus(mode: dict, args, work: Path) -> tuple:
     if not mode["hours"]:
         return ROOT / "data/mini/train.jsonl", ROOT / "data/mini/dev.jsonl", "the bundled data/mini"
     out = Path(args.data) if args.data else ROOT / "runs" / "report" / f"data_{mode['hours']:g}h"
-    cmd = [sys.executable, "tools/make_mini_data.py", "-o", str(out), "--hours", f"{mode['hours']:g}",
-           "--num-workers", str(len(os.sched_getaffinity(0))), "--seed", "0"]
-    how = f"`{shlex.join(cmd[1:])}`"
+    cmd = ["tools/make_mini_data.py", "-o", str(out), "--hours", f"{mode['hours']:g}", "--num-workers", str(cores()),
+           "--seed", "0"]
+    how = f"`{shlex.join(cmd)}`"
     if (out / "train.jsonl").exists():
         return out / "train.jsonl", out / "dev.jsonl", how + " (reused from an earlier run)"
-    log(f"$ {shlex.join(cmd)}")
-    with open(work / "make_mini_data.log", "w") as f:
-        if subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
-            raise SystemExit(f"make_mini_data.py failed, see {work / 'make_mini_data.log'}")
+    run_script(cmd, work / "make_mini_data.log")
     return out / "train.jsonl", out / "dev.jsonl", how
 
 
@@ -151,45 +142,34 @@ def step_clock(rows: list, restarts: set) -> dict:
     return clock
 
 
-def read_metrics(run_dir: Path) -> list:
-    path = run_dir / "metrics.jsonl"
-    # while train.py runs, its last line may be half written: only whole lines count
-    return [json.loads(line) for line in open(path) if line.endswith("\n")] if path.exists() else []
-
-
 def train_run(name: str, config: Path, overrides: list, mode: dict, work: Path) -> dict:
     """One train.py run stopped at the training-time budget, then one more step and a validation."""
     run_dir = work / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a run left by an earlier report would be resumed
-    base = [sys.executable, "train.py", str(config), f"run_dir={run_dir}", "log_every=1", "keep_last=1",
-            "cpu_threads=1", *overrides]
+    base = ["train.py", str(config), f"run_dir={run_dir}", "log_every=1", "keep_last=1", "cpu_threads=1", *overrides]
+    log_path = work / f"train_{name}.log"
     t0 = time.time()
     if mode["budget_s"] is None:  # --quick: a fixed number of steps
-        cmd = base + [f"max_steps={mode['steps']}", f"val.every={mode['val_every']}", f"ckpt_every={mode['steps']}"]
-        log(f"[{name}] $ {shlex.join(cmd[1:])}")
-        with open(work / f"train_{name}.log", "w") as f:
-            code = subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT).returncode
+        run_script(base + [f"max_steps={mode['steps']}", f"val.every={mode['val_every']}",
+                           f"ckpt_every={mode['steps']}"], log_path)
         restarts = {1}
     else:
         cmd = base + ["max_steps=10000000", f"val.every={mode['val_every']}", "ckpt_every=10000000"]
-        log(f"[{name}] $ {shlex.join(cmd[1:])}  (SIGTERM after {mode['budget_s']:g} s of training)")
-        with open(work / f"train_{name}.log", "w") as f:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT)
+        log(f"[{name}] $ {shlex.join(cmd)}  (SIGTERM after {mode['budget_s']:g} s of training)")
+        with open(log_path, "w") as f:
+            proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT)
             while proc.poll() is None:
                 time.sleep(1)
                 if max(step_clock(read_metrics(run_dir), {1}).values()) >= mode["budget_s"]:
                     proc.send_signal(signal.SIGTERM)  # train.py saves a checkpoint and exits 0
                     proc.wait()
-            code = proc.returncode
-        if code == 0:  # resume for one more step, which ends with a validation at the budget
-            last = max(r["step"] for r in read_metrics(run_dir) if "train/step_time" in r)
-            cmd = base + [f"max_steps={last + 1}", f"val.every={last + 1}", f"ckpt_every={last + 1}"]
-            with open(work / f"train_{name}.log", "a") as f:
-                code = subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT).returncode
-            restarts = {1, last + 1}
-    if code != 0:
-        tail = "\n".join((work / f"train_{name}.log").read_text().splitlines()[-15:])
-        raise SystemExit(f"train.py ({name}) exited with {code}; last lines:\n{tail}")
+        if proc.returncode != 0:
+            script_failed("train.py", proc.returncode, log_path)
+        # Resume for one more step, which ends with a validation at the budget.
+        last = max(r["step"] for r in read_metrics(run_dir) if "train/step_time" in r)
+        run_script(base + [f"max_steps={last + 1}", f"val.every={last + 1}", f"ckpt_every={last + 1}"], log_path,
+                   append=True)
+        restarts = {1, last + 1}
     rows = read_metrics(run_dir)
     log(f"[{name}] done in {time.time() - t0:.0f} s")
     return summarize(rows, restarts) | {"wall_s": time.time() - t0}
@@ -197,25 +177,20 @@ def train_run(name: str, config: Path, overrides: list, mode: dict, work: Path) 
 
 def summarize(rows: list, restarts: set) -> dict:
     """Batch size, element-weighted padding, throughput, memory, and the validation curve."""
-    train = [r for r in rows if "train/step_time" in r]
-    audio = np.array([r["train/audio_s_per_s"] * r["train/step_time"] for r in train])  # valid audio s per step
-    tokens = np.array([r["train/tokens_per_s"] * r["train/step_time"] for r in train])
-    padded_audio = sum(a / (1 - r["train/audio_padding"] / 100) for a, r in zip(audio, train))
-    padded_tokens = sum(t / (1 - r["train/text_padding"] / 100) for t, r in zip(tokens, train))
+    totals = step_totals([r for r in rows if "train/step_time" in r])
     clock = step_clock(rows, restarts)
     seconds = max(clock.values())
     val = [{"step": r["step"], "seconds": clock[r["step"]], "loss": r["val/dev/loss"],
             "wer": r.get("val/dev/wer")} for r in rows if "val/dev/loss" in r]
-    return {"steps": len(train), "seconds": seconds, "batch": float(np.mean([r["train/batch_size"] for r in train])),
-            "audio_padding": 100 * (1 - audio.sum() / padded_audio),
-            "text_padding": 100 * (1 - tokens.sum() / padded_tokens),
-            "audio_s_per_s": float(audio.sum() / seconds), "audio_hours": float(audio.sum() / 3600),
-            "rss_gb": max(r["train/memory_gb"] for r in train), "val": val}
+    return {"steps": totals["steps"], "seconds": seconds, "batch": totals["batch"],
+            "audio_padding": totals["audio_padding"], "text_padding": totals["text_padding"],
+            "audio_s_per_s": totals["audio_s"] / seconds, "audio_hours": totals["audio_s"] / 3600,
+            "rss_gb": totals["memory_gb"], "val": val}
 
 
 def run_training(mode: dict, args, work: Path) -> dict:
     train_path, dev_path, how = prepare_corpus(mode, args, work)
-    tokenizer = Tokenizer.load(ROOT / "data/mini/tokenizer")
+    tokenizer = Tokenizer.load(MINI_TOKENIZER)
     utts = read_manifest(str(train_path))
     durs = [u.duration for u in utts]
     toks = [len(encode_utterance(tokenizer, u)[0]) for u in utts]
@@ -223,14 +198,11 @@ def run_training(mode: dict, args, work: Path) -> dict:
               "max_s": max(durs), "dev_utterances": len(read_manifest(str(dev_path))),
               "over_tps_filter": sum(n / d > TPS_FILTER for n, d in zip(toks, durs)),
               "max_tps": max(n / d for n, d in zip(toks, durs))}
-    doc = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())
-    doc["train"].update(manifests=[str(train_path)], tokenizer=str(ROOT / "data/mini/tokenizer"))
-    doc["val"] = {"manifests": [str(dev_path)], "max_utterances": mode["val_utterances"]}
-    config = work / "e2.yaml"
-    config.write_text(yaml.safe_dump(doc, sort_keys=False))
+    config = write_config(work / "e2.yaml", train={"manifests": [str(train_path)], "tokenizer": str(MINI_TOKENIZER)},
+                          val={"manifests": [str(dev_path)], "max_utterances": mode["val_utterances"]})
 
     nb, m = mode["buckets"], mode["max_duration"]
-    bins = {"1d": estimate_bins(durs, toks, nb, 1), "2d": estimate_bins(durs, toks, nb, 2)}
+    bins = {"1d": estimate_bins(durs, toks, nb, 1), "2d": estimate_bins(durs, toks, nb, 2, method="equal")}  # the paper's bins
     for k, b in bins.items():
         b.save(work / f"bins_{k}.json")
     # Memory of a scheme = its worst bucket's peak, measured by oom.preflight (CPU: live tensor bytes).
@@ -240,19 +212,15 @@ def run_training(mode: dict, args, work: Path) -> dict:
         return max(preflight(model, optimizer, b, sizes, 1 << 40, features, precision, spec_augment, max_tps=max_tps,
                              text_vocab_size=vocab))
 
-    sizes_a = BucketingSampler([], bins["1d"], max_duration=m, rank=0, world_size=1).sizes
+    sizes_a = max_duration_sizes(bins["1d"], m)
     budget = bound(bins["1d"], sizes_a)
     fixed_n = max(1, int(m // max(durs)))  # the largest batch of the longest utterances inside A's budget
     oom_sizes = {}
     for k in ("1d", "2d"):
         out = work / f"batch_sizes_{k}.json"
-        cmd = [sys.executable, "oom.py", "--config", str(config), "--bins", str(work / f"bins_{k}.json"), "-o",
-               str(out), "--memory-budget", str(budget), "--margin", "0", "--threshold", "0.1",
-               "--max-tps", str(TPS_FILTER), "--device", "cpu"]
-        log(f"$ {shlex.join(cmd[1:])}")
-        with open(work / f"oom_{k}.log", "w") as f:
-            if subprocess.run(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
-                raise SystemExit(f"oom.py failed, see {work / f'oom_{k}.log'}")
+        run_script(["oom.py", "--config", config, "--bins", work / f"bins_{k}.json", "-o", out, "--memory-budget",
+                    budget, "--margin", "0", "--threshold", "0.1", "--max-tps", TPS_FILTER, "--device", "cpu"],
+                   work / f"oom_{k}.log")
         oom_sizes[k] = out
 
     common = [f"train.num_buckets={nb}", f"train.buffer_size={len(utts)}"]
@@ -270,10 +238,9 @@ def run_training(mode: dict, args, work: Path) -> dict:
     runs = {}
     for name, (overrides, b, sizes, max_tps) in schemes.items():
         flat = [s for row in sizes for s in row] if isinstance(sizes[0], list) else list(sizes)
-        counts = [c for row in b.counts for c in row] if b.counts else None
         runs[name] = train_run(name, config, common + overrides, mode, work) | {
             "buckets": len(flat), "sizes": flat, "bound_bytes": bound(b, sizes, max_tps),
-            "epoch_batch": sum(counts) / sum(n / s for n, s in zip(counts, flat) if n) if counts else None}
+            "epoch_batch": epoch_batch(b, flat) if b.counts else None}
     return {"corpus": corpus, "budget_bytes": budget, "fixed_batch": fixed_n, "max_duration": m, "buckets": nb,
             "budget_s": mode["budget_s"], "val_every": mode["val_every"], "runs": runs}
 
@@ -527,17 +494,16 @@ def main():
     log(f"logs and runs in {work}")
     res = {"command": shlex.join(["python", "bench/report.py", *sys.argv[1:]]), "quick": args.quick,
            "machine": machine()}
-    py = sys.executable
-    res["e1a"] = run_json([py, "bench/sync_bench.py", *mode["sync_bench"]], work / "sync_bench.log")
-    res["e1b"] = [run_json([py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+    res["e1a"] = run_json(["bench/sync_bench.py", *mode["sync_bench"]], work / "sync_bench.log")
+    res["e1b"] = [run_json(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                             "bench/sync_real_bench.py", *mode["sync_real"]], work / f"sync_real_{n}.log")
                   for n in (2, 4)]
-    res["sampler"] = run_json([py, "bench/sampler_bench.py", *mode["sampler_bench"]], work / "sampler_bench.log")
-    res["oom_bench"] = run_json([py, "bench/oom_bench.py", *mode["oom_bench"]], work / "oom_bench.log")
+    res["sampler"] = run_json(["bench/sampler_bench.py", *mode["sampler_bench"]], work / "sampler_bench.log")
+    res["oom_bench"] = run_json(["bench/oom_bench.py", *mode["oom_bench"]], work / "oom_bench.log")
     res["e2"] = run_training(mode, args, work)
-    res["rtfx"] = run_json([py, "bench/rtfx_bench.py", *mode["rtfx_bench"]], work / "rtfx_bench.log")
+    res["rtfx"] = run_json(["bench/rtfx_bench.py", *mode["rtfx_bench"]], work / "rtfx_bench.log")
     res["params"] = parameter_counts()
-    res["machine"]["load_end"] = [round(x, 2) for x in os.getloadavg()]
+    res["machine"]["load_end"] = load_avg()
     res["seconds"] = time.time() - t0
     (work / "results.json").write_text(json.dumps(res, indent=1, default=str))
     pngs = plots(res, out)

@@ -24,9 +24,7 @@ and rerun if a row looks off. Prints a table, then a JSON object as the last lin
 """
 
 import argparse
-import json
 import math
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,19 +33,12 @@ import numpy as np
 import soundfile as sf
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
 
 from aed.audio import FeatureConfig
 from aed.inference import LoadedModel, Timings, transcribe
-from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
-
-LAYOUTS = {  # name: (encoder layers, decoder layers), as in configs/canary-*.yaml
-    "canary-1b (24+24)": (24, 24),
-    "24+4": (24, 4),
-    "canary-1b-flash (32+4)": (32, 4),
-}
-TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "mini" / "tokenizer"
+from common import (LAYOUTS, MINI_TOKENIZER, add_device_args, add_width_args, device_from_args, log, print_json,
+                    print_table, random_aed)
 
 
 def make_audio(directory: Path, n: int, min_s: float, max_s: float, seed: int = 0) -> list[str]:
@@ -67,11 +58,7 @@ def make_audio(directory: Path, n: int, min_s: float, max_s: float, seed: int = 
 
 
 def random_model(enc_layers: int, dec_layers: int, args, tokenizer: Tokenizer, device) -> LoadedModel:
-    cfg = AEDConfig(n_mels=128, vocab_size=5248, enc_d_model=args.d_model, enc_layers=enc_layers, enc_heads=args.heads,
-                    subsampling_channels=args.subsampling_channels, dec_d_model=args.d_model, dec_layers=dec_layers,
-                    dec_heads=args.heads, dec_max_len=1024)
-    torch.manual_seed(0)
-    model = AED(cfg).to(device).eval()
+    model = random_aed(args, enc_layers, dec_layers).to(device).eval()
     with torch.no_grad():
         model.decoder.output_proj.bias[tokenizer.eos] = -1e9  # never stop early: fixed work per utterance
     return LoadedModel(model, tokenizer, FeatureConfig(), "random weights")
@@ -90,23 +77,18 @@ def run(asr: LoadedModel, groups: list[list[str]], beam_size: int, args) -> Timi
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--d-model", type=int, default=64,
-                        help="shared encoder/decoder width (Canary: 1024); why 64: see above")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--subsampling-channels", type=int, default=16, help="Canary: 256; scaled with the width")
+    add_width_args(parser, d_model=64, subsampling_channels=16)  # why 64: see above
     parser.add_argument("--utterances", type=int, default=48, help="generated files (the issue suggests 200 on a GPU)")
     parser.add_argument("--min-seconds", type=float, default=2.0)
     parser.add_argument("--max-seconds", type=float, default=20.0)
     parser.add_argument("--tokens", type=int, default=40, help="generated tokens per utterance (~11 s of speech)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--beams", type=int, nargs="+", default=[1, 4], help="1 = greedy")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads; 1 avoids thrashing a shared machine")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_args(parser)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    tokenizer = Tokenizer.load(TOKENIZER)
+    device = device_from_args(args)
+    tokenizer = Tokenizer.load(MINI_TOKENIZER)
 
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_audio(Path(tmp), args.utterances, args.min_seconds, args.max_seconds)
@@ -129,21 +111,19 @@ def main():
                                  "decoder_s": round(t.decoder, 3), "rtfx": round(t.rtfx, 2),
                                  "encoder_only_rtfx": round(t.audio / (t.wall - t.decoder), 2)})
                     rows[-1]["rtfx_of_encoder_only"] = round(rows[-1]["rtfx"] / rows[-1]["encoder_only_rtfx"], 3)
-                    print(f"  done {name} {rows[-1]['search']} batch {bs}: RTFx {rows[-1]['rtfx']} "
-                          f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+                    log(f"done {name} {rows[-1]['search']} batch {bs}: RTFx {rows[-1]['rtfx']} "
+                        f"({time.perf_counter() - start:.0f} s)")
 
     def row(layout, search, bs):
         return next(r for r in rows if r["layout"].startswith(layout) and r["search"] == search and r["batch"] == bs)
 
-    header = (f"{'layout':24s} {'search':>7s} {'batch':>5s} {'wall s':>8s} {'load+feat s':>11s} {'encoder s':>10s} "
-              f"{'decoder s':>10s} {'RTFx':>8s} {'enc-only':>9s} {'of enc':>7s} {'vs 24+24':>9s}")
-    print(header)
-    print("-" * len(header))
     for r in rows:
         r["rtfx_vs_canary_1b"] = round(r["rtfx"] / row("canary-1b ", r["search"], r["batch"])["rtfx"], 2)
-        print(f"{r['layout']:24s} {r['search']:>7s} {r['batch']:5d} {r['wall_s']:8.2f} {r['load_features_s']:11.2f} "
-              f"{r['encoder_s']:10.2f} {r['decoder_s']:10.2f} {r['rtfx']:8.1f} {r['encoder_only_rtfx']:9.1f} "
-              f"{r['rtfx_of_encoder_only']:7.2f} {r['rtfx_vs_canary_1b']:9.2f}")
+    print_table([("layout", "<24"), ("search", ">7"), ("batch", "5d"), ("wall s", "8.2f"), ("load+feat s", "11.2f"),
+                 ("encoder s", "10.2f"), ("decoder s", "10.2f"), ("RTFx", "8.1f"), ("enc-only", "9.1f"),
+                 ("of enc", "7.2f"), ("vs 24+24", "9.2f")],
+                [[r["layout"], r["search"], r["batch"], r["wall_s"], r["load_features_s"], r["encoder_s"], r["decoder_s"],
+                  r["rtfx"], r["encoder_only_rtfx"], r["rtfx_of_encoder_only"], r["rtfx_vs_canary_1b"]] for r in rows])
     flash = {f"{r['search']}/{r['batch']}": r["rtfx_vs_canary_1b"] for r in rows if "flash" in r["layout"]}
     summary = {"device": str(device), "threads": torch.get_num_threads(), "d_model": args.d_model, "dtype": args.dtype,
                "utterances": len(paths), "audio_s": round(audio_s, 1), "tokens": args.tokens, "rows": rows,
@@ -156,7 +136,7 @@ def main():
             "flash_2.5x_greedy_16": flash["greedy/16"] >= 2.5,
             "flash_50pct_of_encoder_only_greedy_16": summary["flash_rtfx_of_encoder_only_greedy_16"] >= 0.5,
         }
-    print(json.dumps(summary))
+    print_json(summary)
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def main():
 
     examples = scaled_corpus(args.synthetic, args.time_scale, args.seed)
     bins = estimate_bins([e["duration"] for e in examples], [e["num_tokens"] for e in examples],
-                         args.buckets, args.sub_buckets)
+                         args.buckets, args.sub_buckets, method="equal")  # the paper's bins, as measured
     samplers = {name: BucketingSampler(examples, bins, max_duration=args.max_duration, rank=rank,
                                        world_size=world_size, sync_buckets=sync, infinite=True,
                                        buffer_size=len(examples), seed=args.seed, yield_indices=True)

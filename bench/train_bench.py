@@ -40,10 +40,7 @@ and batch size are more trustworthy than those of speed. The last line printed i
 import argparse
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,14 +48,12 @@ from pathlib import Path
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from aed.model import AED, AEDConfig, count_parameters
+from common import (ROOT, cores, epoch_batch, load_avg, log, max_duration_sizes, print_json, print_table,
+                    read_metrics, run_script, step_totals, write_config)
+from oom import device_memory, load_training_setup, preflight
+from sampler import Bins, load_batch_sizes
 
-from aed.model import AED, AEDConfig  # noqa: E402
-from oom import device_memory, load_training_setup, preflight  # noqa: E402
-from sampler import Bins, BucketingSampler, load_batch_sizes  # noqa: E402
-
-BASE_CONFIG = ROOT / "configs" / "tiny.yaml"
 # name -> (model overrides of configs/tiny.yaml, default steps). 30m: Canary-1B-Flash's shape
 # (deep encoder, 4-layer decoder) at 256 wide: 30.0M parameters with the mini vocabulary.
 MODELS = {
@@ -67,21 +62,6 @@ MODELS = {
              "dec_d_model": 256, "dec_layers": 4, "dec_heads": 4}, 20),
 }
 SCHEMES = ["fixed", "1D", "2D", "2D + oom.py"]
-
-
-def load_avg() -> list:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def write_config(name: str, work: Path) -> Path:
-    """configs/tiny.yaml with the model's overrides: one YAML that both train.py and oom.py read."""
-    doc = yaml.safe_load(BASE_CONFIG.read_text())
-    doc["model"].update(MODELS[name][0])
-    doc["model"]["ctc_weight"] = 0.0  # the paper's models train with cross-entropy alone
-    doc["train"]["manifests"] = ["data/mini/train.jsonl"]  # sentences: more varied lengths than the digits
-    path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path
 
 
 def longest_utterance(manifests: list) -> float:
@@ -101,55 +81,36 @@ def longest_utterance(manifests: list) -> float:
 def train(config: Path, run_dir: Path, steps: int, threads: int, overrides: list) -> None:
     """One train.py run; its full log goes to run_dir/train.log."""
     run_dir.mkdir(parents=True)
-    cmd = [sys.executable, "train.py", str(config), f"run_dir={run_dir}", f"max_steps={steps}",
-           "log_every=1", "val.every=0", f"ckpt_every={steps}", "keep_last=1", f"cpu_threads={threads}",
-           *overrides]
-    print(f"  $ {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    with open(run_dir / "train.log", "w") as log:
-        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        tail = (run_dir / "train.log").read_text().splitlines()[-15:]
-        raise SystemExit(f"train.py exited with {code}; last lines of {run_dir / 'train.log'}:\n" + "\n".join(tail))
+    run_script(["train.py", config, f"run_dir={run_dir}", f"max_steps={steps}", "log_every=1", "val.every=0",
+                f"ckpt_every={steps}", "keep_last=1", f"cpu_threads={threads}", *overrides],
+               run_dir / "train.log", threads)
 
 
 def summarize(run_dir: Path, warmup: int) -> dict:
     """Throughput and padding over the steps after `warmup`, from metrics.jsonl (one row per step)."""
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"train/loss"' in line][warmup:]
+    rows = [r for r in read_metrics(run_dir) if "train/loss" in r][warmup:]
     if not rows:
         raise SystemExit(f"{run_dir / 'metrics.jsonl'}: no steps left after skipping {warmup} warm-up steps")
     seconds = sum(r["train/step_time"] for r in rows)
-    audio = [r["train/audio_s_per_s"] * r["train/step_time"] for r in rows]  # valid audio s of each step
-    tokens = [r["train/tokens_per_s"] * r["train/step_time"] for r in rows]
-    # padded = valid / (1 - padding): the element-weighted padding of all measured steps together
-    padded_audio = sum(a / (1 - r["train/audio_padding"] / 100) for a, r in zip(audio, rows))
-    padded_tokens = sum(t / (1 - r["train/text_padding"] / 100) for t, r in zip(tokens, rows))
-    return {"steps": len(rows), "batch": sum(r["train/batch_size"] for r in rows) / len(rows),
-            "audio_padding": 100 * (1 - sum(audio) / padded_audio),
-            "text_padding": 100 * (1 - sum(tokens) / padded_tokens),
-            "audio_s_per_s": sum(audio) / seconds, "tokens_per_s": sum(tokens) / seconds,
-            "step_time": seconds / len(rows), "memory_gb": max(r["train/memory_gb"] for r in rows)}
-
-
-def epoch_batch(bins: Bins, sizes: list) -> float:
-    """Examples per batch over an epoch, from the bins' occupancy: sum(n_b) / sum(n_b / size_b)."""
-    counts = [c for row in bins.counts for c in row]
-    return sum(counts) / sum(n / s for n, s in zip(counts, sizes) if n)
+    totals = step_totals(rows)
+    return totals | {"audio_s_per_s": totals["audio_s"] / seconds, "tokens_per_s": totals["tokens"] / seconds,
+                     "step_time": seconds / len(rows)}
 
 
 def bench_model(name: str, args, work: Path, device: torch.device) -> dict:
-    config = write_config(name, work)
+    # One YAML that both train.py and oom.py read. The paper's models train with cross-entropy alone, and
+    # the sentences have more varied lengths than the digits.
+    config = write_config(work / f"{name}.yaml", model={**MODELS[name][0], "ctc_weight": 0.0},
+                          train={"manifests": ["data/mini/train.jsonl"]})
     doc = yaml.safe_load(config.read_text())
     steps = args.steps or (30 if args.quick else MODELS[name][1])
     max_duration = doc["train"]["max_duration"]
     workers = doc["train"]["num_workers"]
-    threads = max(1, len(os.sched_getaffinity(0)) - workers)  # train.py's own rule, made explicit
-    fixed_n = args.fixed_batch or math.floor(max_duration / longest_utterance(
-        doc["train"]["manifests"]))
-    n_params = sum(p.numel() for p in AED(AEDConfig(**doc["model"])).parameters())
-    print(f"\n[{name}] {n_params / 1e6:.2f}M parameters, {steps} steps per scheme, {device}, "
-          f"{threads} torch thread(s) + {workers} loader worker(s), max_duration {max_duration} s, "
-          f"fixed batch {fixed_n}", file=sys.stderr, flush=True)
+    threads = max(1, cores() - workers)  # train.py's own rule, made explicit
+    fixed_n = args.fixed_batch or math.floor(max_duration / longest_utterance(doc["train"]["manifests"]))
+    n_params = count_parameters(AED(AEDConfig(**doc["model"])))
+    log(f"[{name}] {n_params / 1e6:.2f}M parameters, {steps} steps per scheme, {device}, "
+        f"{threads} torch thread(s) + {workers} loader worker(s), max_duration {max_duration} s, fixed batch {fixed_n}")
 
     def bound(bins: Bins, sizes: list) -> int:
         """Worst-bucket peak of a scheme's sizes (no budget to enforce: the device's memory). The
@@ -162,9 +123,6 @@ def bench_model(name: str, args, work: Path, device: torch.device) -> dict:
             torch.cuda.empty_cache()
         return peak
 
-    def max_duration_sizes(bins: Bins) -> list:
-        return BucketingSampler([], bins, max_duration=max_duration, rank=0, world_size=1).sizes
-
     results = {}
     schemes = SCHEMES[:3] if args.quick else SCHEMES
     runs = {s: work / name / s.replace(" + ", "_").replace(".", "") for s in schemes}
@@ -173,22 +131,16 @@ def bench_model(name: str, args, work: Path, device: torch.device) -> dict:
                  "1D": ["train.sub_buckets=1"], "2D": ["train.sub_buckets=2"]}
     for scheme in schemes:
         t0, load0 = time.time(), load_avg()
-        print(f"[{name}] {scheme}: load average {load0}", file=sys.stderr, flush=True)
+        log(f"[{name}] {scheme}: load average {load0}")
         if scheme == "2D + oom.py":
             # The budget is what 2D's batch sizes already need, so both schemes get the same memory.
             budget = results["2D"]["bound_bytes"]
             sizes_path = work / name / "oom_batch_sizes.json"
-            cmd = [sys.executable, "oom.py", "--config", str(config), "--bins", str(runs["2D"] / "bins.json"),
-                   "-o", str(sizes_path), "--memory-budget", str(budget), "--margin", "0",
-                   "--threshold", str(args.oom_threshold), "--device", str(device)]
-            print(f"  $ {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-            env = {**os.environ, "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))}
-            with open(work / name / "oom.log", "w") as log:
-                t_oom = time.time()
-                code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-                oom_seconds = time.time() - t_oom
-            if code != 0:
-                raise SystemExit(f"oom.py exited with {code}, see {work / name / 'oom.log'}")
+            t_oom = time.time()
+            run_script(["oom.py", "--config", config, "--bins", runs["2D"] / "bins.json", "-o", sizes_path,
+                        "--memory-budget", budget, "--margin", "0", "--threshold", args.oom_threshold,
+                        "--device", device], work / name / "oom.log", threads=cores())
+            oom_seconds = time.time() - t_oom
             overrides[scheme] = [f"train.batch_sizes={sizes_path}"]
         train(config, runs[scheme], steps, threads, overrides[scheme])
         res = summarize(runs[scheme], args.warmup)
@@ -198,7 +150,7 @@ def bench_model(name: str, args, work: Path, device: torch.device) -> dict:
             res["oom_seconds"] = oom_seconds
         else:
             bins = Bins.load(runs[scheme] / "bins.json")
-            sizes = [fixed_n] if scheme == "fixed" else max_duration_sizes(bins)
+            sizes = [fixed_n] if scheme == "fixed" else max_duration_sizes(bins, max_duration)
         res.update(buckets=bins.num_buckets, sizes=sizes,
                    epoch_batch=epoch_batch(bins, sizes), load_avg=[load0, load_avg()],
                    bound_bytes=None if args.quick else bound(bins, sizes), seconds=time.time() - t0)
@@ -207,22 +159,23 @@ def bench_model(name: str, args, work: Path, device: torch.device) -> dict:
             "loader_workers": workers, "max_duration": max_duration, "fixed_batch": fixed_n, "schemes": results}
 
 
-def print_table(name: str, m: dict) -> None:
+def print_model_table(name: str, m: dict) -> None:
     print(f"\n{name}: {m['parameters'] / 1e6:.1f}M parameters, {m['steps']} steps per scheme, first "
           f"{m['warmup']} skipped; {m['threads']} torch thread(s) + {m['loader_workers']} loader worker(s)")
-    print(f"{'scheme':<12} {'buckets':>7} {'batch':>6} {'epoch batch':>11} {'pad audio':>9} {'pad text':>8} "
-          f"{'audio s/s':>9} {'tok/s':>7} {'s/step':>6} {'mem GB':>6} {'bound MB':>8} | {'x batch':>7} "
-          f"{'x audio s/s':>11} {'x tok/s':>7}  load avg (1 min) before/after")
     base = m["schemes"]["fixed"]
+    rows = []
     for scheme, r in m["schemes"].items():
-        label = f"fixed {m['fixed_batch']}" if scheme == "fixed" else scheme
-        bound = f"{r['bound_bytes'] / 1e6:.1f}" if r["bound_bytes"] else "-"
-        print(f"{label:<12} {r['buckets']:>7} {r['batch']:>6.1f} {r['epoch_batch']:>11.1f} "
-              f"{r['audio_padding']:>8.1f}% {r['text_padding']:>7.1f}% {r['audio_s_per_s']:>9.1f} "
-              f"{r['tokens_per_s']:>7.0f} {r['step_time']:>6.2f} {r['memory_gb']:>6.2f} {bound:>8} | "
-              f"{r['batch'] / base['batch']:>6.2f}x {r['audio_s_per_s'] / base['audio_s_per_s']:>10.2f}x "
-              f"{r['tokens_per_s'] / base['tokens_per_s']:>6.2f}x  {r['load_avg'][0][0]:.2f} / "
-              f"{r['load_avg'][1][0]:.2f}")
+        rows.append([f"fixed {m['fixed_batch']}" if scheme == "fixed" else scheme, r["buckets"], r["batch"],
+                     r["epoch_batch"], f"{r['audio_padding']:.1f}%", f"{r['text_padding']:.1f}%", r["audio_s_per_s"],
+                     r["tokens_per_s"], r["step_time"], r["memory_gb"],
+                     f"{r['bound_bytes'] / 1e6:.1f}" if r["bound_bytes"] else "-", "|",
+                     f"{r['batch'] / base['batch']:.2f}x", f"{r['audio_s_per_s'] / base['audio_s_per_s']:.2f}x",
+                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x",
+                     f"{r['load_avg'][0][0]:.2f} / {r['load_avg'][1][0]:.2f}"])
+    print_table([("scheme", "<12"), ("buckets", ">7"), ("batch", ">6.1f"), ("epoch batch", ">11.1f"),
+                 ("pad audio", ">9"), ("pad text", ">8"), ("audio s/s", ">9.1f"), ("tok/s", ">7.0f"),
+                 ("s/step", ">6.2f"), ("mem GB", ">6.2f"), ("bound MB", ">8"), ("|", ""), ("x batch", ">7"),
+                 ("x audio s/s", ">11"), ("x tok/s", ">7"), ("load avg (1 min) before/after", "")], rows)
 
 
 def main():
@@ -242,7 +195,7 @@ def main():
     if unknown:
         p.error(f"--models: unknown {sorted(unknown)}, choose from {list(MODELS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.set_num_threads(len(os.sched_getaffinity(0)))  # our preflight steps run between trainings
+    torch.set_num_threads(cores())  # our preflight steps run between trainings
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="train_bench_"))
     work.mkdir(parents=True, exist_ok=True)
 
@@ -253,13 +206,13 @@ def main():
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
     for name, m in models.items():
-        print_table(name, m)
+        print_model_table(name, m)
     load_end = load_avg()
-    print(f"\nload average (1, 5, 15 min) at start {load_start}, at end {load_end} on "
-          f"{len(os.sched_getaffinity(0))} cores: other jobs share this machine, so speeds are noisy; "
-          f"padding and batch sizes are not. {time.time() - t0:.0f} s in total.")
-    print(json.dumps({"device": str(device), "cores": len(os.sched_getaffinity(0)), "load_avg_start": load_start,
-                      "load_avg_end": load_end, "seconds": time.time() - t0, "models": models}))
+    print(f"\nload average (1, 5, 15 min) at start {load_start}, at end {load_end} on {cores()} cores: other "
+          f"jobs share this machine, so speeds are noisy; padding and batch sizes are not. "
+          f"{time.time() - t0:.0f} s in total.")
+    print_json({"device": str(device), "cores": cores(), "load_avg_start": load_start, "load_avg_end": load_end,
+                "seconds": time.time() - t0, "models": models})
 
 
 if __name__ == "__main__":

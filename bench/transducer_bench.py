@@ -25,11 +25,12 @@ default keeps the issue's target shape (32, 200, 50, 1024) unscaled and scales (
 The last line is a JSON object with every number in the table.
 """
 import argparse
-import json
 import os
 import subprocess
 import sys
 import time
+
+from common import last_json, log, print_json, print_table
 
 SHAPES = [(8, 100, 20, 256), (32, 150, 40, 512), (32, 200, 50, 1024), (64, 250, 60, 1024)]
 TARGET_SHAPE = (32, 200, 50, 1024)  # issue 8: sample-wise memory <= 0.1x, time <= 1.5x batched here
@@ -38,7 +39,7 @@ TARGET_SHAPE = (32, 200, 50, 1024)  # issue 8: sample-wise memory <= 0.1x, time 
 def run_worker(args):
     """One measurement in this process; prints a JSON line."""
     import torch
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
     from aed.transducer import Transducer, TransducerConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,8 +80,8 @@ def run_worker(args):
     step(*inputs(1, min(T, 8), min(U, 4)))
     batch = inputs(B, T, U)  # resident before the step, as the encoder output is in training
     runs = [step(*batch) for _ in range(args.iters)]
-    print(json.dumps({"peak_mb": max(r[1] for r in runs) / 2**20, "time_s": min(r[0] for r in runs),
-                      "loss": runs[0][2], "device": device}))
+    print_json({"peak_mb": max(r[1] for r in runs) / 2**20, "time_s": min(r[0] for r in runs),
+                "loss": runs[0][2], "device": device})
 
 
 def _proc_status_bytes(field):
@@ -98,7 +99,7 @@ def measure(shape, mode, chunk, args, iters=None):
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"worker {shape} {mode} chunk={chunk} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return last_json(out.stdout)
 
 
 def largest_batch(mode, chunk, args):
@@ -107,7 +108,7 @@ def largest_batch(mode, chunk, args):
 
     def fits(B):
         peak = measure((B, T, U, V), mode, chunk, args, iters=1)["peak_mb"]
-        print(f"  budget probe {mode:10s} chunk={chunk:<3d} B={B:<5d} peak {peak:8.1f} MB", file=sys.stderr)
+        log(f"budget probe {mode:10s} chunk={chunk:<3d} B={B:<5d} peak {peak:8.1f} MB")
         return peak <= args.budget_mb
 
     lo, hi = 0, 1
@@ -149,7 +150,7 @@ def main():
         for mode, chunk in methods:
             r = measure((run_B, T, U, V), mode, chunk, args)
             rows.append({"shape": [B, T, U, V], "run_B": run_B, "method": name[(mode, chunk)], **r})
-            print(f"  {rows[-1]}", file=sys.stderr)
+            log(str(rows[-1]))
 
     budget = {}
     for mode, chunk in methods:
@@ -159,8 +160,7 @@ def main():
     # --- report ---
     print(f"\ntransducer loss + backward, enc_dim {args.enc_dim}, joint_dim {args.joint_dim}, "
           f"device {rows[0]['device']}, full lengths")
-    print(f"{'B, T, U, V':>22} {'method':>12} {'peak MB':>9} {'x batched':>9} {'time s':>8} {'x batched':>9}"
-          f" {'loss rel. diff':>14}")
+    table = []
     for row in rows:
         ref = next(r for r in rows if r["shape"] == row["shape"] and r["method"] == "batched")
         row["mem_ratio"] = row["peak_mb"] / ref["peak_mb"]
@@ -168,14 +168,16 @@ def main():
         row["loss_rel_diff"] = abs(row["loss"] - ref["loss"]) / abs(ref["loss"])
         B, T, U, V = row["shape"]
         shape = f"{row['run_B']}, {T}, {U}, {V}" + (f" (B {B})" if row["run_B"] != B else "")
-        print(f"{shape:>22} {row['method']:>12} {row['peak_mb']:9.1f} {row['mem_ratio']:9.3f} "
-              f"{row['time_s']:8.2f} {row['time_ratio']:9.2f} {row['loss_rel_diff']:14.1e}")
+        table.append([shape, row["method"], row["peak_mb"], row["mem_ratio"], row["time_s"], row["time_ratio"],
+                      row["loss_rel_diff"]])
+    print_table([("B, T, U, V", ">22"), ("method", ">12"), ("peak MB", "9.1f"), ("x batched", "9.3f"),
+                 ("time s", "8.2f"), ("x batched", "9.2f"), ("loss rel. diff", "14.1e")], table)
     if any(r["run_B"] != r["shape"][0] for r in rows):
         print(f"(B X): shape scaled from batch X to fit --max-lattice {args.max_lattice:.3g} on this machine")
     T, U, V = args.budget_shape
     print(f"\nlargest batch within {args.budget_mb:g} MB at T'={T}, U={U}, V={V}:")
     for method, b in budget.items():
-        print(f"{method:>14}: {b['largest_batch']}" + (f" (fits at the --max-batch cap)" if b["hit_cap"] else ""))
+        print(f"{method:>14}: {b['largest_batch']}" + (" (fits at the --max-batch cap)" if b["hit_cap"] else ""))
 
     target = [r for r in rows if tuple(r["shape"]) == TARGET_SHAPE and r["run_B"] == TARGET_SHAPE[0]]
     targets = {}
@@ -188,11 +190,11 @@ def main():
         print(f"\ntarget at {TARGET_SHAPE}: sample-wise memory {sw['mem_ratio']:.3f}x (<= 0.1), "
               f"time {sw['time_ratio']:.2f}x (<= 1.5); chunked time {ch['time_ratio']:.2f}x -> "
               f"{'met' if targets['met'] else 'NOT met'}")
-    print(json.dumps({"enc_dim": args.enc_dim, "joint_dim": args.joint_dim, "device": rows[0]["device"],
-                      "memory_method": "cuda max_memory_allocated" if rows[0]["device"] == "cuda"
-                      else "VmHWM - VmRSS before step (clear_refs reset), MALLOC_MMAP_THRESHOLD_=65536",
-                      "rows": rows, "budget_mb": args.budget_mb, "budget_shape": args.budget_shape,
-                      "budget": budget, "targets": targets}))
+    print_json({"enc_dim": args.enc_dim, "joint_dim": args.joint_dim, "device": rows[0]["device"],
+                "memory_method": "cuda max_memory_allocated" if rows[0]["device"] == "cuda"
+                else "VmHWM - VmRSS before step (clear_refs reset), MALLOC_MMAP_THRESHOLD_=65536",
+                "rows": rows, "budget_mb": args.budget_mb, "budget_shape": args.budget_shape,
+                "budget": budget, "targets": targets})
 
 
 if __name__ == "__main__":

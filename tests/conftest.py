@@ -1,12 +1,29 @@
+import os
+
 import pytest
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """Tests use tiny tensors: on a 2-core machine extra OpenMP threads only fight over the cores
-    (tiny ops got up to 100x slower with two threads while another process was busy)."""
+    (tiny ops got up to 100x slower with two threads while another process was busy). The scripts
+    that tests run in subprocesses get one thread too."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")
+        yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def checkout_on_pythonpath():
+    """Tests run bench/ and tools/ scripts in subprocesses; without `pip install -e .` those find `aed`
+    (and `sampler`, `oom`, `tools`) only through PYTHONPATH. This checkout goes first, so a venv shared
+    between checkouts tests the code of this one."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", ROOT, prepend=os.pathsep)
+        yield

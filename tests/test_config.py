@@ -97,6 +97,7 @@ def test_every_key_is_described_with_type_and_default():
     assert "(set from the tokenizer" in next(r for r in rows if r[0] == "model.vocab_size")[3]
 
 
+@pytest.mark.slow
 def test_train_py_imports_without_running_and_prints_its_keys():
     p = subprocess.run([sys.executable, "-c", "import train, oom, infer, sampler; print('imported')"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -198,6 +198,7 @@ def test_beam_search_equals_slow_reference(alpha):
     assert got == ref
 
 
+@pytest.mark.slow
 def test_tiny_model_overfits_eight_synthetic_utterances():
     """8 utterances whose features are a per-token spectrum held for 12 frames: learn to transcribe them all."""
     torch.manual_seed(0)

@@ -64,16 +64,23 @@ def test_newest_valid_checkpoint_is_found_and_the_bad_ones_named(tmp_path, caplo
     assert "ckpt-00000002/shard-000-of-001.pt: unreadable" in caplog.text
 
 
-def test_run_dir_whose_only_checkpoint_is_corrupt_is_not_restarted_silently(tmp_path):
+def test_run_dir_whose_only_checkpoint_is_corrupt_has_none_to_resume_from(tmp_path):
     save_checkpoint(fake_state(5), tmp_path, 5, keep_last=1)
     truncate(shard(tmp_path, 5))
     with pytest.raises(CheckpointError, match="(?s)ckpt-00000005/shard-000-of-001.pt: unreadable.*move them away"):
         load_latest(tmp_path)
+
+
+@pytest.mark.slow
+def test_train_py_does_not_restart_a_run_whose_checkpoints_are_all_corrupt(tmp_path):
+    save_checkpoint(fake_state(5), tmp_path, 5, keep_last=1)
+    truncate(tmp_path / "ckpt-00000005.pt")
     p = run_train(tmp_path, "max_steps=2", check=False)
     assert p.returncode != 0 and "cannot resume" in p.stderr and "ckpt-00000005" in p.stderr
     assert not os.path.exists(tmp_path / "metrics.jsonl")  # no step was trained
 
 
+@pytest.mark.slow
 def test_steps_replayed_after_a_kill_are_logged_once(tmp_path):
     run_train(tmp_path, "max_steps=4", "ckpt_every=2")
     shutil.rmtree(tmp_path / "ckpt-00000004")  # as if killed after step 4 was logged, before its save

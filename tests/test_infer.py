@@ -210,6 +210,7 @@ def test_max_new_tokens_caps_every_utterance(asr):
     assert all(len(r.tokens) <= 3 for r in capped_beam)
 
 
+@pytest.mark.slow
 def test_cli_directory_with_a_corrupt_file_and_a_manifest(run_dir, tmp_path):
     audio = tmp_path / "clips"
     (audio / "sub").mkdir(parents=True)

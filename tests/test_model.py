@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from aed.encoder import (
     ConvSubsampling,

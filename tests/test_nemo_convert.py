@@ -165,6 +165,7 @@ def test_unsupported_option_is_a_clear_error(tmp_path, edit, named):
     assert not (tmp_path / "bad.pt").exists()
 
 
+@pytest.mark.slow
 def test_cli_reports_the_unsupported_option(tmp_path):
     bad = tmp_path / "bad.nemo"
     rewrite_nemo(FIXTURES / "canary2.nemo", bad, lambda c: c["encoder"].update(subsampling_factor=4))
@@ -174,6 +175,7 @@ def test_cli_reports_the_unsupported_option(tmp_path):
     assert "encoder.subsampling_factor=4" in p.stderr and "aed subsamples 8x" in p.stderr
 
 
+@pytest.mark.slow
 def test_converted_checkpoint_fine_tunes_and_still_decodes(tmp_path):
     """train.py with the YAML the converter writes and init_from= its checkpoint (the Flash-style model)."""
     out = tmp_path / "flash.pt"
@@ -204,6 +206,7 @@ def test_converted_checkpoint_fine_tunes_and_still_decodes(tmp_path):
     assert 0 < len(hyp) <= memory.shape[1] + 5 and all(0 <= t < tok.vocab_size + 8 for t in hyp)
 
 
+@pytest.mark.slow
 def test_fine_tuning_with_a_new_language_block_appended(tmp_path):
     """A sub-tokenizer appended to the converted aggregate tokenizer keeps every old id and row."""
     out = tmp_path / "canary.pt"

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -20,11 +22,14 @@ def tables(markdown: str) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_quick_report(tmp_path):
     out = tmp_path / "docs"
+    # The timeout only catches a hang (a DDP benchmark waiting for a rank that died): the report takes ~2 min
+    # on 2 idle cores and 600 s was not enough on a loaded machine, so it is no measure of speed.
     p = subprocess.run([sys.executable, "bench/report.py", "--quick", "-o", str(out), "--work-dir",
                         str(tmp_path / "work")], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=3600)
     assert p.returncode == 0, p.stderr[-4000:]
     text = (out / "REPORT.md").read_text()
     for heading in ("## E1", "## E2", "## E3", "## E4"):

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sampler import (BucketingSampler, Bins, JsonlSource, _Allocator, estimate_bins, load_batch_sizes, main,
-                     save_batch_sizes)
+from bins import Allocator
+from sampler import BucketingSampler, Bins, JsonlSource, estimate_bins, load_batch_sizes, save_batch_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,8 +22,9 @@ def make_examples(n, seed=0):
     return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
 
 
-def make_bins(examples, buckets=8, sub=2):
-    return estimate_bins([e["duration"] for e in examples], [e["num_tokens"] for e in examples], buckets, sub)
+def make_bins(examples, buckets=8, sub=2, method="equal"):
+    return estimate_bins([e["duration"] for e in examples], [e["num_tokens"] for e in examples], buckets, sub,
+                         method=method)
 
 
 def write_jsonl(path, examples):
@@ -55,7 +56,7 @@ def test_every_example_once_per_epoch_and_equal_batch_counts(world_size):
         counts.append(len(batches))
         assert len(batches) == len(s)
         seen += [i for b in batches for i in b]
-    kept = [i for i, e in enumerate(EX) if isinstance(_Allocator(BINS)(e["duration"], e["num_tokens"]), int)]
+    kept = [i for i, e in enumerate(EX) if isinstance(Allocator(BINS)(e["duration"], e["num_tokens"]), int)]
     assert sorted(seen) == kept
     assert len(set(counts)) == 1, counts  # the natural counts differ: ranks with fewer split batches
 
@@ -98,7 +99,7 @@ def test_no_batch_exceeds_its_limit():
 
 def test_strict_vs_flexible_allocation():
     bins = Bins([2.0, 4.0], [[10, 20], [30, 40]])
-    strict, flexible = _Allocator(bins, "strict"), _Allocator(bins, "flexible")
+    strict, flexible = Allocator(bins, "strict"), Allocator(bins, "flexible")
     assert strict(1.5, 15) == flexible(1.5, 15) == 1
     assert strict(1.5, 25) == "tokens_over_bins" and flexible(1.5, 25) == 2  # long transcript moves up
     assert strict(3.0, 5) == flexible(3.0, 5) == 2
@@ -125,7 +126,7 @@ def test_bins_equal_occupancy_outliers_and_merged_duplicates():
     d = rng.uniform(1.0, 20.0, 50_000)
     t = (d * rng.uniform(2.0, 6.0, len(d))).astype(int) + 1
     t[:20] = 2000  # TPS outliers
-    bins = estimate_bins(d, t, num_buckets=10, sub_buckets=2)
+    bins = estimate_bins(d, t, num_buckets=10, sub_buckets=2, method="equal")
     edges = [0.0] + bins.durations
     per_bin = [d[(d > lo) & (d <= hi)].sum() for lo, hi in zip(edges, edges[1:])]
     assert max(per_bin) / min(per_bin) < 1.05
@@ -135,9 +136,57 @@ def test_bins_equal_occupancy_outliers_and_merged_duplicates():
     assert max(bins.max_tps) < 7.0  # the 2000-token outliers were excluded from max TPS and bounds
     assert sum(map(sum, bins.counts)) == len(d) - 20  # outliers fit no bucket
     skew = np.concatenate([rng.uniform(1, 10, 1000), np.full(3000, 30.0)])
-    sk = estimate_bins(skew, (skew * 4).astype(int), num_buckets=10, sub_buckets=2)
+    sk = estimate_bins(skew, (skew * 4).astype(int), num_buckets=10, sub_buckets=2, method="equal")
     assert sk.durations == sorted(set(sk.durations)) and sk.durations[-1] == 30.0
     assert len(sk.tokens[-1]) >= 2 and len(sk.durations) < 10
+
+
+def wide_examples(n, seed=0):
+    """Speech rates from 0.5 to 6 tokens/s, long segments with little speech, 1% transcript outliers."""
+    rng = np.random.default_rng(seed)
+    d = np.clip(0.5 + 39.5 * rng.beta(1.3, 3.0, n), 0.5, 40.0).round(2)
+    tps = np.exp(rng.uniform(np.log(0.5), np.log(6.0), n))
+    tps[: n // 20] = rng.uniform(0.02, 0.4, n // 20)
+    tps[-(n // 100):] *= 4
+    t = (tps * d).astype(int) + 6
+    return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
+
+
+WIDE = wide_examples(4000)
+OPT = make_bins(WIDE, 10, 3, method="optimised")
+
+
+def padding_of(examples, bins):
+    s = BucketingSampler(examples, bins, max_duration=200.0, buffer_size=1000)
+    for _ in s:
+        pass
+    return s.stats
+
+
+def test_optimised_bins_keep_the_bucket_count_and_pad_less_without_dropping_more():
+    equal = make_bins(WIDE, 10, 3, method="equal")
+    assert OPT.num_buckets == equal.num_buckets == 30 and len(set(OPT.shape)) > 1  # sub-bins where needed
+    assert OPT.max_tps is not None and len(OPT.max_tps) == len(OPT.durations)
+    opt, eq = padding_of(WIDE, OPT), padding_of(WIDE, equal)
+    assert sum(opt["drops"].values()) <= sum(eq["drops"].values())
+    assert opt["audio_padding"] <= eq["audio_padding"] + 0.005
+    assert opt["text_padding"] < eq["text_padding"] - 0.03
+    assert make_bins(WIDE, 10, 3, method="optimised") == OPT  # deterministic
+    tiny = make_bins(WIDE[:5], 10, 3, method="optimised")  # fewer distinct values than buckets
+    assert tiny.num_buckets <= 30 and sum(map(sum, tiny.counts)) == 5
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_optimised_bins_every_example_once_and_resume(world_size):
+    kw = dict(max_duration=200.0, buffer_size=300, yield_indices=True, world_size=world_size, seed=1)
+    seen, counts = [], []
+    for rank in range(world_size):
+        batches = list(BucketingSampler(WIDE, OPT, rank=rank, **kw))
+        counts.append(len(batches))
+        seen += [i for b in batches for i in b]
+    kept = [i for i, e in enumerate(WIDE) if isinstance(Allocator(OPT)(e["duration"], e["num_tokens"]), int)]
+    assert sorted(seen) == kept and len(set(counts)) == 1
+    resume_check(lambda: BucketingSampler(WIDE, OPT, rank=world_size - 1, **kw), cut=31, rewind=4)
 
 
 def test_bins_and_batch_sizes_files_roundtrip(tmp_path):
@@ -151,14 +200,38 @@ def test_bins_and_batch_sizes_files_roundtrip(tmp_path):
         Bins([3.0, 2.0])
 
 
-def test_estimate_bins_cli_uses_a_uniform_sample(tmp_path, capsys):
-    exs = sorted(make_examples(2000, seed=5), key=lambda e: e["duration"])  # sorted: a head-only sample would be biased
-    write_jsonl(tmp_path / "m.jsonl", exs)
-    main(["estimate-bins", "--manifest", str(tmp_path / "m.jsonl"), "--buckets", "5", "--sub-buckets", "2",
-          "--sample", "500", "-o", str(tmp_path / "b.json")])
-    bins = Bins.load(tmp_path / "b.json")
-    assert bins.num_buckets >= 8 and bins.durations[-1] > 15.0
-    assert "scanned" not in capsys.readouterr().out
+def test_estimate_bins_tool_counts_tokens_as_training_does(tmp_path, capsys):
+    from aed.data import encode_utterance, read_manifest
+    from aed.tokenizer import Tokenizer
+    from tools.estimate_bins import main
+
+    tok_dir = ROOT / "data/mini/tokenizer"
+    lines = (ROOT / "data/mini/train.jsonl").read_text().splitlines()
+    rows = sorted((json.loads(x) for x in lines), key=lambda e: e["duration"])  # a head-only sample would be biased
+    for e in rows:
+        e["audio_filepath"] = str(ROOT / "data/mini" / e["audio_filepath"])
+    bad = ['{"duration": 2.0}', '{"audio_filepath": "a.wav", "duration": 1.0, "text": "hi", "lang": "xx"}']
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join([json.dumps(e) for e in rows] + bad) + "\n")
+    main(["--manifest", str(path), "--tokenizer", str(tok_dir), "--buckets", "4", "--sub-buckets", "2",
+          "--method", "equal", "-o", str(tmp_path / "b.json")])
+    out = json.loads((tmp_path / "b.json").read_text())
+    assert out["meta"]["skipped"] == {"bad_line": 1, "not_tokenizable": 1}
+    assert "skipped 1 sampled lines (bad_line)" in capsys.readouterr().err
+    tok = Tokenizer.load(tok_dir)
+    utts = read_manifest(str(ROOT / "data/mini/train.jsonl"))
+    n = [len(encode_utterance(tok, u)[0]) for u in utts]
+    assert Bins.load(tmp_path / "b.json") == estimate_bins([u.duration for u in utts], n, 4, 2, method="equal")
+
+    main(["--manifest", str(path), "--tokenizer", str(tok_dir), "--sample", "50", "-o", str(tmp_path / "s.json")])
+    assert json.loads((tmp_path / "s.json").read_text())["meta"]["sampled"] == 50
+    assert Bins.load(tmp_path / "s.json").durations[-1] > 2.5  # uniform over the sorted file, not its head (<= 1.7 s)
+
+
+def test_old_estimate_bins_command_names_the_new_one():
+    out = subprocess.run([sys.executable, str(ROOT / "sampler.py"), "estimate-bins", "--manifest", "m.jsonl"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "tools/estimate_bins.py" in out.stderr
 
 
 class SlowJsonl(JsonlSource):
@@ -190,6 +263,36 @@ def test_sync_buckets_same_buckets_different_data():
     assert all(not (data[0] & x) for x in data[1:])
     unsync = [run(BucketingSampler(EX, BINS, rank=r, sync_buckets=False, **kw), limit=200) for r in range(4)]
     assert np.mean([len({r[k][0] for r in unsync}) == 1 for k in range(200)]) < 0.2
+
+
+def agreement_at(buffer_size, **kw):
+    """Share of steps (after the fill ramp) on which two simulated ranks use the same bucket."""
+    kw = dict(max_duration=60.0, buffer_size=buffer_size, yield_indices=True, world_size=2, infinite=True, **kw)
+    runs = [run(BucketingSampler(EX, BINS, rank=r, **kw), limit=700) for r in range(2)]
+    return np.mean([runs[0][k][0] == runs[1][k][0] for k in range(100, 700)])
+
+
+def test_sync_buckets_agree_with_a_small_buffer(caplog):
+    assert agreement_at(100) > 0.9  # the ranks read on until the drawn bucket has a batch
+    with caplog.at_level("WARNING", logger="sampler"):
+        assert agreement_at(100, overfill=1.0) < 0.6  # fall back once the buffer is full: the paper's
+    warned = [r.getMessage() for r in caplog.records if "took the drawn bucket" in r.getMessage()]
+    assert warned and "buffer_size=500 should give 90%" in warned[0]
+    assert agreement_at(500, overfill=1.0) > 0.9  # the suggested buffer keeps its promise
+
+
+def test_resume_while_reading_on_for_the_drawn_bucket(tmp_path):
+    resume_check(lambda: BucketingSampler(EX, BINS, max_duration=60.0, buffer_size=100, world_size=2, rank=1),
+                 cut=77, rewind=5)
+    path = write_jsonl(tmp_path / "m.jsonl", EX[:1500])
+    kw = dict(max_duration=60.0, buffer_size=80, seed=7, infinite=True)
+    ref = run(BucketingSampler(JsonlSource(path), BINS, concurrent=False, **kw), limit=300)
+    assert run(BucketingSampler(SlowJsonl(path), BINS, concurrent=True, **kw), limit=300) == ref
+    s = BucketingSampler(JsonlSource(path), BINS, concurrent=True, **kw)
+    head = run(s, limit=120)
+    s2 = BucketingSampler(JsonlSource(path), BINS, concurrent=True, **kw)
+    s2.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    assert head + run(s2, limit=180) == ref
 
 
 def resume_check(make, cut, rewind=0):

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from aed.checkpoint import TRAINING_KEYS, read_checkpoint
@@ -41,6 +42,7 @@ def losses(run_dir):
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
+@pytest.mark.slow
 def test_resume_gives_the_same_batches_and_losses(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     run_train(a, "max_steps=6", "ckpt_every=100")
@@ -52,6 +54,7 @@ def test_resume_gives_the_same_batches_and_losses(tmp_path):
     assert all(la[s] == lb[s] for s in la), (la, lb)  # bitwise: same batches, same dropout
 
 
+@pytest.mark.slow
 def test_ddp_two_ranks_stay_in_sync(tmp_path):
     p = run_train(tmp_path / "ddp", "max_steps=4", "ckpt_every=2", nproc=2)
     assert p.stderr.count("equal on 2 rank(s)") == 2  # checksums compared at steps 2 and 4
@@ -60,6 +63,7 @@ def test_ddp_two_ranks_stay_in_sync(tmp_path):
     assert ckpt["sampler"][0]["batches"] == ckpt["sampler"][1]["batches"]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
     run_dir = tmp_path / "sig"
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -83,6 +87,7 @@ def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
     assert max(losses(run_dir)) == stopped_at + 1
 
 
+@pytest.mark.slow
 def test_corrupt_audio_and_empty_transcript_are_skipped_and_counted(tmp_path):
     lines = open(os.path.join(MINI, "train.jsonl")).read().splitlines()[:20]
     records = [json.loads(line) for line in lines]
@@ -100,6 +105,7 @@ def test_corrupt_audio_and_empty_transcript_are_skipped_and_counted(tmp_path):
     assert "corrupt.flac: unreadable audio" in p.stderr  # found by the audio header check at start
 
 
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped_then_abort(tmp_path):
     p = run_train(tmp_path / "nan", "max_steps=20", "optim.lr=1e30", "optim.warmup_steps=1",
                   "max_bad_steps=2", check=False)
@@ -108,6 +114,7 @@ def test_non_finite_steps_are_skipped_then_abort(tmp_path):
     assert "aborting: 2 consecutive non-finite steps" in p.stderr
 
 
+@pytest.mark.slow
 def test_config_errors_name_the_key(tmp_path):
     p = run_train(tmp_path / "cfg", "optim.lrr=1", check=False)
     assert p.returncode != 0 and "optim.lrr" in p.stderr
@@ -115,6 +122,7 @@ def test_config_errors_name_the_key(tmp_path):
     assert p.returncode != 0 and "max_steps" in p.stderr
 
 
+@pytest.mark.slow
 def test_encoder_only_init_into_a_deeper_encoder(tmp_path):
     run_train(tmp_path / "src", "max_steps=1")
     src = read_checkpoint(tmp_path / "src" / "ckpt-00000001")["model"]
@@ -128,6 +136,7 @@ def test_encoder_only_init_into_a_deeper_encoder(tmp_path):
     assert not any(torch.equal(src[k], dst[k]) for k in dec)
 
 
+@pytest.mark.slow
 def test_preflight_fails_before_step_0_when_a_bucket_does_not_fit(tmp_path):
     p = run_train(tmp_path / "pre", "max_steps=1", "memory_budget=2MB", check=False)
     assert p.returncode != 0
@@ -137,6 +146,7 @@ def test_preflight_fails_before_step_0_when_a_bucket_does_not_fit(tmp_path):
     assert "preflight: all 8 buckets fit 20GB" in p.stderr
 
 
+@pytest.mark.slow
 def test_tiny_config_learns_to_transcribe_unseen_digit_strings(tmp_path):
     """The bundled tiny config, unedited but shorter (on data/mini/digits): dev WER on digit strings
     it never heard must fall from 100% (or more: an untrained decoder babbles) to well below.
@@ -158,6 +168,7 @@ def test_tiny_config_learns_to_transcribe_unseen_digit_strings(tmp_path):
     assert wer[0] >= 95 and wer[400] < 85, wer
 
 
+@pytest.mark.slow
 def test_validation_sets_with_the_same_file_name_are_reported_apart(tmp_path):
     run_train(tmp_path / "v", "max_steps=1", "val.every=1", "val.max_utterances=2",
               "val.manifests=[data/mini/dev.jsonl,data/mini/digits/dev.jsonl]")
@@ -166,6 +177,7 @@ def test_validation_sets_with_the_same_file_name_are_reported_apart(tmp_path):
     assert {"val/mini_dev/loss", "val/digits_dev/loss"} <= keys and "val/dev/loss" not in keys, sorted(keys)
 
 
+@pytest.mark.slow
 def test_rnnt_pretraining_then_its_encoder_into_an_aed(tmp_path):
     p = run_train(tmp_path / "rnnt", "max_steps=2", "objective=rnnt", "rnnt_joint_dim=64", "val.every=2",
                   "val.max_utterances=4")
@@ -182,6 +194,7 @@ def test_rnnt_pretraining_then_its_encoder_into_an_aed(tmp_path):
     assert enc and all(torch.equal(src[k], dst[k]) for k in enc)
 
 
+@pytest.mark.slow
 def test_sharded_training_resumes_exactly(tmp_path):
     from aed.data import encode_utterance, read_manifest
     from aed.tokenizer import Tokenizer

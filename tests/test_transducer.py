@@ -9,9 +9,8 @@ from aed.audio import FeatureConfig, LogMel
 from aed.ctc import CTCHead
 from aed.data import Collate, UtteranceDataset, read_manifest
 from aed.model import AEDConfig, text_targets
-from aed.rnnt_model import TransducerASR
 from aed.tokenizer import Tokenizer
-from aed.transducer import Transducer, TransducerConfig, rnnt_nll
+from aed.transducer import Transducer, TransducerASR, TransducerConfig, rnnt_nll
 
 MINI = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "mini")
 V = 11  # 10 tokens + blank (id 10)
@@ -202,6 +201,7 @@ def test_overfit_synthetic_utterances_transducer_and_ctc():
     assert ctc_hyps == want
 
 
+@pytest.mark.slow
 def test_overfit_mini_utterances_greedy_recovers_them():
     # A tiny TransducerASR learns 4 real mini-set utterances by heart; greedy decoding in eval mode must
     # return their token ids and text exactly. Eval mode matters: the conv module's BatchNorm then uses

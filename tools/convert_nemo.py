@@ -46,8 +46,6 @@ import sentencepiece as spm
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
-
 from aed.audio import FeatureConfig, LogMel
 from aed.checkpoint import pack_dir
 from aed.model import AED, AEDConfig

@@ -32,11 +32,9 @@ from pathlib import Path
 
 import soundfile as sf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
-
-from aed.data import ManifestError, encode_utterance, manifest_lines, parse_line  # noqa: E402
-from aed.shards import INDEX_NAME, SHARD_NAME  # noqa: E402
-from aed.tokenizer import Tokenizer  # noqa: E402
+from aed.data import ManifestError, encode_utterance, manifest_lines, parse_line
+from aed.shards import INDEX_NAME, SHARD_NAME
+from aed.tokenizer import Tokenizer
 
 FLAC_SUBTYPES = {"PCM_S8", "PCM_16", "PCM_24"}  # what FLAC stores losslessly
 
@@ -139,7 +137,7 @@ def main(argv=None) -> None:
           f"-> {len(jobs)} shards in {args.output}", file=sys.stderr)
 
     done, written, hours, bad_audio = [], 0, 0.0, 0
-    ctx = multiprocessing.get_context("fork")  # workers inherit sys.path and the parsed utterances
+    ctx = multiprocessing.get_context("fork")  # workers inherit the parsed utterances
     with ctx.Pool(args.num_workers) if args.num_workers > 1 else contextlib.nullcontext() as pool:
         results = pool.imap_unordered(write_shard, jobs) if pool else map(write_shard, jobs)
         for finished, (shard, name, count, duration, skipped) in enumerate(results, 1):

@@ -14,12 +14,8 @@ import io
 import json
 import random
 import re
-import sys
-from pathlib import Path
 
 import sentencepiece as spm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
 
 from aed.tokenizer import DEFAULT_LANGUAGES, SentencePieceBlock, SpecialBlock, Tokenizer, default_special_tokens
 

@@ -1,0 +1,130 @@
+"""OOMptimizer at the paper's scale without a GPU: simulated steps of Canary-1B(-Flash), a fitted memory model.
+
+    python bench/oom_scale_bench.py fit configs/canary-1b.yaml --out canary-1b.model.json     # ~15 steps
+    python bench/oom_scale_bench.py validate --out validation.json                             # real vs simulated
+
+`fit`: simulated training steps (aed/simulated_memory.py: the real train_step on fake CPU tensors,
+bf16 autocast, AdamW, SpecAugment, CUDA's 512-byte allocation rounding) of a preset at FIT shapes,
+a MemoryModel (aed/memory_model.py) fitted to them, and its error on HELD_OUT shapes it did not
+see. Batch sizes are picked so the steps are near an 80 GiB device's limit, where the fit matters.
+Writes the coefficients, every step and the errors as JSON.
+
+`validate`: the simulator against real CPU steps (aed/memory.py's LiveTensorMemory, the same count
+of live tensor storages, exact to the byte against the c10 allocator) for small configs, both
+objectives, fp32 and bf16, long transcripts included. Both run on the CPU, so this checks the
+fake-tensor execution and the host values; what a CUDA device adds is checked by
+tests/test_cuda_oom.py on a GPU.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from aed.config import OptimConfig
+from aed.memory_model import MemoryModel
+from aed.model import AED, AEDConfig
+from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice
+from aed.transducer import TransducerASR
+from aed.training import build_optimizer
+from oom import TrainingStep
+
+# (seconds of audio, tokens per second, seconds in the batch): 0.5-40 s, 3-25 tokens/s (25: the
+# long-transcript outliers), batches of 500 or 900 s (Canary-1B fills 80 GiB near 900 s).
+FIT = [(1, 12, 900), (4, 4, 500), (4, 20, 900), (10, 8, 500), (10, 25, 900), (20, 3, 900), (20, 12, 500),
+       (30, 8, 900), (40, 4, 500), (40, 12, 900)]
+HELD_OUT = [(2, 8, 700), (15, 15, 700), (25, 6, 700), (35, 10, 700)]
+FRAMES_PER_SECOND = 100  # 10 ms hop
+
+
+def shape(d, tps, seconds, max_tokens):
+    return max(1, int(seconds // d)), d * FRAMES_PER_SECOND + 1, max(2, min(max_tokens, round(d * tps)))
+
+
+def fit(args):
+    cfg = AEDConfig.from_yaml(args.config)
+    steps = []
+    t0 = time.time()
+    with SimulatedDevice():
+        model = AED(cfg).train()
+        step = TrainingStep(model, build_optimizer(model, OptimConfig()), "bf16", granularity=CUDA_BLOCK)
+        step.warm_up(101, 10)
+        for name, shapes in (("fit", FIT), ("held_out", HELD_OUT)):
+            for d, tps, seconds in shapes:
+                B, T, U = shape(d, tps, seconds, cfg.dec_max_len)
+                t = time.time()
+                peak = step.peak(B, T, U)
+                steps.append({"set": name, "B": B, "T": T, "U": U, "peak": peak, "seconds": time.time() - t})
+                print(json.dumps(steps[-1]), flush=True)
+    samples = {s: [(x["B"], x["T"], x["U"], x["peak"]) for x in steps if x["set"] == s] for s in ("fit", "held_out")}
+    mm = MemoryModel.fit(samples["fit"])
+    errors = {s: mm.relative_errors(samples[s]) for s in samples}
+    out = {"config": args.config, "model": mm.to_dict(), "steps": steps, "errors": errors,
+           "held_out_max_abs_error": max(map(abs, errors["held_out"])), "seconds": time.time() - t0}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(mm)
+    print(json.dumps({k: out[k] for k in ("errors", "held_out_max_abs_error", "seconds")}))
+
+
+TINY = dict(n_mels=24, vocab_size=40, pad_id=1, enc_d_model=32, enc_layers=2, enc_heads=4, subsampling_channels=8,
+            dec_d_model=48, dec_layers=2, dec_heads=4, dec_max_len=512)
+SMALL = dict(n_mels=80, vocab_size=256, pad_id=1, enc_d_model=128, enc_layers=4, enc_heads=2, subsampling_channels=32,
+             dec_d_model=128, dec_layers=4, dec_heads=2, dec_max_len=512)
+# (name, model dims, objective, precision, [(B, T frames, U tokens)]): short, long, long-transcript.
+CASES = [("tiny", TINY, "aed", "fp32", [(8, 201, 10), (4, 1001, 40), (4, 401, 200)]),
+         ("tiny", TINY, "aed", "bf16", [(8, 201, 10), (4, 1001, 40), (4, 401, 200)]),
+         ("small", SMALL, "aed", "bf16", [(4, 501, 30), (2, 2001, 100), (4, 501, 250)]),
+         ("tiny", TINY, "rnnt", "fp32", [(8, 201, 10), (4, 1001, 40), (4, 401, 100)]),
+         ("small", SMALL, "rnnt", "fp32", [(4, 501, 30), (2, 1001, 60)])]  # bf16: oneDNN's CPU LSTM fails
+
+
+def build(dims, objective):
+    torch.manual_seed(0)
+    cfg = AEDConfig(**dims)
+    model = AED(cfg) if objective == "aed" else TransducerASR(cfg, cfg.vocab_size - 2, 4, pred_dim=64, joint_dim=64)
+    return model.train()
+
+
+def validate(args):
+    rows = []
+    for name, dims, objective, precision, shapes in CASES:
+        def steps():
+            model = build(dims, objective)
+            return TrainingStep(model, build_optimizer(model, OptimConfig()), precision,
+                                text_vocab_size=dims["vocab_size"] - 2)
+        real = steps()
+        real.warm_up(101, 5)
+        measured = [real.peak(*s) for s in shapes]
+        with SimulatedDevice():
+            sim = steps()
+            sim.warm_up(101, 5)
+            simulated = [sim.peak(*s) for s in shapes]
+        for s, m, p in zip(shapes, measured, simulated):
+            rows.append({"model": name, "objective": objective, "precision": precision, "B": s[0], "T": s[1],
+                         "U": s[2], "measured": m, "simulated": p, "error": p / m - 1})
+            print(json.dumps(rows[-1]), flush=True)
+    errors = [r["error"] for r in rows]
+    summary = {"median_error": statistics.median(map(abs, errors)), "max_underestimate": max(0.0, -min(errors)),
+               "max_overestimate": max(0.0, max(errors))}
+    Path(args.out).write_text(json.dumps({"rows": rows, **summary}, indent=1))
+    print(f"{'model':>6} {'obj':>5} {'prec':>5} {'B':>3} {'T':>5} {'U':>4} {'measured':>10} {'simulated':>10} {'error':>7}")
+    for r in rows:
+        print(f"{r['model']:>6} {r['objective']:>5} {r['precision']:>5} {r['B']:>3} {r['T']:>5} {r['U']:>4} "
+              f"{r['measured'] / 1e6:>8.2f}MB {r['simulated'] / 1e6:>8.2f}MB {100 * r['error']:>+6.2f}%")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    f = sub.add_parser("fit", help="fit a memory model to simulated steps of a preset")
+    f.add_argument("config")
+    f.add_argument("--out", required=True)
+    v = sub.add_parser("validate", help="simulated vs measured peaks of real CPU steps")
+    v.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    {"fit": fit, "validate": validate}[args.command](args)
