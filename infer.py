@@ -1,7 +1,7 @@
 """Transcribe or translate audio files with a trained model; report WER/BLEU and RTFx.
 
     python infer.py --ckpt runs/tiny a.wav b.flac clips/ 'more/*.ogg'           # path<TAB>text on stdout
-    python infer.py --ckpt runs/tiny/ckpt-00000600.pt --manifest test.jsonl --out hyp.jsonl
+    python infer.py --ckpt runs/tiny/ckpt-00000600 --manifest test.jsonl --out hyp.jsonl
     python infer.py --ckpt runs/tiny --source-lang es --target-lang en x.wav    # speech translation
     python infer.py --ckpt runs/flash --beam-size 4 --device cuda --dtype bf16 --batch-duration 1200 ...
 

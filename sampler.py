@@ -27,6 +27,8 @@ prompt included). A batch is padded along both, so we group examples that are si
    example is used exactly once. Streamed sources cannot count ahead: use `infinite=True` there.
 5. Resume. `state_dict()` stores the queues as (key, duration, num_tokens), the source cursor and
    the RNG states; `load_state_dict()` rebuilds them in O(buffer), no replay of the epoch.
+   `regroup_state(states)` maps the states of every rank of a run with another world size to one
+   for this rank (in-memory infinite sources): the interrupted pass continues without repeats.
 
 Batch size per bucket: `batch_size` (fixed), `max_duration` (`n * d <= max_duration` with d the
 bucket's duration bound, or `d + d^2 / quadratic_duration`), or `batch_sizes` per bucket (oom.py,

@@ -96,8 +96,8 @@ def shard_name(rank: int, world_size: int) -> str:
 
 def atomic_save(obj, path: str) -> None:
     """torch.save through a temp file + rename: `path` is either absent or complete. Without the
-    zip records' CRC32s, which cut the write speed 3-5x on our 2-core machine (0.2-0.5 vs 1.3-1.5
-    GB/s into the page cache); a truncated file still fails to load."""
+    zip records' CRC32s: computing them cut the speed of a CPU-bound write 3-5x on our 2-core
+    machine (0.2-0.5 vs 1.3-1.5 GB/s into the page cache); a truncated file still fails to load."""
     crc = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:

@@ -74,7 +74,7 @@ def test_run_dir_whose_only_checkpoint_is_corrupt_has_none_to_resume_from(tmp_pa
 @pytest.mark.slow
 def test_train_py_does_not_restart_a_run_whose_checkpoints_are_all_corrupt(tmp_path):
     save_checkpoint(fake_state(5), tmp_path, 5, keep_last=1)
-    truncate(tmp_path / "ckpt-00000005.pt")
+    truncate(shard(tmp_path, 5))
     p = run_train(tmp_path, "max_steps=2", check=False)
     assert p.returncode != 0 and "cannot resume" in p.stderr and "ckpt-00000005" in p.stderr
     assert not os.path.exists(tmp_path / "metrics.jsonl")  # no step was trained
@@ -133,6 +133,7 @@ def bad_manifest(tmp_path) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_bad_lines_and_bad_audio_are_skipped_with_file_and_line(tmp_path):
     manifest = bad_manifest(tmp_path)
     p = run_train(tmp_path / "run", "max_steps=2", f"train.manifests=[{manifest}]")
@@ -161,6 +162,7 @@ def test_segments_may_be_shorter_than_their_file_but_must_end_inside_it(tmp_path
     assert problems[3].startswith("segment")
 
 
+@pytest.mark.slow
 def test_unreadable_audio_is_logged_once_per_run_however_often_it_is_drawn(tmp_path):
     records = mini_records(12)
     (tmp_path / "corrupt.flac").write_bytes(b"fLaC but not really")
@@ -176,6 +178,7 @@ def test_unreadable_audio_is_logged_once_per_run_however_often_it_is_drawn(tmp_p
     assert p.stderr.count("skipped unreadable audio") == 1 and "corrupt.flac" in p.stderr
 
 
+@pytest.mark.slow
 def test_infer_skip_invalid_skips_and_counts_bad_manifest_lines(tmp_path):
     run_dir = tmp_path / "run"
     save_checkpoint(tiny_inference_state(), run_dir, 1, keep_last=1)
@@ -210,6 +213,7 @@ def rank_pid(launcher_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} under pid {launcher_pid}")
 
 
+@pytest.mark.slow
 def test_survivors_say_a_peer_rank_exited_instead_of_blaming_their_batch(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
            "configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=1000", "ckpt_every=1000"]
@@ -282,6 +286,7 @@ def test_sharded_checkpoint_round_trip_is_exact_for_any_writer_count(tmp_path):
         assert all(torch.equal(loaded["state"][p][k], v) for p, s in saved["state"].items() for k, v in s.items())
 
 
+@pytest.mark.slow
 def test_resume_on_fewer_ranks_continues_weights_optimizer_schedule_and_data(tmp_path):
     """2 ranks -> 1. Guaranteed: weights, optimizer moments, schedule and step continue exactly
     (the round trip above), and the data pass continues without repeating what was trained in it
@@ -298,6 +303,7 @@ def test_resume_on_fewer_ranks_continues_weights_optimizer_schedule_and_data(tmp
     assert one["sampler"][0]["pass_idx"] == two["sampler"][0]["pass_idx"]  # the same pass continues
 
 
+@pytest.mark.slow
 def test_a_stop_signal_skips_the_validation_that_is_due(tmp_path):
     """Preemption leaves ~30 s: a signal that arrives during a step saves right after it, without
     first decoding the validation set (which takes minutes at scale)."""
