@@ -115,8 +115,16 @@ def begin_checkpoint(path: str) -> None:
     """Rank 0, before any rank writes: an empty directory. One left at this step by an earlier,
     rolled-back attempt is removed first, so its marker or shards cannot mix with the new ones."""
     if os.path.lexists(path):
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        remove(path)
     os.makedirs(path)
+
+
+def remove(path: str) -> None:
+    """A checkpoint directory, or a single-file checkpoint of an older run."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
 
 
 def write_shard(state: dict, path: str, rank: int, world_size: int) -> int:
@@ -148,7 +156,7 @@ def publish_checkpoint(path: str, run_dir: str, step: int, keep_last: int) -> No
     complete = [p for p in older if is_complete(p)]
     doomed = [p for p in older if p not in complete] + complete[: max(0, len(complete) - (keep_last - 1))]
     for old in doomed:
-        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+        remove(old)
 
 
 def save_checkpoint(state: dict, run_dir: str, step: int, keep_last: int) -> str:

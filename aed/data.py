@@ -12,9 +12,11 @@ A manifest is NeMo-style JSONL, one utterance per line:
 - `source_lang`, `target_lang` (`lang` sets both when they are absent); `pnc` yes/no (default yes);
   `taskname` asr/ast, derived from the languages when absent.
 
-Bad lines raise `ManifestError` naming file, line and field; with `skip_invalid=True` they are
-skipped with a warning per line and a count, never silently. Inference (aed/inference.py) reads
-the same fields with the same checks, but needs only `audio_filepath`.
+Bad lines (malformed JSON or fields, bytes that are not UTF-8) raise `ManifestError` naming file,
+line and field; with `skip_invalid=True` they are skipped with a warning per line and a count,
+never silently. Two checks need more than the line: `encodable` (a language the tokenizer lacks)
+and `check_audio` (unreadable audio, a duration the file's header contradicts). Inference
+(aed/inference.py) reads the same fields with the same checks, but needs only `audio_filepath`.
 """
 
 import json

@@ -19,7 +19,7 @@ from aed.checkpoint import (CheckpointError, TRAINING_KEYS, begin_checkpoint, li
 from aed.data import Utterance, check_audio
 from aed.inference import load_checkpoint
 from aed.model import AED, AEDConfig
-from sampler import BucketingSampler, estimate_bins
+from sampler import BucketingSampler, JsonlSource, estimate_bins
 from test_train import ROOT, SMALL, run_train
 
 MINI_TOKENIZER = os.path.join(ROOT, "data", "mini", "tokenizer")
@@ -234,9 +234,11 @@ def test_survivors_say_a_peer_rank_exited_instead_of_blaming_their_batch(tmp_pat
 
 def test_sampler_regrouped_to_another_world_size_trains_each_example_of_the_pass_once():
     """4 ranks -> 3: within the interrupted pass, nothing trained before is drawn again and nothing
-    is left out. (Which batches the new ranks form differs from an uninterrupted run.)"""
+    is left out. (Which batches the new ranks form differs from an uninterrupted run.) Each old
+    rank's share of the pass (750) exceeds what it reads ahead (up to 4 x the buffer), so all
+    four are still in the first pass when they stop."""
     rng = random.Random(0)
-    examples = [{"duration": rng.uniform(1, 20), "num_tokens": rng.randint(3, 60)} for _ in range(600)]
+    examples = [{"duration": rng.uniform(1, 20), "num_tokens": rng.randint(3, 60)} for _ in range(3000)]
     bins = estimate_bins([e["duration"] for e in examples], [e["num_tokens"] for e in examples], 4, 2)
     kw = dict(batch_size=6, buffer_size=120, infinite=True, yield_indices=True, seed=3)
     trained, states = [], []
@@ -261,6 +263,19 @@ def test_sampler_regrouped_to_another_world_size_trains_each_example_of_the_pass
     assert len(drawn) == len(set(drawn))
     usable = {i for i, bucket in enumerate(new.alloc) if bucket >= 0}  # not dropped as outliers
     assert set(trained) | set(drawn) | left == usable
+
+
+def test_a_streamed_source_cannot_be_regrouped_and_says_so(tmp_path):
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps({"duration": 1 + i % 5, "num_tokens": 5 + i % 7}) + "\n" for i in range(50)))
+    bins = estimate_bins([1 + i % 5 for i in range(50)], [5 + i % 7 for i in range(50)], 2, 1)
+    old = BucketingSampler(JsonlSource(str(manifest)), bins, batch_size=4, rank=0, world_size=1, infinite=True,
+                           concurrent=False)
+    next(iter(old))
+    new = BucketingSampler(JsonlSource(str(manifest)), bins, batch_size=4, rank=0, world_size=2, infinite=True,
+                           concurrent=False)
+    with pytest.raises(ValueError, match="only an in-memory infinite sampler"):
+        new.regroup_state([old.state_dict()])
 
 
 def test_sharded_checkpoint_round_trip_is_exact_for_any_writer_count(tmp_path):
