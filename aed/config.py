@@ -41,7 +41,7 @@ class DataConfig:
     manifests: list[dict | str] = field(default_factory=lambda: ["data/mini/train.jsonl"])  # paths, {path, weight} or {shards: DIR, weight}
     tokenizer: str = "data/mini/tokenizer"  # directory written by tools/train_tokenizer.py; sets the model's vocabulary
     skip_invalid: bool = True  # bad manifest lines are skipped with a warning and counted, not fatal
-    check_audio: bool = True  # read every audio header at start (~1.3-2k files/s per rank): unreadable files and wrong durations are skipped
+    check_audio: bool = True  # read every audio header at start (~2-4k files/s per rank, cold cache): unreadable files and wrong durations are skipped
     duration_tolerance: float = 0.1  # check_audio: a manifest duration further than this fraction from the header's is wrong
     bins: str | None = None  # bins.json from tools/estimate_bins.py; None: estimated at start
     num_buckets: int = 30  # duration buckets when estimating bins (the paper: 30)
