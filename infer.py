@@ -4,12 +4,18 @@
     python infer.py --ckpt runs/tiny/ckpt-00000600 --manifest test.jsonl --out hyp.jsonl
     python infer.py --ckpt runs/tiny --source-lang es --target-lang en x.wav    # speech translation
     python infer.py --ckpt runs/flash --beam-size 4 --device cuda --dtype bf16 --batch-duration 1200 ...
+    python infer.py --ckpt runs/tiny --timestamps word --out hyp.jsonl --subtitles subs/ talk.wav  # .srt + .vtt
 
 Inputs: files in any format, rate and channel count soundfile reads (resampled to the model's rate,
 channels averaged), directories (searched recursively for audio files), glob patterns, and/or a
 NeMo-style manifest whose per-line task fields override the command line; `text` (or `answer`),
 when present, is the reference for WER (ASR, per language, normalised and with punctuation/case)
 and BLEU (AST, per language pair). Long inputs are cut at pauses (see --chunk-seconds).
+
+Timestamps (--timestamps word|segment) are the hypothesis force-aligned to the CTC head's frame
+posteriors (aed/timestamps.py), in seconds from the start of each file, to a resolution of one
+encoder frame (80 ms). A model without a CTC head (model.ctc_weight=0, e.g. a converted Canary
+checkpoint) cannot give them: infer.py stops with an error before decoding.
 
 stdout: one `path<TAB>text` line per transcribed file, in input order. stderr: progress, failures
 (path and reason), metrics and the RTFx report. Exit code 1 if any input failed, else 0.
@@ -18,6 +24,7 @@ stdout: one `path<TAB>text` line per transcribed file, in input order. stderr: p
 import argparse
 import json
 import logging
+import os
 import pickle
 import sys
 import time
@@ -26,6 +33,8 @@ import torch
 
 from aed.inference import (expand_inputs, known_languages, load_checkpoint, make_request, read_requests, score,
                            transcribe)
+from aed.normalize import NORMALIZERS
+from aed.timestamps import srt, to_segments, webvtt
 
 
 def parse_args():
@@ -34,6 +43,10 @@ def parse_args():
     p.add_argument("--ckpt", required=True, help="checkpoint file, or a run directory (its newest checkpoint)")
     p.add_argument("--manifest", action="append", default=[], help="NeMo-style JSONL (repeatable)")
     p.add_argument("--out", help="write JSONL: the manifest fields + pred_text, duration, task fields, decode_time")
+    p.add_argument("--normalizer", choices=NORMALIZERS, default="simple",
+                   help="text normaliser for WER against references: simple (case and punctuation) or whisper "
+                        "(Whisper's English normaliser for English, its basic one otherwise: the Open ASR "
+                        "Leaderboard's convention); the raw WER is reported beside it")
     task = p.add_argument_group("task (per-line manifest values win)")
     task.add_argument("--task", choices=["asr", "ast"], help="default: asr if source == target language, else ast")
     task.add_argument("--source-lang", default="en", help="language spoken in the audio")
@@ -53,10 +66,15 @@ def parse_args():
     run.add_argument("--batch-duration", type=float, default=300.0,
                      help="padded seconds of audio per batch (batch size x longest); inputs are sorted by "
                           "duration so padding stays small")
-    run.add_argument("--chunk-seconds", type=float, default=40.0,
-                     help="inputs longer than this (Canary's training maximum) are cut without overlap at the "
-                          "quietest 100 ms in the last quarter of each chunk, decoded separately, and the "
-                          "texts joined with spaces")
+    run.add_argument("--chunk-seconds", type=float,
+                     help="inputs longer than this are cut without overlap at the quietest 100 ms in the last "
+                          "quarter of each chunk, decoded separately, and the texts joined with spaces; default: "
+                          "the longest utterance the model was trained on (recorded in its checkpoint), else 40")
+    times = p.add_argument_group("timestamps (need a model with a CTC head)")
+    times.add_argument("--timestamps", choices=["word", "segment"],
+                       help="add `segments` (text, start, end; with `word`, each segment's `words` too) to the "
+                            "--out lines; the cue level of --subtitles")
+    times.add_argument("--subtitles", metavar="DIR", help="with --timestamps: write <audio name>.srt and .vtt here")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--skip-invalid", action="store_true",
                      help="skip manifest lines that are malformed or name a language the model lacks (logged, counted)")
@@ -65,7 +83,9 @@ def parse_args():
         p.error("give audio files/directories/patterns and/or --manifest")
     if args.beam_size < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
         p.error("--beam-size and --max-new-tokens must be >= 1")
-    if args.batch_duration <= 0 or args.chunk_seconds <= 0:
+    if args.subtitles and not args.timestamps:
+        p.error("--subtitles needs --timestamps word or segment")
+    if args.batch_duration <= 0 or (args.chunk_seconds is not None and args.chunk_seconds <= 0):
         p.error("--batch-duration and --chunk-seconds must be positive")
     return args
 
@@ -88,6 +108,20 @@ class ProgressBar:
         line = f"[{bar}] {100 * frac:5.1f}% {done_s:.0f}/{total_s:.0f} s audio, {rate:.1f} audio s/s"
         print("\r" + line if self.tty else line, end="\n" if not self.tty or frac >= 1 else "", file=sys.stderr,
               flush=True)
+
+
+def write_subtitles(results, directory: str, level: str) -> None:
+    """<audio file name>.srt and .vtt per transcribed file, one cue per word or per segment; a name
+    that two inputs share gets the input's position appended, so no file overwrites another."""
+    os.makedirs(directory, exist_ok=True)
+    stems = [os.path.splitext(os.path.basename(r.request.audio_filepath))[0] for r in results]
+    for n, (r, stem) in enumerate(zip(results, stems)):
+        if r.error is None:
+            cues = r.words if level == "word" else to_segments(r.words)
+            name = os.path.join(directory, stem if stems.count(stem) == 1 else f"{stem}-{n}")
+            for ext, fmt in ((".srt", srt), (".vtt", webvtt)):
+                with open(name + ext, "w", encoding="utf-8") as f:
+                    f.write(fmt(cues))
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -129,7 +163,8 @@ def main() -> None:
         results, timings = transcribe(
             asr, requests, beam_size=args.beam_size, length_penalty=args.length_penalty, max_delta=args.max_delta,
             max_new_tokens=args.max_new_tokens, batch_duration=args.batch_duration, chunk_seconds=args.chunk_seconds,
-            dtype=dtype, progress=ProgressBar(not args.quiet and len(requests) > 1))
+            dtype=dtype, timestamps=args.timestamps is not None,
+            progress=ProgressBar(not args.quiet and len(requests) > 1))
     except ValueError as e:  # e.g. a language the tokenizer does not know, named with its manifest line
         sys.exit(f"error: {e}")
 
@@ -145,17 +180,20 @@ def main() -> None:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             for r in results:
-                f.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
+                f.write(json.dumps(r.to_json(args.timestamps), ensure_ascii=False) + "\n")
+    if args.subtitles:
+        write_subtitles(results, args.subtitles, args.timestamps)
 
-    for key, m in score(results).items():
+    for key, m in score(results, args.normalizer).items():
         if "wer" in m:
-            print(f"{key}: WER {m['wer']:.2f}% (with punctuation and case {m['wer_pnc']:.2f}%) on {m['n']} file(s)",
-                  file=sys.stderr)
+            print(f"{key}: WER {m['wer']:.2f}% ({args.normalizer}-normalised; raw text, punctuation and case "
+                  f"{m['wer_pnc']:.2f}%) on {m['n']} file(s)", file=sys.stderr)
         else:
             print(f"{key}: BLEU {m['bleu']:.2f} on {m['n']} file(s)", file=sys.stderr)
     t = timings
     print(f"RTFx {t.rtfx:.1f}: {t.audio:.1f} s of audio in {t.wall:.2f} s (load+features {t.load_features:.2f} s, "
-          f"encoder {t.encoder:.2f} s, decoder {t.decoder:.2f} s; model loading {t_load:.1f} s not counted); "
+          f"encoder {t.encoder:.2f} s, decoder {t.decoder:.2f} s"
+          f"{f', alignment {t.align:.2f} s' if t.align else ''}; model loading {t_load:.1f} s not counted); "
           f"{len(results) - len(failed)} transcribed, {len(failed)} failed", file=sys.stderr)
     sys.exit(1 if failed else 0)
 

@@ -231,7 +231,7 @@ def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, 
         totals = all_reduce(torch.stack([loss_sum, count]))
         rows = [r for part in all_gather_objects(rows) for r in part]
         results[f"{name}/loss"] = (totals[0] / totals[1].clamp(min=1)).item()
-        groups, asr_wer = corpus_scores(rows)
+        groups, asr_wer = corpus_scores(rows, cfg.val.normalizer)
         for group_name, scores in groups.items():  # "asr en" -> wer_en, wer_pnc_en; "ast en-es" -> bleu_en-es
             for metric in ("wer", "wer_pnc", "bleu"):
                 if metric in scores:
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
                       "features": dataclasses.asdict(cfg.features), "tokenizer": pack_dir(cfg.train.tokenizer),
                       "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "sampler": [s["sampler"] for s in states], "rng": [s["rng"] for s in states],
-                      "config": to_dict(cfg)}
+                      "config": to_dict(cfg), "max_train_duration": bins.durations[-1]}  # infer.py's chunk length
             begin_checkpoint(path)
         barrier()  # the directory exists before anyone writes into it
         written = torch.tensor(float(write_shard(state, path, rank, world_size)), device=device)

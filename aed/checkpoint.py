@@ -247,25 +247,59 @@ def load_latest(run_dir: str, required=TRAINING_KEYS) -> tuple[str, dict] | tupl
     return None, None
 
 
+# Tensors with one row per token id. The CTC head has one more, its blank, which stays the last row.
+VOCAB_ROWS = ("decoder.embedding.token_embedding.weight", "decoder.output_proj.weight", "decoder.output_proj.bias")
+CTC_ROWS = ("ctc.proj.weight", "ctc.proj.bias")
+
+
+def grow_vocabulary(state: dict, size: int) -> list[str]:
+    """Resize a model state dict's vocabulary to `size` ids, in place, for a tokenizer with blocks
+    appended (every old id keeps its meaning); returns one note per grown tensor.
+
+    Old rows are copied, so every old token's embedding and logit are what they were. New
+    embedding rows are drawn with the old rows' spread; new output (and CTC) rows get zero
+    weights and the lowest old bias: a constant logit no better than the least likely old token's,
+    so old-language outputs do not change until training teaches the new rows. The CTC blank
+    row moves to the new last position."""
+    notes = []
+    for k in VOCAB_ROWS + CTC_ROWS:
+        if k not in state:
+            continue
+        old = state[k]
+        blank = old[-1:] if k in CTC_ROWS else old[:0]
+        rows = old[:-1] if k in CTC_ROWS else old
+        n_new = size - len(rows)
+        if n_new < 0:
+            raise ValueError(f"{k}: the checkpoint has {len(rows)} token rows, more than the {size} asked for")
+        if n_new == 0:
+            continue
+        if k.endswith("token_embedding.weight"):
+            fresh = torch.randn(n_new, *rows.shape[1:], dtype=rows.dtype) * rows.float().std().to(rows.dtype)
+        elif k.endswith("bias"):
+            fresh = rows.min().expand(n_new).clone()
+        else:
+            fresh = rows.new_zeros(n_new, *rows.shape[1:])
+        state[k] = torch.cat([rows, fresh, blank])
+        notes.append(f"{k} grows from {len(old)} to {len(state[k])} rows")
+    return notes
+
+
 def init_from_checkpoint(model: torch.nn.Module, path: str, encoder_only: bool = False) -> str:
     """Initialise `model` (a fresh run) with the weights of the checkpoint at `path`; returns a
     summary for the log. Tensors of equal name and shape are copied; encoder_only copies only
     `encoder.*` (an rnnt-pretrained encoder into an AED; extra layers stay random). Raises
     ValueError listing every tensor whose shape differs.
 
-    A tokenizer with blocks appended (a new language's SentencePiece model) keeps every old id, so
-    the decoder's vocabulary-sized tensors grow: their old rows carry over, the new rows stay as
-    initialised. A CTC head's rows are not grown (its blank is the last id): a mismatch."""
+    A tokenizer with blocks appended (a new language's SentencePiece model: tools/add_language.py)
+    keeps every old id, so the vocabulary-sized tensors, the CTC head's included, grow
+    (`grow_vocabulary`)."""
     src = dict(read_checkpoint(path, ("model",))["model"])
     own = model.state_dict()
     prefix = "encoder." if encoder_only else ""
-    grown = [] if encoder_only else [
-        "decoder.embedding.token_embedding.weight", "decoder.output_proj.weight", "decoder.output_proj.bias"]
     notes = []
-    for k in grown:
-        if k in src and k in own and src[k].shape[1:] == own[k].shape[1:] and len(src[k]) < len(own[k]):
-            notes.append(f"{k} grows from {len(src[k])} to {len(own[k])} rows")
-            src[k] = torch.cat([src[k], own[k][len(src[k]):]])
+    size = own[VOCAB_ROWS[0]].shape[0] if VOCAB_ROWS[0] in own else None
+    if not encoder_only and size is not None and src[VOCAB_ROWS[0]].shape[0] < size:
+        notes = grow_vocabulary(src, size)
     mismatched = [f"{k}: {tuple(v.shape)} -> {tuple(own[k].shape)}" for k, v in src.items()
                   if k.startswith(prefix) and k in own and own[k].shape != v.shape]
     if mismatched:

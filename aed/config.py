@@ -27,6 +27,7 @@ import yaml
 
 from aed.audio import FeatureConfig, SpecAugmentConfig
 from aed.model import AEDConfig
+from aed.normalize import NORMALIZERS
 
 
 class ConfigError(ValueError):
@@ -72,6 +73,11 @@ class ValConfig:
     batch_duration: float = 300.0  # padded seconds of audio per decoding batch (batch size x longest)
     max_utterances: int | None = None  # validate on the first N utterances of each manifest only
     num_examples: int = 4  # transcripts shown in the log and TensorBoard
+    normalizer: str = "simple"  # WER text normaliser: simple (case, punctuation) | whisper (the leaderboards', aed/normalize.py)
+
+    def __post_init__(self):
+        if self.normalizer not in NORMALIZERS:
+            raise ConfigError(f"val.normalizer: expected one of {NORMALIZERS}, got {self.normalizer!r}")
 
 
 @dataclass
@@ -102,6 +108,7 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute encoder layers in backward: less memory, ~30% slower
     init_from: str | None = None  # initialise weights from this checkpoint (a fresh run, new optimizer)
     init_encoder_only: bool = False  # with init_from: only encoder weights; extra layers stay random
+    freeze: str = "none"  # none | encoder: its weights and BatchNorm statistics stay fixed, the decoder and CTC head train (a new language on little data)
     max_bad_steps: int = 5  # abort after this many consecutive non-finite steps
     memory_budget: str | None = None  # e.g. "75GB": before step 0 run every bucket's worst batch once (oom.py)
     cpu_threads: int | None = None  # CPU training: torch threads; None = cores - DataLoader workers
@@ -115,6 +122,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.objective not in ("aed", "rnnt"):
             raise ConfigError(f"objective: expected aed or rnnt, got {self.objective!r}")
+        if self.freeze not in ("none", "encoder"):
+            raise ConfigError(f"freeze: expected none or encoder, got {self.freeze!r}")
         if self.precision not in ("auto", "fp32", "bf16", "fp16"):
             raise ConfigError(f"precision: expected auto, fp32, bf16 or fp16, got {self.precision!r}")
 

@@ -18,6 +18,8 @@ How the work is cut:
    `batch_duration` padded seconds (batch size x longest segment): `aed.data.duration_batches`.
 3. Per batch: load + log-mel features, encoder, then greedy or beam search (`aed.decoding.search`);
    each phase is timed separately (the device is synchronised between phases) for the RTFx report.
+4. With timestamps: each hypothesis is force-aligned to the CTC head's posteriors of its own chunk
+   (`aed.timestamps`), and the chunk's start is added, so times count from the start of the file.
 """
 
 import glob
@@ -34,12 +36,13 @@ import torch
 import torch.nn.functional as F
 
 from aed.audio import AudioError, FeatureConfig, LogMel, load_audio, num_frames
-from aed.checkpoint import INFERENCE_KEYS, is_checkpoint, load_latest, load_model, model_from_checkpoint
+from aed.checkpoint import INFERENCE_KEYS, is_checkpoint, load_latest, model_from_checkpoint, read_checkpoint
 from aed.data import (PROMPT_TASKS, ManifestError, audio_path, check_task, duration_batches, json_object, languages,
                       manifest_lines, reference_text, seconds)
 from aed.decoding import DecodingOptions, search
 from aed.metrics import corpus_scores
 from aed.model import AED
+from aed.timestamps import Word, align, feasible, frame_seconds, to_segments, to_words
 from aed.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 CUT_SEARCH = 0.25  # search the last quarter of a chunk for a pause: speech pauses every few seconds,
 # and every chunk but the last keeps >= 75% of chunk_seconds, so long files are not over-fragmented
 QUIET_WINDOW = 0.1  # seconds of audio whose mean energy is compared when looking for a pause
+DEFAULT_CHUNK = 40.0  # seconds per chunk for a checkpoint that does not record its training maximum
 
 
 # --- the model --------------------------------------------------------------------------------
@@ -58,6 +62,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     features: FeatureConfig
     path: str  # the checkpoint file that was loaded
+    max_train_duration: float | None = None  # longest utterance it was trained on (s); None: not recorded
 
     @property
     def device(self) -> torch.device:
@@ -71,13 +76,28 @@ def load_checkpoint(path: str, device="cpu") -> LoadedModel:
         newest, ckpt = load_latest(path, INFERENCE_KEYS)
         if ckpt is None:
             raise FileNotFoundError(f"{path}: a directory without ckpt-* checkpoints")
-        model, tokenizer, features = model_from_checkpoint(ckpt, device)
         path = newest
     elif os.path.exists(path):
-        model, tokenizer, features = load_model(path, device)
+        ckpt = read_checkpoint(path, INFERENCE_KEYS)
     else:
         raise FileNotFoundError(f"{path}: no such checkpoint file or run directory")
-    return LoadedModel(model, tokenizer, features, path)
+    model, tokenizer, features = model_from_checkpoint(ckpt, device)
+    return LoadedModel(model, tokenizer, features, path, ckpt.get("max_train_duration"))
+
+
+def chunk_length(asr: LoadedModel, chunk_seconds: float | None) -> float:
+    """Seconds per chunk of a long input: `chunk_seconds` when given, else the longest utterance
+    the model was trained on (an attention model trained on short utterances drops most of the
+    words of much longer ones), else 40 s (Canary's training maximum). A chunk longer than the
+    training maximum gets a warning."""
+    trained = asr.max_train_duration
+    if chunk_seconds is None:
+        return trained if trained is not None else DEFAULT_CHUNK
+    if trained is not None and chunk_seconds > trained:
+        log.warning("chunks of up to %.1f s, but %s was trained on utterances of at most %.1f s: expect "
+                    "dropped words; leave the chunk length unset to use the training maximum",
+                    chunk_seconds, asr.path, trained)
+    return chunk_seconds
 
 
 # --- inputs -----------------------------------------------------------------------------------
@@ -185,14 +205,18 @@ class Result:
     duration: float = 0.0  # seconds of audio decoded
     decode_time: float = 0.0  # this file's share of its batches' wall time (split by audio duration)
     error: str | None = None  # why the file could not be transcribed
+    words: list[Word] | None = None  # with timestamps: every word with its start and end in the file
 
-    def to_json(self) -> dict:
-        """One --out JSONL line: the manifest's own fields, then ours."""
+    def to_json(self, timestamps: str | None = None) -> dict:
+        """One --out JSONL line: the manifest's own fields, then ours; with timestamps "segment" or
+        "word", also `segments` (text, start, end; with "word" each segment's `words` too)."""
         r = self.request
+        times = {} if timestamps is None or self.words is None else {
+            "segments": [s.to_json(with_words=timestamps == "word") for s in to_segments(self.words)]}
         return {**r.fields, "audio_filepath": r.audio_filepath, "duration": round(self.duration, 3),
                 "pred_text": self.pred_text if self.error is None else "", "source_lang": r.source_lang,
                 "target_lang": r.target_lang, "pnc": "yes" if r.pnc else "no", "taskname": r.taskname,
-                "decode_time": round(self.decode_time, 4), **({"error": self.error} if self.error else {})}
+                "decode_time": round(self.decode_time, 4), **times, **({"error": self.error} if self.error else {})}
 
 
 @dataclass
@@ -202,6 +226,7 @@ class Timings:
     load_features: float = 0.0  # planning (headers, pause search), audio decoding, resampling, log-mel
     encoder: float = 0.0
     decoder: float = 0.0  # greedy or beam search, including the cross-attention K/V projection
+    align: float = 0.0  # timestamps: forced alignment (the CTC head's projection counts as encoder time)
 
     @property
     def rtfx(self) -> float:
@@ -209,12 +234,13 @@ class Timings:
         return self.audio / self.wall if self.wall > 0 else math.nan
 
 
-def score(results: list[Result]) -> dict:
+def score(results: list[Result], normalizer: str = "simple") -> dict:
     """`aed.metrics.corpus_scores` of the results that have a reference and did not fail:
-    {"asr en": {"wer": .., "wer_pnc": .., "n": ..}, "ast es-en": {"bleu": .., "n": ..}}."""
+    {"asr en": {"wer": .., "wer_pnc": .., "n": ..}, "ast es-en": {"bleu": .., "n": ..}}; `wer` after
+    `normalizer` ("simple" or "whisper": aed/normalize.py), `wer_pnc` on the raw text."""
     rows = [(res.request.taskname, res.request.source_lang, res.request.target_lang, res.request.text, res.pred_text)
             for res in results if res.error is None and res.request.text is not None]
-    return corpus_scores(rows)[0]
+    return corpus_scores(rows, normalizer)[0]
 
 
 # --- planning: durations and chunks -----------------------------------------------------------
@@ -336,9 +362,10 @@ def _synced_time(device: torch.device) -> float:
 
 
 def decode_batch(asr: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], prompts: list[list[int]],
-                 options: DecodingOptions, dtype: torch.dtype | None) -> tuple[list[list[int]], float, float]:
-    """Waveforms (S,) and their prompts -> generated ids per waveform, and the seconds spent in the
-    encoder and in the search (the device is synchronised between phases)."""
+                 options: DecodingOptions, dtype: torch.dtype | None, with_ctc: bool = False):
+    """Waveforms (S,) and their prompts -> generated ids per waveform; with_ctc, the CTC head's
+    log-probs (B, T', V) and valid lengths (B,) for alignment, else None; and the seconds spent in
+    the encoder and in the search (the device is synchronised between phases)."""
     device = asr.device
     wav_lens = torch.tensor([w.numel() for w in wavs])
     wav = torch.zeros(len(wavs), int(wav_lens.max()))  # (B, S) zero padded
@@ -352,18 +379,39 @@ def decode_batch(asr: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], pro
     amp = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
     t0 = _synced_time(device)
     with amp:
-        memory, memory_lens = asr.model.encode(feats, feat_lens)  # (B, T', D), (B,)
+        enc, memory_lens = asr.model.encoder(feats, feat_lens)  # (B, T', D_enc), (B,): what the CTC head reads
+        memory = asr.model.encoder_decoder_proj(enc)  # (B, T', D); together: asr.model.encode
+        ctc = (asr.model.ctc(enc), memory_lens) if with_ctc else None  # (B, T', V) fp32 log-probs
     t1 = _synced_time(device)
     with amp:
         hyps = search(asr.model, memory, memory_lens, prompt, asr.tokenizer.eos, options)
     t2 = _synced_time(device)
-    return hyps, t1 - t0, t2 - t1
+    return hyps, ctc, t1 - t0, t2 - t1
 
 
-def join_pieces(results: list[Result], pieces: list[dict], tokenizer: Tokenizer) -> None:
-    """Each transcribed file's text and ids: its segments' in file order, texts joined with spaces."""
-    for res, by_segment in zip(results, pieces):
+def timed_words(asr: LoadedModel, ids: list[int], log_probs: torch.Tensor, offset: float, seconds: float,
+                where: str) -> list[Word]:
+    """One segment's hypothesis, force-aligned to its CTC log-probs (T', V) -> its words, with times
+    in the file (the segment spans [offset, offset + seconds)). Special and padding ids carry no text
+    and no time. The last encoder frame reaches past the segment's end (up to 80 ms of padding): times
+    are clipped to the segment, so the words of consecutive chunks never overlap."""
+    text_ids = [t for t in ids if t < asr.tokenizer.vocab_size and not asr.tokenizer.is_special(t)]
+    if not feasible(log_probs.shape[0], text_ids):
+        log.warning("%s at %.2f s: %d tokens do not fit a CTC path through %d frames; their times are "
+                    "spread evenly over the segment", where, offset, len(text_ids), log_probs.shape[0])
+    spans = align(log_probs, text_ids, asr.model.ctc.blank)
+    words = to_words(asr.tokenizer, text_ids, spans, frame_seconds(asr.features), offset)
+    end = offset + seconds
+    return [Word(w.text, min(w.start, end), min(w.end, end)) for w in words]
+
+
+def join_pieces(results: list[Result], pieces: list[dict], tokenizer: Tokenizer, words: list[dict] | None) -> None:
+    """Each transcribed file's text and ids (and words, when timed): its segments' in file order,
+    texts joined with spaces."""
+    for i, (res, by_segment) in enumerate(zip(results, pieces)):
         if res.error is None:
+            if words is not None:
+                res.words = [w for k in sorted(words[i]) for w in words[i][k]]
             ordered = [by_segment[k] for k in sorted(by_segment)]
             # The model's vocabulary is padded to a multiple of 8; ids past the tokenizer's are not text.
             texts = [tokenizer.decode([t for t in ids if t < tokenizer.vocab_size]) for ids in ordered]
@@ -375,7 +423,7 @@ def join_pieces(results: list[Result], pieces: list[dict], tokenizer: Tokenizer)
 def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", target_lang: str | None = None,
                task: str | None = None, pnc: bool = True, beam_size: int = 1, length_penalty: float = 0.0,
                max_delta: int = 50, max_new_tokens: int | None = None, batch_duration: float = 300.0,
-               chunk_seconds: float = 40.0, dtype: torch.dtype | None = None,
+               chunk_seconds: float | None = None, dtype: torch.dtype | None = None, timestamps: bool = False,
                progress=None) -> tuple[list[Result], Timings]:
     """Transcribe/translate `inputs` (paths, directories, globs, or Requests) -> one Result each, in order.
 
@@ -383,31 +431,47 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
     greedy search; length_penalty is GNMT's alpha (0 ranks by log-probability); at most encoder
     frames + max_delta and `max_new_tokens` tokens are generated (see `aed.decoding.DecodingOptions`).
     batch_duration: padded seconds of audio per batch (`aed.data.duration_batches`). chunk_seconds:
-    longer inputs are cut at pauses (see the module docstring). dtype: torch.bfloat16 for bf16
-    autocast, None for fp32. progress(done_s, total_s) is called after every batch with seconds of audio.
+    longer inputs are cut at pauses (see the module docstring); None: `chunk_length` picks it.
+    dtype: torch.bfloat16 for bf16 autocast, None for fp32. timestamps: set every Result's `words`
+    (`aed.timestamps`); a model without a CTC head raises ValueError, before any work. progress(done_s, total_s) is called after
+    every batch with seconds of audio.
     """
+    if timestamps and asr.model.ctc is None:
+        raise ValueError(f"{asr.path} has no CTC head (trained with model.ctc_weight=0), and timestamps are "
+                         f"forced alignments to its frame posteriors; train with model.ctc_weight > 0 for them")
     t_start = time.perf_counter()
     options = DecodingOptions(beam_size, length_penalty, max_delta, max_new_tokens)
     requests = to_requests(inputs, source_lang=source_lang, target_lang=target_lang, task=task, pnc=pnc)
     results = [Result(r) for r in requests]
     prompts = request_prompts(requests, asr.tokenizer)
-    segments = plan(requests, results, chunk_seconds, asr.features.sample_rate)
+    segments = plan(requests, results, chunk_length(asr, chunk_seconds), asr.features.sample_rate)
     timings = Timings(load_features=time.perf_counter() - t_start)
 
     logmel = LogMel(asr.features).to(asr.device).eval()
     pieces = [{} for _ in requests]  # per request: {segment index: generated ids}
+    words = [{} for _ in requests] if timestamps else None  # per request: {segment index: its timed words}
     total_s, done_s = sum(s.seconds for s in segments), 0.0
     for batch in duration_batches([s.seconds for s in segments], batch_duration):
         t0 = time.perf_counter()
         kept, wavs = load_segments(asr, requests, segments, batch, results)
-        hyps, encoder_s, decoder_s = [], 0.0, 0.0
+        hyps, ctc, encoder_s, decoder_s, align_s = [], None, 0.0, 0.0, 0.0
         if kept:
             batch_prompts = [prompts[segments[k].request] for k in kept]
-            hyps, encoder_s, decoder_s = decode_batch(asr, logmel, wavs, batch_prompts, options, dtype)
+            hyps, ctc, encoder_s, decoder_s = decode_batch(asr, logmel, wavs, batch_prompts, options, dtype,
+                                                           with_ctc=timestamps)
+        if ctc is not None:
+            t_align = time.perf_counter()
+            log_probs, lens = ctc[0].cpu(), ctc[1].tolist()
+            for b, (k, ids) in enumerate(zip(kept, hyps)):
+                seg, seconds = segments[k], wavs[b].numel() / asr.features.sample_rate
+                words[seg.request][k] = timed_words(asr, ids, log_probs[b, : lens[b]], seg.offset, seconds,
+                                                    requests[seg.request].where)
+            align_s = time.perf_counter() - t_align
         batch_s = time.perf_counter() - t0
-        timings.load_features += batch_s - encoder_s - decoder_s
+        timings.load_features += batch_s - encoder_s - decoder_s - align_s
         timings.encoder += encoder_s
         timings.decoder += decoder_s
+        timings.align += align_s
         samples = sum(w.numel() for w in wavs)
         for k, wav, ids in zip(kept, wavs, hyps):
             i = segments[k].request
@@ -418,7 +482,7 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
         if progress:
             progress(done_s, total_s)
 
-    join_pieces(results, pieces, asr.tokenizer)
+    join_pieces(results, pieces, asr.tokenizer, words)
     timings.audio = sum(res.duration for res in results if res.error is None)
     timings.wall = time.perf_counter() - t_start
     return results, timings

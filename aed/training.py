@@ -51,6 +51,11 @@ def build_model(cfg: TrainConfig, text_vocab_size: int) -> nn.Module:
         model = TransducerASR(cfg.model, text_vocab_size, cfg.rnnt_chunk_size,
                               pred_dim=cfg.rnnt_pred_dim, joint_dim=cfg.rnnt_joint_dim)
     model.encoder.checkpoint_activations = cfg.activation_checkpointing
+    if cfg.freeze == "encoder":  # no gradients (AdamW skips the parameters), no running-statistics updates
+        model.encoder.requires_grad_(False)
+        for m in model.encoder.modules():
+            if hasattr(m, "running_mean"):
+                m.momentum = 0.0
     return model
 
 

@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -16,8 +17,8 @@ from aed.audio import FeatureConfig, LogMel, load_audio
 from aed.checkpoint import pack_dir, save_checkpoint
 from aed.data import ManifestError, encode_utterance, read_manifest
 from aed.decoding import decode
-from aed.inference import (Request, expand_inputs, load_checkpoint, plan_segments, quiet_point, read_requests,
-                           request_prompts, transcribe)
+from aed.inference import (LoadedModel, Request, chunk_length, expand_inputs, load_checkpoint, plan_segments,
+                           quiet_point, read_requests, request_prompts, transcribe)
 from aed.metrics import corpus_scores, wer
 from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
@@ -167,9 +168,20 @@ def test_long_audio_is_cut_at_pauses_and_recovers_every_word(asr, train_utts, tm
     for (start, _, _), (lo, hi) in zip(pieces[1:], gaps):
         assert lo <= start <= hi, (start, lo, hi)
 
-    results, timings = transcribe(asr, [str(path)], chunk_seconds=chunk)
+    # No chunk length given: the one recorded in the checkpoint (the training maximum) is used.
+    results, timings = transcribe(dataclasses.replace(asr, max_train_duration=chunk), [str(path)])
     assert results[0].pred_text == " ".join(u.text for u in utts)
     assert results[0].duration == pytest.approx(long.numel() / 16000, abs=1e-3)
+
+
+def test_chunk_length_defaults_to_the_training_maximum_and_warns_beyond_it(caplog):
+    trained = LoadedModel(None, None, None, "ckpt.pt", max_train_duration=4.6)
+    assert chunk_length(trained, None) == 4.6
+    assert chunk_length(dataclasses.replace(trained, max_train_duration=None), None) == 40.0  # e.g. converted Canary
+    with caplog.at_level(logging.WARNING):
+        assert chunk_length(trained, 3.0) == 3.0 and not caplog.records
+        assert chunk_length(trained, 40.0) == 40.0
+    assert "trained on utterances of at most 4.6 s" in caplog.text
 
 
 def test_beam_search_is_at_least_as_likely_as_greedy(asr):

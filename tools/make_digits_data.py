@@ -13,6 +13,7 @@ no string appears in both train and dev.
 
     apt-get install espeak-ng
     python tools/make_digits_data.py -o data/mini/digits --seed 0     # the committed set, ~20 s
+    python tools/make_digits_data.py -o /tmp/it_digits --langs it     # Italian, for the new-language recipe
 
 Output (an existing audio/ sub-folder is replaced): train.jsonl, dev.jsonl and audio/*.flac,
 in the format of the sentence manifests (audio paths relative to the output folder).
@@ -28,19 +29,22 @@ import sys
 from make_mini_data import ACCENTS, LANGS, VARIANTS, Job, _worker_init, run_split, summarize, \
     write_manifest
 
+ACCENTS = {**ACCENTS, "it": ["it"]}  # Italian is not in the sentence set: a language to add to a trained model
+
 DIGITS = {
     "en": "zero one two three four five six seven eight nine".split(),
     "de": "null eins zwei drei vier fünf sechs sieben acht neun".split(),
     "fr": "zéro un deux trois quatre cinq six sept huit neuf".split(),
     "es": "cero uno dos tres cuatro cinco seis siete ocho nueve".split(),
+    "it": "zero uno due tre quattro cinque sei sette otto nove".split(),
 }
 MIN_DIGITS, MAX_DIGITS = 2, 5
 
 
-def plan_strings(rng, per_split):
+def plan_strings(rng, per_split, langs):
     """-> {split: {lang: [digit tuple, ...]}}: distinct strings, none shared by two splits."""
     plan = {split: {} for split in per_split}
-    for lang in LANGS:
+    for lang in langs:
         used = set()
         for split, n in per_split.items():
             strings = []
@@ -56,7 +60,7 @@ def plan_strings(rng, per_split):
 def plan_jobs(split, strings, rng):
     """Yield one Job per string, taking turns between the languages."""
     for i in range(max(len(s) for s in strings.values())):
-        for lang in LANGS:
+        for lang in strings:
             if i < len(strings[lang]):
                 text = " ".join(DIGITS[lang][d] for d in strings[lang][i]).capitalize() + "."
                 voice = rng.choice(ACCENTS[lang]) + rng.choice(VARIANTS)
@@ -72,6 +76,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="same seed -> byte-identical output")
     parser.add_argument("--train-per-lang", type=int, default=100, help="train strings per language")
     parser.add_argument("--dev-per-lang", type=int, default=12, help="dev strings per language")
+    parser.add_argument("--langs", nargs="+", default=list(LANGS), choices=sorted(DIGITS),
+                        help="languages to speak (the committed set: en de fr es)")
     parser.add_argument("--num-workers", type=int, default=os.cpu_count() or 1,
                         help="parallel espeak-ng processes")
     args = parser.parse_args()
@@ -79,7 +85,7 @@ def main():
         sys.exit("missing: espeak-ng\ninstall with: apt-get install espeak-ng")
 
     rng = random.Random(args.seed)
-    strings = plan_strings(rng, {"dev": args.dev_per_lang, "train": args.train_per_lang})
+    strings = plan_strings(rng, {"dev": args.dev_per_lang, "train": args.train_per_lang}, args.langs)
     shutil.rmtree(os.path.join(args.output, "audio"), ignore_errors=True)
     os.makedirs(os.path.join(args.output, "audio"))
     entries = {}

@@ -1,0 +1,158 @@
+"""Word and segment timestamps: a hypothesis force-aligned to the CTC head's frame posteriors.
+
+    spans = align(log_probs[b, :enc_lens[b]], ids, blank=model.ctc.blank)   # one (start, end) frame span per id
+    words = to_words(tokenizer, ids, spans, frame_seconds(features), offset=segment_start)
+    segments = to_segments(words)
+    open("a.srt", "w").write(srt(segments))    # or webvtt(words) for one cue per word
+
+Why CTC: the attention decoder has no notion of time (its cross-attention is free to look
+anywhere), but the CTC head on the encoder (model.ctc, trained when model.ctc_weight > 0) scores
+every 80 ms encoder frame against the same token ids. Viterbi forced alignment
+(torchaudio.functional.forced_align) finds the most likely CTC path that emits exactly the
+hypothesis' tokens, so the AED's text gets the CTC head's timing without being changed.
+
+A model without a CTC head (ctc_weight = 0, and the released Canary checkpoints) has no frame
+posteriors to align to: asking it for timestamps is an error, raised before any audio is decoded
+(`aed.inference.transcribe`), not a silent guess.
+
+Precision. Times are multiples of one encoder frame (80 ms at a 10 ms hop and 8x subsampling). A
+word runs from the first frame of its first token to the end of its last token's frames, so its
+times are only as good as the CTC head's sense of where it heard each token. CTC's loss does not
+reward firing inside the word. Aligners built on large trained CTC models (NeMo's forced
+aligner, WhisperX's wav2vec2 step) rely on such models doing so; a tiny one need not. A 2-layer,
+64-wide model trained for 300-500 steps on the generated word sequences of
+tests/test_timestamps.py recognised them but fired its first word at frame 0 wherever it was
+spoken: median boundary error 0.35-0.4 s. The tests therefore check the bookkeeping (spans,
+offsets across chunks, order, formats) with exact synthetic posteriors and an untrained model,
+not the accuracy of any particular model.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torchaudio.functional as AF
+
+from aed.audio import FeatureConfig
+from aed.encoder import SUBSAMPLING_STAGES
+from aed.tokenizer import Tokenizer
+
+SENTENCE_END = (".", "!", "?", "。", "？", "！")  # a segment ends after a word ending with one of these
+SEGMENT_PAUSE = 1.0  # ... or before a pause this long (s): unpunctuated output still gets cues
+SEGMENT_MAX = 7.0  # ... or before it would exceed this many seconds (a subtitle line's usual limit)
+
+
+@dataclass
+class Word:
+    text: str
+    start: float  # seconds from the start of the file
+    end: float
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "start": round(self.start, 3), "end": round(self.end, 3)}
+
+
+@dataclass
+class Segment:
+    words: list[Word]
+
+    @property
+    def text(self) -> str:
+        return " ".join(w.text for w in self.words)
+
+    @property
+    def start(self) -> float:
+        return self.words[0].start
+
+    @property
+    def end(self) -> float:
+        return self.words[-1].end
+
+    def to_json(self, with_words: bool = True) -> dict:
+        out = {"text": self.text, "start": round(self.start, 3), "end": round(self.end, 3)}
+        return out | ({"words": [w.to_json() for w in self.words]} if with_words else {})
+
+
+def frame_seconds(features: FeatureConfig) -> float:
+    """Seconds per encoder frame: the feature hop times the subsampling factor."""
+    return features.hop_length * 2**SUBSAMPLING_STAGES / features.sample_rate
+
+
+# --- alignment --------------------------------------------------------------------------------
+
+
+def feasible(num_frames: int, ids: list[int]) -> bool:
+    """A CTC path needs one frame per token plus a blank between each repeated pair."""
+    repeats = sum(a == b for a, b in zip(ids, ids[1:]))
+    return num_frames >= len(ids) + repeats
+
+
+def align(log_probs: torch.Tensor, ids: list[int], blank: int) -> list[tuple[int, int]]:
+    """log_probs (T', V) of one utterance (its valid frames only), token ids -> one [start, end)
+    frame span per id, in order. Ids must lie below `blank`.
+
+    When the hypothesis is longer than any CTC path through T' frames allows (`feasible`: a
+    hallucinating decoder, or speech faster than one token per frame), the tokens are spread
+    evenly over the frames instead: times are then approximate, and the caller says so.
+    """
+    if not ids:
+        return []
+    T = log_probs.shape[0]
+    if not feasible(T, ids):
+        edges = [round(i * T / len(ids)) for i in range(len(ids) + 1)]
+        return [(a, max(b, a + 1)) for a, b in zip(edges, edges[1:])]
+    targets = torch.tensor([ids], dtype=torch.int32)  # (1, U)
+    labels, _ = AF.forced_align(log_probs[None].float().cpu(), targets, torch.tensor([T]),
+                                torch.tensor([len(ids)]), blank=blank)  # (1, T') token or blank per frame
+    spans = AF.merge_tokens(labels[0], torch.zeros(T), blank=blank)  # runs of one token, blanks dropped
+    assert len(spans) == len(ids), f"{len(spans)} spans for {len(ids)} tokens"
+    return [(s.start, s.end) for s in spans]
+
+
+# --- words and segments -----------------------------------------------------------------------
+
+
+def to_words(tokenizer: Tokenizer, ids: list[int], spans: list[tuple[int, int]], frame_s: float,
+             offset: float = 0.0) -> list[Word]:
+    """Tokens and their frame spans -> words with times in seconds (`offset` added: the segment's
+    start in its file). A word starts at a SentencePiece piece with the word-start marker "▁"."""
+    groups = []  # [ids, first frame, end frame] per word
+    for i, (start, end) in zip(ids, spans, strict=True):
+        if not groups or tokenizer.id_to_token(i).startswith("▁"):
+            groups.append([[i], start, end])
+        else:
+            groups[-1][0].append(i)
+            groups[-1][2] = end
+    words = [Word(tokenizer.decode(g).strip(), offset + a * frame_s, offset + b * frame_s) for g, a, b in groups]
+    return [w for w in words if w.text]  # a lone "▁" piece decodes to nothing
+
+
+def to_segments(words: list[Word]) -> list[Segment]:
+    """Words -> subtitle-sized segments: a new one after a sentence end, at a pause of
+    SEGMENT_PAUSE, or where the current one would grow past SEGMENT_MAX seconds."""
+    segments = []
+    for w in words:
+        if (not segments or segments[-1].words[-1].text.endswith(SENTENCE_END)
+                or w.start - segments[-1].end >= SEGMENT_PAUSE or w.end - segments[-1].start > SEGMENT_MAX):
+            segments.append(Segment([w]))
+        else:
+            segments[-1].words.append(w)
+    return segments
+
+
+# --- subtitle files ---------------------------------------------------------------------------
+
+
+def _clock(seconds: float, decimal: str) -> str:
+    ms = round(seconds * 1000)
+    return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{decimal}{ms % 1000:03d}"
+
+
+def srt(cues: list[Word] | list[Segment]) -> str:
+    """SubRip: numbered cues, `HH:MM:SS,mmm --> HH:MM:SS,mmm`, blank line after each."""
+    return "".join(f"{n}\n{_clock(c.start, ',')} --> {_clock(c.end, ',')}\n{c.text}\n\n"
+                   for n, c in enumerate(cues, 1))
+
+
+def webvtt(cues: list[Word] | list[Segment]) -> str:
+    """WebVTT: a `WEBVTT` header, then cues with `HH:MM:SS.mmm` times."""
+    return "WEBVTT\n\n" + "".join(f"{_clock(c.start, '.')} --> {_clock(c.end, '.')}\n{c.text}\n\n" for c in cues)

@@ -1,0 +1,115 @@
+"""tools/add_language.py and the growth behind it: a new language keeps every old id and output."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from aed.audio import FeatureConfig
+from aed.checkpoint import init_from_checkpoint, pack_dir, save_checkpoint
+from aed.config import TrainConfig
+from aed.data import Batch
+from aed.inference import load_checkpoint, read_requests, transcribe
+from aed.model import AED, AEDConfig
+from aed.tokenizer import Tokenizer
+from aed.training import build_model, build_optimizer, train_step
+from tools.add_language import main as add_language
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MINI = os.path.join(ROOT, "data", "mini")
+ITALIAN = ["Il gatto dorme sul divano.", "Domani andiamo al mare con gli amici.", "Quanto costa questo libro?",
+           "La cena è pronta, venite a tavola.", "Non ho capito la domanda.", "Piove da tre giorni in città."]
+
+
+def tiny_config(tokenizer: Tokenizer) -> AEDConfig:
+    return AEDConfig(n_mels=32, vocab_size=tokenizer.padded_vocab_size, pad_id=tokenizer.pad, enc_d_model=32,
+                     enc_layers=1, enc_heads=2, subsampling_channels=8, dec_d_model=32, dec_layers=1, dec_heads=2,
+                     dec_max_len=64, ctc_weight=0.3)
+
+
+@pytest.fixture(scope="module")
+def grown(tmp_path_factory):
+    """(old checkpoint path, new checkpoint path): a tiny model with a CTC head, then + Italian."""
+    tmp = tmp_path_factory.mktemp("lang")
+    torch.manual_seed(0)
+    tokenizer = Tokenizer.load(os.path.join(MINI, "tokenizer"))
+    cfg = tiny_config(tokenizer)
+    model = AED(cfg)
+    with torch.no_grad():  # a random decoder's logits are nearly flat; spread them as a trained one's are
+        model.decoder.output_proj.weight.mul_(20)
+    save_checkpoint({"model": model.state_dict(), "model_config": dataclasses.asdict(cfg),
+                     "features": dataclasses.asdict(FeatureConfig(n_mels=32)), "max_train_duration": 4.5,
+                     "tokenizer": pack_dir(os.path.join(MINI, "tokenizer"))}, str(tmp), 1, keep_last=1)
+    manifest = tmp / "it.jsonl"
+    manifest.write_text("".join(json.dumps({"audio_filepath": "x.wav", "text": t, "source_lang": "it",
+                                            "target_lang": "it"}) + "\n" for t in ITALIAN))
+    out = tmp / "it" / "model-it.pt"
+    add_language(["--ckpt", str(tmp), "--lang", "it", "--manifest", str(manifest), "--vocab-size", "320",
+                  "-o", str(out)])
+    return str(tmp), str(out)
+
+
+def test_old_ids_prompts_and_outputs_are_unchanged(grown):
+    old_dir, new_path = grown
+    old, new = load_checkpoint(old_dir), load_checkpoint(new_path)
+    assert new.tokenizer.languages == old.tokenizer.languages + ["it"]
+    assert new.tokenizer.vocab_size > old.tokenizer.vocab_size
+    assert new.max_train_duration == 4.5
+    for lang in old.tokenizer.languages:
+        assert new.tokenizer.prompt_ids(lang, lang, True) == old.tokenizer.prompt_ids(lang, lang, True)
+        assert new.tokenizer.encode("Cats are smarter than dogs.", lang) == old.tokenizer.encode(
+            "Cats are smarter than dogs.", lang)
+    ids = new.tokenizer.encode(ITALIAN[0], "it")
+    assert min(ids) >= old.tokenizer.vocab_size and new.tokenizer.decode(ids) == ITALIAN[0]
+    assert new.tokenizer.prompt_ids("it", "it", True)[1] == new.tokenizer.lang_id("it")
+
+    # Old-language inputs: identical greedy and beam outputs, old logits and CTC posteriors equal.
+    requests = read_requests(os.path.join(MINI, "examples.jsonl"))
+    for beam in (1, 3):
+        before, _ = transcribe(old, requests, beam_size=beam, max_new_tokens=8)
+        after, _ = transcribe(new, requests, beam_size=beam, max_new_tokens=8)
+        assert [r.tokens for r in before] == [r.tokens for r in after] and all(r.tokens for r in before)
+    feats = torch.randn(1, 200, 32)
+    with torch.no_grad():
+        enc_old, lens = old.model.encoder(feats, torch.tensor([200]))
+        enc_new, _ = new.model.encoder(feats, torch.tensor([200]))
+        ctc_old, ctc_new = old.model.ctc.proj(enc_old), new.model.ctc.proj(enc_new)
+    v = old.model.cfg.vocab_size
+    torch.testing.assert_close(ctc_new[..., :v], ctc_old[..., :v], rtol=0, atol=0)
+    torch.testing.assert_close(ctc_new[..., -1], ctc_old[..., -1], rtol=0, atol=0)  # the blank moved last
+    assert new.model.ctc.blank == new.model.cfg.vocab_size
+
+
+def test_init_from_grows_the_ctc_head_and_keeps_its_blank_last(grown):
+    old_dir, new_path = grown
+    old = load_checkpoint(old_dir)
+    bigger = AED(dataclasses.replace(old.model.cfg, vocab_size=old.model.cfg.vocab_size + 16))
+    summary = init_from_checkpoint(bigger, old.path)
+    assert "ctc.proj.weight grows from" in summary and "token_embedding.weight grows from" in summary
+    v = old.model.cfg.vocab_size
+    for name in ("weight", "bias"):
+        new_rows, old_rows = getattr(bigger.ctc.proj, name), getattr(old.model.ctc.proj, name)
+        assert torch.equal(new_rows[:v], old_rows[:v]) and torch.equal(new_rows[-1], old_rows[-1])
+    assert torch.equal(bigger.decoder.output_proj.weight[:v], old.model.decoder.output_proj.weight)
+
+
+def test_freeze_encoder_trains_only_the_decoder_and_ctc_head():
+    tokenizer = Tokenizer.load(os.path.join(MINI, "tokenizer"))
+    cfg = dataclasses.replace(TrainConfig(), model=tiny_config(tokenizer), freeze="encoder")
+    model = build_model(cfg, tokenizer.vocab_size)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = build_optimizer(model, cfg.optim)
+    tokens, prompt_len = tokenizer.encode_example("Ciao.", "en", "en", True)
+    batch = Batch(torch.randn(2, 120, 32), torch.tensor([120, 90]), torch.tensor([tokens, tokens]),
+                  torch.tensor([len(tokens)] * 2), torch.tensor([prompt_len] * 2), ["a", "b"], [0, 1], [])
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    model.train()
+    train_step(model, [batch], optimizer, scaler, lambda f, lens: f, "fp32", clip_grad=1.0,
+               num_targets=2 * len(tokens))
+    after = model.state_dict()
+    # num_batches_tracked counts forward passes only; nothing reads it when the momentum is fixed.
+    changed = {k for k in after if not torch.equal(after[k], before[k]) and not k.endswith("num_batches_tracked")}
+    assert not [k for k in changed if k.startswith("encoder.")], [k for k in changed if k.startswith("encoder.")]
+    assert any(k.startswith("decoder.") for k in changed) and any(k.startswith("ctc.") for k in changed)

@@ -1,0 +1,155 @@
+"""aed/timestamps.py and `transcribe(timestamps=True)`: forced alignment, words, segments, subtitles."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import soundfile as sf
+import torch
+
+from aed.audio import FeatureConfig, load_audio
+from aed.checkpoint import pack_dir, save_checkpoint
+from aed.inference import load_checkpoint, plan_segments, Request, transcribe
+from aed.model import AED, AEDConfig
+from aed.timestamps import Segment, Word, align, frame_seconds, srt, to_segments, to_words, webvtt
+from aed.tokenizer import Tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MINI = os.path.join(ROOT, "data", "mini")
+WORDS = os.path.join(ROOT, "tests", "fixtures", "words")  # tools/make_word_clips.py
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.load(os.path.join(MINI, "tokenizer"))
+
+
+def peaky(T: int, V: int, fires: dict[int, int], blank: int) -> torch.Tensor:
+    """(T, V) log-probs: blank everywhere except token fires[t] at frame t, each nearly certain."""
+    logits = torch.full((T, V), -10.0)
+    logits[:, blank] = 0.0
+    for t, token in fires.items():
+        logits[t, token] = 5.0
+    return logits.log_softmax(-1)
+
+
+# --- alignment, words, segments, formats ------------------------------------------------------
+
+
+def test_align_finds_the_frames_where_each_token_fires():
+    fires = {3: 7, 4: 7, 9: 2, 12: 7}  # 7 held for two frames, then 2, then 7 again
+    spans = align(peaky(16, 10, fires, blank=9), [7, 2, 7], blank=9)
+    assert spans == [(3, 5), (9, 10), (12, 13)]
+    assert align(peaky(16, 10, {}, blank=9), [], blank=9) == []
+
+
+def test_a_hypothesis_too_long_for_its_frames_is_spread_evenly():
+    spans = align(peaky(4, 10, {}, blank=9), [1, 2, 3, 4, 5, 6], blank=9)  # 6 tokens, 4 frames
+    assert len(spans) == 6 and spans[0][0] == 0 and spans[-1][1] == 4
+    assert all(a < b for a, b in spans) and all(s[0] <= t[0] for s, t in zip(spans, spans[1:]))
+
+
+def test_words_start_at_word_marked_pieces_and_carry_the_offset(tokenizer):
+    ids = tokenizer.encode("red morning", "en")  # ▁ re d ▁m or n ing
+    assert len(ids) == 7
+    spans = [(2, 3), (3, 4), (4, 5), (10, 11), (11, 12), (12, 13), (13, 15)]
+    words = to_words(tokenizer, ids, spans, frame_s=0.08, offset=30.0)
+    assert [w.text for w in words] == ["red", "morning"]
+    assert [(w.start, w.end) for w in words] == [pytest.approx((30.16, 30.4)), pytest.approx((30.8, 31.2))]
+    assert frame_seconds(FeatureConfig()) == pytest.approx(0.08)
+
+
+def test_segments_end_at_sentences_pauses_and_length():
+    w = lambda text, a, b: Word(text, a, b)  # noqa: E731
+    words = [w("Hello", 0.0, 0.4), w("there.", 0.5, 0.9), w("How", 1.0, 1.2), w("are", 1.3, 1.5), w("you", 3.0, 3.3)]
+    assert [s.text for s in to_segments(words)] == ["Hello there.", "How are", "you"]  # sentence end, then pause
+    many = [w(f"w{i}", 0.5 * i, 0.5 * i + 0.4) for i in range(20)]
+    assert all(s.end - s.start <= 7.0 for s in to_segments(many)) and len(to_segments(many)) == 2
+
+
+def test_srt_and_webvtt_files():
+    cues = [Segment([Word("Hello", 0.0, 0.42), Word("there.", 0.5, 1.0)]), Segment([Word("Bye.", 3661.5, 3662.25)])]
+    assert srt(cues) == ("1\n00:00:00,000 --> 00:00:01,000\nHello there.\n\n"
+                         "2\n01:01:01,500 --> 01:01:02,250\nBye.\n\n")
+    assert webvtt(cues) == ("WEBVTT\n\n00:00:00.000 --> 00:00:01.000\nHello there.\n\n"
+                            "01:01:01.500 --> 01:01:02.250\nBye.\n\n")
+    assert cues[0].to_json(with_words=False) == {"text": "Hello there.", "start": 0.0, "end": 1.0}
+
+
+# --- through transcribe -----------------------------------------------------------------------
+
+
+def checkpoint(tmp_path, tokenizer, ctc_weight: float) -> str:
+    torch.manual_seed(0)
+    cfg = AEDConfig(n_mels=32, vocab_size=tokenizer.padded_vocab_size, pad_id=tokenizer.pad, enc_d_model=32,
+                    enc_layers=1, enc_heads=2, subsampling_channels=8, dec_d_model=32, dec_layers=1, dec_heads=2,
+                    dec_max_len=64, ctc_weight=ctc_weight)
+    run = tmp_path / f"ctc{ctc_weight}"
+    run.mkdir()
+    save_checkpoint({"model": AED(cfg).state_dict(), "model_config": dataclasses.asdict(cfg),
+                     "features": dataclasses.asdict(FeatureConfig(n_mels=32)),
+                     "tokenizer": pack_dir(os.path.join(MINI, "tokenizer"))}, str(run), 1, keep_last=1)
+    return str(run)
+
+
+def long_file(tmp_path, seconds_between: float = 0.6) -> tuple[str, list[tuple[str, float, float]]]:
+    """The word clips, twice over, with silences between them: (path, [(word, start, end)])."""
+    names = list(json.load(open(os.path.join(WORDS, "words.json")))) * 2
+    parts, truth, t = [], [], 0.3
+    parts.append(torch.zeros(int(0.3 * 16000)))
+    for name in names:
+        clip = load_audio(os.path.join(WORDS, f"{name}.flac"))
+        truth.append((name, t, t + clip.numel() / 16000))
+        parts += [clip, torch.zeros(int(seconds_between * 16000))]
+        t += clip.numel() / 16000 + seconds_between
+    path = tmp_path / "words.wav"
+    sf.write(path, torch.cat(parts).numpy(), 16000, subtype="FLOAT")
+    return str(path), truth
+
+
+def test_a_model_without_ctc_head_refuses_timestamps_before_any_work(tmp_path, tokenizer):
+    asr = load_checkpoint(checkpoint(tmp_path, tokenizer, ctc_weight=0.0))
+    with pytest.raises(ValueError, match="no CTC head"):
+        transcribe(asr, [os.path.join(MINI, "examples", "en_asr_16k.wav")], timestamps=True)
+
+
+def test_times_are_monotonic_within_the_audio_and_offset_per_chunk(tmp_path, tokenizer):
+    """Any model's words (an untrained one's here) lie in order inside the chunk they were decoded
+    from, with the chunk's start added: the bookkeeping, whatever the model hears."""
+    asr = load_checkpoint(checkpoint(tmp_path, tokenizer, ctc_weight=0.3))
+    path, _ = long_file(tmp_path)
+    chunk = 4.0
+    (res,), timings = transcribe(asr, [path], chunk_seconds=chunk, max_new_tokens=6, timestamps=True)
+    pieces = plan_segments(Request(path, "en", "en", True, "asr"), chunk, 16000)
+    assert len(pieces) >= 4 and timings.align > 0
+    assert res.words and " ".join(w.text for w in res.words) == " ".join(res.pred_text.split())
+    assert all(0 <= w.start < w.end <= res.duration + 1e-6 for w in res.words)
+    assert all(a.end <= b.start + 1e-6 for a, b in zip(res.words, res.words[1:]))
+    bounds = [(start, start + length) for start, _, length in pieces]
+    assert all(any(a - 1e-6 <= w.start and w.end <= b + 1e-6 for a, b in bounds) for w in res.words)
+    later = [w for w in res.words if w.start >= bounds[1][0]]
+    assert later, "no word came from a later chunk: the offsets are untested"
+
+
+def test_cli_writes_segments_and_subtitles(tmp_path, tokenizer):
+    run = checkpoint(tmp_path, tokenizer, ctc_weight=0.3)
+    out, subs = tmp_path / "hyp.jsonl", tmp_path / "subs"
+    wav = os.path.join(MINI, "examples", "en_asr_16k.wav")
+    cmd = [sys.executable, "infer.py", "--ckpt", run, wav, "--out", str(out), "--timestamps", "word",
+           "--subtitles", str(subs), "--max-new-tokens", "5"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["segments"] and all({"text", "start", "end", "words"} <= set(s) for s in row["segments"])
+    assert (subs / "en_asr_16k.srt").read_text().startswith("1\n00:00:")
+    assert (subs / "en_asr_16k.vtt").read_text().startswith("WEBVTT\n\n00:00:")
+    assert "alignment" in p.stderr
+
+    no_ctc = checkpoint(tmp_path, tokenizer, ctc_weight=0.0)
+    p = subprocess.run([sys.executable, "infer.py", "--ckpt", no_ctc, wav, "--timestamps", "segment"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode != 0 and "no CTC head" in p.stderr
