@@ -4,6 +4,7 @@
     python infer.py --ckpt runs/tiny/ckpt-00000600 --manifest test.jsonl --out hyp.jsonl
     python infer.py --ckpt runs/tiny --source-lang es --target-lang en x.wav    # speech translation
     python infer.py --ckpt runs/flash --beam-size 4 --device cuda --dtype bf16 --batch-duration 1200 ...
+    python infer.py --ckpt runs/tiny --ctc-weight 0 ...     # attention decoder alone (default: joint with CTC)
     python infer.py --ckpt runs/tiny --timestamps word --out hyp.jsonl --subtitles subs/ talk.wav  # .srt + .vtt
 
 Inputs: files in any format, rate and channel count soundfile reads (resampled to the model's rate,
@@ -60,6 +61,12 @@ def parse_args():
     dec.add_argument("--max-new-tokens", type=int, help="cap on generated tokens per segment")
     dec.add_argument("--max-delta", type=int, default=50,
                      help="at most encoder frames + this many tokens per segment (NeMo's max_generation_delta)")
+    dec.add_argument("--ctc-weight", type=float, default=0.3,
+                     help="joint CTC/attention decoding weight for models with a CTC head; 0: attention only")
+    dec.add_argument("--max-repeats", type=int, default=4,
+                     help="stop a hypothesis that repeats an n-gram more than this many times in a row; 0: never")
+    dec.add_argument("--max-tokens-per-second", type=float, default=25.0,
+                     help="stop a hypothesis at this many tokens per second of audio; 0: no bound")
     run = p.add_argument_group("execution")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
@@ -83,6 +90,8 @@ def parse_args():
         p.error("give audio files/directories/patterns and/or --manifest")
     if args.beam_size < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
         p.error("--beam-size and --max-new-tokens must be >= 1")
+    if not 0 <= args.ctc_weight <= 1 or args.max_repeats < 0 or args.max_tokens_per_second < 0:
+        p.error("--ctc-weight must lie in [0, 1]; --max-repeats and --max-tokens-per-second must be >= 0")
     if args.subtitles and not args.timestamps:
         p.error("--subtitles needs --timestamps word or segment")
     if args.batch_duration <= 0 or (args.chunk_seconds is not None and args.chunk_seconds <= 0):
@@ -153,8 +162,9 @@ def main() -> None:
         if not requests:
             sys.exit("error: no valid inputs left")
     dtype = {"bf16": torch.bfloat16, "fp32": None}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    joint = f" + CTC {args.ctc_weight:g}" if asr.model.ctc is not None and args.ctc_weight > 0 else ""
     print(f"model {asr.path} ({sum(p.numel() for p in asr.model.parameters()) / 1e6:.1f}M parameters) on {device}, "
-          f"{'bf16' if dtype else 'fp32'}, {'greedy' if args.beam_size == 1 else f'beam {args.beam_size}'}; "
+          f"{'bf16' if dtype else 'fp32'}, {'greedy' if args.beam_size == 1 else f'beam {args.beam_size}'}{joint}; "
           f"{len(requests)} input(s)", file=sys.stderr)
 
     # --- transcription
@@ -162,8 +172,9 @@ def main() -> None:
     try:
         results, timings = transcribe(
             asr, requests, beam_size=args.beam_size, length_penalty=args.length_penalty, max_delta=args.max_delta,
-            max_new_tokens=args.max_new_tokens, batch_duration=args.batch_duration, chunk_seconds=args.chunk_seconds,
-            dtype=dtype, timestamps=args.timestamps is not None,
+            max_new_tokens=args.max_new_tokens, ctc_weight=args.ctc_weight, max_repeats=args.max_repeats,
+            max_tokens_per_second=args.max_tokens_per_second or None, batch_duration=args.batch_duration,
+            chunk_seconds=args.chunk_seconds, dtype=dtype, timestamps=args.timestamps is not None,
             progress=ProgressBar(not args.quiet and len(requests) > 1))
     except ValueError as e:  # e.g. a language the tokenizer does not know, named with its manifest line
         sys.exit(f"error: {e}")

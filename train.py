@@ -42,9 +42,10 @@ from aed.distributed import (all_gather_objects, all_reduce, barrier, cleanup, g
 from aed.memory import format_bytes, parse_bytes
 from aed.metrics import corpus_scores
 from aed.shards import MixedSource, ShardDataset, ShardSource
+from aed.timestamps import frame_seconds
 from aed.tokenizer import Tokenizer
-from aed.training import (autocast, build_model, build_optimizer, count_targets, lr_factor, resolve_precision,
-                          train_step)
+from aed.training import (autocast, build_model, build_optimizer, count_ctc_skipped, count_targets, lr_factor,
+                          resolve_precision, train_step)
 from oom import MemoryBudgetError, preflight
 from sampler import Bins, BucketingSampler, estimate_bins, load_batch_sizes
 
@@ -202,13 +203,14 @@ def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, 
     device = next(model.parameters()).device
     model.eval()
     logmel, collate = LogMel(cfg.features).eval(), Collate(tokenizer.pad)
+    options = DecodingOptions(ctc_weight=cfg.val.ctc_weight, frame_seconds=frame_seconds(cfg.features))
     results = {}
     for name, path in val_names.items():
         utts = read_manifest(path, skip_invalid=cfg.train.skip_invalid)[: cfg.val.max_utterances]
         utts, _ = encodable(utts, tokenizer, cfg.train.skip_invalid)
         order = sorted(range(len(utts)), key=lambda i: utts[i].duration)[rank::world_size]
         ds = UtteranceDataset([utts[i] for i in order], tokenizer, logmel)
-        rows, loss_sum, count = [], torch.zeros((), device=device), torch.zeros((), device=device)
+        rows, loss_sum, count, ctc_skipped = [], torch.zeros((), device=device), torch.zeros((), device=device), 0
         for group in duration_batches([u.duration for u in ds.utterances], cfg.val.batch_duration):
             b = collate([ds[j] for j in group]).to(device)
             for err in b.errors:
@@ -221,16 +223,21 @@ def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, 
                     hyps = model.transcribe(b.feats, b.feat_lens)
                 else:
                     prompt = torch.stack([b.tokens[k, : b.prompt_lens[k]] for k in range(len(b))])
-                    hyps = decode(model, b.feats, b.feat_lens, prompt, tokenizer.eos, DecodingOptions())
+                    hyps = decode(model, b.feats, b.feat_lens, prompt, tokenizer.eos, options)
             loss_sum += loss.float()
             count += n
+            ctc_skipped += count_ctc_skipped(model, [b])
             for k, j in enumerate(b.indices):
                 u = ds.utterances[j]
                 hyp = tokenizer.decode([t for t in hyps[k] if t < tokenizer.vocab_size])
                 rows.append((u.taskname, u.source_lang, u.target_lang, u.text, hyp))
-        totals = all_reduce(torch.stack([loss_sum, count]))
+        totals = all_reduce(torch.stack([loss_sum, count, torch.tensor(float(ctc_skipped), device=device)]))
         rows = [r for part in all_gather_objects(rows) for r in part]
         results[f"{name}/loss"] = (totals[0] / totals[1].clamp(min=1)).item()
+        results[f"{name}/ctc_skipped"] = int(totals[2])
+        if totals[2] > 0:
+            log.info("validation %s: %d of %d utterances have more tokens than CTC frames allow: left out of the "
+                     "CTC term of its loss", name, int(totals[2]), len(rows))
         groups, asr_wer = corpus_scores(rows, cfg.val.normalizer)
         for group_name, scores in groups.items():  # "asr en" -> wer_en, wer_pnc_en; "ast en-es" -> bleu_en-es
             for metric in ("wer", "wer_pnc", "bleu"):
@@ -294,10 +301,11 @@ def rss_gb() -> float:
 
 
 # Sums kept on the device between progress lines (no host sync per step), in this order.
-TOTALS = ("loss", "targets", "audio_s", "padded_frames", "frames", "padded_tokens", "tokens", "utterances")
+TOTALS = ("loss", "targets", "audio_s", "padded_frames", "frames", "padded_tokens", "tokens", "utterances",
+          "ctc_skipped")
 
 
-def batch_totals(batches: list, frame_s: float, device) -> torch.Tensor:
+def batch_totals(model, batches: list, frame_s: float, device) -> torch.Tensor:
     """The TOTALS of host-side batches except the loss and its target count, on `device`."""
     return torch.tensor([0.0, 0.0,
                          sum(float(b.feat_lens.sum()) * frame_s for b in batches),
@@ -305,7 +313,8 @@ def batch_totals(batches: list, frame_s: float, device) -> torch.Tensor:
                          sum(int(b.feat_lens.sum()) for b in batches),
                          sum(b.tokens.numel() for b in batches),
                          sum(int(b.token_lens.sum()) for b in batches),
-                         sum(len(b) for b in batches)], device=device)
+                         sum(len(b) for b in batches),
+                         count_ctc_skipped(model, batches)], device=device)
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -494,6 +503,7 @@ def main(argv: list[str] | None = None) -> None:
     if step == 0 and cfg.val.every > 0:
         validate(0)
     t_start, t_last, val_at_last, steps_since, start_step = time.time(), time.time(), val_seconds, 0, step
+    val_at_start = val_seconds  # the step-0 validation ran before t_start: not to be subtracted again
 
     while step < cfg.max_steps:
         micro = []
@@ -507,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
             if len(batch):
                 micro.append(batch)
         num_targets = all_reduce(torch.tensor(float(count_targets(model, micro)), device=device))
-        totals += batch_totals(micro, frame_s, device)
+        totals += batch_totals(model, micro, frame_s, device)
         result = train_step(fwd_model, micro, optimizer, scaler, spec_augment, precision, cfg.optim.clip_grad,
                             num_targets, world_size, ddp_model.no_sync if world_size > 1 else None)
         totals[0] += result.loss
@@ -528,7 +538,7 @@ def main(argv: list[str] | None = None) -> None:
             t = dict(zip(TOTALS, all_reduce(totals).tolist()))
             skipped = int(all_reduce(torch.tensor(float(skipped_audio), device=device)).item())
             dt = time.time() - t_last - (val_seconds - val_at_last)  # training time of the window
-            trained = time.time() - t_start - val_seconds
+            trained = time.time() - t_start - (val_seconds - val_at_start)
             eta = trained / (step - start_step) * (cfg.max_steps - step)
             mem = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else rss_gb()
             values = {"train/loss": t["loss"] / max(t["targets"], 1), "train/lr": scheduler.get_last_lr()[0],
@@ -537,13 +547,15 @@ def main(argv: list[str] | None = None) -> None:
                       "train/audio_padding": 100 * (1 - t["frames"] / t["padded_frames"]),
                       "train/text_padding": 100 * (1 - t["tokens"] / t["padded_tokens"]),
                       "train/audio_s_per_s": t["audio_s"] / dt, "train/tokens_per_s": t["tokens"] / dt,
-                      "train/step_time": dt / steps_since, "train/memory_gb": mem, "train/skipped_audio": skipped}
+                      "train/step_time": dt / steps_since, "train/memory_gb": mem, "train/skipped_audio": skipped,
+                      "train/ctc_skipped": int(t["ctc_skipped"])}  # utterances left out of the CTC loss
             run_log.write(values, step)
             log.info(f"step {step} | loss {values['train/loss']:.3f} | lr {values['train/lr']:.2e} | "
                      f"gnorm {values['train/grad_norm']:.2f} | bs {values['train/batch_size']:.1f} | "
                      f"pad audio {values['train/audio_padding']:.1f}% text {values['train/text_padding']:.1f}% | "
                      f"{values['train/audio_s_per_s']:.1f} audio s/s | {values['train/tokens_per_s']:.0f} tok/s | "
-                     f"{values['train/step_time']:.2f} s/step | mem {mem:.2f} GB | eta {eta / 60:.1f} min")
+                     f"{values['train/step_time']:.2f} s/step | mem {mem:.2f} GB | eta {eta / 60:.1f} min"
+                     + (f" | {int(t['ctc_skipped'])} utts too short for CTC" if t["ctc_skipped"] else ""))
             totals.zero_()
             t_last, val_at_last, steps_since = time.time(), val_seconds, 0
 

@@ -3,11 +3,17 @@
 Blank is the LAST id (vocab_size - 1), as in the transducer (aed/transducer.py): tokenizer ids pass
 through unchanged, so one tokenizer serves the AED decoder, the transducer and this head.
 """
-import warnings
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+def infeasible(enc_lens, targets, target_lens):
+    """(B,) True where no CTC alignment fits: a path needs one frame per token plus a blank between
+    each repeated pair. enc_lens (B,), targets (B, U) padded with anything, target_lens (B,)."""
+    valid = torch.arange(targets.shape[1], device=targets.device) < target_lens.unsqueeze(1)  # (B, U)
+    repeats = ((targets[:, 1:] == targets[:, :-1]) & valid[:, 1:]).sum(1)  # (B,)
+    return enc_lens < target_lens + repeats
 
 
 class CTCHead(nn.Module):
@@ -15,7 +21,6 @@ class CTCHead(nn.Module):
         super().__init__()
         self.blank = vocab_size - 1  # vocab_size counts the blank
         self.proj = nn.Linear(enc_dim, vocab_size)
-        self.warned_infeasible = False  # the warning below would otherwise repeat at every step
 
     def forward(self, enc):
         """enc (B, T', enc_dim) -> log-probs (B, T', V) in fp32 (CTC sums log-probs over long paths)."""
@@ -25,9 +30,9 @@ class CTCHead(nn.Module):
         """Summed CTC loss and the number of target tokens it covers (the caller normalises).
 
         enc (B, T', enc_dim), enc_lens (B,), targets (B, U) padded with anything, target_lens (B,).
-        An utterance that no alignment fits (needs more frames than it has: one per token plus one
-        between each repeated pair) is left out of both the sum and the count, with a warning the
-        first time.
+        An utterance that no alignment fits (`infeasible`) is left out of both the sum and the count;
+        train.py counts them from the batch lengths (aed.training.count_ctc_skipped) and logs the
+        number with each progress line and validation.
         """
         B, U = targets.shape
         assert enc.shape[0] == B and enc_lens.shape == (B,) and target_lens.shape == (B,), \
@@ -38,14 +43,7 @@ class CTCHead(nn.Module):
             raise ValueError(f"targets must lie in [0, {self.blank}) (blank is {self.blank}), "
                              f"got values {targets[valid].unique().tolist()}")
         targets = targets.masked_fill(~valid, 0)
-        repeats = ((targets[:, 1:] == targets[:, :-1]) & valid[:, 1:]).sum(1)  # (B,)
-        feasible = enc_lens >= target_lens + repeats
-        if not self.warned_infeasible and not feasible.all():
-            self.warned_infeasible = True
-            warnings.warn(f"CTC: {int((~feasible).sum())} of {B} utterances have more tokens than "
-                          f"frames allow (enc_lens {enc_lens[~feasible].tolist()}, target_lens "
-                          f"{target_lens[~feasible].tolist()}); left out of the CTC loss, not of the "
-                          f"decoder's (reported once per run)")
+        feasible = ~infeasible(enc_lens, targets, target_lens)
         log_probs = self(enc).transpose(0, 1)  # (T', B, V), the layout F.ctc_loss wants
         nll = F.ctc_loss(log_probs, targets, enc_lens, target_lens, blank=self.blank,
                          reduction="none", zero_infinity=True)  # (B,)

@@ -1,14 +1,20 @@
-"""Batched greedy and beam search over the KV-cached decoder.
+"""Batched greedy and beam search over the KV-cached decoder, optionally joint with the CTC head.
 
     model.eval()
     options = DecodingOptions(beam_size=4)
     hyps = decode(model, feats, feat_lens, prompt, eos_id, options)
-    hyps = search(model, *model.encode(feats, feat_lens), prompt, eos_id, options)  # the same, in two steps
+    hyps = search(model, *model.encode_with_ctc(feats, feat_lens), prompt, eos_id, options)  # the same, in two steps
 
 `prompt` (B, P) holds the same-length Canary prompt per utterance (`<|startoftranscript|><|src|><|task|>
 <|tgt|><|pnc|>`); the result is, per utterance, the generated ids after the prompt, without EOS.
 Both searches run one batched decoder step per token for the whole batch, keep finished rows at EOS,
 and look at the device (to stop early) only every SYNC_EVERY steps.
+
+An attention decoder trained on little data babbles: it repeats a word until the length limit. Three
+things stop that, all on by default: with a CTC head, hypotheses are ranked by joint CTC/attention
+scores (aed/ctc_prefix.py), which drop as soon as a hypothesis says what the audio does not; a
+hypothesis that ends in an n-gram repeated more than `max_repeats` times is stopped; and none may
+exceed `max_tokens_per_second` of audio.
 """
 
 from dataclasses import dataclass
@@ -16,7 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from aed.ctc_prefix import NEG_INF, CTCPrefixScorer
+
 SYNC_EVERY = 8  # steps between "all finished?" checks: each check waits for the device, stalling the GPU queue
+REPEAT_NGRAM = 6  # the repetition guard looks at n-grams of up to this many tokens: a word or two of BPE pieces
 
 
 @dataclass(frozen=True)
@@ -25,35 +34,64 @@ class DecodingOptions:
     length_penalty: float = 0.0  # GNMT alpha: rank by logP / ((5 + len) / 6)^alpha; 0 ranks by logP (Canary's default)
     max_delta: int = 50  # at most encoder frames + max_delta new tokens per utterance (NeMo's max_generation_delta)
     max_new_tokens: int | None = None  # an absolute cap on new tokens per utterance, on top of max_delta
+    # Joint CTC/attention scoring, for models with a CTC head: (1 - w) log P_att + w log P_ctc (Watanabe et
+    # al. 2017; 0.3 is ESPnet's usual weight for ASR). 0 ranks by the attention decoder alone.
+    ctc_weight: float = 0.3
+    ctc_candidates: int = 8  # tokens per hypothesis and step that CTC scores: the attention decoder's best, plus EOS
+    # Stop a hypothesis that ends in one n-gram (up to REPEAT_NGRAM tokens) more than this many times in a row;
+    # 0: never. The bundled transcripts repeat an n-gram at most 3 times (digit strings).
+    max_repeats: int = 4
+    # At most this many tokens per second of audio; None: no bound. The bundled sentences have at most 16
+    # (espeak-ng speaks fast and their BPE pieces are short); Canary's tokenizers give about 4 on real speech.
+    max_tokens_per_second: float | None = 25.0
+    frame_seconds: float = 0.08  # seconds per encoder frame (aed.timestamps.frame_seconds): converts the bound above
 
 
 @torch.inference_mode()
 def decode(model, feats, feat_lens, prompt, eos_id: int, options: DecodingOptions = DecodingOptions()) -> list[list[int]]:
     """feats (B, T, F), feat_lens (B,), prompt (B, P) long -> B lists of generated ids (no prompt, no EOS)."""
-    memory, memory_lens = model.encode(feats, feat_lens)
-    return search(model, memory, memory_lens, prompt, eos_id, options)
+    memory, memory_lens, ctc_log_probs = model.encode_with_ctc(feats, feat_lens)
+    return search(model, memory, memory_lens, prompt, eos_id, options, ctc_log_probs)
 
 
 @torch.inference_mode()
-def search(model, memory, memory_lens, prompt, eos_id: int,
-           options: DecodingOptions = DecodingOptions()) -> list[list[int]]:
-    """`decode` after the encoder: memory (B, T', D) and memory_lens (B,) from model.encode. For callers
-    that time or batch the encoder themselves (aed/inference.py)."""
-    if options.beam_size == 1:
-        return greedy_search(model, memory, memory_lens, prompt, eos_id, options.max_delta, options.max_new_tokens)
-    return beam_search(model, memory, memory_lens, prompt, eos_id, options.beam_size, options.length_penalty,
-                       options.max_delta, options.max_new_tokens)
+def search(model, memory, memory_lens, prompt, eos_id: int, options: DecodingOptions = DecodingOptions(),
+           ctc_log_probs=None) -> list[list[int]]:
+    """`decode` after the encoder: memory (B, T', D), memory_lens (B,) and the CTC head's log-probs
+    (B, T', V + 1) or None, from model.encode_with_ctc. For callers that time or batch the encoder
+    themselves (aed/inference.py). Joint CTC/attention decoding runs as a beam search, of one beam
+    for greedy decoding."""
+    if options.beam_size > 1 or (options.ctc_weight > 0 and ctc_log_probs is not None):
+        return beam_search(model, memory, memory_lens, prompt, eos_id, options, ctc_log_probs)
+    return greedy_search(model, memory, memory_lens, prompt, eos_id, options)
 
 
-def token_budget(model, memory_lens, prompt_len: int, max_delta: int, max_new_tokens: int | None = None):
-    """(B,) new tokens each utterance may generate: encoder frames + delta, at most max_new_tokens, and
-    prompt + generated must fit the decoder's positions.
+def token_budget(model, memory_lens, prompt_len: int, options: DecodingOptions):
+    """(B,) new tokens each utterance may generate: encoder frames + max_delta, at most max_new_tokens and
+    max_tokens_per_second of audio, and prompt + generated must fit the decoder's positions.
 
     Per utterance (not per batch), so an utterance decodes the same alone and inside a padded batch.
     """
     assert prompt_len < model.cfg.dec_max_len, f"prompt of {prompt_len} tokens leaves no room in {model.cfg.dec_max_len} positions"
+    budget = memory_lens + options.max_delta
+    if options.max_tokens_per_second is not None:
+        per_frame = options.max_tokens_per_second * options.frame_seconds
+        budget = torch.minimum(budget, (memory_lens * per_frame).floor().long().clamp(min=1))
     limit = model.cfg.dec_max_len - prompt_len
-    return (memory_lens + max_delta).clamp(max=limit if max_new_tokens is None else min(limit, max_new_tokens))
+    return budget.clamp(max=limit if options.max_new_tokens is None else min(limit, options.max_new_tokens))
+
+
+def ends_in_repeats(tokens, length: int, max_repeats: int):
+    """tokens (R, S) -> (R,) True where tokens[:, :length] ends with an n-gram (n <= REPEAT_NGRAM) repeated
+    more than max_repeats times back to back. `length` is a Python int: no host sync."""
+    looping = torch.zeros(tokens.size(0), dtype=torch.bool, device=tokens.device)
+    for n in range(1, REPEAT_NGRAM + 1):
+        span = n * (max_repeats + 1)
+        if span > length:
+            break
+        tail = tokens[:, length - span : length]  # (R, span): periodic with period n iff it is the n-gram repeated
+        looping |= (tail[:, n:] == tail[:, :-n]).all(dim=1)
+    return looping
 
 
 def _check_prompt(prompt, memory):
@@ -71,12 +109,13 @@ def _strip(tokens, eos_id: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def greedy_search(model, memory, memory_lens, prompt, eos_id: int, max_delta: int = 50,
-                  max_new_tokens: int | None = None) -> list[list[int]]:
-    """Argmax decoding for the whole batch at once; memory (B, T', D) from model.encode."""
+def greedy_search(model, memory, memory_lens, prompt, eos_id: int,
+                  options: DecodingOptions = DecodingOptions()) -> list[list[int]]:
+    """Argmax decoding of the attention decoder for the whole batch at once; memory (B, T', D) from
+    model.encode. Uses the options' length and repetition limits (beam size and CTC weight: see `search`)."""
     _check_prompt(prompt, memory)
     b, p = prompt.shape
-    limits = token_budget(model, memory_lens, p, max_delta, max_new_tokens)  # (B,)
+    limits = token_budget(model, memory_lens, p, options)  # (B,)
     steps = int(limits.max())  # the one sync before the loop
     cache = model.new_cache(memory, memory_lens, p + steps)
     logits = model.decode_step(prompt, cache)  # (B, V): the prompt in one chunk
@@ -86,6 +125,8 @@ def greedy_search(model, memory, memory_lens, prompt, eos_id: int, max_delta: in
         token = logits.argmax(dim=-1).masked_fill(finished, eos_id)  # finished rows stay at EOS
         out[:, i] = token
         finished |= (token == eos_id) | (i + 1 >= limits)
+        if options.max_repeats:
+            finished |= ends_in_repeats(out, i + 1, options.max_repeats)
         if i + 1 == steps or ((i + 1) % SYNC_EVERY == 0 and bool(finished.all())):
             break
         logits = model.decode_step(token[:, None], cache)
@@ -97,54 +138,87 @@ def length_penalty(lengths, alpha: float):
     return ((5.0 + lengths) / 6.0).pow(alpha)
 
 
+def joint_candidates(logp, scorer: CTCPrefixScorer, eos_id: int, weight: float, n: int):
+    """Attention log-probs (R, V) -> per row, its n best tokens other than EOS, then EOS: ids (R, n+1),
+    joint step scores (1 - weight) log P_att(c) + weight (log psi(g + c) - log psi(g)), and the CTC
+    prefix scores log psi(g + c) (for `scorer.select`). EOS is always a candidate, so CTC can end a
+    hypothesis the attention decoder would continue."""
+    att, cand = logp.index_fill(1, torch.tensor([eos_id], device=logp.device), NEG_INF).topk(n, dim=-1)  # (R, n)
+    cand = torch.cat([cand, torch.full_like(cand[:, :1], eos_id)], dim=1)  # (R, n+1)
+    att = torch.cat([att, logp[:, eos_id, None]], dim=1)
+    psi = torch.cat([scorer.score(cand[:, :-1]), scorer.end_score()[:, None]], dim=1)  # (R, n+1) float64
+    # A prefix CTC cannot produce stays impossible (and -inf - -inf would be NaN).
+    gain = (psi - scorer.psi[:, None]).masked_fill(psi == NEG_INF, NEG_INF).to(att.dtype)
+    return cand, (1 - weight) * att + weight * gain, psi
+
+
 @torch.inference_mode()
-def beam_search(model, memory, memory_lens, prompt, eos_id: int, beam_size: int = 4, alpha: float = 0.0,
-                max_delta: int = 50, max_new_tokens: int | None = None) -> list[list[int]]:
+def beam_search(model, memory, memory_lens, prompt, eos_id: int, options: DecodingOptions = DecodingOptions(beam_size=4),
+                ctc_log_probs=None) -> list[list[int]]:
     """Beam search vectorised over R = B * K rows (K = beam_size); returns the best hypothesis per utterance.
 
-    Each step: one log-softmax, one topk over the K*V candidates of each utterance, one cache reorder.
-    Finished hypotheses stay in the beam and may only extend with EOS at no cost, so they compete with
-    live ones on the same (length-normalised) score. Row b*K + j is beam j of utterance b.
+    Each step: one log-softmax, one topk over the K*W candidates of each utterance, one cache reorder.
+    W is the vocabulary, or with CTC log-probs (B, T', V + 1) and options.ctc_weight > 0 the
+    `ctc_candidates` best attention tokens plus EOS, ranked by joint scores. Finished hypotheses stay in
+    the beam and may only extend with EOS at no cost, so they compete with live ones on the same
+    (length-normalised) score. Row b*K + j is beam j of utterance b.
     """
     _check_prompt(prompt, memory)
-    (b, p), k = prompt.shape, beam_size
+    (b, p), k = prompt.shape, options.beam_size
     device = memory.device
-    limits = token_budget(model, memory_lens, p, max_delta, max_new_tokens).repeat_interleave(k)  # (R,)
+    limits = token_budget(model, memory_lens, p, options).repeat_interleave(k)  # (R,)
     steps = int(limits.max())
     cache = model.new_cache(memory, memory_lens, p + steps)
     logits = model.decode_step(prompt, cache)  # (B, V): the prompt runs once per utterance, not once per beam
     cache = cache.repeat_interleave(k)
     logp = F.log_softmax(logits, dim=-1).repeat_interleave(k, dim=0)  # (R, V)
     v = logp.size(1)
-    assert k <= v, f"beam_size {k} exceeds the vocabulary {v}"
+    scorer = None
+    if options.ctc_weight > 0 and ctc_log_probs is not None:
+        assert ctc_log_probs.shape[:2] == memory.shape[:2] and ctc_log_probs.size(2) == v + 1, (
+            f"CTC log-probs {tuple(ctc_log_probs.shape)} do not match memory {tuple(memory.shape)} and {v} tokens + blank"
+        )
+        scorer = CTCPrefixScorer(ctc_log_probs, memory_lens, rows_per_utterance=k)
+    w = v if scorer is None else options.ctc_candidates + 1
+    assert k <= w, f"beam_size {k} exceeds the {w} candidates per hypothesis"
 
     # Only beam 0 is alive at first: otherwise the K identical starting beams would fill the beam with copies.
     scores = torch.full((b, k), float("-inf"), device=device)
     scores[:, 0] = 0.0
-    scores = scores.flatten()  # (R,) summed log-probabilities
+    scores = scores.flatten()  # (R,) summed (joint) log-probabilities
     lengths = torch.zeros(b * k, dtype=torch.long, device=device)  # generated tokens, EOS included
     finished = torch.zeros(b * k, dtype=torch.bool, device=device)
-    eos_only = torch.full((v,), float("-inf"), device=device)
-    eos_only[eos_id] = 0.0  # the one continuation of a finished hypothesis
+    eos_only = torch.full((w,), float("-inf"), device=device)
+    eos_only[eos_id if scorer is None else w - 1] = 0.0  # the one continuation of a finished hypothesis
     row0 = torch.arange(b, device=device)[:, None] * k  # (B, 1) first row of each utterance
     tokens = torch.full((b * k, steps), eos_id, dtype=torch.long, device=device)
     for i in range(steps):
-        logp = torch.where(finished[:, None], eos_only, logp)
-        cand = scores[:, None] + logp  # (R, V)
+        if scorer is None:
+            cand, step = None, logp  # every token is a candidate: column = token id
+        else:
+            cand, step, psi = joint_candidates(logp, scorer, eos_id, options.ctc_weight, options.ctc_candidates)
+        step = torch.where(finished[:, None], eos_only, step)
+        cand_scores = scores[:, None] + step  # (R, W)
         cand_len = lengths + (~finished).long()
-        ranked = cand / length_penalty(cand_len, alpha)[:, None].to(cand.dtype)
-        _, idx = ranked.view(b, k * v).topk(k, dim=-1)  # (B, K) among each utterance's K*V candidates
-        origin = (row0 + idx // v).flatten()  # (R,) the row each survivor extends
-        token = (idx % v).flatten()
-        scores = cand.view(b, k * v).gather(1, idx).flatten()
+        ranked = cand_scores / length_penalty(cand_len, options.length_penalty)[:, None].to(cand_scores.dtype)
+        _, idx = ranked.view(b, k * w).topk(k, dim=-1)  # (B, K) among each utterance's K*W candidates
+        origin = (row0 + idx // w).flatten()  # (R,) the row each survivor extends
+        choice = (idx % w).flatten()  # (R,) its candidate column
+        token = choice if cand is None else cand[origin, choice]
+        scores = cand_scores.view(b, k * w).gather(1, idx).flatten()
         lengths = cand_len[origin]
         tokens[:, :i] = tokens[origin, :i]
         tokens[:, i] = token
         finished = finished[origin] | (token == eos_id) | (lengths >= limits)
+        if options.max_repeats:
+            finished |= ends_in_repeats(tokens, i + 1, options.max_repeats)
+        if scorer is not None:
+            scorer.select(origin, choice, psi[origin, choice], token)
         if i + 1 == steps or ((i + 1) % SYNC_EVERY == 0 and bool(finished.all())):
             break
-        cache.reorder(origin)
+        if k > 1:  # with one beam every row extends itself
+            cache.reorder(origin)
         logp = F.log_softmax(model.decode_step(token[:, None], cache), dim=-1)
 
-    best = (scores / length_penalty(lengths, alpha).to(scores.dtype)).view(b, k).argmax(dim=-1) + row0[:, 0]  # (B,)
+    best = (scores / length_penalty(lengths, options.length_penalty).to(scores.dtype)).view(b, k).argmax(dim=-1) + row0[:, 0]
     return _strip(tokens[best], eos_id)

@@ -17,7 +17,8 @@ How the work is cut:
 2. Batch: segments sorted by duration, longest first, and cut into batches of at most
    `batch_duration` padded seconds (batch size x longest segment): `aed.data.duration_batches`.
 3. Per batch: load + log-mel features, encoder, then greedy or beam search (`aed.decoding.search`);
-   each phase is timed separately (the device is synchronised between phases) for the RTFx report.
+   joint with the CTC head when the model has one; each phase is timed separately (the device is
+   synchronised between phases) for the RTFx report.
 4. With timestamps: each hypothesis is force-aligned to the CTC head's posteriors of its own chunk
    (`aed.timestamps`), and the chunk's start is added, so times count from the start of the file.
 """
@@ -363,9 +364,10 @@ def _synced_time(device: torch.device) -> float:
 
 def decode_batch(asr: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], prompts: list[list[int]],
                  options: DecodingOptions, dtype: torch.dtype | None, with_ctc: bool = False):
-    """Waveforms (S,) and their prompts -> generated ids per waveform; with_ctc, the CTC head's
-    log-probs (B, T', V) and valid lengths (B,) for alignment, else None; and the seconds spent in
-    the encoder and in the search (the device is synchronised between phases)."""
+    """Waveforms (S,) and their prompts -> generated ids per waveform (joint CTC/attention when the
+    model has a CTC head and options.ctc_weight > 0); with_ctc, the CTC head's log-probs (B, T', V)
+    and valid lengths (B,) for alignment, else None; and the seconds spent in the encoder and in the
+    search (the device is synchronised between phases)."""
     device = asr.device
     wav_lens = torch.tensor([w.numel() for w in wavs])
     wav = torch.zeros(len(wavs), int(wav_lens.max()))  # (B, S) zero padded
@@ -379,14 +381,12 @@ def decode_batch(asr: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], pro
     amp = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
     t0 = _synced_time(device)
     with amp:
-        enc, memory_lens = asr.model.encoder(feats, feat_lens)  # (B, T', D_enc), (B,): what the CTC head reads
-        memory = asr.model.encoder_decoder_proj(enc)  # (B, T', D); together: asr.model.encode
-        ctc = (asr.model.ctc(enc), memory_lens) if with_ctc else None  # (B, T', V) fp32 log-probs
+        memory, memory_lens, ctc_log_probs = asr.model.encode_with_ctc(feats, feat_lens)  # ..., (B, T', V+1) or None
     t1 = _synced_time(device)
     with amp:
-        hyps = search(asr.model, memory, memory_lens, prompt, asr.tokenizer.eos, options)
+        hyps = search(asr.model, memory, memory_lens, prompt, asr.tokenizer.eos, options, ctc_log_probs)
     t2 = _synced_time(device)
-    return hyps, ctc, t1 - t0, t2 - t1
+    return hyps, (ctc_log_probs, memory_lens) if with_ctc else None, t1 - t0, t2 - t1
 
 
 def timed_words(asr: LoadedModel, ids: list[int], log_probs: torch.Tensor, offset: float, seconds: float,
@@ -422,14 +422,17 @@ def join_pieces(results: list[Result], pieces: list[dict], tokenizer: Tokenizer,
 @torch.inference_mode()
 def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", target_lang: str | None = None,
                task: str | None = None, pnc: bool = True, beam_size: int = 1, length_penalty: float = 0.0,
-               max_delta: int = 50, max_new_tokens: int | None = None, batch_duration: float = 300.0,
+               max_delta: int = 50, max_new_tokens: int | None = None, ctc_weight: float = 0.3,
+               max_repeats: int = 4, max_tokens_per_second: float | None = 25.0, batch_duration: float = 300.0,
                chunk_seconds: float | None = None, dtype: torch.dtype | None = None, timestamps: bool = False,
                progress=None) -> tuple[list[Result], Timings]:
     """Transcribe/translate `inputs` (paths, directories, globs, or Requests) -> one Result each, in order.
 
     source_lang/target_lang/task/pnc apply to plain paths (Requests carry their own). beam_size 1 is
     greedy search; length_penalty is GNMT's alpha (0 ranks by log-probability); at most encoder
-    frames + max_delta and `max_new_tokens` tokens are generated (see `aed.decoding.DecodingOptions`).
+    frames + max_delta and `max_new_tokens` tokens are generated. ctc_weight: joint CTC/attention decoding
+    for models with a CTC head (0: attention only); max_repeats and max_tokens_per_second stop looping
+    hypotheses (see `aed.decoding.DecodingOptions`).
     batch_duration: padded seconds of audio per batch (`aed.data.duration_batches`). chunk_seconds:
     longer inputs are cut at pauses (see the module docstring); None: `chunk_length` picks it.
     dtype: torch.bfloat16 for bf16 autocast, None for fp32. timestamps: set every Result's `words`
@@ -440,7 +443,9 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
         raise ValueError(f"{asr.path} has no CTC head (trained with model.ctc_weight=0), and timestamps are "
                          f"forced alignments to its frame posteriors; train with model.ctc_weight > 0 for them")
     t_start = time.perf_counter()
-    options = DecodingOptions(beam_size, length_penalty, max_delta, max_new_tokens)
+    options = DecodingOptions(beam_size, length_penalty, max_delta, max_new_tokens, ctc_weight=ctc_weight,
+                              max_repeats=max_repeats, max_tokens_per_second=max_tokens_per_second,
+                              frame_seconds=frame_seconds(asr.features))
     requests = to_requests(inputs, source_lang=source_lang, target_lang=target_lang, task=task, pnc=pnc)
     results = [Result(r) for r in requests]
     prompts = request_prompts(requests, asr.tokenizer)

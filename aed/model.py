@@ -114,6 +114,14 @@ class AED(nn.Module):
         x, x_lens = self.encoder(feats, feat_lens)
         return self.encoder_decoder_proj(x), x_lens
 
+    def encode_with_ctc(self, feats, feat_lens):
+        """`encode` plus the CTC head's log-probs (B, T', V + 1) of the same frames, or None without a
+        head: what joint CTC/attention decoding needs. The head reads the encoder output before the
+        projection to the decoder's width, as in training."""
+        x, x_lens = self.encoder(feats, feat_lens)
+        ctc_log_probs = self.ctc(x) if self.ctc is not None else None
+        return self.encoder_decoder_proj(x), x_lens, ctc_log_probs
+
     def forward(self, feats, feat_lens, tokens, token_lens, prompt_lens):
         """Summed next-token cross-entropy and its token count; the training script normalises.
 

@@ -18,8 +18,10 @@ import torch
 from torch import nn
 
 from aed.config import OptimConfig, TrainConfig
+from aed.ctc import infeasible
 from aed.distributed import peer_lost
-from aed.model import AED, param_groups
+from aed.encoder import subsampled_length
+from aed.model import AED, param_groups, text_targets
 from aed.transducer import TransducerASR
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,15 @@ def lr_factor(step: int, optim: OptimConfig) -> float:
 def count_targets(model: nn.Module, batches: list) -> int:
     """Tokens the loss scores in these batches, counted on the host from their lengths."""
     return sum(int(model.count_targets(b.token_lens, b.prompt_lens).sum()) for b in batches)
+
+
+def count_ctc_skipped(model: nn.Module, batches: list) -> int:
+    """Utterances in these batches that the CTC loss leaves out (more text tokens than encoder frames
+    allow, aed/ctc.py), counted from their lengths; 0 for a model without a CTC head."""
+    if getattr(model, "ctc", None) is None:
+        return 0
+    return sum(int(infeasible(subsampled_length(b.feat_lens), *text_targets(b.tokens, b.token_lens, b.prompt_lens)).sum())
+               for b in batches)
 
 
 @dataclass

@@ -1,12 +1,17 @@
+import dataclasses
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from aed.decoding import DecodingOptions, beam_search, decode, greedy_search, length_penalty, search, token_budget
+from aed.decoding import (DecodingOptions, beam_search, decode, ends_in_repeats, greedy_search, length_penalty, search,
+                           token_budget)
 from aed.decoder import KVCache
 from aed.model import AED, AEDConfig
 
 V = 40
+PLAIN = dict(ctc_weight=0.0, max_repeats=0, max_tokens_per_second=None)  # the attention decoder alone, no guards
 
 
 def random_model(seed=0, **overrides):
@@ -40,7 +45,7 @@ def pick_eos(model, memory, memory_lens, prompt):
     """A token that greedy decoding emits first at different steps in different rows: EOS at varied lengths."""
     with torch.no_grad():
         model.decoder.output_proj.bias[V - 1] = -1e9  # V-1 is never emitted: free-running sequences
-    free = greedy_search(model, memory, memory_lens, prompt, V - 1, max_delta=10)
+    free = greedy_search(model, memory, memory_lens, prompt, V - 1, DecodingOptions(max_delta=10, **PLAIN))
     best, best_spread = None, 0
     for tok in range(V - 1):
         firsts = {row.index(tok) if tok in row else len(row) for row in free}
@@ -121,11 +126,12 @@ def test_batched_greedy_equals_each_utterance_alone():
     feats, lens, prompt = batch()
     memory, memory_lens = model.encode(feats, lens)
     eos = pick_eos(model, memory, memory_lens, prompt)
-    hyps = decode(model, feats, lens, prompt, eos)
+    options = DecodingOptions(**PLAIN)  # this random decoder repeats itself: no guards
+    hyps = decode(model, feats, lens, prompt, eos, options)
     assert len({len(h) for h in hyps}) >= 3, f"rows should stop at different steps: {hyps}"
     assert all(eos not in h for h in hyps)
     for i in range(len(lens)):
-        alone = decode(model, feats[i : i + 1, : lens[i]], lens[i : i + 1], prompt[i : i + 1], eos)
+        alone = decode(model, feats[i : i + 1, : lens[i]], lens[i : i + 1], prompt[i : i + 1], eos, options)
         assert alone == [hyps[i]], f"utterance {i} decodes differently inside the padded batch"
 
 
@@ -139,16 +145,19 @@ def test_search_after_the_encoder_equals_decode(beam_size):
     assert search(model, memory, memory_lens, prompt, eos, options) == decode(model, feats, lens, prompt, eos, options)
 
 
-def test_generation_budget_is_encoder_frames_plus_delta_capped_by_positions():
+@pytest.mark.parametrize("per_second", [None, 25.0])
+def test_generation_budget_is_encoder_frames_plus_delta_capped_by_positions_and_rate(per_second):
     model = random_model(dec_max_len=40)
     feats, lens, prompt = batch(lens=(300, 60, 16))
     with torch.no_grad():
         model.decoder.output_proj.bias[V - 1] = -1e9  # EOS never wins: every row runs to its budget
     memory, memory_lens = model.encode(feats, lens)
-    limits = token_budget(model, memory_lens, prompt.size(1), max_delta=5)
-    assert limits.tolist() == [min(int(t) + 5, 40 - 3) for t in memory_lens]
-    for opts in (DecodingOptions(max_delta=5), DecodingOptions(beam_size=3, max_delta=5)):
-        hyps = decode(model, feats, lens, prompt, V - 1, opts)
+    options = DecodingOptions(max_delta=5, max_repeats=0, max_tokens_per_second=per_second)
+    limits = token_budget(model, memory_lens, prompt.size(1), options)
+    rate = [int(t) * 2 if per_second else 10**9 for t in memory_lens]  # 25 tokens/s x 0.08 s per frame
+    assert limits.tolist() == [min(int(t) + 5, 40 - 3, r) for t, r in zip(memory_lens, rate)]
+    for beam_size in (1, 3):
+        hyps = decode(model, feats, lens, prompt, V - 1, dataclasses.replace(options, beam_size=beam_size))
         assert [len(h) for h in hyps] == limits.tolist()
 
 
@@ -159,11 +168,41 @@ def test_beam_size_one_equals_greedy(alpha):
     memory, memory_lens = model.encode(feats, lens)
     eos = pick_eos(model, memory, memory_lens, prompt)
     greedy = greedy_search(model, memory, memory_lens, prompt, eos)
-    assert beam_search(model, memory, memory_lens, prompt, eos, beam_size=1, alpha=alpha) == greedy
+    assert beam_search(model, memory, memory_lens, prompt, eos, DecodingOptions(length_penalty=alpha)) == greedy
 
 
-def reference_beam_search(model, memory, memory_lens, prompt, eos, k, alpha, max_delta):
-    """One utterance and one hypothesis at a time, logits recomputed from scratch (no cache, no batching)."""
+def log_add(*xs):
+    m = max(xs)
+    return m if m == -math.inf else m + math.log(sum(math.exp(x - m) for x in xs))
+
+
+def reference_ctc_prefix(log_probs, prefix, end=False):
+    """log psi(prefix), the CTC probability of every output that starts with `prefix` (end=True: of
+    `prefix` itself), by the textbook forward over the extended labels (blank, l1, blank, ..., lU, blank),
+    one frame and one state at a time: psi sums the ways of entering lU's state at each frame."""
+    lp = log_probs.tolist()
+    blank = len(lp[0]) - 1
+    z = [blank] + [s for label in prefix for s in (label, blank)]
+    alpha = [lp[0][blank], lp[0][z[1]] if prefix else -math.inf] + [-math.inf] * (len(z) - 2)
+    psi = alpha[1] if len(prefix) == 1 else -math.inf
+    for t in range(1, len(lp)):
+        new = []
+        for s in range(len(z)):
+            skip = s >= 2 and z[s] != blank and z[s] != z[s - 2]  # blank may be skipped between different labels
+            enter = log_add(alpha[s - 1] if s >= 1 else -math.inf, alpha[s - 2] if skip else -math.inf)
+            new.append(log_add(alpha[s], enter) + lp[t][z[s]])
+            if prefix and s == len(z) - 2:
+                psi = log_add(psi, enter + lp[t][z[s]])
+        alpha = new
+    if end:
+        return log_add(alpha[-1], alpha[-2]) if prefix else alpha[-1]
+    return psi if prefix else 0.0
+
+
+def reference_beam_search(model, memory, memory_lens, prompt, eos, k, alpha, max_delta, ctc=None):
+    """One utterance and one hypothesis at a time, logits recomputed from scratch (no cache, no batching).
+    ctc = (log-probs (B, T', V+1), weight, candidates): joint scores over the attention decoder's best
+    tokens and EOS, with CTC prefix probabilities recomputed from scratch too."""
     out = []
     for b in range(memory.size(0)):
         mem, mem_lens = memory[b : b + 1, : memory_lens[b]], memory_lens[b : b + 1]
@@ -177,9 +216,17 @@ def reference_beam_search(model, memory, memory_lens, prompt, eos, k, alpha, max
                     continue
                 tokens = torch.tensor([prompt[b].tolist() + gen])
                 logp = F.log_softmax(recompute_logits(model, tokens, mem, mem_lens).double(), -1)[0].tolist()
-                for tok in range(len(logp)):
+                steps = list(enumerate(logp))
+                if ctc is not None:
+                    log_probs, weight, n = ctc[0][b, : memory_lens[b]], ctc[1], ctc[2]
+                    base = reference_ctc_prefix(log_probs, gen)
+                    top = sorted((t for t in range(len(logp)) if t != eos), key=lambda t: -logp[t])[:n]
+                    psi = {t: reference_ctc_prefix(log_probs, gen + [t]) for t in top}
+                    psi[eos] = reference_ctc_prefix(log_probs, gen, end=True)
+                    steps = [(t, (1 - weight) * logp[t] + weight * (psi[t] - base)) for t in top + [eos]]
+                for tok, step in steps:
                     new = gen + [tok]
-                    cands.append((new, score + logp[tok], tok == eos or len(new) >= limit))
+                    cands.append((new, score + step, tok == eos or len(new) >= limit))
             cands.sort(key=lambda c: c[1] / length_penalty(torch.tensor(float(len(c[0]))), alpha).item(), reverse=True)
             beams = cands[:k]
         gen, _, _ = max(beams, key=lambda c: c[1] / length_penalty(torch.tensor(float(len(c[0]))), alpha).item())
@@ -193,9 +240,104 @@ def test_beam_search_equals_slow_reference(alpha):
     feats, lens, prompt = batch(lens=(100, 48, 75), seed=2)
     memory, memory_lens = model.encode(feats, lens)
     eos = pick_eos(model, memory, memory_lens, prompt)
-    got = beam_search(model, memory, memory_lens, prompt, eos, beam_size=3, alpha=alpha, max_delta=4)
+    got = beam_search(model, memory, memory_lens, prompt, eos, DecodingOptions(3, alpha, max_delta=4, **PLAIN))
     ref = reference_beam_search(model, memory, memory_lens, prompt, eos, 3, alpha, max_delta=4)
     assert got == ref
+
+
+@pytest.mark.parametrize("beam_size,alpha", [(1, 0.0), (3, 0.0), (3, 1.0)])
+def test_joint_ctc_attention_search_equals_slow_reference(beam_size, alpha):
+    model = random_model(seed=2, ctc_weight=0.3)
+    feats, lens, prompt = batch(lens=(100, 48, 75), seed=2)
+    memory, memory_lens, ctc_log_probs = model.encode_with_ctc(feats, lens)
+    eos = pick_eos(model, memory, memory_lens, prompt)
+    options = DecodingOptions(beam_size, alpha, max_delta=4, ctc_weight=0.5, ctc_candidates=5, max_repeats=0,
+                              max_tokens_per_second=None)
+    got = search(model, memory, memory_lens, prompt, eos, options, ctc_log_probs)
+    ref = reference_beam_search(model, memory, memory_lens, prompt, eos, beam_size, alpha, 4, (ctc_log_probs, 0.5, 5))
+    assert got == ref
+    plain = search(model, memory, memory_lens, prompt, eos, dataclasses.replace(options, ctc_weight=0.0))
+    assert got != plain, "CTC should change some hypothesis, or this test shows nothing"
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_joint_search_with_ctc_weight_0_equals_attention_search(beam_size):
+    """Weight 0 is the attention decoder's search exactly; so is a weight too small to reorder anything,
+    which runs the joint machinery (pre-beam candidates, EOS column, CTC state selection)."""
+    model = random_model(seed=3, ctc_weight=0.3)
+    feats, lens, prompt = batch(lens=(120, 100, 95, 140), seed=3)
+    memory, memory_lens, ctc_log_probs = model.encode_with_ctc(feats, lens)
+    eos = pick_eos(model, memory, memory_lens, prompt)
+    options = DecodingOptions(beam_size, max_new_tokens=6, **PLAIN)  # 12+ frames: CTC fits any 6 tokens
+    plain = search(model, memory, memory_lens, prompt, eos, options)
+    assert plain == (greedy_search if beam_size == 1 else beam_search)(model, memory, memory_lens, prompt, eos, options)
+    assert decode(model, feats, lens, prompt, eos, options) == plain
+    tiny = dataclasses.replace(options, ctc_weight=1e-9)
+    assert search(model, memory, memory_lens, prompt, eos, tiny, ctc_log_probs) == plain
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_batched_joint_search_equals_each_utterance_alone(beam_size):
+    model = random_model(seed=4, ctc_weight=0.3)
+    feats, lens, prompt = batch(seed=4)
+    memory, memory_lens = model.encode(feats, lens)
+    eos = pick_eos(model, memory, memory_lens, prompt)
+    options = DecodingOptions(beam_size, max_delta=8)  # CTC, repetition and rate guards on (the defaults)
+    hyps = decode(model, feats, lens, prompt, eos, options)
+    assert len({len(h) for h in hyps}) >= 2, hyps
+    for i in range(len(lens)):
+        alone = decode(model, feats[i : i + 1, : lens[i]], lens[i : i + 1], prompt[i : i + 1], eos, options)
+        assert alone == [hyps[i]], f"utterance {i} decodes differently inside the padded batch"
+
+
+class FixedCTC(torch.nn.Module):
+    """A CTC head whose log-probs are given: the audio "says" a chosen transcript."""
+
+    def __init__(self, log_probs):
+        super().__init__()
+        self.log_probs = log_probs
+
+    def forward(self, enc):
+        return self.log_probs[:, : enc.size(1)]
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_ctc_rescues_an_attention_decoder_that_loops(beam_size):
+    """The attention decoder always prefers token 20 (it would say it until the length limit); CTC
+    frames say [5, 9, 7] and [11, 11, 6]. Joint decoding outputs exactly those and stops; the
+    repetition guard alone stops the loop after max_repeats + 1 copies."""
+    model = random_model(seed=5, ctc_weight=0.3)
+    feats, lens, prompt = batch(lens=(120, 95), seed=5)
+    memory, memory_lens = model.encode(feats, lens)  # 15 and 12 frames
+    eos, loop = V - 1, 20
+    transcripts = [[5, 9, 7], [11, 11, 6]]
+    logits = torch.zeros(2, 15, V + 1, dtype=torch.float64)
+    logits[:, :, V] = 30.0  # blank, except where a token is said
+    for b, (text, frames) in enumerate(zip(transcripts, [(2, 3, 6, 7, 11), (1, 4, 5, 9, 10)])):
+        for tok, (t0, t1) in zip(text, [(frames[0], frames[1]), (frames[2], frames[3]), (frames[4], frames[4] + 1)]):
+            logits[b, t0:t1, tok], logits[b, t0:t1, V] = 30.0, 0.0
+    model.ctc = FixedCTC(F.log_softmax(logits, dim=-1))
+    with torch.no_grad():
+        model.decoder.output_proj.bias[loop] = 15.0
+        model.decoder.output_proj.bias[[5, 9, 7, 11, 6, eos]] = 8.0  # plausible to the decoder, never its first choice
+    options = DecodingOptions(beam_size, max_delta=10)
+    assert decode(model, feats, lens, prompt, eos, dataclasses.replace(options, **PLAIN)) == [[loop] * 25, [loop] * 22]
+    assert decode(model, feats, lens, prompt, eos, options) == transcripts
+    guard = dataclasses.replace(options, ctc_weight=0.0, max_repeats=3)
+    assert decode(model, feats, lens, prompt, eos, guard) == [[loop] * 4, [loop] * 4]
+
+
+def test_repetition_guard_finds_repeated_ngrams_at_the_end():
+    rows = [[4, 4, 4, 4, 4, 0],  # a unigram 5 times
+            [1, 4, 4, 4, 4, 0],  # 4 times: allowed
+            [3, 5, 3, 5, 3, 5],  # a bigram 3 times
+            [1, 2, 3, 1, 2, 3],  # a trigram twice
+            [6, 6, 6, 6, 6, 7]]  # 5 times, then another token
+    tokens = torch.tensor(rows)
+    assert ends_in_repeats(tokens, 5, max_repeats=4).tolist() == [True, False, False, False, True]
+    assert ends_in_repeats(tokens, 6, max_repeats=2).tolist() == [False, False, True, False, False]
+    assert ends_in_repeats(tokens, 6, max_repeats=1).tolist() == [False, False, True, True, False]
+    assert ends_in_repeats(tokens, 3, max_repeats=2).tolist() == [True, False, False, False, True]
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import torch
 
 from aed.audio import FeatureConfig, LogMel, load_audio
 from aed.checkpoint import pack_dir, save_checkpoint
+from aed.ctc import CTCHead
 from aed.data import ManifestError, encode_utterance, read_manifest
 from aed.decoding import decode
 from aed.inference import (LoadedModel, Request, chunk_length, expand_inputs, load_checkpoint, plan_segments,
@@ -220,6 +221,23 @@ def test_max_new_tokens_caps_every_utterance(asr):
     assert [r.tokens for r in capped] == [r.tokens[:3] for r in full]  # greedy: a prefix of the full output
     capped_beam, _ = transcribe(asr, requests, max_new_tokens=3, beam_size=2)
     assert all(len(r.tokens) <= 3 for r in capped_beam)
+
+
+def test_joint_ctc_decoding_is_on_by_default_for_a_model_with_a_ctc_head(asr):
+    """A CTC head that hears only blanks: joint decoding (the default) ends every hypothesis at once,
+    ctc_weight=0 gives the attention decoder's transcripts unchanged."""
+    requests = read_requests(EXAMPLES)
+    plain, _ = transcribe(asr, requests)
+    with_head = dataclasses.replace(asr, model=copy.deepcopy(asr.model))
+    with_head.model.ctc = CTCHead(asr.model.cfg.enc_d_model, asr.model.cfg.vocab_size + 1)
+    with torch.no_grad():
+        with_head.model.ctc.proj.weight.zero_()
+        with_head.model.ctc.proj.bias.zero_()
+        with_head.model.ctc.proj.bias[-1] = 50.0  # blank at every frame
+    attention_only, _ = transcribe(with_head, requests, ctc_weight=0.0)
+    joint, _ = transcribe(with_head, requests)
+    assert [r.tokens for r in attention_only] == [r.tokens for r in plain] and all(r.tokens for r in plain)
+    assert [r.tokens for r in joint] == [[] for _ in requests]
 
 
 @pytest.mark.slow

@@ -27,9 +27,10 @@ from convert_nemo import ConversionError, convert  # noqa: E402
 
 from aed.audio import LogMel, load_audio  # noqa: E402
 from aed.checkpoint import list_checkpoints, load_model  # noqa: E402
-from aed.decoding import greedy_search  # noqa: E402
+from aed.decoding import DecodingOptions, greedy_search  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "nemo"
+NEMO_GREEDY = dict(max_repeats=0, max_tokens_per_second=None)  # NeMo's greedy search has no repetition or rate limit
 MINI = ROOT / "data" / "mini"
 
 
@@ -101,13 +102,14 @@ def test_greedy_tokens_match_nemo(conv):
         max_delta, limit = conv.ref["max_generation_delta"], u["greedy_limit"]
         expected = strip_eos(u["greedy"], tok.eos)
         memory = u["memory"][None]
-        hyp = greedy_search(model, memory, torch.tensor([memory.shape[1]]), prompt, tok.eos, max_delta, limit)[0]
+        options = DecodingOptions(max_delta=max_delta, max_new_tokens=limit, **NEMO_GREEDY)
+        hyp = greedy_search(model, memory, torch.tensor([memory.shape[1]]), prompt, tok.eos, options)[0]
         assert hyp == expected
         # End to end from the audio file: our features, our encoder, our decoder.
         wav = load_audio(MINI / u["audio"])
         with torch.no_grad():
             memory, memory_lens = model.encode(*logmel(wav[None], torch.tensor([wav.numel()])))
-        assert greedy_search(model, memory, memory_lens, prompt, tok.eos, max_delta, limit)[0] == expected
+        assert greedy_search(model, memory, memory_lens, prompt, tok.eos, options)[0] == expected
 
 
 def test_tokenizer_ids_equal_nemo(conv):
@@ -202,7 +204,7 @@ def test_converted_checkpoint_fine_tunes_and_still_decodes(tmp_path):
     prompt = torch.tensor([tok.prompt_ids(u["source_lang"], u["target_lang"], True)])
     with torch.no_grad():
         memory, memory_lens = model.encode(u["feats"][None], torch.tensor([u["feat_len"]]))
-    hyp = greedy_search(model, memory, memory_lens, prompt, tok.eos, max_delta=5)[0]
+    hyp = greedy_search(model, memory, memory_lens, prompt, tok.eos, DecodingOptions(max_delta=5, **NEMO_GREEDY))[0]
     assert 0 < len(hyp) <= memory.shape[1] + 5 and all(0 <= t < tok.vocab_size + 8 for t in hyp)
 
 
@@ -240,4 +242,4 @@ def test_fine_tuning_with_a_new_language_block_appended(tmp_path):
     with torch.no_grad():
         memory, memory_lens = model.encode(u["feats"][None], torch.tensor([u["feat_len"]]))
     prompt = torch.tensor([tok.prompt_ids("en", "it", True)])
-    assert len(greedy_search(model, memory, memory_lens, prompt, tok.eos, max_delta=3)[0]) > 0
+    assert len(greedy_search(model, memory, memory_lens, prompt, tok.eos, DecodingOptions(max_delta=3))[0]) > 0

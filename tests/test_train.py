@@ -1,10 +1,14 @@
 """train.py end to end on the bundled mini set: DDP, exact resume, signals, bad data, NaNs, init."""
 
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
+import types
 
 import pytest
 import torch
@@ -52,6 +56,35 @@ def test_resume_gives_the_same_batches_and_losses(tmp_path):
     la, lb = losses(a), losses(b)
     assert sorted(la) == sorted(lb) == [1, 2, 3, 4, 5, 6]
     assert all(la[s] == lb[s] for s in la), (la, lb)  # bitwise: same batches, same dropout
+
+
+@pytest.mark.slow
+def test_step_time_and_eta_leave_validation_out(tmp_path, monkeypatch, caplog):
+    """train.py in this process, with a clock on which every validation takes 1000 s: the progress
+    lines' step time and ETA must not see them, and metrics.jsonl reports them as val/seconds."""
+    import train
+
+    clock = [time.time()]
+
+    def slow_evaluate(*args, **kwargs):
+        clock[0] += 1000.0
+        return {"dev/loss": 1.0}
+
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(time=lambda: clock[0] + time.perf_counter()))
+    monkeypatch.setattr(train, "evaluate", slow_evaluate)
+    monkeypatch.chdir(ROOT)
+    caplog.set_level(logging.INFO, logger="train")
+    train.main(["configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=6", "log_every=2", "val.every=2",
+                "ckpt_every=100", "train.num_workers=0"])
+    with open(tmp_path / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    step_times = [r["train/step_time"] for r in rows if "train/step_time" in r]
+    assert len(step_times) == 3 and all(0 < t < 30 for t in step_times), step_times
+    assert [r["step"] for r in rows if "val/seconds" in r] == [0, 2, 4, 6]
+    assert all(r["val/seconds"] >= 1000 for r in rows if "val/seconds" in r)
+    etas = [float(re.search(r"eta (-?[\d.]+) min", r.getMessage()).group(1)) for r in caplog.records
+            if " s/step " in r.getMessage()]
+    assert len(etas) == 3 and all(0 <= eta < 2 for eta in etas), etas  # 4, 2 and 0 steps of < 30 s each
 
 
 @pytest.mark.slow
@@ -103,6 +136,29 @@ def test_corrupt_audio_and_empty_transcript_are_skipped_and_counted(tmp_path):
     assert "m.jsonl:22: field 'text': empty transcript" in p.stderr
     assert "skipped 1 invalid line(s)" in p.stderr
     assert "corrupt.flac: unreadable audio" in p.stderr  # found by the audio header check at start
+
+
+@pytest.mark.slow
+def test_utterances_too_short_for_ctc_are_counted_in_the_logs(tmp_path):
+    """An utterance with more tokens than its encoder frames allow is left out of the CTC loss; the
+    progress lines and the validation log count it instead of a warning with a source-line dump."""
+    records = [json.loads(line) for line in open(os.path.join(MINI, "train.jsonl")).read().splitlines()[:8]]
+    for r in records:
+        r["audio_filepath"] = os.path.join(MINI, r["audio_filepath"])
+    long_text = " ".join(["uno dos tres"] * 12)  # 84 tokens for 25-52 encoder frames
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(dict(r, text=long_text)) + "\n" for r in records))
+    (tmp_path / "dev.jsonl").write_text("".join(json.dumps(dict(r, text=long_text) if i == 0 else r) + "\n"
+                                                for i, r in enumerate(records)))
+    p = run_train(tmp_path / "ctc", "max_steps=2", f"train.manifests=[{tmp_path / 'train.jsonl'}]",
+                  f"val.manifests=[{tmp_path / 'dev.jsonl'}]", "val.every=2", "train.batch_size=8",
+                  "train.max_duration=null")
+    assert "Warning" not in p.stderr and "warn" not in p.stderr
+    assert "| 8 utts too short for CTC" in p.stderr
+    assert "validation dev: 1 of 8 utterances have more tokens than CTC frames allow" in p.stderr
+    with open(tmp_path / "ctc" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["train/ctc_skipped"] for r in rows if "train/ctc_skipped" in r] == [8, 8]
+    assert [r["val/dev/ctc_skipped"] for r in rows if "val/dev/ctc_skipped" in r] == [1, 1]
 
 
 @pytest.mark.slow

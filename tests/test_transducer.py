@@ -6,7 +6,7 @@ import torch
 import torchaudio.functional as TAF
 
 from aed.audio import FeatureConfig, LogMel
-from aed.ctc import CTCHead
+from aed.ctc import CTCHead, infeasible
 from aed.data import Collate, UtteranceDataset, read_manifest
 from aed.model import AEDConfig, text_targets
 from aed.tokenizer import Tokenizer
@@ -255,12 +255,13 @@ def test_ctc_loss_padding_and_infeasible():
     head = CTCHead(8, V)
     enc, enc_lens, targets, target_lens = random_batch(dtype=torch.float32, seed=2)
     enc_lens[1], target_lens[1], targets[1, :4] = 3, 4, torch.tensor([1, 2, 3, 4])  # 4 tokens, 3 frames
-    with pytest.warns(UserWarning, match="1 of 6 utterances"):
+    with warnings.catch_warnings():  # counted by train.py, not warned about at every step
+        warnings.simplefilter("error")
         loss, count = head.loss(enc, enc_lens, targets, target_lens)
     assert count == target_lens.sum() - 4 and torch.isfinite(loss)
-    with warnings.catch_warnings():  # reported once, not at every training step
-        warnings.simplefilter("error")
-        head.loss(enc, enc_lens, targets, target_lens)
+    assert infeasible(enc_lens, targets, target_lens).tolist() == [False, True, False, False, False, False]
+    repeated = torch.tensor([[5, 5, 6], [5, 6, 6], [5, 6, 7]])  # need 4, 4 and 3 frames
+    assert infeasible(torch.tensor([3, 4, 3]), repeated, torch.tensor([3, 3, 3])).tolist() == [True, False, False]
     alone = sum(head.loss(enc[b:b + 1, :enc_lens[b]], enc_lens[b:b + 1], targets[b:b + 1, :target_lens[b]],
                           target_lens[b:b + 1])[0] for b in range(6) if b != 1)
     torch.testing.assert_close(loss, alone)
