@@ -1,19 +1,27 @@
-# Entry points: `make demo`, `make test` (`make test-fast` leaves out the slow tests) and `make report`.
-# Each creates .venv on first use, with aed installed in it in editable mode (pyproject.toml).
+# Entry points: `make demo`, `make test` (`make test-fast` leaves out the slow tests), `make report`,
+# and `make gpu-check` on a machine with a CUDA GPU. Each creates .venv on first use (`make setup`
+# alone does just that), with aed installed in it in editable mode (pyproject.toml).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The torch build that installs quickly on our CI machines (CPU and CUDA capable).
 # Override on other machines, e.g. `make demo TORCH_PINS=` to take requirements.txt's ranges as they are.
 TORCH_PINS ?= torch==2.14.1 torchaudio==2.11.0
+# CPU-only machines: `make setup CPU=1` takes torch from PyTorch's CPU wheel index (~200 MB) instead
+# of the default CUDA build (~5 GB of CUDA libraries that a machine without a GPU never loads).
+CPU ?=
+CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_SOURCE := $(if $(CPU),--index-url $(CPU_INDEX),)
 
-.PHONY: demo test test-fast report venv clean
+.PHONY: setup demo test test-fast gpu-check report venv clean
+
+setup: venv
 
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	@if [ -n "$(TORCH_PINS)" ]; then $(VENV)/bin/pip install -q $(TORCH_PINS); fi
+	@if [ -n "$(TORCH_PINS)$(CPU)" ]; then $(VENV)/bin/pip install -q $(TORCH_SOURCE) $(or $(TORCH_PINS),torch torchaudio); fi
 	$(VENV)/bin/pip install -q -e .
 	touch $@
 
@@ -23,6 +31,13 @@ test: venv
 # Under a minute on 2 CPU cores: all but the tests marked slow (training runs, scripts in subprocesses, overfitting).
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow" tests
+
+# The CUDA paths (bf16 step, NCCL, real OOMs, bf16 inference, GPU<->CPU checkpoints and NeMo models,
+# the simulated device against the real one), then which GPU and torch build they ran on.
+gpu-check: venv
+	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('gpu-check: torch sees no CUDA GPU')"
+	$(PY) -m pytest -q -rfEs tests/test_cuda.py tests/test_cuda_oom.py
+	@$(PY) -c "import torch; print('gpu-check passed on', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| CUDA', torch.version.cuda)"
 
 # Trains the tiny model on the bundled digits set (~6 min on 2 CPU cores; dev WER before/after is
 # in the log), then transcribes the dev set's unseen digit strings with it and scores them.

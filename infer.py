@@ -1,7 +1,7 @@
 """Transcribe or translate audio files with a trained model; report WER/BLEU and RTFx.
 
     python infer.py --ckpt runs/tiny a.wav b.flac clips/ 'more/*.ogg'           # path<TAB>text on stdout
-    python infer.py --ckpt runs/tiny/ckpt-00000600.pt --manifest test.jsonl --out hyp.jsonl
+    python infer.py --ckpt runs/tiny/ckpt-00000600 --manifest test.jsonl --out hyp.jsonl
     python infer.py --ckpt runs/tiny --source-lang es --target-lang en x.wav    # speech translation
     python infer.py --ckpt runs/flash --beam-size 4 --device cuda --dtype bf16 --batch-duration 1200 ...
     python infer.py --ckpt runs/tiny --ctc-weight 0 ...     # attention decoder alone (default: joint with CTC)
@@ -32,7 +32,8 @@ import time
 
 import torch
 
-from aed.inference import expand_inputs, load_checkpoint, make_request, read_requests, score, transcribe
+from aed.inference import (expand_inputs, known_languages, load_checkpoint, make_request, read_requests, score,
+                           transcribe)
 from aed.normalize import NORMALIZERS
 from aed.timestamps import srt, to_segments, webvtt
 
@@ -82,6 +83,8 @@ def parse_args():
                             "--out lines; the cue level of --subtitles")
     times.add_argument("--subtitles", metavar="DIR", help="with --timestamps: write <audio name>.srt and .vtt here")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--skip-invalid", action="store_true",
+                     help="skip manifest lines that are malformed or name a language the model lacks (logged, counted)")
     args = p.parse_args()
     if not args.inputs and not args.manifest:
         p.error("give audio files/directories/patterns and/or --manifest")
@@ -139,7 +142,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         defaults = dict(source_lang=args.source_lang, target_lang=args.target_lang, task=args.task, pnc=args.pnc)
-        requests = [req for path in args.manifest for req in read_requests(path, **defaults)]
+        requests = [req for path in args.manifest for req in read_requests(path, **defaults,
+                                                                           skip_invalid=args.skip_invalid)]
         requests += [make_request(path, **defaults) for path in expand_inputs(args.inputs)]
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
@@ -153,6 +157,10 @@ def main() -> None:
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:  # missing, not ours, or corrupt
         sys.exit(f"error: cannot load --ckpt {args.ckpt}: {e}")
     t_load = time.perf_counter() - t_load
+    if args.skip_invalid:
+        requests = known_languages(requests, asr.tokenizer)
+        if not requests:
+            sys.exit("error: no valid inputs left")
     dtype = {"bf16": torch.bfloat16, "fp32": None}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     joint = f" + CTC {args.ctc_weight:g}" if asr.model.ctc is not None and args.ctc_weight > 0 else ""
     print(f"model {asr.path} ({sum(p.numel() for p in asr.model.parameters()) / 1e6:.1f}M parameters) on {device}, "

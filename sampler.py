@@ -27,6 +27,8 @@ prompt included). A batch is padded along both, so we group examples that are si
    example is used exactly once. Streamed sources cannot count ahead: use `infinite=True` there.
 5. Resume. `state_dict()` stores the queues as (key, duration, num_tokens), the source cursor and
    the RNG states; `load_state_dict()` rebuilds them in O(buffer), no replay of the epoch.
+   `regroup_state(states)` maps the states of every rank of a run with another world size to one
+   for this rank (in-memory infinite sources): the interrupted pass continues without repeats.
 
 Batch size per bucket: `batch_size` (fixed), `max_duration` (`n * d <= max_duration` with d the
 bucket's duration bound, or `d + d^2 / quadratic_duration`), or `batch_sizes` per bucket (oom.py,
@@ -235,6 +237,7 @@ class _State:
     exhausted: bool = False
     drain: list | None = None  # per bucket: the remaining batches once the source is exhausted
     drops: Counter = field(default_factory=Counter)
+    skip: tuple | None = None  # (pass, packed bitmask of examples) used in that pass before a world-size change
 
 
 class BucketingSampler:
@@ -441,12 +444,12 @@ class BucketingSampler:
             queues=[[] for _ in self.sizes],
         )
 
-    def _stream(self, epoch: int, pass_idx: int, cursor):
+    def _stream(self, epoch: int, pass_idx: int, cursor, skip=None):
         """Yields (pass, cursor, bucket or drop reason, entry) in source order, for this rank."""
         while True:
             used = 0
             if self.is_list:
-                order = self._permutation(epoch, pass_idx)[self.rank :: self.world_size]
+                order = self._rank_order(epoch, pass_idx, skip, self.rank, self.world_size)
                 used = int((self.alloc[order] >= 0).sum())
                 where, entries = self.where, self.entries
                 for pos, i in enumerate(order[cursor or 0 :].tolist(), start=(cursor or 0) + 1):
@@ -591,7 +594,7 @@ class BucketingSampler:
         return [e.example for e in batch]
 
     def _reader(self, st: _State, threaded: bool):
-        items = self._stream(st.epoch, st.pass_idx, st.cursor)
+        items = self._stream(st.epoch, st.pass_idx, st.cursor, st.skip)
         return _Producer(items, self.buffer_size) if threaded else _Inline(items)
 
     def __iter__(self):
@@ -656,7 +659,46 @@ class BucketingSampler:
             "queues": [pack(q) for q in st.queues],
             "drain": None if st.drain is None else [[pack(x) for x in bb] for bb in st.drain],
             "data_rng": st.data_rng.getstate(), "select_rng": st.select_rng.getstate(),
-            "stats": copy.deepcopy(st.stats), "drops": dict(st.drops),
+            "stats": copy.deepcopy(st.stats), "drops": dict(st.drops), "skip": st.skip,
+        }
+
+    def _rank_order(self, epoch: int, pass_idx: int, skip, rank: int, world_size: int) -> np.ndarray:
+        """The examples `rank` reads in this pass, in order: its share of the pass's permutation,
+        after removing those that `skip` says were used before a change of world size."""
+        perm = self._permutation(epoch, pass_idx)
+        if skip is not None and skip[0] == pass_idx:
+            used = np.unpackbits(np.frombuffer(skip[1], dtype=np.uint8), count=len(self.entries)).astype(bool)
+            perm = perm[~used[perm]]
+        return perm[rank::world_size]
+
+    def regroup_state(self, states: list[dict]) -> dict:
+        """A state for this rank that continues `states`, saved by every rank of a run with another
+        world size. In-memory infinite samplers only (what train.py uses for manifests).
+
+        The new ranks split what the old ones had not yet read of the current pass; examples waiting
+        in the old bucket queues (read, not yet trained) go back into it. So within that pass no
+        example is trained twice and none is left out, except the rest of the pass of an old rank
+        that was still finishing the previous one. The bucket queues and per-rank data RNGs start
+        afresh, the shared bucket-selection RNG and the fill schedule continue."""
+        if not (self.is_list and self.infinite):
+            raise ValueError("only an in-memory infinite sampler can continue a run with another world size")
+        first = states[0]
+        pass_idx = max(sd["pass_idx"] for sd in states)
+        used = np.zeros(len(self.entries), dtype=bool)
+        for old_rank, sd in enumerate(states):
+            if sd["pass_idx"] != pass_idx or sd["cursor"] is None:
+                continue
+            used[self._rank_order(sd["epoch"], pass_idx, sd.get("skip"), old_rank, len(states))[: sd["cursor"]]] = True
+            queued = [e[0] for q in sd["queues"] for e in q]
+            used[queued] = False
+        self.epoch = first["epoch"]
+        fresh = self._fresh_state()
+        return {
+            "fingerprint": self._fingerprint(), "epoch": first["epoch"], "target": None, "pass_idx": pass_idx,
+            "cursor": None, "batches": first["batches"], "exhausted": False, "queues": [[] for _ in self.sizes],
+            "drain": None, "data_rng": fresh.data_rng.getstate(), "select_rng": first["select_rng"],
+            "stats": copy.deepcopy(states[min(self.rank, len(states) - 1)]["stats"]), "drops": {},
+            "skip": (pass_idx, np.packbits(used).tobytes()),
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -682,7 +724,7 @@ class BucketingSampler:
         st = _State(epoch=sd["epoch"], data_rng=rng(sd["data_rng"]), select_rng=rng(sd["select_rng"]),
                     stats=self._stats, target=sd["target"], pass_idx=sd["pass_idx"], cursor=sd["cursor"],
                     batches=sd["batches"], exhausted=sd["exhausted"], queues=[unpack(q) for q in sd["queues"]],
-                    drops=Counter(sd["drops"]))
+                    drops=Counter(sd["drops"]), skip=sd.get("skip"))
         st.drain = None if sd["drain"] is None else [[unpack(x) for x in bb] for bb in sd["drain"]]
         st.occupancy = sum(map(len, st.queues))
         st.ready = sum(len(q) >= k for q, k in zip(st.queues, self.sizes))

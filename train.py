@@ -31,12 +31,14 @@ from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 
 from aed.audio import LogMel, SpecAugment
-from aed.checkpoint import (CheckpointError, init_from_checkpoint, load_latest, pack_dir, rng_state, save_checkpoint,
-                            set_rng_state)
+from aed.checkpoint import (CheckpointError, begin_checkpoint, checkpoint_dir, init_from_checkpoint, load_latest,
+                            pack_dir, publish_checkpoint, rng_state, set_rng_state, write_shard)
 from aed.config import ConfigError, help_text, load_train_config, resolve_model, to_dict
-from aed.data import Collate, UtteranceDataset, duration_batches, encode_utterance, ignore_stop_signals, read_manifest
+from aed.data import (Collate, ManifestError, UtteranceDataset, check_audio, duration_batches, encodable,
+                      ignore_stop_signals, read_manifest)
 from aed.decoding import DecodingOptions, decode
-from aed.distributed import all_gather_objects, all_reduce, cleanup, gather_objects, init_distributed
+from aed.distributed import (all_gather_objects, all_reduce, barrier, cleanup, gather_objects, init_distributed,
+                             peer_lost)
 from aed.memory import format_bytes, parse_bytes
 from aed.metrics import corpus_scores
 from aed.shards import MixedSource, ShardDataset, ShardSource
@@ -81,21 +83,54 @@ def val_set_names(paths: list[str]) -> dict[str, str]:
 # --- data -------------------------------------------------------------------------------------
 
 
-def load_examples(specs: list, skip_invalid: bool, seed: int) -> list:
-    """Manifests (paths or {path, weight}) -> utterances; weight w repeats a manifest's
-    utterances int(w) times per epoch plus a random fraction w - int(w) of them."""
+def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_size: int) -> tuple[list, list]:
+    """Manifests (paths or {path, weight}) -> (utterances, token counts); weight w repeats a
+    manifest's utterances int(w) times per epoch plus a random fraction w - int(w) of them.
+    Lines the tokenizer cannot encode and (with check_audio) utterances whose audio is unreadable
+    or disagrees with its duration are skipped and counted, or stop the run without skip_invalid."""
     rng = random.Random(seed)
-    out = []
+    out, out_tokens = [], []
     for spec in specs:
         spec = {"path": spec} if isinstance(spec, str) else spec
         if set(spec) - {"path", "weight"} or "path" not in spec:
             raise ConfigError(f"train.manifests entry {spec!r}: expected a path or {{path, weight}}")
-        utts = read_manifest(spec["path"], skip_invalid=skip_invalid)
+        utts = read_manifest(spec["path"], skip_invalid=data_cfg.skip_invalid)
+        utts, num_tokens = encodable(utts, tokenizer, data_cfg.skip_invalid)
+        if data_cfg.check_audio:
+            utts, num_tokens = with_valid_audio(spec["path"], utts, num_tokens, data_cfg, rank, world_size)
         weight = float(spec.get("weight", 1.0))
-        out += utts * int(weight) + rng.sample(utts, round((weight - int(weight)) * len(utts)))
+        picked = list(range(len(utts))) * int(weight) + rng.sample(range(len(utts)),
+                                                                   round((weight - int(weight)) * len(utts)))
+        out += [utts[i] for i in picked]
+        out_tokens += [num_tokens[i] for i in picked]
         log.info("%s: %d utterances, %.2f h, weight %g", spec["path"], len(utts),
                  sum(u.duration for u in utts) / 3600, weight)
-    return out
+    return out, out_tokens
+
+
+def with_valid_audio(path: str, utts: list, num_tokens: list, data_cfg, rank: int, world_size: int):
+    """(utts, num_tokens) without the utterances whose audio header is unreadable or disagrees with
+    the manifest's duration. Each rank reads 1/world_size of the headers; the problems are shared."""
+    t0 = time.time()
+    problems = sorted(p for part in all_gather_objects(
+        check_audio(utts, data_cfg.duration_tolerance, rank, world_size)) for p in part)
+    log.info("%s: read the audio headers of %d utterances in %.1f s", path, len(utts), time.time() - t0)
+    if not problems:
+        return utts, num_tokens
+    if not data_cfg.skip_invalid:
+        i, why = problems[0]
+        raise ManifestError(f"{utts[i].where}: {utts[i].audio_filepath}: {why} ({len(problems)} such "
+                            f"utterance(s); train.skip_invalid=true skips them)")
+    if rank == 0:
+        for i, why in problems[:10]:
+            log.warning("skipping %s: %s: %s", utts[i].where, utts[i].audio_filepath, why)
+        unreadable = sum(why.startswith("unreadable") for _, why in problems)
+        log.warning("%s: skipped %d utterance(s) after reading their audio headers: %d unreadable, %d whose "
+                    "duration is off by more than %g%%%s", path, len(problems), unreadable, len(problems) - unreadable,
+                    100 * data_cfg.duration_tolerance, " (first 10 shown)" if len(problems) > 10 else "")
+    bad = {i for i, _ in problems}
+    keep = [i for i in range(len(utts)) if i not in bad]
+    return [utts[i] for i in keep], [num_tokens[i] for i in keep]
 
 
 def build_training_data(cfg, tokenizer, logmel, rank: int, world_size: int, master: bool):
@@ -128,8 +163,7 @@ def build_training_data(cfg, tokenizer, logmel, rank: int, world_size: int, mast
             sources, [float(s.get("weight", 1.0)) for s in shard_specs])
         return BucketingSampler(source, bins, **sampler_args), ShardDataset(tokenizer, logmel, seed=cfg.seed), bins
 
-    utts = load_examples(cfg.train.manifests, cfg.train.skip_invalid, cfg.seed)
-    num_tokens = [len(encode_utterance(tokenizer, u)[0]) for u in utts]
+    utts, num_tokens = load_examples(cfg.train.manifests, cfg.train, tokenizer, cfg.seed, rank, world_size)
     too_long = [i for i, n in enumerate(num_tokens) if n > cfg.model.dec_max_len]
     if too_long:
         log.warning("dropping %d utterances whose prompt+text exceed dec_max_len=%d tokens, e.g. %s",
@@ -173,6 +207,7 @@ def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, 
     results = {}
     for name, path in val_names.items():
         utts = read_manifest(path, skip_invalid=cfg.train.skip_invalid)[: cfg.val.max_utterances]
+        utts, _ = encodable(utts, tokenizer, cfg.train.skip_invalid)
         order = sorted(range(len(utts)), key=lambda i: utts[i].duration)[rank::world_size]
         ds = UtteranceDataset([utts[i] for i in order], tokenizer, logmel)
         rows, loss_sum, count, ctc_skipped = [], torch.zeros((), device=device), torch.zeros((), device=device), 0
@@ -320,6 +355,8 @@ def main(argv: list[str] | None = None) -> None:
         sampler, dataset, bins = build_training_data(cfg, tokenizer, logmel, rank, world_size, master)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+    except ManifestError as e:
+        sys.exit(f"data error: {e}")
     batches = CountingBatches(sampler)
 
     def make_loader():
@@ -353,11 +390,22 @@ def main(argv: list[str] | None = None) -> None:
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])
         step = ckpt["step"]
-        if len(ckpt["sampler"]) != world_size:
-            sys.exit(f"{ckpt_path} was written by {len(ckpt['sampler'])} ranks; resume with the same "
-                     f"world size (got {world_size}) or start a new run_dir with init_from={ckpt_path}")
-        sampler.load_state_dict(ckpt["sampler"][rank])
-        set_rng_state(ckpt["rng"][rank], device)
+        saved_world = len(ckpt["sampler"])
+        if saved_world == world_size:
+            sampler.load_state_dict(ckpt["sampler"][rank])
+            set_rng_state(ckpt["rng"][rank], device)
+        else:
+            try:
+                sampler.load_state_dict(sampler.regroup_state(ckpt["sampler"]))
+            except ValueError as e:
+                sys.exit(f"cannot resume {ckpt_path}, written by {saved_world} ranks, on {world_size}: {e}; "
+                         f"resume with {saved_world} ranks or start a new run_dir with init_from={ckpt_path}")
+            if rank < saved_world:
+                set_rng_state(ckpt["rng"][rank], device)
+            log.warning("%s was written by %d ranks, this run has %d: weights, optimizer, schedule and step "
+                        "continue exactly; the data continues the interrupted pass without repeating what was "
+                        "trained in it, in other batches than %d ranks would have drawn", ckpt_path, saved_world,
+                        world_size, saved_world)
         log.info("resumed from %s at step %d", ckpt_path, step)
     elif cfg.init_from:
         try:
@@ -382,30 +430,44 @@ def main(argv: list[str] | None = None) -> None:
     fwd_model = torch.compile(ddp_model) if cfg.compile else ddp_model
 
     def save(step: int) -> None:
-        """All ranks send their sampler and RNG states to rank 0, which writes. Also checks that
-        DDP kept the ranks' parameters identical (a desync would otherwise go unnoticed)."""
+        """Every rank writes its share of the weights and optimizer state at once (aed/checkpoint.py);
+        rank 0 adds the gathered sampler and RNG states and publishes the checkpoint once every
+        shard is written. Also checks that DDP kept the ranks' parameters identical (a desync would
+        otherwise go unnoticed)."""
+        t0 = time.time()
         checksum = sum(p.detach().double().sum().item() for p in model.parameters())
         states = gather_objects({"checksum": checksum, "rng": rng_state(device),
                                  "sampler": sampler.state_dict(rewind=batches.taken - consumed)})
-        if not master:
-            return
-        checksums = [s["checksum"] for s in states]
-        if len(set(checksums)) > 1:
-            raise RuntimeError(f"step {step}: ranks disagree on parameters (checksums {checksums})")
-        path = save_checkpoint({
-            "step": step, "model": model.state_dict(), "model_config": dataclasses.asdict(cfg.model),
-            "features": dataclasses.asdict(cfg.features), "tokenizer": pack_dir(cfg.train.tokenizer),
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(), "sampler": [s["sampler"] for s in states],
-            "rng": [s["rng"] for s in states], "config": to_dict(cfg),
-            "max_train_duration": bins.durations[-1]},  # infer.py's default chunk length
-            cfg.run_dir, step, cfg.keep_last)
-        log.info("saved %s (parameter checksum %.6e, equal on %d rank(s))", path, checksum, world_size)
+        path = checkpoint_dir(cfg.run_dir, step)
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        if master:
+            checksums = [s["checksum"] for s in states]
+            if len(set(checksums)) > 1:
+                raise RuntimeError(f"step {step}: ranks disagree on parameters (checksums {checksums})")
+            state |= {"step": step, "model_config": dataclasses.asdict(cfg.model),
+                      "features": dataclasses.asdict(cfg.features), "tokenizer": pack_dir(cfg.train.tokenizer),
+                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                      "sampler": [s["sampler"] for s in states], "rng": [s["rng"] for s in states],
+                      "config": to_dict(cfg), "max_train_duration": bins.durations[-1]}  # infer.py's chunk length
+            begin_checkpoint(path)
+        barrier()  # the directory exists before anyone writes into it
+        written = torch.tensor(float(write_shard(state, path, rank, world_size)), device=device)
+        written = all_reduce(written).item()  # returns once every rank has written its shard
+        if master:
+            publish_checkpoint(path, cfg.run_dir, step, cfg.keep_last)
+        log.info("saved %s: %.2f GB in %.1f s (parameter checksum %.6e, equal on %d rank(s))",
+                 path, written / 1e9, time.time() - t0, checksum, world_size)
 
     # --- training loop
     stop_signal = []
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+
+    def stop_requested() -> bool:
+        """Whether any rank got SIGTERM / SIGUSR1: all ranks stop at the same step."""
+        flag = torch.tensor(float(bool(stop_signal)), device=device)
+        return bool(all_reduce(flag, op=torch.distributed.ReduceOp.MAX).item())
+
     run_log = RunLog(cfg.run_dir, master, resumed_step=step)
     val_seconds = 0.0  # validation time, kept out of step times and the ETA
 
@@ -436,6 +498,7 @@ def main(argv: list[str] | None = None) -> None:
     atexit.register(stop_workers)
     frame_s = cfg.features.hop_length / cfg.features.sample_rate
     bad_steps = skipped_audio = 0
+    bad_audio = set()  # the errors of unreadable files already logged
     totals = torch.zeros(len(TOTALS), device=device)
     if step == 0 and cfg.val.every > 0:
         validate(0)
@@ -447,8 +510,9 @@ def main(argv: list[str] | None = None) -> None:
         while len(micro) < cfg.optim.grad_accum:
             batch = next(loader)
             consumed += 1
-            for err in batch.errors:
-                log.warning("skipped unreadable audio: %s", err)
+            for err in set(batch.errors) - bad_audio:  # the sampler draws a bad file again every pass
+                log.warning("skipped unreadable audio (logged once per run): %s", err)
+                bad_audio.add(err)
             skipped_audio += len(batch.errors)
             if len(batch):
                 micro.append(batch)
@@ -495,12 +559,16 @@ def main(argv: list[str] | None = None) -> None:
             totals.zero_()
             t_last, val_at_last, steps_since = time.time(), val_seconds, 0
 
-        if cfg.val.every > 0 and (step % cfg.val.every == 0 or step == cfg.max_steps):
+        # A preempted job has a grace period (often ~30 s) to save: a signal skips validation, and
+        # one that arrives during validation or a save stops right after it, not after another step.
+        stop = stop_requested()
+        if not stop and cfg.val.every > 0 and (step % cfg.val.every == 0 or step == cfg.max_steps):
             validate(step)
-        stop = all_reduce(torch.tensor(float(bool(stop_signal)), device=device), op=torch.distributed.ReduceOp.MAX)
-        if step % cfg.ckpt_every == 0 or step == cfg.max_steps or stop.item():
+            stop = stop_requested()
+        if stop or step % cfg.ckpt_every == 0 or step == cfg.max_steps:
             save(step)
-        if stop.item():
+            stop = stop or stop_requested()
+        if stop:
             log.info("stopping on signal at step %d; rerun the same command to resume", step)
             break
 
@@ -510,4 +578,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RuntimeError as e:
+        if not peer_lost(e):
+            raise
+        # The rank that failed first logs its own reason; the others would only show a broken socket.
+        sys.exit(f"stopping: a peer rank exited or lost its connection ({str(e).splitlines()[0][:200]}); "
+                 "the log of the rank that failed first says why")

@@ -42,6 +42,8 @@ class DataConfig:
     manifests: list[dict | str] = field(default_factory=lambda: ["data/mini/train.jsonl"])  # paths, {path, weight} or {shards: DIR, weight}
     tokenizer: str = "data/mini/tokenizer"  # directory written by tools/train_tokenizer.py; sets the model's vocabulary
     skip_invalid: bool = True  # bad manifest lines are skipped with a warning and counted, not fatal
+    check_audio: bool = True  # read every audio header at start (~2-4k files/s per rank, cold cache): unreadable files and wrong durations are skipped
+    duration_tolerance: float = 0.1  # check_audio: a manifest duration further than this fraction from the header's is wrong
     bins: str | None = None  # bins.json from tools/estimate_bins.py; None: estimated at start
     num_buckets: int = 30  # duration buckets when estimating bins (the paper: 30)
     sub_buckets: int = 2  # token sub-buckets per duration bucket, on average (2 = the paper's 2D; 1 = 1D)

@@ -12,18 +12,23 @@ A manifest is NeMo-style JSONL, one utterance per line:
 - `source_lang`, `target_lang` (`lang` sets both when they are absent); `pnc` yes/no (default yes);
   `taskname` asr/ast, derived from the languages when absent.
 
-Bad lines raise `ManifestError` naming file, line and field; with `skip_invalid=True` they are
-skipped with a warning per line and a count, never silently. Inference (aed/inference.py) reads
-the same fields with the same checks, but needs only `audio_filepath`.
+Bad lines (malformed JSON or fields, bytes that are not UTF-8) raise `ManifestError` naming file,
+line and field; with `skip_invalid=True` they are skipped with a warning per line and a count,
+never silently. Two checks need more than the line: `encodable` (a language the tokenizer lacks)
+and `check_audio` (unreadable audio, a duration the file's header contradicts). Inference
+(aed/inference.py) reads the same fields with the same checks, but needs only `audio_filepath`.
 """
 
 import json
 import logging
 import os
 import signal
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, NoReturn
 
+import soundfile as sf
 import torch
 from torch.utils.data import Dataset
 
@@ -52,6 +57,7 @@ class Utterance:
     taskname: str  # "asr" or "ast"
     offset: float = 0.0
     where: str = ""  # "manifest.jsonl:17", for error messages
+    segment: bool = False  # the line gave an offset: a part of the file, so its duration may be shorter
 
 
 # --- manifest fields: one set of rules for training (strict) and inference (lenient) ---------
@@ -61,7 +67,12 @@ def fail(where: str, field: str, why: str) -> NoReturn:
     raise ManifestError(f"{where}: field '{field}': {why}")
 
 
-def json_object(line: str, where: str) -> dict:
+def json_object(line: bytes | str, where: str) -> dict:
+    if isinstance(line, bytes):  # decoded per line, so one bad byte costs one line, not the file
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ManifestError(f"{where}: not UTF-8 (byte {line[e.start]:#04x} at column {e.start + 1})") from None
     try:
         d = json.loads(line)
     except json.JSONDecodeError as e:
@@ -71,9 +82,10 @@ def json_object(line: str, where: str) -> dict:
     return d
 
 
-def manifest_lines(path: str) -> Iterator[tuple[str, str]]:
-    """("path:lineno", line) per non-blank line, streamed: a manifest may be larger than memory."""
-    with open(path, encoding="utf-8") as f:
+def manifest_lines(path: str) -> Iterator[tuple[str, bytes]]:
+    """("path:lineno", line) per non-blank line, streamed: a manifest may be larger than memory.
+    Lines stay bytes until `json_object` decodes them, which names a line that is not UTF-8."""
+    with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 yield f"{path}:{lineno}", line
@@ -131,14 +143,14 @@ def parse_line(line: str, where: str, base_dir: str) -> Utterance:
     d = json_object(line, where)
     path = audio_path(d, where, base_dir)
     duration = seconds(d, "duration", where, positive=True, required=True)
-    offset = seconds(d, "offset", where, positive=False) or 0.0
+    offset = seconds(d, "offset", where, positive=False)
     text = reference_text(d)
     if not isinstance(text, str):
         fail(where, "text", "missing (neither 'text' nor 'answer') or not a string")
     if not text.strip():
         fail(where, "text", "empty transcript")
     task = check_task(where, *languages(d), d.get("pnc", "yes"), d.get("taskname"))
-    return Utterance(path, duration, text, *task, offset, where)
+    return Utterance(path, duration, text, *task, offset or 0.0, where, segment=offset is not None)
 
 
 def iter_manifest(path: str, skip_invalid: bool = False) -> Iterator[Utterance]:
@@ -169,6 +181,74 @@ def encode_utterance(tokenizer, utt: Utterance) -> tuple[list[int], int]:
     """Prompt + target text + EOS token ids, and the prompt length."""
     return tokenizer.encode_example(utt.text, utt.source_lang, utt.target_lang, utt.pnc,
                                     task=PROMPT_TASKS[utt.taskname])
+
+
+def encodable(utts: list[Utterance], tokenizer, skip_invalid: bool) -> tuple[list[Utterance], list[int]]:
+    """The utterances `tokenizer` can encode, and their token counts (prompt + text + EOS).
+
+    The manifest checks cannot know the tokenizer: a language it lacks (or a task its prompt
+    format cannot express) shows up here. That raises ManifestError naming the manifest line,
+    or with `skip_invalid` is logged per line and counted per manifest."""
+    kept, num_tokens, skipped = [], [], Counter()
+    for u in utts:
+        try:
+            num_tokens.append(len(encode_utterance(tokenizer, u)[0]))
+        except (ValueError, KeyError) as e:
+            if not skip_invalid:
+                raise ManifestError(f"{u.where}: {e}") from None
+            log.warning("skipping manifest line: %s: %s", u.where, e)
+            skipped[u.where.rsplit(":", 1)[0]] += 1
+            continue
+        kept.append(u)
+    for path, n in skipped.items():
+        log.warning("%s: skipped %d line(s) the tokenizer cannot encode", path, n)
+    return kept, num_tokens
+
+
+# --- audio headers ------------------------------------------------------------------------------
+
+
+def header_seconds(path: str) -> float | str:
+    """A file's duration from its header (no decoding), or why it has none. sf.SoundFile, not
+    sf.info: info also formats a description of the file and takes 1.7x as long."""
+    try:
+        with sf.SoundFile(path) as f:
+            frames, rate = f.frames, f.samplerate
+    except Exception as e:  # noqa: BLE001 - missing, unreadable, not audio: all mean "skip this file"
+        return f"unreadable audio ({type(e).__name__}: {str(e)[:120]})"
+    if frames <= 0 or rate <= 0:
+        return "unreadable audio (no samples in the header)"
+    return frames / rate
+
+
+def check_audio(utts: list[Utterance], tolerance: float, part: int = 0, parts: int = 1,
+                threads: int = 16) -> list[tuple[int, str]]:
+    """(index, reason) for each utterance whose audio is unreadable or whose manifest duration
+    disagrees with the file's header by more than `tolerance` (a fraction): a whole file must
+    last `duration`, a segment (a line with an offset) must end inside the file. A wrong duration
+    would silently cut the audio under a full transcript, or give the sampler a wrong bucket.
+
+    Only headers are read, each file once, in `threads` threads (the time is file-system latency,
+    not CPU). `part` of `parts`: this caller checks only every parts-th file, so DDP ranks can
+    share the work and exchange their (short) lists of problems."""
+    by_path = {}
+    for i, u in enumerate(utts):
+        by_path.setdefault(u.audio_filepath, []).append(i)
+    paths = sorted(by_path)[part::parts]
+    with ThreadPoolExecutor(threads) as pool:
+        headers = pool.map(header_seconds, paths, chunksize=64)
+        problems = []
+        for path, header in zip(paths, headers):
+            for i in by_path[path]:
+                u = utts[i]
+                if isinstance(header, str):
+                    problems.append((i, header))
+                elif u.segment and u.offset + u.duration > header + tolerance * u.duration:
+                    problems.append((i, f"segment {u.offset:.2f}+{u.duration:.2f} s ends past the audio's "
+                                        f"{header:.2f} s"))
+                elif not u.segment and abs(u.duration - header) > tolerance * header:
+                    problems.append((i, f"duration {u.duration:.2f} s, but the audio lasts {header:.2f} s"))
+    return problems
 
 
 def make_item(wav: torch.Tensor, utt: Utterance, index: int, tokenizer, logmel: LogMel, seed: int = 0) -> dict:

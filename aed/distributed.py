@@ -28,6 +28,13 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def peer_lost(e: BaseException) -> bool:
+    """Whether `e` is a collective failing because another rank is gone (exited, killed, unreachable)
+    rather than a fault of this rank: c10d's typed errors (NCCL), and gloo's TCP transport errors,
+    which reach Python as plain RuntimeErrors, through DDP's gradient hooks in backward too."""
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "gloo/transport/" in str(e))
+
+
 def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce (a no-op without a process group); returns `t`."""
     if is_distributed():
@@ -51,6 +58,11 @@ def gather_objects(obj) -> list | None:
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
 
 
 def cleanup() -> None:

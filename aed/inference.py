@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from aed.audio import AudioError, FeatureConfig, LogMel, load_audio, num_frames
-from aed.checkpoint import INFERENCE_KEYS, load_latest, model_from_checkpoint, read_checkpoint
-from aed.data import (PROMPT_TASKS, audio_path, check_task, duration_batches, json_object, languages, manifest_lines,
-                      reference_text, seconds)
+from aed.checkpoint import INFERENCE_KEYS, is_checkpoint, load_latest, model_from_checkpoint, read_checkpoint
+from aed.data import (PROMPT_TASKS, ManifestError, audio_path, check_task, duration_batches, json_object, languages,
+                      manifest_lines, reference_text, seconds)
 from aed.decoding import DecodingOptions, search
 from aed.metrics import corpus_scores
 from aed.model import AED
@@ -71,14 +71,14 @@ class LoadedModel:
 
 
 def load_checkpoint(path: str, device="cpu") -> LoadedModel:
-    """A train.py checkpoint file, or a run directory (its newest valid `ckpt-*.pt`: a truncated
-    newer one is skipped with a warning naming it), ready for inference."""
-    if os.path.isdir(path):
+    """A checkpoint (a train.py `ckpt-*` directory or a single file), or a run directory (its newest
+    valid checkpoint: a truncated newer one is skipped with a warning naming it), ready for inference."""
+    if os.path.isdir(path) and not is_checkpoint(path):
         newest, ckpt = load_latest(path, INFERENCE_KEYS)
         if ckpt is None:
-            raise FileNotFoundError(f"{path}: a directory without ckpt-*.pt checkpoints")
+            raise FileNotFoundError(f"{path}: a directory without ckpt-* checkpoints")
         path = newest
-    elif os.path.isfile(path):
+    elif os.path.exists(path):
         ckpt = read_checkpoint(path, INFERENCE_KEYS)
     else:
         raise FileNotFoundError(f"{path}: no such checkpoint file or run directory")
@@ -129,21 +129,44 @@ def make_request(audio_filepath: str, source_lang: str = "en", target_lang: str 
 
 
 def read_requests(manifest: str, source_lang: str = "en", target_lang: str | None = None,
-                  task: str | None = None, pnc: bool = True) -> list[Request]:
+                  task: str | None = None, pnc: bool = True, skip_invalid: bool = False) -> list[Request]:
     """NeMo-style JSONL (aed/data.py) -> Requests. Only `audio_filepath` is required: the task fields
     default to the arguments, per-line values win; `duration` defaults to the whole file; `text`
-    (or `answer`) is a reference when present. Bad lines raise ValueError naming file, line and field."""
+    (or `answer`) is a reference when present. Bad lines raise ManifestError naming file, line and
+    field, or with `skip_invalid` are logged and counted, as training's manifests are."""
     base_dir = os.path.dirname(os.path.abspath(manifest))
-    out = []
+    out, skipped = [], 0
     for where, line in manifest_lines(manifest):
-        d = json_object(line, where)
-        path = audio_path(d, where, base_dir)
-        offset = seconds(d, "offset", where, positive=False) or 0.0
-        duration = seconds(d, "duration", where, positive=True)
-        src, tgt = languages(d, source_lang, target_lang)
-        text = reference_text(d)
-        out.append(make_request(path, src, tgt, d.get("taskname", task), d.get("pnc", pnc), where, offset=offset,
-                                duration=duration, text=text if isinstance(text, str) else None, fields=d))
+        try:
+            d = json_object(line, where)
+            path = audio_path(d, where, base_dir)
+            offset = seconds(d, "offset", where, positive=False) or 0.0
+            duration = seconds(d, "duration", where, positive=True)
+            src, tgt = languages(d, source_lang, target_lang)
+            text = reference_text(d)
+            out.append(make_request(path, src, tgt, d.get("taskname", task), d.get("pnc", pnc), where, offset=offset,
+                                    duration=duration, text=text if isinstance(text, str) else None, fields=d))
+        except ManifestError as e:
+            if not skip_invalid:
+                raise
+            skipped += 1
+            log.warning("skipping invalid manifest line: %s", e)
+    if skipped:
+        log.warning("%s: skipped %d invalid line(s)", manifest, skipped)
+    return out
+
+
+def known_languages(requests: list[Request], tokenizer: Tokenizer) -> list[Request]:
+    """The requests whose languages `tokenizer` knows; the others are logged by line and counted
+    (a manifest cannot be checked for that before the model is loaded)."""
+    known = set(tokenizer.languages)
+    out = [r for r in requests if {r.source_lang, r.target_lang} <= known]
+    for r in requests:
+        if not {r.source_lang, r.target_lang} <= known:
+            log.warning("skipping %s: language %s -> %s, the model's tokenizer has %s", r.where, r.source_lang,
+                        r.target_lang, sorted(known))
+    if len(out) < len(requests):
+        log.warning("skipped %d input(s) in a language the model does not know", len(requests) - len(out))
     return out
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from aed.config import OptimConfig, TrainConfig
 from aed.ctc import infeasible
+from aed.distributed import peer_lost
 from aed.encoder import subsampled_length
 from aed.model import AED, param_groups, text_targets
 from aed.transducer import TransducerASR
@@ -115,9 +116,13 @@ def train_step(model: nn.Module, batches: list, optimizer, scaler, spec_augment,
                 feats = spec_augment(b.feats, b.feat_lens)
                 loss, n = model(feats, b.feat_lens, b.tokens, b.token_lens, b.prompt_lens)
                 scaler.scale(loss * world_size / num_targets).backward()
-        except Exception:
-            log.error("training step failed on batch %s: feats %s, tokens %s", b.paths,
-                      tuple(b.feats.shape), tuple(b.tokens.shape))
+        except Exception as e:
+            if peer_lost(e):  # the gradient all-reduce in backward: this batch is not the cause
+                log.error("training step stopped: a peer rank exited or lost its connection (%s)",
+                          str(e).splitlines()[0][:200])
+            else:
+                log.error("training step failed on batch %s: feats %s, tokens %s", b.paths,
+                          tuple(b.feats.shape), tuple(b.tokens.shape))
             raise
         loss_sum += loss.detach().float()
         count += n

@@ -31,7 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-from aed.checkpoint import INFERENCE_KEYS, grow_vocabulary, load_latest, pack_dir, read_checkpoint, unpack_tokenizer
+from aed.checkpoint import (INFERENCE_KEYS, grow_vocabulary, is_checkpoint, load_latest, pack_dir, read_checkpoint,
+                            unpack_tokenizer)
 from aed.model import AED, AEDConfig
 from aed.tokenizer import SentencePieceBlock, SpecialBlock, Tokenizer, lang_token
 from tools.train_tokenizer import read_manifests, sample_sentences, train_sentencepiece
@@ -62,7 +63,7 @@ def main(argv=None):
     p.add_argument("-o", "--out", required=True, help="output checkpoint path (OUT.pt)")
     args = p.parse_args(argv)
 
-    if os.path.isdir(args.ckpt):
+    if os.path.isdir(args.ckpt) and not is_checkpoint(args.ckpt):  # a run directory
         path, ckpt = load_latest(args.ckpt, INFERENCE_KEYS)
         if ckpt is None:
             sys.exit(f"error: {args.ckpt} has no checkpoints")

@@ -1,0 +1,139 @@
+"""The CUDA paths, for the first machine with a GPU: `make gpu-check` (skipped without one).
+
+Each test runs one path end to end that the CPU suite cannot: a bf16 training step, DDP over
+NCCL, an OOM search against real out-of-memory errors, bf16 batched inference, a checkpoint
+written on the GPU read on the CPU, and a converted NeMo model giving the same answers on both.
+"""
+
+import dataclasses
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from aed.audio import FeatureConfig, SpecAugment, num_frames
+from aed.checkpoint import load_model, pack_dir, read_checkpoint, save_checkpoint
+from aed.data import Batch
+from aed.inference import LoadedModel, load_checkpoint, transcribe
+from aed.model import AED, AEDConfig
+from aed.tokenizer import Tokenizer
+from aed.training import train_step
+from oom import TrainingStep, optimize
+from test_nemo_convert import FIXTURES, convert
+from test_train import ROOT, SMALL
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+MINI = Path(ROOT) / "data" / "mini"
+CFG = AEDConfig(n_mels=80, vocab_size=528, pad_id=1, enc_d_model=64, enc_layers=2, enc_heads=2, subsampling_channels=16,
+                dec_d_model=64, dec_layers=1, dec_heads=2, dec_max_len=64)
+
+
+def run(cmd: list, timeout: int = 300) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{cmd} exited {p.returncode}:\n{p.stderr[-4000:]}"
+    return p
+
+
+def random_batch(b: int, frames: int, tokens: int, device) -> Batch:
+    feat_lens = torch.full((b,), frames)
+    return Batch(torch.randn(b, frames, CFG.n_mels), feat_lens, torch.randint(2, CFG.vocab_size, (b, tokens)),
+                 torch.full((b,), tokens), torch.full((b,), 2), [f"x{i}" for i in range(b)], list(range(b)), []
+                 ).to(device)
+
+
+def test_one_bf16_training_step_updates_the_weights():
+    model = AED(CFG).cuda().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    batch = random_batch(4, 200, 12, "cuda")
+    result = train_step(model, [batch], optimizer, torch.amp.GradScaler("cuda", enabled=False),
+                        SpecAugment().train(), "bf16", clip_grad=1.0, num_targets=4 * 10)
+    assert result.updated and torch.isfinite(result.loss)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast: fp32 master weights
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_train_py_under_torchrun_with_nccl_then_its_checkpoint_loads_on_cpu(tmp_path):
+    """train.py on the GPU as torchrun launches it (at world size 1 without a process group: the
+    next test covers DDP over NCCL)."""
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py",
+         "configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=2", "ckpt_every=2", "precision=bf16"])
+    ckpt = read_checkpoint(str(tmp_path / "ckpt-00000002"), ("model", "optimizer"))
+    assert all(v.device.type == "cpu" for v in ckpt["model"].values())
+    asr = load_checkpoint(str(tmp_path), device="cpu")
+    results, _ = transcribe(asr, [str(MINI / "examples" / "en_asr_16k.wav")], max_new_tokens=5)
+    assert results[0].error is None
+
+
+def test_ddp_over_nccl_all_reduces_gradients(tmp_path):
+    script = tmp_path / "ddp.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('nccl')\n"
+        "torch.cuda.set_device(0)\n"
+        "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8).cuda())\n"
+        "model(torch.ones(2, 8, device='cuda')).sum().backward()\n"
+        "t = torch.ones(1, device='cuda')\n"
+        "dist.all_reduce(t)\n"
+        "assert t.item() == dist.get_world_size() == 1\n"
+        "print('nccl ok', dist.get_backend())\n"
+        "dist.destroy_process_group()\n")
+    p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script)])
+    assert "nccl ok nccl" in p.stdout
+
+
+def test_oom_search_bisects_on_real_out_of_memory_errors(caplog):
+    """A 1.5 GB cap on this process: the doubling must hit a genuine CUDA OOM and back off."""
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(1.5 * 2**30 / total)
+    try:
+        model = AED(dataclasses.replace(CFG, enc_d_model=256, enc_heads=4, dec_d_model=256, dec_heads=4)).cuda()
+        step = TrainingStep(model, torch.optim.AdamW(model.parameters()), "bf16")
+        with caplog.at_level(logging.INFO):
+            rows = optimize(step, [(20.0, num_frames(20 * 16000), 60)], limit=None, start=16)
+        assert "does not fit" in caplog.text  # a real torch.cuda.OutOfMemoryError was caught
+        size = rows[0]["batch_size"]
+        assert size >= 1 and rows[0]["peak"] <= 1.5 * 2**30
+        step.peak(size, num_frames(20 * 16000), 60)  # the answer still fits after the failures
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+def test_bf16_batched_inference():
+    tokenizer = Tokenizer.load(str(MINI / "tokenizer"))
+    model = AED(dataclasses.replace(CFG, vocab_size=tokenizer.padded_vocab_size, pad_id=tokenizer.pad)).cuda().eval()
+    asr = LoadedModel(model, tokenizer, FeatureConfig(n_mels=80), "random weights")
+    wavs = sorted(str(p) for p in (MINI / "audio").glob("train_en_*.flac"))[:8]
+    results, timings = transcribe(asr, wavs, dtype=torch.bfloat16, max_new_tokens=8)
+    assert len(results) == len(wavs) and all(r.error is None for r in results)
+    assert all(0 < len(r.tokens) <= 8 and max(r.tokens) < tokenizer.vocab_size for r in results)
+    assert timings.rtfx > 0
+
+
+def test_converted_nemo_model_on_cuda_matches_cpu(tmp_path):
+    out = tmp_path / "canary.pt"
+    convert(FIXTURES / "canary.nemo", out)
+    ref = torch.load(FIXTURES / "canary.ref.pt", weights_only=False)
+    cpu, _, _ = load_model(out, "cpu")
+    gpu, _, _ = load_model(out, "cuda")
+    for u in ref["utterances"]:
+        feats, lens = u["feats"][None], torch.tensor([u["feat_len"]])
+        with torch.no_grad():
+            a, _ = cpu.encode(feats, lens)
+            b, _ = gpu.encode(feats.cuda(), lens.cuda())
+        torch.testing.assert_close(b.cpu(), a, atol=2e-3, rtol=2e-3)  # TF32 convolutions on the GPU
+
+
+def test_a_checkpoint_saved_from_gpu_tensors_loads_on_cpu(tmp_path):
+    model = AED(CFG).cuda()
+    save_checkpoint({"model": model.state_dict(), "model_config": dataclasses.asdict(CFG),
+                     "features": dataclasses.asdict(FeatureConfig(n_mels=80)),
+                     "tokenizer": pack_dir(str(MINI / "tokenizer"))}, str(tmp_path), 1, keep_last=1)
+    loaded, _, _ = load_model(str(tmp_path / "ckpt-00000001"), "cpu")
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
