@@ -1,4 +1,4 @@
-"""Dynamic 2D bucketing batch sampler for speech encoder-decoder training (paper sec. 2, issue 4).
+"""Dynamic 2D bucketing batch sampler for speech encoder-decoder training (paper sec. 2).
 
 Every example has an input length (`duration`, seconds) and an output length (`num_tokens`,
 prompt included). A batch is padded along both, so we group examples that are similar in both:

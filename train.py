@@ -197,9 +197,11 @@ class CountingBatches:
 
 
 @torch.no_grad()
-def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, world_size: int) -> dict:
+def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, world_size: int,
+             bad_audio: set) -> dict:
     """Loss, WER (ASR, per language) and BLEU (AST, per pair) on every validation manifest.
-    Each rank decodes a slice; hypotheses are gathered so every metric is a corpus metric."""
+    Each rank decodes a slice; hypotheses are gathered so every metric is a corpus metric.
+    Unreadable audio is logged the first time only (`bad_audio` holds what was logged)."""
     device = next(model.parameters()).device
     model.eval()
     logmel, collate = LogMel(cfg.features).eval(), Collate(tokenizer.pad)
@@ -213,8 +215,9 @@ def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, 
         rows, loss_sum, count, ctc_skipped = [], torch.zeros((), device=device), torch.zeros((), device=device), 0
         for group in duration_batches([u.duration for u in ds.utterances], cfg.val.batch_duration):
             b = collate([ds[j] for j in group]).to(device)
-            for err in b.errors:
-                log.warning("validation: skipped unreadable audio: %s", err)
+            for err in set(b.errors) - bad_audio:
+                log.warning("validation: skipped unreadable audio (logged once per run): %s", err)
+                bad_audio.add(err)
             if len(b) == 0:
                 continue
             with autocast(device, precision):
@@ -470,11 +473,12 @@ def main(argv: list[str] | None = None) -> None:
 
     run_log = RunLog(cfg.run_dir, master, resumed_step=step)
     val_seconds = 0.0  # validation time, kept out of step times and the ETA
+    bad_audio = set()  # the errors of unreadable files already logged
 
     def validate(step: int) -> None:
         nonlocal val_seconds
         t0 = time.time()
-        res = evaluate(model, cfg, val_names, tokenizer, precision, rank, world_size)
+        res = evaluate(model, cfg, val_names, tokenizer, precision, rank, world_size, bad_audio)
         val_seconds += time.time() - t0
         run_log.write({f"val/{k}": v for k, v in res.items()} | {"val/seconds": time.time() - t0}, step)
         for k, v in res.items():
@@ -498,7 +502,6 @@ def main(argv: list[str] | None = None) -> None:
     atexit.register(stop_workers)
     frame_s = cfg.features.hop_length / cfg.features.sample_rate
     bad_steps = skipped_audio = 0
-    bad_audio = set()  # the errors of unreadable files already logged
     totals = torch.zeros(len(TOTALS), device=device)
     if step == 0 and cfg.val.every > 0:
         validate(0)

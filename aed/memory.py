@@ -1,4 +1,4 @@
-"""Peak tensor memory of a piece of code, measured by running it (oom.py, issue 6).
+"""Peak tensor memory of a piece of code, measured by running it (oom.py).
 
     peak = peak_memory(step, device, limit=20e9, existing=[*model.parameters(), ...])  # bytes
 

@@ -1,4 +1,4 @@
-"""Checkpoint save and load time at canary-1b scale: weights + AdamW moments, ~12 GB (issue 22).
+"""Checkpoint save and load time at canary-1b scale: weights + AdamW moments, ~12 GB.
 
     python bench/checkpoint_bench.py --dir /tmp/ckpt_bench              # canary-1b, ~10 min, ~13 GB RAM
     python bench/checkpoint_bench.py --dir /tmp/ckpt_bench --config configs/tiny.yaml   # a dry run

@@ -1,4 +1,4 @@
-"""I/O benchmark: per-file reading vs tar shards, with and without the sampler's producer thread (issue 11).
+"""I/O benchmark: per-file reading vs tar shards, with and without the sampler's producer thread.
 
     python bench/io_bench.py                                   # data/mini x 8 (~1.4 h of audio), ~1 min
     python tools/make_mini_data.py -o /tmp/mini10h --hours 10 --num-workers 2

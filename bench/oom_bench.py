@@ -1,4 +1,4 @@
-"""OOMptimizer benchmark: mean batch size under one memory limit, heuristic vs measured (issue 6).
+"""OOMptimizer benchmark: mean batch size under one memory limit, heuristic vs measured.
 
     python bench/oom_bench.py                                   # CPU-scaled model, 198 MB limit: ~5 min
     python bench/oom_bench.py --d-model 256 --heads 4 --enc-layers 12 --dec-layers 4 \\

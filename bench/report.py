@@ -1,4 +1,4 @@
-"""Reproduce the paper's experiments E1-E4 at CPU scale and write a report with tables and plots (issue 10).
+"""Reproduce the paper's experiments E1-E4 at CPU scale and write a report with tables and plots.
 
     python bench/report.py                              # full -> docs/REPORT.md, docs/*.png (see below)
     python bench/report.py --quick -o /tmp/report       # 2-4 min, tiny shapes (tests/test_report.py)

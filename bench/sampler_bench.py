@@ -1,4 +1,4 @@
-"""Sampler benchmark: padding, drops and speed of bucketing schemes over one epoch (issue 4).
+"""Sampler benchmark: padding, drops and speed of bucketing schemes over one epoch.
 
     python bench/sampler_bench.py --synthetic 100000 [--workload wide]
     python bench/sampler_bench.py --manifest train.jsonl [--batch-sizes oom_batch_sizes.json]

@@ -1,4 +1,4 @@
-"""Synchronized bucket selection across simulated DDP ranks (paper sec. 2 and Table 1, issue 4).
+"""Synchronized bucket selection across simulated DDP ranks (paper sec. 2 and Table 1).
 
     python bench/sync_bench.py                      # R = 2, 16, 128 ranks, both schemes
     python bench/sync_bench.py --ranks 16 --steps 1000 --scheme 2d-per-bucket

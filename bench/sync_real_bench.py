@@ -1,4 +1,4 @@
-"""Synchronized bucket selection measured for real: R gloo processes training on CPU (issue 10, E1b).
+"""Synchronized bucket selection measured for real: R gloo processes training on CPU (E1b).
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 bench/sync_real_bench.py
     python -m torch.distributed.run --standalone --nproc_per_node 4 bench/sync_real_bench.py --steps 300

@@ -1,4 +1,4 @@
-"""Training throughput: fixed batches vs 1D vs 2D bucketing vs 2D + oom.py batch sizes (issue 5).
+"""Training throughput: fixed batches vs 1D vs 2D bucketing vs 2D + oom.py batch sizes.
 
     python bench/train_bench.py --quick               # tiny, fixed/1D/2D, 30 steps each: ~2 min on 2 CPU cores
     python bench/train_bench.py --models tiny         # tiny, all four schemes, 60 steps each: ~4 min

@@ -1,6 +1,6 @@
 """Batched vs sample-wise vs chunked transducer loss: peak memory, time, largest batch in a budget.
 
-    python bench/transducer_bench.py          # issue 8 shapes: ~50 min on 2 shared CPU cores, half of it
+    python bench/transducer_bench.py          # the target shape below: ~50 min on 2 shared CPU cores, half of it
                                               # the budget search (sample-wise probes up to B=512)
     python bench/transducer_bench.py --max-lattice 2e7 --budget-mb 128   # a quick look
 
@@ -33,7 +33,7 @@ import time
 from common import last_json, log, print_json, print_table
 
 SHAPES = [(8, 100, 20, 256), (32, 150, 40, 512), (32, 200, 50, 1024), (64, 250, 60, 1024)]
-TARGET_SHAPE = (32, 200, 50, 1024)  # issue 8: sample-wise memory <= 0.1x, time <= 1.5x batched here
+TARGET_SHAPE = (32, 200, 50, 1024)  # the target: sample-wise memory <= 0.1x, time <= 1.5x batched here
 
 
 def run_worker(args):

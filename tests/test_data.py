@@ -7,8 +7,8 @@ import soundfile as sf
 import torch
 
 from aed.audio import FeatureConfig, LogMel, load_audio
-from aed.data import (Collate, ManifestError, UtteranceDataset, duration_batches, iter_manifest, make_item,
-                      read_manifest)
+from aed.data import (Collate, ManifestError, UtteranceDataset, duration_batches, encode_utterance, iter_manifest,
+                      make_item, read_manifest)
 from aed.inference import read_requests, request_prompts
 from aed.shards import ShardDataset
 from aed.tokenizer import Tokenizer
@@ -147,3 +147,27 @@ def test_duration_batches_respect_the_padded_budget_and_cover_every_index_once()
     assert [len(b) for b in duration_batches([3.0, 1.0, 2.0, 2.5], 6.0)] == [2, 2]  # padded 2 x 3 s, then 2 x 2 s
     assert duration_batches([5.0, 1.0], 2.0) == [[0], [1]]  # over the budget alone: a batch of its own
     assert duration_batches([], 10.0) == []
+
+
+@pytest.mark.parametrize("loss_on_prompt", [True, False])
+def test_sampler_token_counts_are_the_batch_lengths_and_count_targets_is_what_the_loss_scores(loss_on_prompt):
+    """The sampler buckets on num_tokens (train.py: len(encode_utterance(...)[0])), the batch pads to
+    those lengths, and the global loss normaliser (count_targets) equals the forward's own count."""
+    from aed.model import AED, AEDConfig
+    from aed.training import count_targets
+
+    tok = Tokenizer.load(os.path.join(MINI, "tokenizer"))
+    utts = read_manifest(os.path.join(MINI, "train.jsonl"))[:6]  # asr and ast, four languages
+    num_tokens = [len(encode_utterance(tok, u)[0]) for u in utts]
+    ds = UtteranceDataset(utts, tok, LogMel(FeatureConfig(n_mels=80)).eval())
+    batch = Collate(tok.pad)([ds[i] for i in range(len(utts))])
+    assert batch.token_lens.tolist() == num_tokens and batch.tokens.shape[1] == max(num_tokens)
+    torch.manual_seed(0)
+    model = AED(AEDConfig(n_mels=80, vocab_size=tok.padded_vocab_size, pad_id=tok.pad, enc_d_model=32, enc_layers=1,
+                          enc_heads=2, subsampling_channels=8, dec_d_model=32, dec_layers=1, dec_heads=2,
+                          loss_on_prompt=loss_on_prompt)).eval()
+    with torch.no_grad():
+        _, n = model(batch.feats, batch.feat_lens, batch.tokens, batch.token_lens, batch.prompt_lens)
+    assert count_targets(model, [batch]) == int(n)
+    expected = [u - 1 if loss_on_prompt else u - p for u, p in zip(num_tokens, batch.prompt_lens.tolist())]
+    assert int(n) == sum(expected)

@@ -335,3 +335,17 @@ def test_a_stop_signal_skips_the_validation_that_is_due(tmp_path):
     stopped = int(rest.split("stopping on signal at step ")[1].split(";")[0])
     assert stopped in (2, 3) and os.path.isdir(tmp_path / f"ckpt-{stopped:08d}")
     assert "validation @ step 3" not in rest
+
+
+@pytest.mark.slow
+def test_unreadable_validation_audio_is_logged_once_per_run(tmp_path):
+    records = [json.loads(line) for line in open(os.path.join(ROOT, "data", "mini", "dev.jsonl")).read().splitlines()[:4]]
+    for r in records:
+        r["audio_filepath"] = os.path.join(ROOT, "data", "mini", r["audio_filepath"])
+    (tmp_path / "corrupt.flac").write_bytes(b"fLaC but not really")
+    records.append(dict(records[0], audio_filepath=str(tmp_path / "corrupt.flac")))
+    manifest = tmp_path / "dev.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in records))
+    p = run_train(tmp_path / "run", "max_steps=3", "val.every=1", f"val.manifests=[{manifest}]")
+    assert p.stderr.count("validation @ step") == 4  # steps 0-3, each meets the corrupt file
+    assert p.stderr.count("validation: skipped unreadable audio") == 1, p.stderr[-3000:]
