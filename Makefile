@@ -25,8 +25,9 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(VENV)/bin/pip install -q -e .
 	touch $@
 
+# Two workers: the suite is mostly single-threaded subprocesses (~14 min on one core, ~11 on two).
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 # Under a minute on 2 CPU cores: all but the tests marked slow (training runs, scripts in subprocesses, overfitting).
 test-fast: venv
