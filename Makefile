@@ -25,7 +25,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(VENV)/bin/pip install -q -e .
 	touch $@
 
-# Two workers: the suite is mostly single-threaded subprocesses (~14 min on one core, ~11 on two).
+# Two workers: the suite is mostly single-threaded subprocesses (~14 min on one core, 9-11 on two).
 test: venv
 	$(PY) -m pytest -q -n 2 tests
 
