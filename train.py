@@ -45,7 +45,7 @@ from aed.shards import MixedSource, ShardDataset, ShardSource
 from aed.timestamps import frame_seconds
 from aed.tokenizer import Tokenizer
 from aed.training import (autocast, build_model, build_optimizer, count_ctc_skipped, count_targets, lr_factor,
-                          resolve_precision, train_step)
+                          resolve_precision, train_mode, train_step)
 from oom import MemoryBudgetError, preflight
 from sampler import Bins, BucketingSampler, estimate_bins, load_batch_sizes
 
@@ -250,7 +250,7 @@ def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, 
             results[f"{name}/wer"] = asr_wer
         results[f"{name}/examples"] = [f"{r[1]}->{r[2]} REF: {r[3]} | HYP: {r[4]}"
                                        for r in rows[: cfg.val.num_examples]]
-    model.train()
+    train_mode(model, cfg.freeze)
     return results
 
 
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
         log.info("validation @ step %d: %s  (%.1f s)", step, "  ".join(
             f"{k}={v:.2f}" for k, v in res.items() if isinstance(v, float)), time.time() - t0)
 
-    model.train()
+    train_mode(model, cfg.freeze)
     consumed = batches.taken = 0  # batches the loop has trained on / the DataLoader has taken
     loader = iter(make_loader())
 

@@ -109,7 +109,7 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute encoder layers in backward: less memory, ~30% slower
     init_from: str | None = None  # initialise weights from this checkpoint (a fresh run, new optimizer)
     init_encoder_only: bool = False  # with init_from: only encoder weights; extra layers stay random
-    freeze: str = "none"  # none | encoder: its weights and BatchNorm statistics stay fixed, the decoder and CTC head train (a new language on little data)
+    freeze: str = "none"  # none | encoder: it runs as at inference (fixed weights and BatchNorm statistics, no dropout); decoder and CTC head train
     max_bad_steps: int = 5  # abort after this many consecutive non-finite steps
     memory_budget: str | None = None  # e.g. "75GB": before step 0 run every bucket's worst batch once (oom.py)
     cpu_threads: int | None = None  # CPU training: torch threads; None = cores - DataLoader workers

@@ -53,11 +53,18 @@ def build_model(cfg: TrainConfig, text_vocab_size: int) -> nn.Module:
         model = TransducerASR(cfg.model, text_vocab_size, cfg.rnnt_chunk_size,
                               pred_dim=cfg.rnnt_pred_dim, joint_dim=cfg.rnnt_joint_dim)
     model.encoder.checkpoint_activations = cfg.activation_checkpointing
-    if cfg.freeze == "encoder":  # no gradients (AdamW skips the parameters), no running-statistics updates
+    if cfg.freeze == "encoder":  # no gradients: AdamW skips the parameters (see train_mode for the rest)
         model.encoder.requires_grad_(False)
-        for m in model.encoder.modules():
-            if hasattr(m, "running_mean"):
-                m.momentum = 0.0
+    return model
+
+
+def train_mode(model: nn.Module, freeze: str = "none") -> nn.Module:
+    """model.train(), except that a frozen encoder runs as at inference: batch norm normalises with
+    its fixed running statistics (not the batch's, which it would also keep updating) and dropout
+    is off, so the decoder learns on the features the frozen encoder will give at test time."""
+    model.train()
+    if freeze == "encoder":
+        model.encoder.eval()
     return model
 
 
