@@ -291,7 +291,7 @@ class _Layouts:
 
 
 def estimate_bins(durations, num_tokens, num_buckets: int = 30, sub_buckets: int = 2, outlier_z: float = 4.0,
-                  method: str = "optimised") -> "Bins":
+                  method: str = "optimised", audio_weight: float | None = None) -> "Bins":
     """Bins from a sample of (duration, num_tokens).
 
     method="equal" (the paper's): num_buckets duration bins of equal total duration, each cut into
@@ -303,9 +303,15 @@ def estimate_bins(durations, num_tokens, num_buckets: int = 30, sub_buckets: int
     (every example padded to its bucket's bounds), and the longest token bound is kept, so flexible
     allocation drops no more of the sample. Speech rates that vary widely need more token sub-bins where the
     token counts spread most; measured in bench/sampler_bench.py.
+
+    audio_weight (optimised only): instead of that rule, the layout with the least
+    audio_weight x audio padding + text padding. Larger weights give less audio and more text
+    padding; `bench/sampler_bench.py --frontier` prints the trade-off on a workload.
     """
     if method not in ("equal", "optimised"):
         raise ValueError(f"estimate_bins: method must be 'equal' or 'optimised', got {method!r}")
+    if audio_weight is not None and not (method == "optimised" and sub_buckets > 1 and audio_weight > 0):
+        raise ValueError("estimate_bins: audio_weight needs method='optimised', sub_buckets > 1 and a positive value")
     d = np.asarray(durations, dtype=np.float64)
     t = np.asarray(num_tokens, dtype=np.int64)
     keep = d > 0
@@ -328,17 +334,20 @@ def estimate_bins(durations, num_tokens, num_buckets: int = 30, sub_buckets: int
             audio, _, _, candidate_counts = _padding(candidate, d, t)
             return candidate, candidate_counts, audio <= equal_audio
 
-        # The least text padding whose audio padding is no more than the equal-count bins': the
-        # smallest audio weight that gets there, by bisection on its log (2^0 .. 2^6). If even
-        # 2^6 does not, the equal-count bins stay.
-        lo, hi = 0.0, 6.0
-        found = layout(hi)
-        if found[2]:
-            for _ in range(5):
-                mid = (lo + hi) / 2
-                candidate = layout(mid)
-                lo, hi, found = (lo, mid, candidate) if candidate[2] else (mid, hi, found)
-            bins, counts = found[0], found[1]
+        if audio_weight:
+            bins, counts, _ = layout(math.log2(audio_weight))
+        else:
+            # The least text padding whose audio padding is no more than the equal-count bins': the
+            # smallest audio weight that gets there, by bisection on its log (2^0 .. 2^6). If even
+            # 2^6 does not, the equal-count bins stay.
+            lo, hi = 0.0, 6.0
+            found = layout(hi)
+            if found[2]:
+                for _ in range(5):
+                    mid = (lo + hi) / 2
+                    candidate = layout(mid)
+                    lo, hi, found = (lo, mid, candidate) if candidate[2] else (mid, hi, found)
+                bins, counts = found[0], found[1]
     starts = list(accumulate(bins.shape, initial=0))
     bins.counts = [counts[s:e].tolist() for s, e in zip(starts, starts[1:])]
     return bins

@@ -22,9 +22,9 @@ def make_examples(n, seed=0):
     return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
 
 
-def make_bins(examples, buckets=8, sub=2, method="equal"):
+def make_bins(examples, buckets=8, sub=2, method="equal", audio_weight=None):
     return estimate_bins([e["duration"] for e in examples], [e["num_tokens"] for e in examples], buckets, sub,
-                         method=method)
+                         method=method, audio_weight=audio_weight)
 
 
 def write_jsonl(path, examples):
@@ -174,6 +174,18 @@ def test_optimised_bins_keep_the_bucket_count_and_pad_less_without_dropping_more
     assert make_bins(WIDE, 10, 3, method="optimised") == OPT  # deterministic
     tiny = make_bins(WIDE[:5], 10, 3, method="optimised")  # fewer distinct values than buckets
     assert tiny.num_buckets <= 30 and sum(map(sum, tiny.counts)) == 5
+
+
+def test_audio_weight_trades_audio_padding_for_text_padding():
+    light, heavy = (make_bins(WIDE, 10, 3, method="optimised", audio_weight=w) for w in (1.0, 64.0))
+    assert light.num_buckets == heavy.num_buckets == 30
+    assert len(light.durations) < len(heavy.durations)  # fewer duration bins, more token sub-bins
+    light_pad, heavy_pad = padding_of(WIDE, light), padding_of(WIDE, heavy)
+    assert light_pad["audio_padding"] > heavy_pad["audio_padding"]
+    assert light_pad["text_padding"] < heavy_pad["text_padding"]
+    for bad in (dict(method="equal", audio_weight=4.0), dict(method="optimised", audio_weight=0.0)):
+        with pytest.raises(ValueError, match="audio_weight"):
+            make_bins(WIDE, 10, 3, **bad)
 
 
 @pytest.mark.parametrize("world_size", [1, 3])

@@ -86,6 +86,9 @@ def main(argv=None) -> None:
     p.add_argument("--method", choices=["optimised", "equal"], default="optimised",
                    help="optimised: --buckets x --sub-buckets buckets laid out for the least padding; "
                         "equal: the paper's equal-count bins")
+    p.add_argument("--audio-weight", type=float, default=None,
+                   help="optimised only: trade audio for text padding (least weight x audio + text padding); "
+                        "default: the least text padding with no more audio padding than equal-count bins")
     p.add_argument("--sample", type=int, default=None, help="estimate from a uniform random sample of this many lines")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--outlier-z", type=float, default=4.0, help="drop TPS outliers above this z-score per duration bin")
@@ -102,10 +105,11 @@ def main(argv=None) -> None:
         print(f"estimate_bins: skipped {n:,} sampled lines ({reason}), e.g. {example[reason]}", file=sys.stderr)
     if not durations:
         raise SystemExit(f"estimate_bins: no usable line in {len(lines):,} sampled lines")
-    bins = estimate_bins(durations, num_tokens, args.buckets, args.sub_buckets, args.outlier_z, args.method)
+    bins = estimate_bins(durations, num_tokens, args.buckets, args.sub_buckets, args.outlier_z, args.method,
+                        args.audio_weight)
 
     meta = {"manifests": args.manifest, "tokenizer": args.tokenizer, "lines": total, "sampled": len(lines),
-            "skipped": dict(skipped), "method": args.method, "seed": args.seed, "outlier_z": args.outlier_z,
+            "skipped": dict(skipped), "method": args.method, "audio_weight": args.audio_weight, "seed": args.seed, "outlier_z": args.outlier_z,
             "max_tokens": args.max_tokens}
     Path(args.output).write_text(json.dumps({**bins.to_dict(), "meta": meta}) + "\n")
     print(f"{'bucket':>6} {'<= s':>8} {'<= tokens':>9} {'max tps':>8} {'count':>7}", file=sys.stderr)
