@@ -109,8 +109,8 @@ def main(argv=None) -> None:
                         args.audio_weight)
 
     meta = {"manifests": args.manifest, "tokenizer": args.tokenizer, "lines": total, "sampled": len(lines),
-            "skipped": dict(skipped), "method": args.method, "audio_weight": args.audio_weight, "seed": args.seed, "outlier_z": args.outlier_z,
-            "max_tokens": args.max_tokens}
+            "skipped": dict(skipped), "method": args.method, "audio_weight": args.audio_weight, "seed": args.seed,
+            "outlier_z": args.outlier_z, "max_tokens": args.max_tokens}
     Path(args.output).write_text(json.dumps({**bins.to_dict(), "meta": meta}) + "\n")
     print(f"{'bucket':>6} {'<= s':>8} {'<= tokens':>9} {'max tps':>8} {'count':>7}", file=sys.stderr)
     counts = [c for row in bins.counts for c in row]
