@@ -15,7 +15,8 @@ Every scheme runs in a fresh process so its peak RSS is its own (the RSS include
 list). A second table replays a slow source (--slow-us per example, e.g. JSONL parsing plus
 tokenization) with a simulated training step of --step-ms per batch, with and without the
 producer thread: the first batch waits for start_fill x buffer_size examples, so at 200 us per
-example and 10% of 20000 it cannot come before 0.4 s.
+example and 10% of 20000 it cannot come before 0.4 s (the table shows what the source alone took).
+`--frontier 30 40` adds the optimised bins' audio/text padding trade-off at 60 and 80 buckets.
 
 `--synthetic N` mimics a large ASR/AST corpus: 64% of utterances 2-20 s, 28% a tail to 40 s, 4%
 long recordings with little speech, 3% under 2 s, 1% high-TPS outliers (2-4x); 3.4 +- 0.5
