@@ -46,6 +46,7 @@ class Word:
     text: str
     start: float  # seconds from the start of the file
     end: float
+    ids: tuple[int, ...] = ()  # its token ids (not written out)
 
     def to_json(self) -> dict:
         return {"text": self.text, "start": round(self.start, 3), "end": round(self.end, 3)}
@@ -111,18 +112,22 @@ def align(log_probs: torch.Tensor, ids: list[int], blank: int) -> list[tuple[int
 # --- words and segments -----------------------------------------------------------------------
 
 
-def to_words(tokenizer: Tokenizer, ids: list[int], spans: list[tuple[int, int]], frame_s: float,
+def word_spans(tokenizer: Tokenizer, ids: list[int]) -> list[tuple[int, int]]:
+    """Token ids -> [first, end) index range of each word: a word starts at a SentencePiece piece
+    with the word-start marker "▁" (or at the first token)."""
+    starts = [i for i, t in enumerate(ids) if i == 0 or tokenizer.id_to_token(t).startswith("▁")]
+    return list(zip(starts, starts[1:] + [len(ids)]))
+
+
+def to_words(tokenizer: Tokenizer, ids: list[int], spans: list[tuple[int, int]] | None, frame_s: float,
              offset: float = 0.0) -> list[Word]:
     """Tokens and their frame spans -> words with times in seconds (`offset` added: the segment's
-    start in its file). A word starts at a SentencePiece piece with the word-start marker "▁"."""
-    groups = []  # [ids, first frame, end frame] per word
-    for i, (start, end) in zip(ids, spans, strict=True):
-        if not groups or tokenizer.id_to_token(i).startswith("▁"):
-            groups.append([[i], start, end])
-        else:
-            groups[-1][0].append(i)
-            groups[-1][2] = end
-    words = [Word(tokenizer.decode(g).strip(), offset + a * frame_s, offset + b * frame_s) for g, a, b in groups]
+    start in its file); spans None: untimed words (times 0)."""
+    assert spans is None or len(spans) == len(ids), f"{len(spans)} spans for {len(ids)} tokens"
+    words = []
+    for a, b in word_spans(tokenizer, ids):
+        start, end = (offset + spans[a][0] * frame_s, offset + spans[b - 1][1] * frame_s) if spans else (0.0, 0.0)
+        words.append(Word(tokenizer.decode(ids[a:b]).strip(), start, end, tuple(ids[a:b])))
     return [w for w in words if w.text]  # a lone "▁" piece decodes to nothing
 
 

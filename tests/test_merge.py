@@ -1,0 +1,84 @@
+"""aed/merge.py: the hypotheses of overlapping chunks, joined with every spoken word once.
+
+The chunks here are built by hand from a known word sequence, with what really goes wrong at a
+chunk's edges: a word cut by the chunk end comes out garbled or not at all, and a chunk that starts
+inside a word hears a fragment of it. (tests/test_infer.py runs the whole path on audio.)"""
+
+from aed.merge import Chunk, MergeStats, longest_common_run, merge_chunks
+from aed.timestamps import Word
+
+TRUTH = "the red house by the water was green and blue every morning at seven near the table".split()
+STEP = 0.5  # word k is spoken over [k * STEP, k * STEP + 0.4)
+END = len(TRUTH) * STEP
+
+
+def spoken(k: int, text: str | None = None) -> Word:
+    return Word(text or TRUTH[k], k * STEP, k * STEP + 0.4, (k,))
+
+
+def chunk(start: float, end: float, timed: bool = True, garble_edges: bool = True) -> Chunk:
+    """What a chunk over [start, end) hears: the words inside it; a word cut by `end` garbled to its
+    first two letters, a fragment ("uh") of the word `start` cuts into."""
+    words = []
+    for k in range(len(TRUTH)):
+        w = spoken(k)
+        if w.start >= start and w.end <= end:
+            words.append(w)
+        elif garble_edges and w.start < end < w.end:
+            words.append(Word(w.text[:2], w.start, end, (100 + k,)))
+        elif garble_edges and w.start < start < w.end:
+            words.insert(0, Word("uh", start, w.end, (200 + k,)))
+    return Chunk(start, end, words, timed)
+
+
+def texts(words: list[Word]) -> list[str]:
+    return [w.text for w in words]
+
+
+def test_timed_chunks_keep_each_word_from_the_side_of_the_overlap_middle_it_lies_on():
+    # Three chunks; cuts at 3.2 s (inside "was", word 6) and 6.1 s (inside "at", word 12)
+    chunks = [chunk(0.0, 3.2), chunk(2.2, 6.1), chunk(5.1, END)]
+    assert "wa" in texts(chunks[0].words) and chunks[1].words[0].text == "uh"  # the edges are wrong
+    stats = MergeStats()
+    merged = merge_chunks(chunks, stats)
+    assert texts(merged) == TRUTH
+    assert [w.ids for w in merged] == [(k,) for k in range(len(TRUTH))]
+    assert all(a.end <= b.start for a, b in zip(merged, merged[1:]))  # in time order, each once
+    assert stats.joins == 2 and stats.by_text == 0 and stats.estimated == 0
+
+
+def test_untimed_chunks_are_joined_in_the_words_both_heard():
+    # No times: the join is found in the text. Case and punctuation do not stop a match.
+    chunks = [chunk(0.0, 3.2, timed=False), chunk(2.2, 6.1, timed=False), chunk(5.1, END, timed=False)]
+    assert chunks[1].words[1].text == "water"
+    chunks[1].words[1] = Word("Water,", 0.0, 0.0, (5,))
+    for c in chunks:  # untimed chunks carry no times: only the text may be used
+        c.words = [Word(w.text, 0.0, 0.0, w.ids) for w in c.words]
+    stats = MergeStats()
+    merged = merge_chunks(chunks, stats)
+    assert [w.text.lower().strip(",") for w in merged] == TRUTH
+    assert stats.by_text == 2 and stats.estimated == 0
+
+
+def test_disagreeing_overlaps_fall_back_to_estimated_positions_and_are_counted():
+    # The second chunk heard different words in the overlap: no common word, so the join falls at
+    # the overlap's middle by evenly spread times (exact here, as the words are evenly spread).
+    first = chunk(0.0, 4.0, timed=False, garble_edges=False)
+    second = chunk(3.0, END, timed=False, garble_edges=False)
+    second.words[:2] = [Word("bread", 0, 0, (300,)), Word("oven", 0, 0, (301,))]  # words 6 and 7 misheard
+    stats = MergeStats()
+    merged = merge_chunks([first, second], stats)
+    assert stats.estimated == 1 and stats.by_text == 0
+    assert texts(merged) == TRUTH[:7] + ["oven"] + TRUTH[8:]  # the middle, 3.5 s, lies between words 6 and 7
+
+
+def test_chunks_that_do_not_overlap_are_concatenated():
+    merged = merge_chunks([chunk(0.0, 3.0, garble_edges=False), chunk(3.0, END, garble_edges=False)])
+    assert texts(merged) == TRUTH
+    assert merge_chunks([]) == [] and merge_chunks([Chunk(0.0, 3.0, [], True)]) == []
+
+
+def test_longest_common_run_prefers_the_run_nearest_the_overlap():
+    assert longest_common_run(["a", "b", "c", "d"], ["c", "d", "e"]) == (2, 0, 2)
+    assert longest_common_run(["x", "the", "y", "the"], ["the", "z"]) == (3, 0, 1)  # the later "the" in a
+    assert longest_common_run(["a"], ["b"])[2] == 0
