@@ -11,7 +11,8 @@ from there on: the middle is as far as possible from both edges.
 Where the middle falls in each hypothesis:
 - Timed words (the model has a CTC head: `aed.timestamps` aligns every chunk): by time. A word
   belongs to the chunk on whose side of the middle its centre lies; every word has one centre, so
-  none is kept twice or dropped, even where the two hypotheses disagree in the overlap.
+  none is kept twice or dropped, even where the two hypotheses disagree in the overlap. Where the
+  two words at the join overlap in time, they meet halfway, so times stay ordered.
 - Untimed words (no CTC head): by text. The longest run of words (compared lower-cased, without
   punctuation) that ends chunk i's overlap region and starts chunk i + 1's is the overlap both
   heard; the join falls at its middle word. This is the word-level form of the longest-common-
@@ -22,7 +23,7 @@ Where the middle falls in each hypothesis:
 """
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from aed.timestamps import Word
 
@@ -107,5 +108,10 @@ def merge_chunks(chunks: list[Chunk], stats: MergeStats | None = None) -> list[W
         if cut_out is None:
             cut_out = sum(_centre(w) < middle for w in out)  # words are in time order
             cut_new = sum(_centre(w) < middle for w in words)
+        if 0 < cut_out and cut_new < len(words) and out[cut_out - 1].end > words[cut_new].start:
+            # The two chunks placed the words at the join a little differently: they meet halfway.
+            a, b = out[cut_out - 1], words[cut_new]
+            t = min(max((a.end + b.start) / 2, a.start), b.end)
+            out[cut_out - 1], words = replace(a, end=t), words[:cut_new] + [replace(b, start=t)] + words[cut_new + 1:]
         out, originals = out[:cut_out] + words[cut_new:], originals[:cut_out] + chunk.words[cut_new:]
     return out if all(c.timed for c in chunks) else originals

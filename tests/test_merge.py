@@ -4,6 +4,8 @@ The chunks here are built by hand from a known word sequence, with what really g
 chunk's edges: a word cut by the chunk end comes out garbled or not at all, and a chunk that starts
 inside a word hears a fragment of it. (tests/test_infer.py runs the whole path on audio.)"""
 
+import pytest
+
 from aed.merge import Chunk, MergeStats, longest_common_run, merge_chunks
 from aed.timestamps import Word
 
@@ -82,3 +84,14 @@ def test_longest_common_run_prefers_the_run_nearest_the_overlap():
     assert longest_common_run(["a", "b", "c", "d"], ["c", "d", "e"]) == (2, 0, 2)
     assert longest_common_run(["x", "the", "y", "the"], ["the", "z"]) == (3, 0, 1)  # the later "the" in a
     assert longest_common_run(["a"], ["b"])[2] == 0
+
+
+def test_words_at_a_timed_join_that_overlap_in_time_meet_halfway():
+    # Chunk one heard "red" end at 1.6 s, chunk two heard "house" start at 1.4 s: times must stay ordered.
+    first = Chunk(0.0, 2.0, [Word("the", 0.0, 0.4, (0,)), Word("red", 0.5, 1.6, (1,))], True)
+    second = Chunk(1.0, 3.0, [Word("red", 1.0, 1.3, (1,)), Word("house", 1.4, 1.8, (2,)), Word("by", 1.9, 2.2, (3,))],
+                   True)
+    merged = merge_chunks([first, second])
+    assert texts(merged) == ["the", "red", "house", "by"]
+    assert merged[1].end == merged[2].start == pytest.approx(1.5)
+    assert all(a.end <= b.start for a, b in zip(merged, merged[1:]))

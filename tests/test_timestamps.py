@@ -153,3 +153,30 @@ def test_cli_writes_segments_and_subtitles(tmp_path, tokenizer):
     p = subprocess.run([sys.executable, "infer.py", "--ckpt", no_ctc, wav, "--timestamps", "segment"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode != 0 and "no CTC head" in p.stderr
+
+
+@pytest.mark.parametrize("ctc_weight", [0.3, 0.0])
+def test_overlapping_chunks_of_continuous_speech_merge_into_one_ordered_transcript(tmp_path, tokenizer, ctc_weight):
+    """Words without pauses (and a noise floor, so no cut is a pause): the chunks overlap, and the
+    merged words (by time with a CTC head, by text without) lie in order, each once, inside the
+    audio. An untrained model: the bookkeeping, not recognition (tests/test_merge.py has the rules)."""
+    asr = load_checkpoint(checkpoint(tmp_path, tokenizer, ctc_weight=ctc_weight))
+    path, truth = long_file(tmp_path, seconds_between=0.0)
+    wav = load_audio(path)
+    sf.write(path, (wav + 0.01 * torch.randn(wav.numel(), generator=torch.Generator().manual_seed(0))).numpy(),
+             16000, subtype="FLOAT")
+    chunk, overlap = 2.0, 0.5
+    pieces = plan_segments(Request(path, "en", "en", True, "asr"), chunk, 16000, overlap)
+    assert len(pieces) >= 4 and all(b[0] == pytest.approx(a[0] + a[2] - overlap) for a, b in zip(pieces, pieces[1:]))
+    (res,), _ = transcribe(asr, [path], chunk_seconds=chunk, chunk_overlap=overlap, max_new_tokens=6,
+                           timestamps=ctc_weight > 0)
+    assert res.error is None and res.duration == pytest.approx(wav.numel() / 16000, abs=1e-3)  # overlaps count once
+    assert res.pred_text and res.tokens
+    if ctc_weight > 0:
+        assert " ".join(w.text for w in res.words) == res.pred_text
+        assert [t for w in res.words for t in w.ids] == res.tokens
+        assert all(0 <= w.start < w.end <= res.duration + 1e-6 for w in res.words)
+        assert all(a.end <= b.start + 1e-6 for a, b in zip(res.words, res.words[1:]))
+        assert any(w.start >= pieces[2][0] for w in res.words), "no word from a later chunk"
+    (no_overlap,), _ = transcribe(asr, [path], chunk_seconds=chunk, chunk_overlap=0.0, max_new_tokens=6)
+    assert no_overlap.duration == pytest.approx(res.duration, abs=1e-3)
