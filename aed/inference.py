@@ -50,7 +50,7 @@ from aed.decoding import DecodingOptions, search
 from aed.metrics import corpus_scores
 from aed.model import AED
 from aed.merge import Chunk, MergeStats, merge_chunks
-from aed.timestamps import Word, align, feasible, frame_seconds, to_segments, to_words
+from aed.timestamps import Word, align, feasible, frame_seconds, snap_to_speech, speech_frames, to_segments, to_words
 from aed.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -419,11 +419,12 @@ def decode_batch(asr: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], pro
     return hyps, (ctc_log_probs, memory_lens) if with_ctc else None, t1 - t0, t2 - t1
 
 
-def segment_words(asr: LoadedModel, ids: list[int], log_probs: torch.Tensor | None, offset: float, seconds: float,
-                  where: str) -> list[Word]:
+def segment_words(asr: LoadedModel, ids: list[int], log_probs: torch.Tensor | None, wav: torch.Tensor,
+                  offset: float, where: str) -> list[Word]:
     """One segment's hypothesis -> its words; with its CTC log-probs (T', V), force-aligned, with times
-    in the file (the segment spans [offset, offset + seconds)), else untimed. Special and padding ids
-    carry no text and no time. The last encoder frame reaches past the segment's end (up to 80 ms of
+    in the file (the segment's audio `wav` (S,) starts at `offset` s) narrowed to the speech inside
+    each word's span (`aed.timestamps.snap_to_speech`), else untimed. Special and padding ids carry
+    no text and no time. The last encoder frame reaches past the segment's end (up to 80 ms of
     padding): times are clipped to the segment."""
     text_ids = [t for t in ids if t < asr.tokenizer.vocab_size and not asr.tokenizer.is_special(t)]
     if log_probs is None:
@@ -433,7 +434,8 @@ def segment_words(asr: LoadedModel, ids: list[int], log_probs: torch.Tensor | No
                     "spread evenly over the segment", where, offset, len(text_ids), log_probs.shape[0])
     spans = align(log_probs, text_ids, asr.model.ctc.blank)
     words = to_words(asr.tokenizer, text_ids, spans, frame_seconds(asr.features), offset)
-    end = offset + seconds
+    words = snap_to_speech(words, speech_frames(wav, asr.features.sample_rate), offset)
+    end = offset + wav.numel() / asr.features.sample_rate
     return [Word(w.text, min(w.start, end), min(w.end, end), w.ids) for w in words]
 
 
@@ -528,9 +530,9 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
             t_align = time.perf_counter()
             log_probs, lens = (ctc[0].cpu(), ctc[1].tolist()) if ctc is not None else (None, None)
             for b, (k, ids) in enumerate(zip(kept, hyps)):
-                seg, seconds = segments[k], wavs[b].numel() / asr.features.sample_rate
+                seg = segments[k]
                 frames = log_probs[b, : lens[b]] if log_probs is not None else None
-                words[seg.request][k] = segment_words(asr, ids, frames, seg.offset, seconds,
+                words[seg.request][k] = segment_words(asr, ids, frames, wavs[b], seg.offset,
                                                       requests[seg.request].where)
             align_s = time.perf_counter() - t_align
         batch_s = time.perf_counter() - t0

@@ -39,6 +39,8 @@ from aed.tokenizer import Tokenizer
 SENTENCE_END = (".", "!", "?", "。", "？", "！")  # a segment ends after a word ending with one of these
 SEGMENT_PAUSE = 1.0  # ... or before a pause this long (s): unpunctuated output still gets cues
 SEGMENT_MAX = 7.0  # ... or before it would exceed this many seconds (a subtitle line's usual limit)
+SPEECH_ABOVE_FLOOR_DB = 10.0  # a 10 ms frame is speech this much above the segment's noise floor ...
+SPEECH_RANGE_DB = 40.0  # ... and within this much of its loudest frame (`snap_to_speech`)
 
 
 @dataclass
@@ -122,13 +124,44 @@ def word_spans(tokenizer: Tokenizer, ids: list[int]) -> list[tuple[int, int]]:
 def to_words(tokenizer: Tokenizer, ids: list[int], spans: list[tuple[int, int]] | None, frame_s: float,
              offset: float = 0.0) -> list[Word]:
     """Tokens and their frame spans -> words with times in seconds (`offset` added: the segment's
-    start in its file); spans None: untimed words (times 0)."""
+    start in its file); spans None: untimed words (times 0). A word's time is that of its pieces
+    other than a bare "▁": that piece only marks the word boundary, has no sound of its own, and
+    CTC may emit it anywhere in the pause before the word."""
     assert spans is None or len(spans) == len(ids), f"{len(spans)} spans for {len(ids)} tokens"
     words = []
     for a, b in word_spans(tokenizer, ids):
-        start, end = (offset + spans[a][0] * frame_s, offset + spans[b - 1][1] * frame_s) if spans else (0.0, 0.0)
+        sounding = [i for i in range(a, b) if tokenizer.id_to_token(ids[i]) != "▁"] or [a, b - 1]
+        start, end = (offset + spans[sounding[0]][0] * frame_s, offset + spans[sounding[-1]][1] * frame_s) \
+            if spans else (0.0, 0.0)
         words.append(Word(tokenizer.decode(ids[a:b]).strip(), start, end, tuple(ids[a:b])))
     return [w for w in words if w.text]  # a lone "▁" piece decodes to nothing
+
+
+def speech_frames(wav: torch.Tensor, sample_rate: int) -> torch.Tensor:
+    """wav (S,) -> (S // hop,) True at the 10 ms frames that sound like speech: SPEECH_ABOVE_FLOOR_DB
+    louder than the segment's noise floor (its 10th-percentile frame) and within SPEECH_RANGE_DB of
+    its loudest frame."""
+    hop = sample_rate // 100
+    if wav.numel() < hop:
+        return torch.zeros(0, dtype=torch.bool)
+    db = 10 * torch.log10(wav[: wav.numel() // hop * hop].view(-1, hop).pow(2).mean(dim=1) + 1e-12)  # (frames,)
+    threshold = max(float(db.quantile(0.1)) + SPEECH_ABOVE_FLOOR_DB, float(db.max()) - SPEECH_RANGE_DB)
+    return db > threshold
+
+
+def snap_to_speech(words: list[Word], speech: torch.Tensor, offset: float) -> list[Word]:
+    """Each word narrowed to the first and last speech frame (`speech_frames`, of the segment that
+    starts at `offset` s) inside its aligned span; a word whose span holds none is left as it is.
+    CTC places a token's frames anywhere between the neighbouring tokens (a first word often from
+    frame 0), so spans run into the pauses around a word; the audio says where the sound is."""
+    out = []
+    for w in words:
+        lo, hi = round((w.start - offset) * 100), min(round((w.end - offset) * 100), speech.numel())
+        inside = speech[lo:hi].nonzero().flatten() if lo < hi else speech[:0]
+        if inside.numel():
+            w = Word(w.text, offset + (lo + int(inside[0])) / 100, offset + (lo + int(inside[-1]) + 1) / 100, w.ids)
+        out.append(w)
+    return out
 
 
 def to_segments(words: list[Word]) -> list[Segment]:

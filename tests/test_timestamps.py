@@ -14,7 +14,8 @@ from aed.audio import FeatureConfig, load_audio
 from aed.checkpoint import pack_dir, save_checkpoint
 from aed.inference import load_checkpoint, plan_segments, Request, transcribe
 from aed.model import AED, AEDConfig
-from aed.timestamps import Segment, Word, align, frame_seconds, srt, to_segments, to_words, webvtt
+from aed.timestamps import (Segment, Word, align, frame_seconds, snap_to_speech, speech_frames, srt, to_segments,
+                            to_words, webvtt)
 from aed.tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,8 +59,23 @@ def test_words_start_at_word_marked_pieces_and_carry_the_offset(tokenizer):
     spans = [(2, 3), (3, 4), (4, 5), (10, 11), (11, 12), (12, 13), (13, 15)]
     words = to_words(tokenizer, ids, spans, frame_s=0.08, offset=30.0)
     assert [w.text for w in words] == ["red", "morning"]
-    assert [(w.start, w.end) for w in words] == [pytest.approx((30.16, 30.4)), pytest.approx((30.8, 31.2))]
+    # "red" starts at "re" (frame 3), not at the bare "▁" before it: that piece has no sound.
+    assert [(w.start, w.end) for w in words] == [pytest.approx((30.24, 30.4)), pytest.approx((30.8, 31.2))]
     assert frame_seconds(FeatureConfig()) == pytest.approx(0.08)
+
+
+def test_word_times_are_narrowed_to_the_speech_inside_their_span():
+    # 0.5 s of a noise floor, a 0.3 s tone, 0.5 s of the floor: a span over all of it (CTC's first
+    # token at frame 0) is narrowed to the tone; a span holding no speech is left as it was.
+    g = torch.Generator().manual_seed(0)
+    floor = lambda s: 1e-3 * torch.randn(int(s * 16000), generator=g)  # noqa: E731
+    tone = 0.3 * torch.sin(torch.arange(4800) * 2 * torch.pi * 440 / 16000)
+    wav = torch.cat([floor(0.5), tone + floor(0.3), floor(0.5)])
+    speech = speech_frames(wav, 16000)
+    assert speech.numel() == 130 and speech[50:80].all() and not speech[:50].any() and not speech[80:].any()
+    words = [Word("a", 10.0, 11.2, (1,)), Word("b", 11.2, 11.3, (2,))]  # the segment starts at 10 s
+    snapped = snap_to_speech(words, speech, offset=10.0)
+    assert (snapped[0].start, snapped[0].end) == pytest.approx((10.5, 10.8)) and snapped[1] == words[1]
 
 
 def test_segments_end_at_sentences_pauses_and_length():
