@@ -2,12 +2,21 @@
 
 The chunks here are built by hand from a known word sequence, with what really goes wrong at a
 chunk's edges: a word cut by the chunk end comes out garbled or not at all, and a chunk that starts
-inside a word hears a fragment of it. (tests/test_infer.py runs the whole path on audio.)"""
+inside a word hears a fragment of it. The last test runs the whole path on generated audio."""
+
+import os
+import random
 
 import pytest
+import soundfile as sf
+import torch
 
+from aed.inference import Request, default_overlap, load_checkpoint, plan_segments, transcribe
 from aed.merge import Chunk, MergeStats, longest_common_run, merge_chunks
 from aed.timestamps import Word
+from tools.make_word_model import load_clips, word_sequence
+
+WORD_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "word_model.pt")
 
 TRUTH = "the red house by the water was green and blue every morning at seven near the table".split()
 STEP = 0.5  # word k is spoken over [k * STEP, k * STEP + 0.4)
@@ -95,3 +104,43 @@ def test_words_at_a_timed_join_that_overlap_in_time_meet_halfway():
     assert texts(merged) == ["the", "red", "house", "by"]
     assert merged[1].end == merged[2].start == pytest.approx(1.5)
     assert all(a.end <= b.start for a, b in zip(merged, merged[1:]))
+
+
+def test_words_both_chunks_heard_in_an_overlap_are_kept_once(tmp_path):
+    """Through `transcribe`, with the committed word model (tools/make_word_model.py): 40 words over a
+    noise floor loud enough that no cut is a pause, so every join overlaps and is merged. Every word
+    spoken inside an overlap that both chunks' own hypotheses contain is in the merged transcript
+    exactly once, at its place in time: neither repeated (both chunks heard it) nor dropped (each
+    chunk leaving it to the other). Words the model misses in a chunk are the model's errors, not
+    the merge's, and are not counted."""
+    asr = load_checkpoint(WORD_MODEL)
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    clips = load_clips()
+    words = [rng.choice(sorted(clips)) for _ in range(40)]
+    wav, truth = word_sequence(clips, words, [rng.uniform(0.1, 0.4) for _ in words], 0.3, 1e-2, gen)
+    path = str(tmp_path / "long.wav")
+    sf.write(path, wav.numpy(), 16000, subtype="FLOAT")
+    chunk = asr.max_train_duration
+    overlap = default_overlap(chunk)
+    pieces = plan_segments(Request(path, "en", "en", False, "asr"), chunk, 16000, overlap)
+    assert len(pieces) >= 5 and all(b[0] == pytest.approx(a[0] + a[2] - overlap) for a, b in zip(pieces, pieces[1:]))
+    (res,), _ = transcribe(asr, [path], pnc=False, timestamps=True)
+    assert all(x.end <= y.start + 1e-6 for x, y in zip(res.words, res.words[1:]))
+    chunk_words = []  # each chunk's own hypothesis, times in the file
+    for offset, duration, _ in pieces:
+        (r,), _ = transcribe(asr, [Request(path, "en", "en", False, "asr", offset=offset, duration=duration)],
+                             chunk_seconds=chunk, timestamps=True)
+        chunk_words.append(r.words)
+
+    def heard(hyp, word, a, b):
+        return [w.text for w in hyp if a <= (w.start + w.end) / 2 <= b] == [word]
+
+    checked = 0
+    for k in range(len(pieces) - 1):
+        start, end = pieces[k + 1][0], pieces[k][0] + pieces[k][2]  # the overlap of chunks k and k + 1
+        for word, a, b in truth:
+            if start <= a and b <= end and heard(chunk_words[k], word, a, b) and heard(chunk_words[k + 1], word, a, b):
+                assert heard(res.words, word, a, b), f"{word!r} at {a:.2f}-{b:.2f} s: " + str(
+                    [w.text for w in res.words if a <= (w.start + w.end) / 2 <= b])
+                checked += 1
+    assert checked >= len(pieces) - 1  # about two words per overlap
