@@ -12,11 +12,11 @@ input order; an unreadable file gets `error` set instead of a transcript, never 
 
 How the work is cut:
 1. Plan: each input's duration (manifest, else the file header). Inputs longer than `chunk_seconds`
-   are cut at the quietest 100 ms within the last quarter of each chunk. When that is a pause (40 dB
-   below the loudest 100 ms near it), the next chunk starts at the cut: no word is split and nothing
-   needs merging. When it is not (continuous speech, background noise), the next chunk starts
-   `chunk_overlap` seconds earlier (`default_overlap`), so the words around the cut are heard whole
-   by one of the two chunks, and the two hypotheses are merged.
+   are cut at the quietest 100 ms within the last quarter of each chunk, and the next chunk starts
+   at the cut. With `chunk_overlap` > 0 (off by default: README "Long audio" has the measurements),
+   a cut that is not a pause (40 dB below the loudest 100 ms near it: continuous speech, background
+   noise) starts the next chunk that many seconds earlier instead, so the words around the cut are
+   heard whole by one of the two chunks, and the two hypotheses are merged.
 2. Batch: segments sorted by duration, longest first, and cut into batches of at most
    `batch_duration` padded seconds (batch size x longest segment): `aed.data.duration_batches`.
 3. Per batch: load + log-mel features, encoder, then greedy or beam search (`aed.decoding.search`);
@@ -59,7 +59,6 @@ CUT_SEARCH = 0.25  # search the last quarter of a chunk for a pause: speech paus
 # and every chunk but the last keeps >= 75% of chunk_seconds, so long files are not over-fragmented
 QUIET_WINDOW = 0.1  # seconds of audio whose mean energy is compared when looking for a pause
 DEFAULT_CHUNK = 40.0  # seconds per chunk for a checkpoint that does not record its training maximum
-MAX_OVERLAP = 2.0  # seconds: the default overlap of consecutive chunks is a quarter chunk, at most this
 PAUSE_DB = 40.0  # a cut's 100 ms this much quieter than the loudest 100 ms near it is a pause: no overlap needed
 SILENCE_DBFS = -60.0  # ... and so is one this quiet in absolute terms (a search window of silence only)
 
@@ -94,16 +93,6 @@ def load_checkpoint(path: str, device="cpu") -> LoadedModel:
         raise FileNotFoundError(f"{path}: no such checkpoint file or run directory")
     model, tokenizer, features = model_from_checkpoint(ckpt, device)
     return LoadedModel(model, tokenizer, features, path, ckpt.get("max_train_duration"))
-
-
-def default_overlap(chunk_seconds: float) -> float:
-    """Seconds by which a chunk overlaps the next where the cut between them is not a pause, unless
-    set: a quarter of the chunk, at most MAX_OVERLAP. A word is kept from the chunk on whose side
-    of the overlap's middle it lies, so it is heard whole when it reaches less than half the overlap
-    past the middle: a quarter of the tiny model's 2.3 s chunks covers most words, 2 s any. The
-    cost, only at such cuts: that chunk advances by its length minus the overlap (1.33-1.5x the
-    audio decoded with quarter-chunk overlaps, at most 1.07x with Canary's 40 s chunks)."""
-    return min(MAX_OVERLAP, chunk_seconds / 4)
 
 
 def chunk_length(asr: LoadedModel, chunk_seconds: float | None) -> float:
@@ -477,7 +466,7 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
                task: str | None = None, pnc: bool = True, beam_size: int = 1, length_penalty: float = 0.0,
                max_delta: int = 50, max_new_tokens: int | None = None, ctc_weight: float = 0.3,
                max_repeats: int = 4, max_tokens_per_second: float | None = 25.0, batch_duration: float = 300.0,
-               chunk_seconds: float | None = None, chunk_overlap: float | None = None,
+               chunk_seconds: float | None = None, chunk_overlap: float = 0.0,
                dtype: torch.dtype | None = None, timestamps: bool = False,
                progress=None) -> tuple[list[Result], Timings]:
     """Transcribe/translate `inputs` (paths, directories, globs, or Requests) -> one Result each, in order.
@@ -489,8 +478,8 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
     hypotheses (see `aed.decoding.DecodingOptions`).
     batch_duration: padded seconds of audio per batch (`aed.data.duration_batches`). chunk_seconds:
     longer inputs are cut at pauses (see the module docstring); None: `chunk_length` picks it.
-    chunk_overlap: seconds each chunk starts before the previous one ends, the hypotheses merged
-    (`aed.merge`); None: `default_overlap`; 0: no overlap.
+    chunk_overlap: seconds by which a chunk starts before the previous one ends where their cut is not
+    a pause, the hypotheses merged (`aed.merge`); 0: never.
     dtype: torch.bfloat16 for bf16 autocast, None for fp32. timestamps: set every Result's `words`
     (`aed.timestamps`); a model without a CTC head raises ValueError, before any work. progress(done_s, total_s) is called after
     every batch with seconds of audio.
@@ -506,7 +495,7 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
     results = [Result(r) for r in requests]
     prompts = request_prompts(requests, asr.tokenizer)
     chunk = chunk_length(asr, chunk_seconds)
-    overlap = default_overlap(chunk) if chunk_overlap is None else chunk_overlap
+    overlap = chunk_overlap
     if not 0 <= overlap <= chunk / 2:
         raise ValueError(f"chunk overlap {overlap} s must lie in [0, half the chunk length {chunk} s]")
     segments = plan(requests, results, chunk, overlap, asr.features.sample_rate)
