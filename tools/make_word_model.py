@@ -1,7 +1,7 @@
 """Train the tiny word model the long-audio and timestamp tests use: an AED with a CTC head that
 recognises the eight word clips of tests/fixtures/words (tools/make_word_clips.py) in any order.
 
-    python tools/make_word_model.py -o tests/fixtures/word_model.pt       # ~3-5 min on one CPU thread
+    python tools/make_word_model.py -o tests/fixtures/word_model.pt    # 7 min on one thread of a busy 2-core CPU
 
 Why a committed model: recognising words and placing them in time takes a few hundred training
 steps (minutes of CPU), too long for every test run, and the tests need a model that does both
