@@ -10,9 +10,10 @@ from there on: the middle is as far as possible from both edges.
 
 Where the middle falls in each hypothesis:
 - Timed words (the model has a CTC head: `aed.timestamps` aligns every chunk): by time. A word
-  belongs to the chunk on whose side of the middle its centre lies; every word has one centre, so
-  none is kept twice or dropped, even where the two hypotheses disagree in the overlap. Where the
-  two words at the join overlap in time, they meet halfway, so times stay ordered.
+  belongs to the chunk on whose side of the middle its centre lies, so a word both chunks heard at
+  about the same time is kept once, whatever else the two hypotheses disagree on; only a word the
+  two chunks time on opposite sides of the middle could be lost or repeated. Where the two words
+  at the join overlap in time, they meet halfway, so times stay ordered.
 - Untimed words (no CTC head): by text. The longest run of words (compared lower-cased, without
   punctuation) that ends chunk i's overlap region and starts chunk i + 1's is the overlap both
   heard; the join falls at its middle word. This is the word-level form of the longest-common-
