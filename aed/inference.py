@@ -26,7 +26,7 @@ How the work is cut:
    to the CTC head's posteriors of its own chunk (`aed.timestamps`), and the chunk's start is added,
    so times count from the start of the file.
 5. Join: overlapping chunks' words are merged (`aed.merge`: by time when aligned, else by the words
-   both chunks heard), each word once; chunks that do not overlap (overlap 0) are joined with spaces.
+   both chunks heard); chunks that do not overlap are joined with spaces.
 """
 
 import glob
