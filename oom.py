@@ -55,7 +55,8 @@ from aed.memory_model import MemoryModel
 from aed.transducer import TransducerASR
 from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice, allocated_limit
 from aed.tokenizer import Tokenizer
-from aed.training import AMP_DTYPES, build_model, build_optimizer, count_targets, resolve_precision, train_step
+from aed.training import (AMP_DTYPES, build_model, build_optimizer, count_targets, new_tokens, resolve_precision,
+                          train_step)
 from sampler import Bins, save_batch_sizes
 
 log = logging.getLogger("oom")
@@ -324,9 +325,10 @@ def load_training_setup(path: str, device: torch.device, precision: str | None =
         tokenizer = Tokenizer.load(cfg.train.tokenizer)
         cfg = resolve_model(cfg, tokenizer)
         precision = resolve_precision(precision or cfg.precision, torch.device("cuda") if simulated else device)
+        added_tokens = new_tokens(cfg, tokenizer.vocab_size)
     except (ConfigError, OSError, ValueError) as e:
         raise SystemExit(f"{path}: {e}") from None
-    model = build_model(cfg, tokenizer.vocab_size).train()
+    model = build_model(cfg, tokenizer.vocab_size, added_tokens).train()
     if not simulated:  # fake parameters cannot move (and are on the CPU already)
         model = model.to(device)
     return TrainingSetup(model, build_optimizer(model, cfg.optim), cfg.features,

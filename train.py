@@ -45,7 +45,7 @@ from aed.shards import MixedSource, ShardDataset, ShardSource
 from aed.timestamps import frame_seconds
 from aed.tokenizer import Tokenizer
 from aed.training import (autocast, build_model, build_optimizer, count_ctc_skipped, count_targets, lr_factor,
-                          resolve_precision, train_mode, train_step)
+                          new_tokens, resolve_precision, train_mode, train_step)
 from oom import MemoryBudgetError, preflight
 from sampler import Bins, BucketingSampler, estimate_bins, load_batch_sizes
 
@@ -373,7 +373,11 @@ def main(argv: list[str] | None = None) -> None:
     spec_augment = SpecAugment(cfg.spec_augment).train().to(device)
 
     # --- model and optimizer
-    model = build_model(cfg, tokenizer.vocab_size).to(device)
+    try:
+        added_tokens = new_tokens(cfg, tokenizer.vocab_size)  # carried into every checkpoint of this run
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+    model = build_model(cfg, tokenizer.vocab_size, added_tokens).to(device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.optim))
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -452,6 +456,8 @@ def main(argv: list[str] | None = None) -> None:
                       "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "sampler": [s["sampler"] for s in states], "rng": [s["rng"] for s in states],
                       "config": to_dict(cfg), "max_train_duration": bins.durations[-1]}  # infer.py's chunk length
+            if added_tokens is not None:  # a later run can still train only them (freeze=all_but_new_tokens)
+                state["new_tokens"] = added_tokens
             begin_checkpoint(path)
         barrier()  # the directory exists before anyone writes into it
         written = torch.tensor(float(write_shard(state, path, rank, world_size)), device=device)

@@ -34,6 +34,9 @@ class ConfigError(ValueError):
     pass
 
 
+FREEZE = ("none", "encoder", "all_but_new_tokens")  # TrainConfig.freeze (aed/training.py: build_model)
+
+
 # --- the training run ---------------------------------------------------------------------------
 
 
@@ -109,7 +112,7 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute encoder layers in backward: less memory, ~30% slower
     init_from: str | None = None  # initialise weights from this checkpoint (a fresh run, new optimizer)
     init_encoder_only: bool = False  # with init_from: only encoder weights; extra layers stay random
-    freeze: str = "none"  # none | encoder: it runs as at inference (fixed weights and BatchNorm statistics, no dropout); decoder and CTC head train
+    freeze: str = "none"  # none | encoder: it runs as at inference (fixed weights and BatchNorm statistics, no dropout); decoder and CTC head train | all_but_new_tokens: only the rows tools/add_language.py added to init_from (embedding/output/CTC) train
     max_bad_steps: int = 5  # abort after this many consecutive non-finite steps
     memory_budget: str | None = None  # e.g. "75GB": before step 0 run every bucket's worst batch once (oom.py)
     cpu_threads: int | None = None  # CPU training: torch threads; None = cores - DataLoader workers
@@ -123,8 +126,13 @@ class TrainConfig:
     def __post_init__(self):
         if self.objective not in ("aed", "rnnt"):
             raise ConfigError(f"objective: expected aed or rnnt, got {self.objective!r}")
-        if self.freeze not in ("none", "encoder"):
-            raise ConfigError(f"freeze: expected none or encoder, got {self.freeze!r}")
+        if self.freeze not in FREEZE:
+            raise ConfigError(f"freeze: expected one of {FREEZE}, got {self.freeze!r}")
+        if self.freeze == "all_but_new_tokens" and (self.objective != "aed" or not self.init_from
+                                                    or self.init_encoder_only):
+            raise ConfigError("freeze=all_but_new_tokens needs objective=aed, init_from=<the checkpoint "
+                              "tools/add_language.py wrote> and init_encoder_only=false: it trains the token rows "
+                              "add_language.py added to that checkpoint")
         if self.precision not in ("auto", "fp32", "bf16", "fp16"):
             raise ConfigError(f"precision: expected auto, fp32, bf16 or fp16, got {self.precision!r}")
 

@@ -137,6 +137,19 @@ class DecoderBlock(nn.Module):
             k, v = cache.update(layer, k, v)
         # A single new token may see every cached position; a chunk starting at 0 needs the causal mask.
         x = x + self.dropout(self.self_attn(h, k, v, is_causal=u > 1))
+        return self._cross_attn_and_ffn(x, cross_k, cross_v, memory_mask)
+
+    def step(self, x, keys, values, position, visible, cross_k, cross_v, memory_mask):
+        """`forward` of one token with a cache, as a pure function (`TransformerDecoder.step`).
+        x (R, 1, D); keys, values (R, H, U_max, d_k) of the earlier positions; position () long;
+        visible (1, 1, 1, U_max) True up to position -> x (R, 1, D), keys and values with `position` written."""
+        h = self.norm_self_attn(x)
+        k, v = self.self_attn.project_kv(h)  # (R, H, 1, d_k)
+        keys, values = keys.index_copy(2, position.view(1), k), values.index_copy(2, position.view(1), v)
+        x = x + self.dropout(self.self_attn(h, keys, values, attn_mask=visible))
+        return self._cross_attn_and_ffn(x, cross_k, cross_v, memory_mask), keys, values
+
+    def _cross_attn_and_ffn(self, x, cross_k, cross_v, memory_mask):
         h = self.norm_cross_attn(x)
         x = x + self.dropout(self.cross_attn(h, cross_k, cross_v, attn_mask=memory_mask))
         return x + self.dropout(self.ffn(self.norm_ffn(x)))
@@ -164,7 +177,13 @@ class TransformerEmbedding(nn.Module):
     def forward(self, tokens, offset=0):
         u = tokens.size(1)
         assert offset + u <= self.pos_enc.size(0), f"positions up to {offset + u} exceed decoder max length {self.pos_enc.size(0)}"
-        x = self.token_embedding(tokens) + self.pos_enc[offset : offset + u]  # (B, U, D)
+        return self._finish(self.token_embedding(tokens) + self.pos_enc[offset : offset + u])  # (B, U, D)
+
+    def at(self, tokens, position):
+        """tokens (R, 1) at `position`, a () long tensor (an input of an exported step, not a constant)."""
+        return self._finish(self.token_embedding(tokens) + self.pos_enc.index_select(0, position.view(1)))
+
+    def _finish(self, x):
         return self.dropout(self.layer_norm(x))
 
 
@@ -216,6 +235,26 @@ class TransformerDecoder(nn.Module):
             x = layer(x, *cache.cross(i), cache.memory_mask, cache, i)
         cache.advance(u)
         return self.final_layer_norm(x)
+
+    def step(self, tokens, position, self_kv, cross_kv, memory_mask):
+        """One cached decoding step as a pure function of its inputs, for torch.export: the cache goes
+        in and the updated cache comes out (no in-place writes, no Python-int position), and the
+        self-attention reads the whole U_max buffer with positions after `position` masked out.
+        `forward_cached` (used by search) is the same computation on a KVCache; the two agree to
+        float rounding (tests/test_export.py).
+
+        tokens (R, 1), the token at position (a () long tensor); self_kv (L, 2, R, H, U_max, d_k)
+        holding positions [0, position); cross_kv (L, 2, R, H, T', d_k) and memory_mask (R, 1, 1, T')
+        as in `new_cache` -> hidden states (R, 1, D) and self_kv with `position` filled.
+        """
+        x = self.embedding.at(tokens, position)
+        visible = (torch.arange(self_kv.size(4), device=tokens.device) <= position)[None, None, None]  # (1, 1, 1, U_max)
+        layers_kv = []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer.step(x, self_kv[i, 0], self_kv[i, 1], position, visible, cross_kv[i, 0], cross_kv[i, 1],
+                                 memory_mask)
+            layers_kv.append(torch.stack([k, v]))  # (2, R, H, U_max, d_k)
+        return self.final_layer_norm(x), torch.stack(layers_kv)  # (R, 1, D), (L, 2, R, H, U_max, d_k)
 
     @staticmethod
     def memory_mask(memory_lens, max_len):

@@ -89,12 +89,15 @@ def rel_shift(x):
     """Turn scores against absolute table rows into scores against relative distance.
 
     x: (B, H, T', 2T'-1), column m = relative position T'-1-m. Returns (B, H, T', T') with
-    out[i, j] = x[i, j + T'-1 - i], i.e. the score for distance i - j (Transformer-XL's pad-and-reshape).
+    out[i, j] = x[i, j + T'-1 - i], i.e. the score for distance i - j. A gather picks exactly the
+    values Transformer-XL's pad-and-reshape does, but its shapes stay valid for any T' when
+    torch.export traces them symbolically (the reshape needs (2T'-1) x T' to split as T' x (2T'-1),
+    a guard the exporter cannot prove for a dynamic T').
     """
-    b, h, t, p = x.shape
-    x = F.pad(x, (1, 0))  # (B, H, T', 2T')
-    x = x.view(b, h, p + 1, t)[:, :, 1:].reshape(b, h, t, p)  # drop the first row of the re-viewed matrix
-    return x[..., :t]
+    b, h, t, _ = x.shape
+    pos = torch.arange(t, device=x.device)
+    index = (pos[None, :] - pos[:, None] + t - 1).expand(b, h, t, t)  # (T', T') -> (B, H, T', T'), no copy
+    return x.gather(3, index)
 
 
 class RelPositionMultiHeadAttention(nn.Module):

@@ -12,15 +12,21 @@ input order; an unreadable file gets `error` set instead of a transcript, never 
 
 How the work is cut:
 1. Plan: each input's duration (manifest, else the file header). Inputs longer than `chunk_seconds`
-   are cut, without overlap, at the quietest 100 ms within the last quarter of each chunk, so a cut
-   rarely splits a word and nothing needs de-duplicating. The chunks' texts are joined with spaces.
+   are cut at the quietest 100 ms within the last quarter of each chunk, and the next chunk starts
+   at the cut. With `chunk_overlap` > 0 (off by default: README "Long audio" has the measurements),
+   a cut that is not a pause (40 dB below the loudest 100 ms near it: continuous speech, background
+   noise) starts the next chunk that many seconds earlier instead, so the words around the cut are
+   heard whole by one of the two chunks, and the two hypotheses are merged.
 2. Batch: segments sorted by duration, longest first, and cut into batches of at most
    `batch_duration` padded seconds (batch size x longest segment): `aed.data.duration_batches`.
 3. Per batch: load + log-mel features, encoder, then greedy or beam search (`aed.decoding.search`);
    joint with the CTC head when the model has one; each phase is timed separately (the device is
    synchronised between phases) for the RTFx report.
-4. With timestamps: each hypothesis is force-aligned to the CTC head's posteriors of its own chunk
-   (`aed.timestamps`), and the chunk's start is added, so times count from the start of the file.
+4. With timestamps, or to merge overlapping chunks with a CTC head: each hypothesis is force-aligned
+   to the CTC head's posteriors of its own chunk (`aed.timestamps`), and the chunk's start is added,
+   so times count from the start of the file.
+5. Join: overlapping chunks' words are merged (`aed.merge`: by time when aligned, else by the words
+   both chunks heard); chunks that do not overlap are joined with spaces.
 """
 
 import glob
@@ -43,7 +49,8 @@ from aed.data import (PROMPT_TASKS, ManifestError, audio_path, check_task, durat
 from aed.decoding import DecodingOptions, search
 from aed.metrics import corpus_scores
 from aed.model import AED
-from aed.timestamps import Word, align, feasible, frame_seconds, to_segments, to_words
+from aed.merge import Chunk, MergeStats, merge_chunks
+from aed.timestamps import Word, align, feasible, frame_seconds, snap_to_speech, speech_frames, to_segments, to_words
 from aed.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -52,6 +59,8 @@ CUT_SEARCH = 0.25  # search the last quarter of a chunk for a pause: speech paus
 # and every chunk but the last keeps >= 75% of chunk_seconds, so long files are not over-fragmented
 QUIET_WINDOW = 0.1  # seconds of audio whose mean energy is compared when looking for a pause
 DEFAULT_CHUNK = 40.0  # seconds per chunk for a checkpoint that does not record its training maximum
+PAUSE_DB = 40.0  # a cut's 100 ms this much quieter than the loudest 100 ms near it is a pause: no overlap needed
+SILENCE_DBFS = -60.0  # ... and so is one this quiet in absolute terms (a search window of silence only)
 
 
 # --- the model --------------------------------------------------------------------------------
@@ -247,24 +256,33 @@ def score(results: list[Result], normalizer: str = "simple") -> dict:
 # --- planning: durations and chunks -----------------------------------------------------------
 
 
-def quiet_point(path: str, start: float, end: float, sample_rate: int) -> float:
-    """Time (s) of the middle of the quietest QUIET_WINDOW of [start, end): a cut there rarely splits a word."""
+def quiet_point(path: str, start: float, end: float, sample_rate: int) -> tuple[float, bool]:
+    """Time (s) of the middle of the quietest QUIET_WINDOW of [start, end): a cut there rarely splits
+    a word; and whether it is a pause: PAUSE_DB quieter than the loudest window there, or digital
+    near-silence (below SILENCE_DBFS)."""
     wav = load_audio(path, offset=start, duration=end - start, sample_rate=sample_rate)
     hop = sample_rate // 100  # 10 ms energy frames
     window = round(QUIET_WINDOW * 100)  # in frames
     if wav.numel() < hop * window:
-        return end
+        return end, False
     energy = wav[: wav.numel() // hop * hop].view(-1, hop).pow(2).mean(dim=1)  # (frames,)
     smooth = F.avg_pool1d(energy[None, None], window, stride=1)[0, 0]  # (frames - window + 1,)
     first = int(smooth.argmin())
     last = first  # digital silence ties over a stretch: cut in its middle, not at its edge
     while last + 1 < smooth.numel() and smooth[last + 1] == smooth[first]:
         last += 1
-    return start + ((first + last) // 2 + window // 2) * hop / sample_rate
+    quiet, loud = float(smooth[first]), float(smooth.max())
+    pause = quiet <= loud * 10 ** (-PAUSE_DB / 10) or quiet <= 10 ** (SILENCE_DBFS / 10)
+    return start + ((first + last) // 2 + window // 2) * hop / sample_rate, pause
 
 
-def plan_segments(req: Request, chunk_seconds: float, sample_rate: int) -> list[tuple[float, float | None, float]]:
-    """(offset, duration or None = to the end, estimated seconds) pieces of one request."""
+def plan_segments(req: Request, chunk_seconds: float, sample_rate: int,
+                  overlap: float = 0.0) -> list[tuple[float, float | None, float]]:
+    """(offset, duration or None = to the end, estimated seconds) pieces of one request: each ends at
+    the quietest point of its last quarter; the next starts there when that is a pause, else
+    `overlap` seconds before it (the words around the cut are then merged: `aed.merge`)."""
+    if not 0 <= overlap <= chunk_seconds / 2:
+        raise ValueError(f"chunk overlap {overlap} s must lie in [0, half the chunk length {chunk_seconds} s]")
     if req.duration is not None:
         total = req.duration
     else:
@@ -282,9 +300,9 @@ def plan_segments(req: Request, chunk_seconds: float, sample_rate: int) -> list[
     pieces, start, end = [], req.offset, req.offset + total
     while end - start > chunk_seconds:
         search_from = start + (1 - CUT_SEARCH) * chunk_seconds
-        cut = quiet_point(req.audio_filepath, search_from, start + chunk_seconds, sample_rate)
+        cut, pause = quiet_point(req.audio_filepath, search_from, start + chunk_seconds, sample_rate)
         pieces.append((start, cut - start, cut - start))
-        start = cut
+        start = cut if pause else cut - overlap  # cut >= start + 3/4 chunk_seconds > start + overlap: moves on
     pieces.append((start, end - start if req.duration is not None else None, end - start))
     return pieces
 
@@ -322,12 +340,13 @@ def request_prompts(requests: list[Request], tokenizer: Tokenizer) -> list[list[
     return prompts
 
 
-def plan(requests: list[Request], results: list[Result], chunk_seconds: float, sample_rate: int) -> list[Segment]:
+def plan(requests: list[Request], results: list[Result], chunk_seconds: float, overlap: float,
+         sample_rate: int) -> list[Segment]:
     """Every request's segments, in file order; a file whose length cannot be read fails its Result."""
     segments = []
     for i, r in enumerate(requests):
         try:
-            segments += [Segment(i, *piece) for piece in plan_segments(r, chunk_seconds, sample_rate)]
+            segments += [Segment(i, *piece) for piece in plan_segments(r, chunk_seconds, sample_rate, overlap)]
         except AudioError as e:
             results[i].error = e.reason
     return segments
@@ -389,25 +408,29 @@ def decode_batch(asr: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], pro
     return hyps, (ctc_log_probs, memory_lens) if with_ctc else None, t1 - t0, t2 - t1
 
 
-def timed_words(asr: LoadedModel, ids: list[int], log_probs: torch.Tensor, offset: float, seconds: float,
-                where: str) -> list[Word]:
-    """One segment's hypothesis, force-aligned to its CTC log-probs (T', V) -> its words, with times
-    in the file (the segment spans [offset, offset + seconds)). Special and padding ids carry no text
-    and no time. The last encoder frame reaches past the segment's end (up to 80 ms of padding): times
-    are clipped to the segment, so the words of consecutive chunks never overlap."""
+def segment_words(asr: LoadedModel, ids: list[int], log_probs: torch.Tensor | None, wav: torch.Tensor,
+                  offset: float, where: str) -> list[Word]:
+    """One segment's hypothesis -> its words; with its CTC log-probs (T', V), force-aligned, with times
+    in the file (the segment's audio `wav` (S,) starts at `offset` s) narrowed to the speech inside
+    each word's span (`aed.timestamps.snap_to_speech`), else untimed. Special and padding ids carry
+    no text and no time. The last encoder frame reaches past the segment's end (up to 80 ms of
+    padding): times are clipped to the segment."""
     text_ids = [t for t in ids if t < asr.tokenizer.vocab_size and not asr.tokenizer.is_special(t)]
+    if log_probs is None:
+        return to_words(asr.tokenizer, text_ids, None, 0.0)
     if not feasible(log_probs.shape[0], text_ids):
         log.warning("%s at %.2f s: %d tokens do not fit a CTC path through %d frames; their times are "
                     "spread evenly over the segment", where, offset, len(text_ids), log_probs.shape[0])
     spans = align(log_probs, text_ids, asr.model.ctc.blank)
     words = to_words(asr.tokenizer, text_ids, spans, frame_seconds(asr.features), offset)
-    end = offset + seconds
-    return [Word(w.text, min(w.start, end), min(w.end, end)) for w in words]
+    words = snap_to_speech(words, speech_frames(wav, asr.features.sample_rate), offset)
+    end = offset + wav.numel() / asr.features.sample_rate
+    return [Word(w.text, min(w.start, end), min(w.end, end), w.ids) for w in words]
 
 
 def join_pieces(results: list[Result], pieces: list[dict], tokenizer: Tokenizer, words: list[dict] | None) -> None:
-    """Each transcribed file's text and ids (and words, when timed): its segments' in file order,
-    texts joined with spaces."""
+    """Each transcribed file's text and ids (and words, when timed) from chunks that do not overlap:
+    its segments' in file order, texts joined with spaces."""
     for i, (res, by_segment) in enumerate(zip(results, pieces)):
         if res.error is None:
             if words is not None:
@@ -419,12 +442,32 @@ def join_pieces(results: list[Result], pieces: list[dict], tokenizer: Tokenizer,
             res.tokens = [t for ids in ordered for t in ids]
 
 
+def merge_pieces(results: list[Result], segments: list[Segment], words: list[dict], timed: bool,
+                 keep_words: bool) -> None:
+    """Each transcribed file's words from overlapping chunks (`aed.merge`): every word once, its text
+    the words joined with spaces, its ids the kept words' (special tokens are not kept)."""
+    stats = MergeStats()
+    for i, res in enumerate(results):
+        if res.error is None:
+            chunks = [Chunk(segments[k].offset, segments[k].offset + segments[k].seconds, words[i][k], timed)
+                      for k in sorted(words[i])]
+            merged = merge_chunks(chunks, stats)
+            res.pred_text = " ".join(w.text for w in merged)
+            res.tokens = [t for w in merged for t in w.ids]
+            res.words = merged if keep_words else None
+    if stats.estimated:
+        log.warning("%d of %d chunk joins found no common word in the overlap (a model without a CTC head "
+                    "hears the two sides differently): joined where the words were estimated to be",
+                    stats.estimated, stats.joins)
+
+
 @torch.inference_mode()
 def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", target_lang: str | None = None,
                task: str | None = None, pnc: bool = True, beam_size: int = 1, length_penalty: float = 0.0,
                max_delta: int = 50, max_new_tokens: int | None = None, ctc_weight: float = 0.3,
                max_repeats: int = 4, max_tokens_per_second: float | None = 25.0, batch_duration: float = 300.0,
-               chunk_seconds: float | None = None, dtype: torch.dtype | None = None, timestamps: bool = False,
+               chunk_seconds: float | None = None, chunk_overlap: float = 0.0,
+               dtype: torch.dtype | None = None, timestamps: bool = False,
                progress=None) -> tuple[list[Result], Timings]:
     """Transcribe/translate `inputs` (paths, directories, globs, or Requests) -> one Result each, in order.
 
@@ -435,6 +478,8 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
     hypotheses (see `aed.decoding.DecodingOptions`).
     batch_duration: padded seconds of audio per batch (`aed.data.duration_batches`). chunk_seconds:
     longer inputs are cut at pauses (see the module docstring); None: `chunk_length` picks it.
+    chunk_overlap: seconds by which a chunk starts before the previous one ends where their cut is not
+    a pause, the hypotheses merged (`aed.merge`); 0: never.
     dtype: torch.bfloat16 for bf16 autocast, None for fp32. timestamps: set every Result's `words`
     (`aed.timestamps`); a model without a CTC head raises ValueError, before any work. progress(done_s, total_s) is called after
     every batch with seconds of audio.
@@ -449,12 +494,18 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
     requests = to_requests(inputs, source_lang=source_lang, target_lang=target_lang, task=task, pnc=pnc)
     results = [Result(r) for r in requests]
     prompts = request_prompts(requests, asr.tokenizer)
-    segments = plan(requests, results, chunk_length(asr, chunk_seconds), asr.features.sample_rate)
+    chunk = chunk_length(asr, chunk_seconds)
+    overlap = chunk_overlap
+    if not 0 <= overlap <= chunk / 2:
+        raise ValueError(f"chunk overlap {overlap} s must lie in [0, half the chunk length {chunk} s]")
+    segments = plan(requests, results, chunk, overlap, asr.features.sample_rate)
+    overlapping = any(a.request == b.request for a, b in zip(segments, segments[1:])) and overlap > 0
+    aligned = timestamps or (overlapping and asr.model.ctc is not None)  # merging by time needs alignments
     timings = Timings(load_features=time.perf_counter() - t_start)
 
     logmel = LogMel(asr.features).to(asr.device).eval()
     pieces = [{} for _ in requests]  # per request: {segment index: generated ids}
-    words = [{} for _ in requests] if timestamps else None  # per request: {segment index: its timed words}
+    words = [{} for _ in requests] if aligned or overlapping else None  # per request: {segment index: its words}
     total_s, done_s = sum(s.seconds for s in segments), 0.0
     for batch in duration_batches([s.seconds for s in segments], batch_duration):
         t0 = time.perf_counter()
@@ -463,14 +514,15 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
         if kept:
             batch_prompts = [prompts[segments[k].request] for k in kept]
             hyps, ctc, encoder_s, decoder_s = decode_batch(asr, logmel, wavs, batch_prompts, options, dtype,
-                                                           with_ctc=timestamps)
-        if ctc is not None:
+                                                           with_ctc=aligned)
+        if words is not None:
             t_align = time.perf_counter()
-            log_probs, lens = ctc[0].cpu(), ctc[1].tolist()
+            log_probs, lens = (ctc[0].cpu(), ctc[1].tolist()) if ctc is not None else (None, None)
             for b, (k, ids) in enumerate(zip(kept, hyps)):
-                seg, seconds = segments[k], wavs[b].numel() / asr.features.sample_rate
-                words[seg.request][k] = timed_words(asr, ids, log_probs[b, : lens[b]], seg.offset, seconds,
-                                                    requests[seg.request].where)
+                seg = segments[k]
+                frames = log_probs[b, : lens[b]] if log_probs is not None else None
+                words[seg.request][k] = segment_words(asr, ids, frames, wavs[b], seg.offset,
+                                                      requests[seg.request].where)
             align_s = time.perf_counter() - t_align
         batch_s = time.perf_counter() - t0
         timings.load_features += batch_s - encoder_s - decoder_s - align_s
@@ -481,13 +533,17 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
         for k, wav, ids in zip(kept, wavs, hyps):
             i = segments[k].request
             pieces[i][k] = ids
-            results[i].duration += wav.numel() / asr.features.sample_rate
+            end = segments[k].offset - requests[i].offset + wav.numel() / asr.features.sample_rate
+            results[i].duration = max(results[i].duration, end)  # overlapping chunks count once
             results[i].decode_time += batch_s * wav.numel() / samples  # its share of the batch, by audio length
         done_s += sum(segments[k].seconds for k in batch)
         if progress:
             progress(done_s, total_s)
 
-    join_pieces(results, pieces, asr.tokenizer, words)
+    if overlapping:
+        merge_pieces(results, segments, words, timed=aligned, keep_words=timestamps)
+    else:
+        join_pieces(results, pieces, asr.tokenizer, words if timestamps else None)
     timings.audio = sum(res.duration for res in results if res.error is None)
     timings.wall = time.perf_counter() - t_start
     return results, timings

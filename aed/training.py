@@ -13,11 +13,13 @@ Nothing here knows about processes: the caller passes the global target count an
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
-from aed.config import OptimConfig, TrainConfig
+from aed.checkpoint import CheckpointError, read_checkpoint
+from aed.config import ConfigError, OptimConfig, TrainConfig
 from aed.ctc import infeasible
 from aed.distributed import peer_lost
 from aed.encoder import subsampled_length
@@ -43,10 +45,33 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(torch.device(device).type, dtype=dtype) if dtype else nullcontext()
 
 
-def build_model(cfg: TrainConfig, text_vocab_size: int) -> nn.Module:
+def new_tokens(cfg: TrainConfig, vocab_size: int) -> dict | None:
+    """The tokens tools/add_language.py appended to `cfg.init_from`, as it recorded them there
+    ({language, first, language_token, vocab_size}: ids >= first and the language token are new),
+    or None. freeze=all_but_new_tokens trains exactly these rows, so the record is read from the
+    checkpoint, never typed by hand; it must belong to the training tokenizer (`vocab_size` ids),
+    else ConfigError: the rows would be another tokenizer's."""
+    try:
+        record = read_checkpoint(cfg.init_from, ()).get("new_tokens") if cfg.init_from else None
+    except CheckpointError as e:
+        raise ConfigError(f"init_from: {e}") from None
+    if cfg.freeze != "all_but_new_tokens":
+        return record if record is not None and record["vocab_size"] == vocab_size else None
+    if record is None:
+        raise ConfigError(f"freeze=all_but_new_tokens: init_from={cfg.init_from} records no added tokens; "
+                          f"use the checkpoint tools/add_language.py wrote (or a train.py run started from it)")
+    if record["vocab_size"] != vocab_size:
+        raise ConfigError(f"freeze=all_but_new_tokens: init_from={cfg.init_from} added {record['language']!r} to a "
+                          f"tokenizer of {record['vocab_size']} ids, but train.tokenizer={cfg.train.tokenizer} has "
+                          f"{vocab_size}: train with the tokenizer directory add_language.py wrote beside it")
+    return record
+
+
+def build_model(cfg: TrainConfig, text_vocab_size: int, added_tokens: dict | None = None) -> nn.Module:
     """The model `cfg.objective` trains. Both share the encoder and its parameter names, so an
     rnnt-pretrained encoder loads into an AED (`init_from` with `init_encoder_only`).
-    text_vocab_size: the tokenizer's real ids (the transducer's blank comes after them)."""
+    text_vocab_size: the tokenizer's real ids (the transducer's blank comes after them).
+    added_tokens: `new_tokens(cfg, ...)`, required by freeze=all_but_new_tokens."""
     if cfg.objective == "aed":
         model = AED(cfg.model)
     else:
@@ -55,7 +80,34 @@ def build_model(cfg: TrainConfig, text_vocab_size: int) -> nn.Module:
     model.encoder.checkpoint_activations = cfg.activation_checkpointing
     if cfg.freeze == "encoder":  # no gradients: AdamW skips the parameters (see train_mode for the rest)
         model.encoder.requires_grad_(False)
+    elif cfg.freeze == "all_but_new_tokens":
+        if added_tokens is None:
+            raise ValueError("freeze=all_but_new_tokens needs the added tokens (aed.training.new_tokens)")
+        train_only_rows(model, added_tokens)
     return model
+
+
+def _zero_rows(trained: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return grad * trained.to(grad.device, grad.dtype).view(-1, *[1] * (grad.dim() - 1))  # (rows, 1, ...)
+
+
+def train_only_rows(model: AED, added: dict) -> None:
+    """Freeze every parameter but the vocabulary rows of the added tokens: the decoder embedding
+    (which is also the output weight: tied), the output bias and the CTC head's rows (not its blank,
+    an old row). A gradient hook zeroes the other rows of these tensors, and `build_optimizer`
+    leaves them out of weight decay, so the old rows stay bit-identical. Sets
+    `model.row_trained_params`, the tensors of which only some rows train."""
+    model.requires_grad_(False)
+    ids = torch.arange(model.cfg.vocab_size)
+    new = (ids >= added["first"]) | (ids == added["language_token"])  # (V,)
+    rows = [(model.decoder.embedding.token_embedding.weight, new), (model.decoder.output_proj.bias, new)]
+    if model.ctc is not None:
+        with_blank = torch.cat([new, torch.zeros(1, dtype=torch.bool)])  # (V + 1,): the blank stays fixed
+        rows += [(model.ctc.proj.weight, with_blank), (model.ctc.proj.bias, with_blank)]
+    for p, trained in rows:
+        p.requires_grad_(True)
+        p.register_hook(partial(_zero_rows, trained))
+    model.row_trained_params = [p for p, _ in rows]
 
 
 def train_mode(model: nn.Module, freeze: str = "none") -> nn.Module:
@@ -63,13 +115,20 @@ def train_mode(model: nn.Module, freeze: str = "none") -> nn.Module:
     its fixed running statistics (not the batch's, which it would also keep updating) and dropout
     is off, so the decoder learns on the features the frozen encoder will give at test time."""
     model.train()
-    if freeze == "encoder":
+    if freeze in ("encoder", "all_but_new_tokens"):
         model.encoder.eval()
     return model
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=optim.lr, betas=optim.betas)
+    """AdamW over `param_groups`. Tensors of which only some rows train (`train_only_rows`) get no
+    weight decay: AdamW's decay is decoupled from the gradient and would shrink their frozen rows."""
+    partly = {id(p) for p in getattr(model, "row_trained_params", ())}
+    groups = [{**g, "params": [p for p in g["params"] if id(p) not in partly]}
+              for g in param_groups(model, optim.weight_decay)]
+    if partly:
+        groups.append({"params": list(model.row_trained_params), "weight_decay": 0.0})
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas)
 
 
 def lr_factor(step: int, optim: OptimConfig) -> float:

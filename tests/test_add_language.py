@@ -9,12 +9,12 @@ import torch
 
 from aed.audio import FeatureConfig
 from aed.checkpoint import init_from_checkpoint, pack_dir, save_checkpoint
-from aed.config import TrainConfig
+from aed.config import ConfigError, TrainConfig
 from aed.data import Batch
 from aed.inference import load_checkpoint, read_requests, transcribe
 from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
-from aed.training import build_model, build_optimizer, train_mode, train_step
+from aed.training import build_model, build_optimizer, new_tokens, train_mode, train_step
 from tools.add_language import main as add_language
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,3 +113,52 @@ def test_freeze_encoder_trains_only_the_decoder_and_ctc_head():
     changed = {k for k in after if not torch.equal(after[k], before[k])}  # BatchNorm statistics included
     assert not [k for k in changed if k.startswith("encoder.")], [k for k in changed if k.startswith("encoder.")]
     assert any(k.startswith("decoder.") for k in changed) and any(k.startswith("ctc.") for k in changed)
+
+
+def test_freeze_all_but_new_tokens_trains_only_the_added_rows(grown):
+    old_dir, new_path = grown
+    old, new = load_checkpoint(old_dir), load_checkpoint(new_path)
+    tok_dir = os.path.splitext(new_path)[0] + ".tokenizer"
+    cfg = dataclasses.replace(TrainConfig(), model=new.model.cfg, freeze="all_but_new_tokens", init_from=new_path,
+                              optim=dataclasses.replace(TrainConfig().optim, lr=1e-2, weight_decay=0.1))
+    cfg.train.tokenizer = tok_dir
+    added = new_tokens(cfg, new.tokenizer.vocab_size)
+    assert added == {"language": "it", "first": old.tokenizer.vocab_size,
+                     "language_token": new.tokenizer.lang_id("it"), "vocab_size": new.tokenizer.vocab_size}
+    model = build_model(cfg, new.tokenizer.vocab_size, added)
+    init_from_checkpoint(model, new_path)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = build_optimizer(model, cfg.optim)
+    tokens, prompt_len = new.tokenizer.encode_example(ITALIAN[1], "it", "it", True)
+    batch = Batch(torch.randn(2, 400, 32), torch.tensor([400, 360]), torch.tensor([tokens, tokens]),
+                  torch.tensor([len(tokens)] * 2), torch.tensor([prompt_len] * 2), ["a", "b"], [0, 1], [])
+    train_mode(model, cfg.freeze)
+    for _ in range(3):
+        train_step(model, [batch], optimizer, torch.amp.GradScaler("cpu", enabled=False), lambda f, lens: f, "fp32",
+                   clip_grad=1.0, num_targets=2 * len(tokens))
+    after = model.state_dict()
+    v = new.model.cfg.vocab_size
+    new_rows = (torch.arange(v) >= added["first"]) | (torch.arange(v) == added["language_token"])  # (V,)
+    rows = {"decoder.embedding.token_embedding.weight": new_rows, "decoder.output_proj.weight": new_rows,
+            "decoder.output_proj.bias": new_rows, "ctc.proj.weight": torch.cat([new_rows, torch.tensor([False])]),
+            "ctc.proj.bias": torch.cat([new_rows, torch.tensor([False])])}
+    for k in after:  # bit-identical: weights, BatchNorm statistics, the old rows (weight decay included)
+        if k in rows:
+            assert torch.equal(after[k][~rows[k]], before[k][~rows[k]]), f"{k}: an old row moved"
+            assert not torch.equal(after[k][rows[k]], before[k][rows[k]]), f"{k}: no new row trained"
+        else:
+            assert torch.equal(after[k], before[k]), f"{k} changed"
+    assert not torch.equal(after["decoder.embedding.token_embedding.weight"][added["language_token"]],
+                           before["decoder.embedding.token_embedding.weight"][added["language_token"]])
+
+
+def test_freeze_all_but_new_tokens_refuses_a_checkpoint_without_the_record(grown):
+    old_dir, new_path = grown
+    with pytest.raises(ConfigError, match="freeze=all_but_new_tokens needs objective=aed, init_from"):
+        TrainConfig(freeze="all_but_new_tokens")  # no init_from
+    cfg = TrainConfig(freeze="all_but_new_tokens", init_from=load_checkpoint(old_dir).path)
+    with pytest.raises(ConfigError, match="records no added tokens"):
+        new_tokens(cfg, 1000)
+    cfg = TrainConfig(freeze="all_but_new_tokens", init_from=new_path)
+    with pytest.raises(ConfigError, match="train with the tokenizer directory add_language.py wrote"):
+        new_tokens(cfg, Tokenizer.load(os.path.join(MINI, "tokenizer")).vocab_size)  # the old tokenizer

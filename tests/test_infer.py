@@ -342,7 +342,9 @@ def test_quiet_point_is_the_middle_of_the_silent_stretch(tmp_path):
     wav = torch.cat([loud(1.0), torch.zeros(8000), loud(1.0)])  # digital silence over [1.0, 1.5) s
     path = tmp_path / "x.wav"
     sf.write(path, wav.numpy(), 16000, subtype="FLOAT")
-    assert quiet_point(str(path), 0.5, 2.0, 16000) == pytest.approx(1.25, abs=0.011)
+    cut, pause = quiet_point(str(path), 0.5, 2.0, 16000)
+    assert cut == pytest.approx(1.25, abs=0.011) and pause
+    assert not quiet_point(str(path), 0.0, 0.9, 16000)[1]  # noise only: no pause
     # Short files are never cut; long ones into pieces of at most chunk_seconds.
     assert plan_segments(Request(str(path), "en", "en", True, "asr"), 5.0, 16000) == [(0.0, None, 2.5)]
     pieces = plan_segments(Request(str(path), "en", "en", True, "asr"), 1.6, 16000)

@@ -94,6 +94,9 @@ def main(argv=None):
     tokenizer.save(tok_dir)
     out = {"model_config": dataclasses.asdict(config), "model": state, "features": ckpt["features"],
            "tokenizer": pack_dir(tok_dir)}
+    # Which rows are new, for freeze=all_but_new_tokens (aed/training.py): recorded, never typed by hand.
+    out["new_tokens"] = {"language": args.lang, "first": old.vocab_size, "language_token": tokenizer.lang_id(args.lang),
+                         "vocab_size": tokenizer.vocab_size}
     if "max_train_duration" in ckpt:
         out["max_train_duration"] = ckpt["max_train_duration"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
