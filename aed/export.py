@@ -24,7 +24,7 @@ from torch.export import Dim, ExportedProgram, export
 
 from aed.model import AED
 
-MIN_FRAMES = 9  # feature frames the exporter may assume: one encoder frame needs at least one (see the encoder)
+MIN_FRAMES = 17  # feature frames the exporter may assume: 3 encoder frames (rel_shift's view needs T' > 2)
 
 
 class EncoderProgram(nn.Module):
@@ -74,7 +74,7 @@ def export_model(model: AED, max_len: int, max_frames: int = 100_000) -> tuple[E
     with torch.no_grad():
         encoder = export(EncoderProgram(model), (feats, feat_lens), dynamic_shapes=({0: batch, 1: frames}, {0: batch}))
         cross_kv, memory_lens = encoder.module()(feats, feat_lens)[:2]
-        rows, enc_frames = Dim("rows", min=1, max=4096), Dim("enc_frames", min=2, max=max_frames)
+        rows, enc_frames = Dim("rows", min=1, max=4096), Dim("enc_frames", min=3, max=max_frames)
         step_inputs = (torch.zeros(2, 1, dtype=torch.long), torch.tensor(0), empty_cache(model, 2, max_len),
                        cross_kv, memory_lens)
         step = export(StepProgram(model), step_inputs,
