@@ -44,14 +44,21 @@ def shape(d, tps, seconds, max_tokens):
     return max(1, int(seconds // d)), d * FRAMES_PER_SECOND + 1, max(2, min(max_tokens, round(d * tps)))
 
 
+def simulated_step(cfg: AEDConfig) -> TrainingStep:
+    """The step the fit measures, built inside SimulatedDevice(): the preset's AED, AdamW with
+    train.py's defaults, bf16 autocast, CUDA's 512-byte rounding, optimizer state created."""
+    model = AED(cfg).train()
+    step = TrainingStep(model, build_optimizer(model, OptimConfig()), "bf16", granularity=CUDA_BLOCK)
+    step.warm_up(101, 10)
+    return step
+
+
 def fit(args):
     cfg = AEDConfig.from_yaml(args.config)
     steps = []
     t0 = time.time()
     with SimulatedDevice():
-        model = AED(cfg).train()
-        step = TrainingStep(model, build_optimizer(model, OptimConfig()), "bf16", granularity=CUDA_BLOCK)
-        step.warm_up(101, 10)
+        step = simulated_step(cfg)
         for name, shapes in (("fit", FIT), ("held_out", HELD_OUT)):
             for d, tps, seconds in shapes:
                 B, T, U = shape(d, tps, seconds, cfg.dec_max_len)
