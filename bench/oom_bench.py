@@ -234,11 +234,13 @@ def scale(args) -> None:
     held_out = fitted["errors"]["held_out"] + [r["error"] for r in confirmed]
     validation = {"median_error": statistics.median(map(abs, held_out)), "max_underestimate": max(0.0, -min(held_out)),
                   "shapes": len(held_out), "held_out_steps": len(fitted["errors"]["held_out"]),
-                  "confirmed_steps": len(confirmed)}
+                  "confirmed_steps": len(confirmed),
+                  "confirmed_over_limit": sum(r["simulated"] > limit for r in confirmed)}
     print(f"TPS filter at A's batch_duration: peak memory {100 * tps_peak_reduction:.1f}% lower (paper: 20%); "
           f"memory model vs simulated steps it was not fitted on ({len(held_out)}): median |error| "
-          f"{100 * validation['median_error']:.1f}%, largest under-estimate {100 * validation['max_underestimate']:.1f}%; "
-          f"{time.time() - t_start:.0f} s")
+          f"{100 * validation['median_error']:.1f}%, largest under-estimate "
+          f"{100 * validation['max_underestimate']:.1f}%; worst batches over the limit as simulated steps: "
+          f"{validation['confirmed_over_limit']} of {len(confirmed)}; {time.time() - t_start:.0f} s")
     print_json({
         "preset": args.scale, "memory_model": args.memory_model, "device_bytes": device, "limit_bytes": limit,
         "margin": args.margin, "examples": len(examples), "generated": len(corpus), "seed": args.seed,
