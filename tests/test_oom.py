@@ -267,11 +267,11 @@ def test_one_command_from_manifests_to_a_config_train_py_reads(tmp_path, capsys)
     config.write_text(json.dumps({
         "model": {k: v for k, v in TINY.items() if k not in ("n_mels", "vocab_size", "pad_id")},
         "features": {"n_mels": 24}, "run_dir": str(tmp_path / "run"),
-        "train": {"manifests": [manifest], "tokenizer": tok_dir, "num_buckets": 2, "sub_buckets": 2,
+        "train": {"manifests": [manifest], "tokenizer": tok_dir, "num_buckets": 1, "sub_buckets": 2,
                   "bin_method": "equal", "num_workers": 0}}))
     out = tmp_path / "buckets.yaml"
     main(["--config", str(config), "--memory-budget", "30MB", "--device", "cpu", "--threshold", "0.5",
-          "--out", str(out)])
+          "--start-batch-size", "8", "--out", str(out)])
     assert str(out) in capsys.readouterr().out
 
     fragment = yaml.safe_load(out.read_text())["train"]
@@ -280,7 +280,7 @@ def test_one_command_from_manifests_to_a_config_train_py_reads(tmp_path, capsys)
     utts = read_manifest(manifest)
     n = [len(encode_utterance(tok, u)[0]) for u in utts]  # prompt + text + EOS, as training counts
     kept = [(u.duration, k) for u, k in zip(utts, n) if k <= TINY["dec_max_len"]]
-    expected = estimate_bins([d for d, _ in kept], [k for _, k in kept], 2, 2, method="equal")
+    expected = estimate_bins([d for d, _ in kept], [k for _, k in kept], 1, 2, method="equal")
     assert bins == expected and fragment["max_tps"] == expected.max_tps  # the TPS filter, one per bin
     assert min(s for row in sizes for s in row) >= 1 and "manifests" not in fragment
 
