@@ -33,9 +33,10 @@ sampler_bench.paper_corpus (0.5-40 s, four languages' speech rates, 6% long low-
 1% long-transcript outliers); examples longer than the decoder (model.dec_max_len) are dropped,
 as train.py does. Every batch of one full epoch of the real sampler (one rank) is checked against
 the limit (allocated_limit: 80 GiB minus the 10% margin, the CUDA context and cuBLAS) with the
-memory model fitted to simulated steps of the preset by bench/oom_scale_bench.py fit (its error
-on held-out shapes is in the JSON; `--confirm K` also runs the K worst batches of every scheme as
-simulated steps and reports predicted vs simulated). The paper's schemes:
+memory model fitted to simulated steps of the preset by bench/oom_scale_bench.py fit, less the
+model's worst under-estimate on the fit's held-out shapes (its errors are in the JSON; `--confirm
+K` also runs the K worst batches of every scheme as simulated steps and reports predicted vs
+simulated). The paper's schemes:
   A: 1D 30 buckets, no TPS filter, duration heuristic n = floor(M / d), with M (batch_duration)
      the largest value at which no batch of the epoch is over the limit (bisection to 1 s, each
      M checked on its own epoch, since batches regroup when M changes);
@@ -119,10 +120,12 @@ def largest_batch_duration(examples: list, bins, peak, limit: float, seed: int =
     return {"max_duration": lo, "fails_at": hi, "batches": best[0], "stats": best[1], "trials": trials}
 
 
-def scheme_summary(batches: list, stats: dict, peak, limit: float) -> dict:
-    mem = memory_of(batches, peak) / limit
+def scheme_summary(batches: list, stats: dict, peak, limit: float, sized: float) -> dict:
+    """Memory as a fraction of `limit`; over_limit counts the batches predicted above `sized`."""
+    mem = memory_of(batches, peak)
     return {"batches": len(batches), "examples": stats["examples"], "mean_batch": stats["examples"] / len(batches),
-            "mean_memory": float(mem.mean()), "max_memory": float(mem.max()), "over_limit": int((mem > 1).sum()),
+            "mean_memory": float(mem.mean() / limit), "max_memory": float(mem.max() / limit),
+            "over_limit": int((mem > sized).sum()),
             "audio_padding": stats["audio_padding"], "text_padding": stats["text_padding"], "drops": stats["drops"]}
 
 
@@ -169,6 +172,9 @@ def scale(args) -> None:
     memory_model = MemoryModel.from_dict(fitted["model"], where=f"{args.memory_model}: model")
     device = parse_bytes(args.device_memory)
     limit = allocated_limit(device, args.margin)
+    # Batches are sized to the limit less the model's worst under-estimate on held-out steps, so
+    # that what it places at the limit stays under it as a simulated step.
+    sized = limit * (1 - max(0.0, -min(fitted["errors"]["held_out"])))
 
     def frames(d):
         return num_frames(round(d * features.sample_rate), features.hop_length)
@@ -179,23 +185,24 @@ def scale(args) -> None:
     corpus = paper_corpus(args.synthetic, args.seed)
     examples = [e for e in corpus if e["num_tokens"] <= dec_max_len]  # train.py drops longer ones
     durs, toks = [e["duration"] for e in examples], [e["num_tokens"] for e in examples]
-    log(f"{args.scale}: {memory_model}; limit {format_bytes(limit)} of {format_bytes(device)}; "
+    log(f"{args.scale}: {memory_model}; limit {format_bytes(limit)} of {format_bytes(device)}, batches sized to "
+        f"{format_bytes(sized)}; "
         f"{len(examples)} of {len(corpus)} examples fit dec_max_len={dec_max_len}")
     bins_1d = estimate_bins(durs, toks, args.buckets, 1)
     bins_2d = estimate_bins(durs, toks, args.buckets, 2, method="equal")
 
-    tuned_a = largest_batch_duration(examples, bins_1d, peak, limit, args.seed)
+    tuned_a = largest_batch_duration(examples, bins_1d, peak, sized, args.seed)
     log(f"A: batch_duration {tuned_a['max_duration']:.1f} s ({tuned_a['trials']} epochs)")
-    tuned_b = largest_batch_duration(examples, bins_1d, peak, limit, args.seed, max_tps=bins_1d.max_tps)
+    tuned_b = largest_batch_duration(examples, bins_1d, peak, sized, args.seed, max_tps=bins_1d.max_tps)
     log(f"B: batch_duration {tuned_b['max_duration']:.1f} s ({tuned_b['trials']} epochs)")
     at_a = run_epoch(examples, bins_1d, args.seed, max_duration=tuned_a["max_duration"], max_tps=bins_1d.max_tps)[0]
     tps_peak_reduction = 1 - memory_of(at_a, peak).max() / memory_of(tuned_a["batches"], peak).max()
-    sizes_c = model_sizes(memory_model, bucket_shapes(bins_1d, features, dec_max_len), limit)
-    sizes_d = model_sizes(memory_model, bucket_shapes(bins_2d, features, dec_max_len), limit)
+    sizes_c = model_sizes(memory_model, bucket_shapes(bins_1d, features, dec_max_len), sized)
+    sizes_d = model_sizes(memory_model, bucket_shapes(bins_2d, features, dec_max_len), sized)
     runs = {"A": (tuned_a["batches"], tuned_a["stats"]), "B": (tuned_b["batches"], tuned_b["stats"]),
             "C": run_epoch(examples, bins_1d, args.seed, batch_sizes=sizes_c, max_tps=bins_1d.max_tps),
             "D": run_epoch(examples, bins_2d, args.seed, batch_sizes=sizes_d, max_tps=bins_2d.max_tps)}
-    summary = {k: scheme_summary(*run, peak, limit) for k, run in runs.items()}
+    summary = {k: scheme_summary(*run, peak, limit, sized) for k, run in runs.items()}
     buckets = {k: per_bucket(run[0], peak, limit, (bins_2d if k == "D" else bins_1d).num_buckets)
                for k, run in runs.items()}
     sizes_1d = {"A": BucketingSampler([], bins_1d, max_duration=tuned_a["max_duration"], rank=0, world_size=1).sizes,
@@ -243,6 +250,7 @@ def scale(args) -> None:
           f"{validation['confirmed_over_limit']} of {len(confirmed)}; {time.time() - t_start:.0f} s")
     print_json({
         "preset": args.scale, "memory_model": args.memory_model, "device_bytes": device, "limit_bytes": limit,
+        "sized_bytes": sized,
         "margin": args.margin, "examples": len(examples), "generated": len(corpus), "seed": args.seed,
         "ratios": {k: summary[k[0]]["mean_batch"] / a for k in ("B/A", "C/A", "D/A")}, "paper": PAPER,
         "tps_peak_reduction": tps_peak_reduction,
