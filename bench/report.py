@@ -334,8 +334,9 @@ def scale_section(path: Path = E2_SCALE) -> list:
     s = ["### E2 at the paper's scale: Canary-1B and Canary-1B-Flash on a simulated 80 GiB GPU", "",
          "Every batch of one epoch of the real sampler (one rank, a 100k-utterance workload shaped like the "
          "paper's data: `sampler_bench.paper_corpus`) is checked against the tensor limit (80 GiB minus the 10% "
-         "margin, CUDA context and cuBLAS workspace) with a memory model fitted to simulated bf16 training steps of "
-         "the preset (`bench/oom_scale_bench.py fit`); each scheme's worst batch is then run as a simulated step. "
+         "margin, CUDA context and cuBLAS workspace; batches are sized to it less the model's worst held-out "
+         "under-estimate) with a memory model fitted to simulated bf16 training steps of the preset "
+         "(`bench/oom_scale_bench.py fit`); each scheme's two worst batches are then run as simulated steps. "
          "A's and B's batch_duration is the largest at which no batch of the epoch is over the limit (bisection "
          "to 1 s). B's TPS filter is each duration bin's own max tokens/s (outliers past 4 standard deviations; "
          "the paper filters at 25). Numbers from the runs below, not from `make report`.", ""]
@@ -354,11 +355,16 @@ def scale_section(path: Path = E2_SCALE) -> list:
                          f"{100 * x['audio_padding']:.1f}% / {100 * x['text_padding']:.1f}%",
                          sum(x["drops"].values())] for k, x in r["schemes"].items()]))
         v = r["validation"]
+        fixed = run["memory_model"]["constant"]  # weights, gradients, AdamW state: in every batch
+        headroom = (r["sized_bytes"] - fixed) / (r["schemes"]["A"]["mean_memory"] * r["limit_bytes"] - fixed)
         s += ["", f"TPS filter at A's batch_duration: peak memory {100 * r['tps_peak_reduction']:.1f}% lower (paper: "
               f"20%). Memory model vs simulated steps it was not fitted on ({v['held_out_steps']} held-out shapes, "
               f"{v['confirmed_steps']} worst batches): median |error| {100 * v['median_error']:.1f}%, largest "
               f"under-estimate {100 * v['max_underestimate']:.1f}%; worst batches over the limit as simulated steps: "
-              f"{v['confirmed_over_limit']} of {v['confirmed_steps']}.", ""]
+              f"{v['confirmed_over_limit']} of {v['confirmed_steps']}. The limit holds {headroom:.2f}x the "
+              f"activation memory of A's average batch ({fixed / 1e9:.1f} GB of weights, gradients and optimizer "
+              "state aside): about the most any per-bucket sizes can add to the mean batch, activations growing "
+              "with the batch size.", ""]
         if r["confirmed"]:
             s.append(table(["scheme", "worst batch (B x T frames x U tokens)", "predicted", "simulated", "error",
                             "simulated / limit"],
