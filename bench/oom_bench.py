@@ -130,12 +130,11 @@ def scheme_summary(batches: list, stats: dict, peak, limit: float, sized: float)
 
 
 def per_bucket(batches: list, peak, limit: float, num_buckets: int) -> list:
-    """(batches, examples, max memory / limit) of every bucket over the epoch."""
-    rows = [[0, 0, 0.0] for _ in range(num_buckets)]
-    for (b, n, d, t), m in zip(batches, memory_of(batches, peak) / limit):
+    """[batches, max memory / limit] of every bucket over the epoch."""
+    rows = [[0, 0.0] for _ in range(num_buckets)]
+    for (b, _, _, _), m in zip(batches, memory_of(batches, peak) / limit):
         rows[b][0] += 1
-        rows[b][1] += n
-        rows[b][2] = max(rows[b][2], float(m))
+        rows[b][1] = max(rows[b][1], float(m))
     return rows
 
 
@@ -219,12 +218,12 @@ def scale(args) -> None:
     for k in ("A", "B", "C"):
         columns += [("|", ""), (f"{k}: size", ">7"), ("batches", ">7"), ("max %", ">6.1f")]
     print_table(columns, [[b, d, bins_1d.max_tps[b]] + [x for k in ("A", "B", "C") for x in
-                          ("|", sizes_1d[k][b], buckets[k][b][0], 100 * buckets[k][b][2])]
+                          ("|", sizes_1d[k][b], buckets[k][b][0], 100 * buckets[k][b][1])]
                           for b, (d, _) in enumerate(bins_1d.buckets())])
     print(f"\n2D, {bins_2d.num_buckets} buckets: D")
     print_table([("bucket", ">6"), ("<= s", ">6.2f"), ("<= tok", ">6"), ("|", ""), ("D: size", ">7"),
                  ("batches", ">7"), ("max %", ">6.1f")],
-                [[b, d, t, "|", sizes_d[b], buckets["D"][b][0], 100 * buckets["D"][b][2]]
+                [[b, d, t, "|", sizes_d[b], buckets["D"][b][0], 100 * buckets["D"][b][1]]
                  for b, (d, t) in enumerate(bins_2d.buckets())])
     print()
     names = {"A": f"A 1D, M={tuned_a['max_duration']:.0f} s", "B": f"B +TPS, M={tuned_b['max_duration']:.0f} s",
