@@ -4,6 +4,17 @@
     python oom.py --config configs/tiny.yaml --bins bins.json --memory-budget 4GB -o batch_sizes.json
     python train.py configs/canary-1b-flash.yaml train.bins=bins.json train.batch_sizes=batch_sizes.json
     python oom.py --config configs/canary-1b.yaml --bins bins.json --simulate-memory 80GiB --memory-model -o bs.json
+    python oom.py --config run.yaml --manifest train.jsonl --out buckets.yaml [--simulate-memory 80GiB --memory-model]
+    python train.py run.yaml buckets.yaml
+
+One command from manifests to a training config (--out): without --bins, bins are estimated from
+--manifest (default: the config's train.manifests) with the training tokenizer and prompt, the
+config's train.num_buckets / sub_buckets / bin_method, leaving out what exceeds model.dec_max_len
+(aed/manifest_bins.py, as tools/estimate_bins.py); each duration bin's TPS filter (bins.max_tps,
+outliers past 4 standard deviations) bounds the search's token counts and is written as
+train.max_tps, so training drops the same outliers; the batch sizes go to -o (default: next to
+--out) and --out is a YAML fragment (train.batch_sizes, train.max_tps, train.manifests when
+--manifest is given) that train.py merges over the config when given after it.
 
 --simulate-memory sizes a CUDA device of that size on a CPU: the same step on fake tensors
 (aed/simulated_memory.py). A 1B-parameter fake step takes 15-90 s, so --memory-model fits peak
@@ -45,11 +56,13 @@ from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
+import yaml
 from torch.utils._pytree import tree_map
 
 from aed.audio import FeatureConfig, SpecAugment, num_frames
 from aed.config import ConfigError, load_train_config, resolve_model
 from aed.data import Batch
+from aed.manifest_bins import bins_from_manifests
 from aed.memory import OutOfMemory, format_bytes, parse_bytes, peak_memory
 from aed.memory_model import MemoryModel
 from aed.transducer import TransducerASR
@@ -353,11 +366,47 @@ def print_table(rows: list, changes: dict) -> None:
               f"{peak:>10} {r['trials']:>6} {r['seconds']:>7.1f}  {note}")
 
 
+def manifest_bins(config: str, manifests: list | None, sample: int | None) -> tuple:
+    """(bins, the manifests) estimated as train.py's data would be tokenized: the config's
+    tokenizer, prompt, bucket counts, bin method and dec_max_len; manifests default to its
+    train.manifests."""
+    try:
+        cfg = load_train_config(config)
+        if not manifests:
+            manifests = [m if isinstance(m, str) else m.get("path") for m in cfg.train.manifests]
+            if None in manifests:
+                raise ConfigError("train.manifests has tar shards: give their source manifests with --manifest")
+        bins, meta = bins_from_manifests(manifests, Tokenizer.load(cfg.train.tokenizer), cfg.train.num_buckets,
+                                         cfg.train.sub_buckets, cfg.train.bin_method, sample, cfg.seed,
+                                         max_tokens=cfg.model.dec_max_len)
+    except (ConfigError, OSError, ValueError) as e:
+        raise SystemExit(f"oom.py: {config}: {e}") from None
+    log.info("bins: %d buckets from %d of %d lines of %s (skipped: %s)", bins.num_buckets, meta["used"],
+             meta["lines"], ", ".join(manifests), meta["skipped"] or "none")
+    return bins, manifests
+
+
+def write_fragment(path: str, batch_sizes: str, max_tps, manifests: list | None, about: str) -> None:
+    """The YAML fragment train.py merges over its config: `python train.py CONFIG.yaml path`."""
+    train = {"batch_sizes": batch_sizes}
+    if max_tps is not None:
+        train["max_tps"] = max_tps
+    if manifests:
+        train["manifests"] = manifests
+    header = f"# {about}\n# python train.py CONFIG.yaml {path}   (this file's keys override the config's)\n"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(header + yaml.safe_dump({"train": train}, default_flow_style=None, sort_keys=False))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="oom.py", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="train.py YAML (model, features, optim, precision sections)")
-    p.add_argument("--bins", required=True, help="bins.json from tools/estimate_bins.py (or a run dir's bins.json)")
-    p.add_argument("-o", "--output", required=True, help="batch sizes JSON for train.batch_sizes")
+    p.add_argument("--bins", help="bins.json from tools/estimate_bins.py (or a run dir's bins.json); default: "
+                   "estimated from --manifest or the config's train.manifests")
+    p.add_argument("--manifest", action="append", help="without --bins: estimate bins from this manifest (repeat)")
+    p.add_argument("--sample", type=int, default=None, help="without --bins: estimate from this many lines")
+    p.add_argument("-o", "--output", help="batch sizes JSON for train.batch_sizes (default: next to --out)")
+    p.add_argument("--out", help="YAML fragment for train.py (train.batch_sizes, train.max_tps, train.manifests)")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--memory-budget", help="memory the training may use, e.g. 20GB (CPU: live tensor bytes)")
     budget.add_argument("--memory-fraction", type=float, default=0.9,
@@ -379,7 +428,13 @@ def main(argv=None) -> None:
                    help="1D bins: tokens/s that bound each bucket's tokens (default: bins.max_tps)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
+    if not (args.output or args.out):
+        p.error("give -o (batch sizes JSON) or --out (a YAML fragment for train.py), or both")
+    if args.bins and args.manifest:
+        p.error("--manifest estimates bins: give it or --bins, not both")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
+    output = args.output or os.path.splitext(args.out)[0] + ".batch_sizes.json"
+    bins, manifests = (None, None) if args.bins else manifest_bins(args.config, args.manifest, args.sample)
 
     simulated = args.simulate_memory is not None
     device = torch.device("cpu" if simulated else args.device)
@@ -389,7 +444,7 @@ def main(argv=None) -> None:
         setup = load_training_setup(args.config, device, args.dtype, simulated=simulated)
         model, features, precision = setup.model, setup.features, setup.precision
         try:
-            bins = Bins.load(args.bins)
+            bins = bins or Bins.load(args.bins)
             shapes = bucket_shapes(bins, features, model.cfg.dec_max_len, args.max_tps)
             total = parse_bytes(args.simulate_memory) if simulated else device_memory(device)
             budget_bytes = parse_bytes(args.memory_budget) if args.memory_budget else int(args.memory_fraction * total)
@@ -426,11 +481,15 @@ def main(argv=None) -> None:
         log.warning("bucket %d: batch size %d lowered to %d, the size of a smaller bucket (monotone)", b, old, new)
         rows[b]["batch_size"] = new
     it = iter(sizes)
-    save_batch_sizes(args.output, bins, [[next(it) for _ in range(k)] for k in bins.shape])
+    save_batch_sizes(output, bins, [[next(it) for _ in range(k)] for k in bins.shape])
+    where = (f"limit {format_bytes(limit)} ({precision}{', DDP' if args.ddp else ''}"
+             f"{', simulated CUDA' if simulated else ''})")
+    if args.out:
+        write_fragment(args.out, output, args.max_tps if args.max_tps is not None else bins.max_tps,
+                       args.manifest and manifests, f"oom.py: batch sizes for {args.config}, {where}")
     print_table(rows, {b: old for b, old, _ in changes})
-    print(f"{len(rows)} buckets, {sum(r['trials'] for r in rows)} trials in {time.time() - t0:.0f} s; limit "
-          f"{format_bytes(limit)} ({precision}{', DDP' if args.ddp else ''}"
-          f"{', simulated CUDA' if simulated else ''}) -> {args.output}")
+    print(f"{len(rows)} buckets, {sum(r['trials'] for r in rows)} trials in {time.time() - t0:.0f} s; {where} -> "
+          f"{output}{' and ' + args.out if args.out else ''}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python train.py configs/tiny.yaml                                        # CPU, bundled data
     python train.py configs/tiny.yaml optim.lr=1e-3 max_steps=500            # key=value overrides
+    python train.py configs/canary-1b.yaml buckets.yaml                      # + oom.py --out's batch sizes
     torchrun --nproc_per_node 8 train.py configs/canary-1b-flash.yaml \\
         train.manifests='[{path: /data/en.jsonl, weight: 2}, /data/de.jsonl]' run_dir=runs/flash
     torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HEAD:29500 \\
@@ -56,14 +57,16 @@ log = logging.getLogger("train")
 
 
 def parse_config(argv: list[str]):
-    """`train.py CONFIG.yaml [key=value ...]` -> TrainConfig and validation set names; --help
-    prints every key with its type, default and description."""
+    """`train.py CONFIG.yaml [MORE.yaml ...] [key=value ...]` -> TrainConfig and validation set
+    names (later files override earlier ones, e.g. oom.py --out's buckets); --help prints every
+    key with its type, default and description."""
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__ + "\nUsage: train.py CONFIG.yaml [key=value ...]\n\nConfig keys (YAML sections = "
+        print(__doc__ + "\nUsage: train.py CONFIG.yaml [MORE.yaml ...] [key=value ...]\n\nConfig keys (YAML sections = "
               "dotted prefixes), type = default, description:\n\n" + help_text())
         sys.exit(0)
     try:
-        cfg = load_train_config(argv[0], argv[1:])
+        files = next((i for i, a in enumerate(argv) if "=" in a), len(argv))  # the YAML files come first
+        cfg = load_train_config(argv[:files], argv[files:])
         return cfg, val_set_names(cfg.val.manifests)
     except ConfigError as e:
         sys.exit(f"config error: {e}")

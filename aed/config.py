@@ -1,6 +1,7 @@
-"""The run configuration: typed dataclasses, then a YAML file, then `key=value` overrides.
+"""The run configuration: typed dataclasses, then YAML files, then `key=value` overrides.
 
     cfg = load_train_config("configs/tiny.yaml", ["optim.lr=1e-3", "train.manifests=[a.jsonl]"])
+    cfg = load_train_config(["configs/canary-1b.yaml", "buckets.yaml"])   # later files win (oom.py --out)
 
 Nested dataclass fields are YAML sections and dotted keys on the command line. Override values
 are parsed as YAML, so lists and mappings work (`train.manifests=[{path: a.jsonl, weight: 2}]`).
@@ -56,7 +57,7 @@ class DataConfig:
     batch_sizes: str | None = None  # per-bucket batch sizes from oom.py (replaces the two above)
     allocation: str = "flexible"  # flexible: smallest bucket that fits | strict: drop what its sub-bucket can't hold
     min_tps: float | None = None  # drop examples below this many output tokens per second
-    max_tps: float | None = None  # ... and above this (the paper filters at 25)
+    max_tps: float | list[float] | None = None  # ... and above this (the paper filters at 25); a list: one per duration bin (oom.py --out writes the bins' own)
     buffer_size: int = 20000  # examples held by the bucketing buffer
     buffer_overfill: float = 4.0  # read on up to this x the buffer for the bucket all ranks drew (1: the paper's)
     sync_buckets: bool = True  # same bucket on every rank each step (removes the tail-worker effect)
@@ -142,9 +143,10 @@ DERIVED = {"model.n_mels": "features.n_mels", "model.vocab_size": "the tokenizer
            "model.pad_id": "the tokenizer (train.tokenizer)"}
 
 
-def load_train_config(yaml_path: str | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """A train.py run's config: TrainConfig defaults < YAML < overrides; model.n_mels follows the
-    features (vocab_size and pad_id follow the tokenizer once it is loaded: `resolve_model`)."""
+def load_train_config(yaml_path: str | list[str] | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """A train.py run's config: TrainConfig defaults < YAML file(s), in order < overrides;
+    model.n_mels follows the features (vocab_size and pad_id follow the tokenizer once it is
+    loaded: `resolve_model`)."""
     d = merged_dict(TrainConfig, yaml_path, overrides)
     given = _dotted_keys(_user_dict(yaml_path, overrides))
     for key, source in DERIVED.items():
@@ -242,14 +244,18 @@ def _merge(base: dict, update: dict) -> dict:
     return out
 
 
-def _user_dict(yaml_path: str | None, overrides: list[str]) -> dict:
-    """What the YAML file and the overrides set, merged, without defaults."""
+def _user_dict(yaml_path: str | list[str] | None, overrides: list[str]) -> dict:
+    """What the YAML file(s) and the overrides set, merged in order, without defaults."""
     d = {}
-    if yaml_path:
-        with open(yaml_path, encoding="utf-8") as f:
-            d = yaml.safe_load(f) or {}
-        if not isinstance(d, dict):
-            raise ConfigError(f"{yaml_path}: expected a mapping at the top level")
+    for path in [yaml_path] if isinstance(yaml_path, str) else yaml_path or []:
+        try:
+            with open(path, encoding="utf-8") as f:
+                part = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
+        if not isinstance(part, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        d = _merge(d, part)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -267,12 +273,12 @@ def _dotted_keys(d: dict, prefix: str = "") -> set:
     return keys
 
 
-def merged_dict(cls, yaml_path: str | None = None, overrides: list[str] = ()) -> dict:
+def merged_dict(cls, yaml_path: str | list[str] | None = None, overrides: list[str] = ()) -> dict:
     return _merge(dataclasses.asdict(cls()), _user_dict(yaml_path, overrides))
 
 
-def load_config(cls, yaml_path: str | None = None, overrides: list[str] = ()):
-    """Defaults < YAML file < `key=value` overrides, validated against dataclass `cls`."""
+def load_config(cls, yaml_path: str | list[str] | None = None, overrides: list[str] = ()):
+    """Defaults < YAML file(s) < `key=value` overrides, validated against dataclass `cls`."""
     return from_dict(cls, merged_dict(cls, yaml_path, overrides))
 
 

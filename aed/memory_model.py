@@ -80,6 +80,14 @@ class MemoryModel:
     def to_dict(self) -> dict:
         return {"constant": self.coef[0], **dict(zip(TERMS, self.coef[1:])), "chunk": self.chunk}
 
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "memory model") -> "MemoryModel":
+        """The model `to_dict` wrote; `where` names the source in errors."""
+        missing = sorted({"constant", *TERMS} - set(d))
+        if missing:
+            raise ValueError(f"{where}: missing coefficient(s) {missing}")
+        return cls([float(d["constant"]), *(float(d[t]) for t in TERMS)], int(d.get("chunk", 0)))
+
     def __repr__(self):
         terms = " + ".join(f"{c:.3g} {n}" for n, c in zip(TERMS, self.coef[1:]) if c)
         return f"MemoryModel({self.coef[0] / 2**30:.2f} GiB + {terms} bytes)"

@@ -1,11 +1,17 @@
-"""OOMptimizer benchmark: mean batch size under one memory limit, heuristic vs measured.
+"""OOMptimizer benchmark: mean batch size under one memory limit, heuristic vs per-bucket sizes.
 
     python bench/oom_bench.py                                   # CPU-scaled model, 198 MB limit: ~5 min
     python bench/oom_bench.py --d-model 256 --heads 4 --enc-layers 12 --dec-layers 4 \\
         --subsampling-channels 64 --n-mels 128 --vocab-size 5248 --budget 2GB   # 25M parameters: hours on CPU
+    python bench/oom_scale_bench.py fit configs/canary-1b.yaml --out canary-1b.model.json     # ~30-60 min
+    python bench/oom_bench.py --scale configs/canary-1b.yaml --memory-model canary-1b.model.json \\
+        [--confirm 1]                                           # E2 at the paper's scale: ~5 min
 
-Three ways to give each bucket its batch size, on the synthetic corpus of bench/sampler_bench.py
-and the same model, optimizer and memory limit (budget minus oom.py's 10% margin):
+Two modes.
+
+The small-scale table (default), every number from a real step on the CPU. Three ways to give
+each bucket its batch size, on the synthetic corpus of bench/sampler_bench.py and the same model,
+optimizer and memory limit (budget minus oom.py's 10% margin):
 (a) 1D, 30 duration buckets, padded-duration heuristic: n = floor(M / d) with the largest M for
     which no bucket exceeds the limit: just below min over buckets of (oom.py's size + 1) x d,
     then checked by running every bucket's worst-case batch once (oom.preflight);
@@ -14,45 +20,251 @@ and the same model, optimizer and memory limit (budget minus oom.py's 10% margin
 1D buckets are bounded in tokens by the bin's max tokens/s x d (bins.max_tps, as oom.py does).
 The mean batch size is what training sees: examples / batches, with every bucket's occupancy on
 the corpus (bins.counts). The paper: (b)/(a) = 3.4x, (c)/(a) = 5x; target here (c)/(a) >= 3x.
-
 Memory is measured on CPU (live tensor bytes, aed/memory.py), every number from a real step. The
 search runs ~400 steps, so the default model is Canary-1B's proportions at 1/16 width (d 64, one
 attention head per 64 dims as Canary's 8 per 1024, subsampling channels d/4, vocab 5d) with 4+4
 layers (Canary-1B: 24+24): 0.7M parameters, chosen so that attention (quadratic in duration),
 per-frame and per-token memory keep roughly Canary's proportions. Timings share 2 cores with
-other jobs. Prints a table, then a JSON object as the last line.
+other jobs.
+
+`--scale PRESET --memory-model FIT.json`: the paper's E2 table (sec. 4) for a 1B preset on an
+80 GiB CUDA device in bf16, simulated (aed/simulated_memory.py). The workload is
+sampler_bench.paper_corpus (0.5-40 s, four languages' speech rates, 6% long low-speech segments,
+1% long-transcript outliers); examples longer than the decoder (model.dec_max_len) are dropped,
+as train.py does. Every batch of one full epoch of the real sampler (one rank) is checked against
+the limit (allocated_limit: 80 GiB minus the 10% margin, the CUDA context and cuBLAS) with the
+memory model fitted to simulated steps of the preset by bench/oom_scale_bench.py fit, less the
+model's worst under-estimate on the fit's held-out shapes (its errors are in the JSON; `--confirm
+K` also runs the K worst batches of every scheme as simulated steps and reports predicted vs
+simulated). The paper's schemes:
+  A: 1D 30 buckets, no TPS filter, duration heuristic n = floor(M / d), with M (batch_duration)
+     the largest value at which no batch of the epoch is over the limit (bisection to 1 s, each
+     M checked on its own epoch, since batches regroup when M changes);
+  B: A plus the TPS filter (each duration bin's max tokens/s, bins.max_tps: outliers beyond 4
+     standard deviations dropped; the paper filters at a fixed 25), M re-tuned the same way;
+     its peak-memory reduction is the largest batch's memory at A's M, without vs with the filter;
+  C: B with oom.py's per-bucket batch sizes (from the memory model at every bucket's bounds);
+  D: C with 2D 30x2 equal-count buckets (the paper's), sizes re-estimated.
+Prints a per-bucket table, a per-scheme table next to the paper's numbers, then the JSON line.
 """
 
 import argparse
+import json
 import math
+import statistics
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 
-from aed.audio import FeatureConfig
+from aed.audio import FeatureConfig, num_frames
+from aed.config import load_train_config
 from aed.memory import format_bytes, parse_bytes
-from aed.model import count_parameters
+from aed.memory_model import MemoryModel
+from aed.model import AEDConfig, count_parameters
+from aed.simulated_memory import SimulatedDevice, allocated_limit
 from common import add_width_args, epoch_batch, log, print_json, print_table, random_aed, show_library_logs
-from oom import TrainingStep, bucket_shapes, make_monotone, optimize, preflight
-from sampler import estimate_bins
-from sampler_bench import synthetic_corpus
+from oom import TrainingStep, bucket_shapes, make_monotone, optimize, optimize_with_model, preflight
+from sampler import BucketingSampler, estimate_bins
+from sampler_bench import paper_corpus, synthetic_corpus
+
+PAPER = {"C/A": 3.4, "D/A": 5.0, "tps_peak_reduction": 0.20}  # sec. 4, E2
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--synthetic", type=int, default=100_000, help="examples in the synthetic corpus")
-    p.add_argument("--budget", default="220MB", help="memory budget; steps must fit it minus --margin")
-    p.add_argument("--margin", type=float, default=0.1)
-    p.add_argument("--threshold", type=float, default=0.05)
-    p.add_argument("--buckets", type=int, default=30, help="duration buckets (2D: x2)")
-    add_width_args(p, d_model=64, subsampling_channels=16, heads=1)
-    p.add_argument("--enc-layers", type=int, default=4)
-    p.add_argument("--dec-layers", type=int, default=4)
-    p.add_argument("--n-mels", type=int, default=80)
-    p.add_argument("--vocab-size", type=int, default=320)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+# --- E2 at the paper's scale: every batch of an epoch against a fitted memory model ----------------
+
+
+def run_epoch(examples: list, bins, seed: int = 0, **batching) -> tuple:
+    """One epoch of the training sampler (one rank): its batches as (bucket, batch size, longest
+    duration s, most tokens), and the sampler's stats (padding, drops). batching: the sampler's
+    max_duration or batch_sizes, and max_tps."""
+    sampler = BucketingSampler(examples, bins, rank=0, world_size=1, seed=seed, yield_indices=True, **batching)
+    batches = []
+    for _ in sampler:
+        info = sampler.last_batch_info
+        batches.append((info["bucket"], info["size"], info["max_duration"], info["max_tokens"]))
+    return batches, sampler.stats
+
+
+def memory_of(batches: list, peak) -> np.ndarray:
+    """peak(batch size, longest duration s, most tokens) of every batch."""
+    return np.array([peak(n, d, t) for _, n, d, t in batches], dtype=np.float64)
+
+
+def largest_batch_duration(examples: list, bins, peak, limit: float, seed: int = 0, resolution: float = 1.0,
+                           **filters) -> dict:
+    """The duration heuristic's largest batch_duration M at which no batch of the epoch needs more
+    than `limit` (peak: as in memory_of). Batches regroup when M changes, so every trial runs its
+    own epoch. Doubles M from the longest bin (a batch of 1 there), then bisects until M fits and
+    `fails_at` <= M + resolution does not. Returns {max_duration, fails_at, batches, stats, trials}."""
+    trials = 0
+
+    def attempt(M):
+        nonlocal trials
+        trials += 1
+        batches, stats = run_epoch(examples, bins, seed, max_duration=M, **filters)
+        return bool((memory_of(batches, peak) > limit).any()), batches, stats
+
+    lo = bins.durations[-1]
+    over, *best = attempt(lo)
+    if over:
+        raise ValueError(f"a batch of one {lo:.2f} s example is over the limit: nothing to tune")
+    hi = 2 * lo
+    while not (result := attempt(hi))[0]:
+        lo, best, hi = hi, result[1:], 2 * hi
+    while hi - lo > resolution:
+        mid = (lo + hi) / 2
+        over, *result = attempt(mid)
+        lo, hi, best = (lo, mid, best) if over else (mid, hi, result)
+    return {"max_duration": lo, "fails_at": hi, "batches": best[0], "stats": best[1], "trials": trials}
+
+
+def scheme_summary(batches: list, stats: dict, peak, limit: float, sized: float) -> dict:
+    """Memory as a fraction of `limit`; over_limit counts the batches predicted above `sized`."""
+    mem = memory_of(batches, peak)
+    return {"batches": len(batches), "examples": stats["examples"], "mean_batch": stats["examples"] / len(batches),
+            "mean_memory": float(mem.mean() / limit), "max_memory": float(mem.max() / limit),
+            "over_limit": int((mem > sized).sum()),
+            "audio_padding": stats["audio_padding"], "text_padding": stats["text_padding"], "drops": stats["drops"]}
+
+
+def per_bucket(batches: list, peak, limit: float, num_buckets: int) -> list:
+    """[batches, max memory / limit] of every bucket over the epoch."""
+    rows = [[0, 0.0] for _ in range(num_buckets)]
+    for (b, _, _, _), m in zip(batches, memory_of(batches, peak) / limit):
+        rows[b][0] += 1
+        rows[b][1] = max(rows[b][1], float(m))
+    return rows
+
+
+def model_sizes(memory_model: MemoryModel, shapes: list, limit: float) -> list:
+    """oom.py --memory-model's per-bucket batch sizes (largest that fits at the bucket's bounds), monotone."""
+    rows = optimize_with_model(None, memory_model, shapes, limit, verify=0)
+    return make_monotone(shapes, [r["batch_size"] for r in rows])[0]
+
+
+def confirm(preset: AEDConfig, worst: dict, frames) -> list:
+    """Runs every scheme's worst predicted batches as simulated steps (bench/oom_scale_bench.py's
+    step, the one the memory model was fitted to): [{scheme, B, T, U, predicted, simulated, error}]."""
+    from oom_scale_bench import simulated_step
+
+    rows = []
+    with SimulatedDevice():
+        step = simulated_step(preset)
+        for scheme, shapes in worst.items():
+            for n, d, t, predicted in shapes:
+                t0 = time.time()
+                simulated = step.peak(n, frames(d), t)
+                rows.append({"scheme": scheme, "B": n, "T": frames(d), "U": t, "predicted": predicted,
+                             "simulated": simulated, "error": predicted / simulated - 1})
+                log(f"confirm {scheme}: batch {n} x {d:.2f} s x {t} tokens: predicted {format_bytes(predicted)}, "
+                    f"simulated {format_bytes(simulated)} ({100 * rows[-1]['error']:+.1f}%) [{time.time() - t0:.0f} s]")
+    return rows
+
+
+def scale(args) -> None:
+    t_start = time.time()
+    cfg = load_train_config(args.scale)
+    features, dec_max_len = cfg.features, cfg.model.dec_max_len
+    fitted = json.loads(Path(args.memory_model).read_text())
+    memory_model = MemoryModel.from_dict(fitted["model"], where=f"{args.memory_model}: model")
+    device = parse_bytes(args.device_memory)
+    limit = allocated_limit(device, args.margin)
+    # Batches are sized to the limit less the model's worst under-estimate on held-out steps, so
+    # that what it places at the limit stays under it as a simulated step.
+    sized = limit * (1 - max(0.0, -min(fitted["errors"]["held_out"])))
+
+    def frames(d):
+        return num_frames(round(d * features.sample_rate), features.hop_length)
+
+    def peak(n, d, t):
+        return memory_model.predict(n, frames(d), t)
+
+    corpus = paper_corpus(args.synthetic, args.seed)
+    examples = [e for e in corpus if e["num_tokens"] <= dec_max_len]  # train.py drops longer ones
+    durs, toks = [e["duration"] for e in examples], [e["num_tokens"] for e in examples]
+    log(f"{args.scale}: {memory_model}; limit {format_bytes(limit)} of {format_bytes(device)}, batches sized to "
+        f"{format_bytes(sized)}; "
+        f"{len(examples)} of {len(corpus)} examples fit dec_max_len={dec_max_len}")
+    bins_1d = estimate_bins(durs, toks, args.buckets, 1)
+    bins_2d = estimate_bins(durs, toks, args.buckets, 2, method="equal")
+
+    tuned_a = largest_batch_duration(examples, bins_1d, peak, sized, args.seed)
+    log(f"A: batch_duration {tuned_a['max_duration']:.1f} s ({tuned_a['trials']} epochs)")
+    tuned_b = largest_batch_duration(examples, bins_1d, peak, sized, args.seed, max_tps=bins_1d.max_tps)
+    log(f"B: batch_duration {tuned_b['max_duration']:.1f} s ({tuned_b['trials']} epochs)")
+    at_a = run_epoch(examples, bins_1d, args.seed, max_duration=tuned_a["max_duration"], max_tps=bins_1d.max_tps)[0]
+    tps_peak_reduction = 1 - memory_of(at_a, peak).max() / memory_of(tuned_a["batches"], peak).max()
+    sizes_c = model_sizes(memory_model, bucket_shapes(bins_1d, features, dec_max_len), sized)
+    sizes_d = model_sizes(memory_model, bucket_shapes(bins_2d, features, dec_max_len), sized)
+    runs = {"A": (tuned_a["batches"], tuned_a["stats"]), "B": (tuned_b["batches"], tuned_b["stats"]),
+            "C": run_epoch(examples, bins_1d, args.seed, batch_sizes=sizes_c, max_tps=bins_1d.max_tps),
+            "D": run_epoch(examples, bins_2d, args.seed, batch_sizes=sizes_d, max_tps=bins_2d.max_tps)}
+    summary = {k: scheme_summary(*run, peak, limit, sized) for k, run in runs.items()}
+    buckets = {k: per_bucket(run[0], peak, limit, (bins_2d if k == "D" else bins_1d).num_buckets)
+               for k, run in runs.items()}
+    sizes_1d = {"A": BucketingSampler([], bins_1d, max_duration=tuned_a["max_duration"], rank=0, world_size=1).sizes,
+                "B": BucketingSampler([], bins_1d, max_duration=tuned_b["max_duration"], rank=0, world_size=1).sizes,
+                "C": sizes_c}
+
+    worst = {k: [(n, d, t, peak(n, d, t)) for n, d, t in
+                 sorted({b[1:] for b in batches}, key=lambda s: -peak(*s))[:args.confirm]]
+             for k, (batches, _) in runs.items()}
+    confirmed = confirm(AEDConfig.from_yaml(args.scale), worst, frames) if args.confirm else []
+
+    print(f"\n{args.scale}: 1D, {bins_1d.num_buckets} buckets; batch size / most memory (% of limit) per bucket")
+    columns = [("bucket", ">6"), ("<= s", ">6.2f"), ("max tps", ">7.2f")]
+    for k in ("A", "B", "C"):
+        columns += [("|", ""), (f"{k}: size", ">7"), ("batches", ">7"), ("max %", ">6.1f")]
+    print_table(columns, [[b, d, bins_1d.max_tps[b]] + [x for k in ("A", "B", "C") for x in
+                          ("|", sizes_1d[k][b], buckets[k][b][0], 100 * buckets[k][b][1])]
+                          for b, (d, _) in enumerate(bins_1d.buckets())])
+    print(f"\n2D, {bins_2d.num_buckets} buckets: D")
+    print_table([("bucket", ">6"), ("<= s", ">6.2f"), ("<= tok", ">6"), ("|", ""), ("D: size", ">7"),
+                 ("batches", ">7"), ("max %", ">6.1f")],
+                [[b, d, t, "|", sizes_d[b], buckets["D"][b][0], 100 * buckets["D"][b][1]]
+                 for b, (d, t) in enumerate(bins_2d.buckets())])
+    print()
+    names = {"A": f"A 1D, M={tuned_a['max_duration']:.0f} s", "B": f"B +TPS, M={tuned_b['max_duration']:.0f} s",
+             "C": "C +oom.py sizes", "D": "D +2D 30x2"}
+    paper = {"A": "1x", "B": "", "C": "3.4x", "D": "5x"}
+    a = summary["A"]["mean_batch"]
+    print_table([("scheme", "<20"), ("mean batch", ">10.1f"), ("vs A", ">6"), ("paper", ">5"), ("mem mean %", ">10.1f"),
+                 ("mem max %", ">9.1f"), ("over", ">4"), ("audio pad %", ">11.1f"), ("text pad %", ">10.1f"),
+                 ("dropped", ">7")],
+                [[names[k], s["mean_batch"], f"{s['mean_batch'] / a:.2f}x", paper[k], 100 * s["mean_memory"],
+                  100 * s["max_memory"], s["over_limit"], 100 * s["audio_padding"], 100 * s["text_padding"],
+                  sum(s["drops"].values())] for k, s in summary.items()])
+
+    held_out = fitted["errors"]["held_out"] + [r["error"] for r in confirmed]
+    validation = {"median_error": statistics.median(map(abs, held_out)), "max_underestimate": max(0.0, -min(held_out)),
+                  "shapes": len(held_out), "held_out_steps": len(fitted["errors"]["held_out"]),
+                  "confirmed_steps": len(confirmed),
+                  "confirmed_over_limit": sum(r["simulated"] > limit for r in confirmed)}
+    print(f"TPS filter at A's batch_duration: peak memory {100 * tps_peak_reduction:.1f}% lower (paper: 20%); "
+          f"memory model vs simulated steps it was not fitted on ({len(held_out)}): median |error| "
+          f"{100 * validation['median_error']:.1f}%, largest under-estimate "
+          f"{100 * validation['max_underestimate']:.1f}%; worst batches over the limit as simulated steps: "
+          f"{validation['confirmed_over_limit']} of {len(confirmed)}; {time.time() - t_start:.0f} s")
+    print_json({
+        "preset": args.scale, "memory_model": args.memory_model, "device_bytes": device, "limit_bytes": limit,
+        "sized_bytes": sized,
+        "margin": args.margin, "examples": len(examples), "generated": len(corpus), "seed": args.seed,
+        "ratios": {k: summary[k[0]]["mean_batch"] / a for k in ("B/A", "C/A", "D/A")}, "paper": PAPER,
+        "tps_peak_reduction": tps_peak_reduction,
+        "over_limit_batches": {k: s["over_limit"] for k, s in summary.items()},
+        "validation": validation, "confirmed": confirmed, "schemes": summary,
+        "batch_duration": {"A": tuned_a["max_duration"], "B": tuned_b["max_duration"],
+                           "A_fails_at": tuned_a["fails_at"], "B_fails_at": tuned_b["fails_at"]},
+        "sizes": {**sizes_1d, "D": sizes_d}, "bins_1d": bins_1d.to_dict(), "bins_2d": bins_2d.to_dict(),
+        "seconds": time.time() - t_start})
+
+
+# --- the small-scale table: every number from a real CPU step ----------------------------------------
+
+
+def small(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     show_library_logs()
@@ -126,6 +338,35 @@ def main():
               "mean_batch": mean["c"], "seconds": seconds_c, "monotone_fixes": changes_c},
         "ratios": {"b/a": mean["b"] / mean["a"], "c/a": mean["c"] / mean["a"]}, "paper": {"b/a": 3.4, "c/a": 5.0},
         "targets": {"c_over_a_ge_3x": mean["c"] / mean["a"] >= 3.0}, "seconds": total})
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--synthetic", type=int, default=100_000, help="examples in the synthetic corpus")
+    p.add_argument("--margin", type=float, default=0.1)
+    p.add_argument("--buckets", type=int, default=30, help="duration buckets (2D: x2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scale", metavar="PRESET", help="E2 at the paper's scale for this preset (configs/canary-1b.yaml)")
+    p.add_argument("--memory-model", help="--scale: the preset's fit (bench/oom_scale_bench.py fit --out)")
+    p.add_argument("--device-memory", default="80GiB", help="--scale: the simulated CUDA device")
+    p.add_argument("--confirm", type=int, default=0, help="--scale: run every scheme's K worst batches as simulated "
+                   "steps (tens of seconds to minutes each)")
+    p.add_argument("--budget", default="220MB", help="small scale: memory budget; steps must fit it minus --margin")
+    p.add_argument("--threshold", type=float, default=0.05)
+    add_width_args(p, d_model=64, subsampling_channels=16, heads=1)
+    p.add_argument("--enc-layers", type=int, default=4)
+    p.add_argument("--dec-layers", type=int, default=4)
+    p.add_argument("--n-mels", type=int, default=80)
+    p.add_argument("--vocab-size", type=int, default=320)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = p.parse_args()
+    if args.scale:
+        if not args.memory_model:
+            p.error("--scale needs --memory-model (bench/oom_scale_bench.py fit PRESET --out FIT.json)")
+        torch.set_num_threads(args.threads or 1)
+        scale(args)
+    else:
+        small(args)
 
 
 if __name__ == "__main__":

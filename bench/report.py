@@ -22,6 +22,8 @@ their JSON last lines are parsed, and the training runs are real `train.py` runs
     B  A + tokens-per-second filter at 25 (train.max_tps)
     C  B with per-bucket batch sizes from oom.py, memory budget = A's measured worst bucket
     D  2D buckets (x2 token sub-buckets) + TPS filter + oom.py sizes for the same memory
+  The E2 table at the paper's scale (bench/oom_bench.py --scale, an hour of CPU per preset) is not
+  rerun: its saved results (docs/e2_scale.json) are rendered as they are.
 - E3 architecture: bench/rtfx_bench.py (24+24, 24+4, 32+4 at one CPU-sized width) and the
   parameter counts of the full-size presets (built on the meta device).
 - E4 convergence: a fixed batch size (one bucket, every batch padded to its longest; the largest
@@ -320,6 +322,59 @@ def pct(x: float) -> str:
     return f"{x:.1f}%"
 
 
+E2_SCALE = ROOT / "docs" / "e2_scale.json"  # bench/oom_bench.py --scale results (an hour of CPU: not rerun here)
+
+
+def scale_section(path: Path = E2_SCALE) -> list:
+    """Markdown lines of the E2 table at the paper's scale, from the saved bench/oom_bench.py --scale
+    JSON lines ({preset: {"command": ..., "result": ...}}); none if the file is absent."""
+    if not path.exists():
+        return []
+    runs = json.loads(path.read_text())
+    s = ["### E2 at the paper's scale: Canary-1B and Canary-1B-Flash on a simulated 80 GiB GPU", "",
+         "Every batch of one epoch of the real sampler (one rank, a 100k-utterance workload shaped like the "
+         "paper's data: `sampler_bench.paper_corpus`) is checked against the tensor limit (80 GiB minus the 10% "
+         "margin, CUDA context and cuBLAS workspace; batches are sized to it less the model's worst held-out "
+         "under-estimate) with a memory model fitted to simulated bf16 training steps of the preset "
+         "(`bench/oom_scale_bench.py fit`); each scheme's two worst batches are then run as simulated steps. "
+         "A's and B's batch_duration is the largest at which no batch of the epoch is over the limit (bisection "
+         "to 1 s). B's TPS filter is each duration bin's own max tokens/s (outliers past 4 standard deviations; "
+         "the paper filters at 25). Numbers from the runs below, not from `make report`.", ""]
+    for preset, run in runs.items():
+        r = run["result"]
+        bd = r["batch_duration"]
+        names = {"A": f"A 1D 30, heuristic, M = {bd['A']:.0f} s", "B": f"B + TPS filter, M = {bd['B']:.0f} s",
+                 "C": "C + oom.py per-bucket sizes", "D": "D + 2D 30x2"}
+        paper = {"A": "1x", "B": "", "C": "3.4x", "D": "5x"}
+        a = r["schemes"]["A"]["mean_batch"]
+        s += [f"**{preset}** (`{run['command']}`):", ""]
+        s.append(table(["scheme", "mean batch", "vs A", "paper", "memory mean / max", "batches over limit",
+                        "audio / text padding", "dropped"],
+                       [[names[k], f"{x['mean_batch']:.1f}", f"{x['mean_batch'] / a:.2f}x", paper[k],
+                         f"{100 * x['mean_memory']:.1f}% / {100 * x['max_memory']:.1f}%", x["over_limit"],
+                         f"{100 * x['audio_padding']:.1f}% / {100 * x['text_padding']:.1f}%",
+                         sum(x["drops"].values())] for k, x in r["schemes"].items()]))
+        v = r["validation"]
+        fixed = run["memory_model"]["constant"]  # weights, gradients, AdamW state: in every batch
+        headroom = (r["sized_bytes"] - fixed) / (r["schemes"]["A"]["mean_memory"] * r["limit_bytes"] - fixed)
+        s += ["", f"TPS filter at A's batch_duration: peak memory {100 * r['tps_peak_reduction']:.1f}% lower (paper: "
+              f"20%). Memory model vs simulated steps it was not fitted on ({v['held_out_steps']} held-out shapes, "
+              f"{v['confirmed_steps']} worst batches): median |error| {100 * v['median_error']:.1f}%, largest "
+              f"under-estimate {100 * v['max_underestimate']:.1f}%; worst batches over the limit as simulated steps: "
+              f"{v['confirmed_over_limit']} of {v['confirmed_steps']}. The limit holds {headroom:.2f}x the "
+              f"activation memory of A's average batch ({fixed / 1e9:.1f} GB of weights, gradients and optimizer "
+              "state aside): about the most any per-bucket sizes can add to the mean batch, activations growing "
+              "with the batch size.", ""]
+        if r["confirmed"]:
+            s.append(table(["scheme", "worst batch (B x T frames x U tokens)", "predicted", "simulated", "error",
+                            "simulated / limit"],
+                           [[c["scheme"], f"{c['B']} x {c['T']} x {c['U']}", f"{c['predicted'] / 1e9:.2f} GB",
+                             f"{c['simulated'] / 1e9:.2f} GB", f"{100 * c['error']:+.1f}%",
+                             pct(100 * c["simulated"] / r["limit_bytes"])] for c in r["confirmed"]]))
+            s.append("")
+    return s
+
+
 def write_report(res: dict, out: Path, pngs: list) -> Path:
     m, e2, runs = res["machine"], res["e2"], res["e2"]["runs"]
     def figure(name: str, alt: str) -> str:
@@ -408,6 +463,7 @@ def write_report(res: dict, out: Path, pngs: list) -> Path:
           "much CPU each run got: compare s/step of runs with similar batch sizes and padding. Steps, audio s/s "
           "and the curves against seconds therefore compare the runs only roughly; batch sizes, padding, memory "
           "and the curves against steps do not depend on the load.", "", figure("e2_schemes.png", "E2"), ""]
+    s += scale_section()
 
     # E3
     rt = res["rtfx"]

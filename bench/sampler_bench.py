@@ -21,8 +21,9 @@ example and 10% of 20000 it cannot come before 0.4 s (the table shows what the s
 `--synthetic N` mimics a large ASR/AST corpus: 64% of utterances 2-20 s, 28% a tail to 40 s, 4%
 long recordings with little speech, 3% under 2 s, 1% high-TPS outliers (2-4x); 3.4 +- 0.5
 tokens/s plus a 6-token prompt. `--workload wide` is `wide_corpus` instead: speech rates spread
-from 0.5 to 6 tokens/s (see there). Timings share 2 cores with whatever else runs: treat them as
-noisy. The last line printed is a JSON object with every number.
+from 0.5 to 6 tokens/s (see there); `--workload paper` is `paper_corpus`, the workload of
+bench/oom_bench.py's E2 table. Timings share 2 cores with whatever else runs: treat them as noisy.
+The last line printed is a JSON object with every number.
 """
 
 import argparse
@@ -83,9 +84,48 @@ def wide_corpus(n: int, seed: int = 0) -> list:
     return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
 
 
+# Tokens per second of speech by language with Canary's tokenizer (1024 BPE per language): about
+# 2.7 words/s x 1.25 tokens/word in English, more tokens per word in German, Spanish and French.
+PAPER_LANGUAGES = {"en": (0.5, 3.4), "de": (0.17, 4.2), "es": (0.17, 4.4), "fr": (0.16, 4.0)}
+
+
+def paper_corpus(n: int, seed: int = 0) -> list:
+    """A workload shaped like Canary's training data (0.5-40 s, four languages), for the E2 table.
+
+    Durations: 3% very short (0.5-2 s); 62% segmented speech 2-20 s, skewed long (beta(2.5, 1.2));
+    28% a tail to 40 s (long-form audio segmented at 40 s); 6% long low-speech segments (20-40 s
+    of music, silence or a few words: 0.05-0.8 tokens/s); 1% long-transcript outliers (1-20 s whose
+    rate is 3-10x the speaker's: hallucinated or misaligned synthetic labels, mostly above the
+    paper's 25 tokens/s filter). Speech rate: the language's tokens/s (PAPER_LANGUAGES) times a
+    per-speaker log-normal factor (sigma 0.2). num_tokens adds the 5-token prompt and EOS.
+    """
+    rng = np.random.default_rng(seed)
+    weights, rates = zip(*PAPER_LANGUAGES.values())
+    lang = rng.choice(len(rates), size=n, p=weights)
+    tps = np.array(rates)[lang] * np.exp(rng.normal(0.0, 0.2, n))
+    kind = rng.choice(5, size=n, p=[0.03, 0.62, 0.28, 0.06, 0.01])
+    d = np.empty(n)
+    m = kind == 0  # very short
+    d[m] = rng.uniform(0.5, 2.0, m.sum())
+    m = kind == 1  # segmented speech
+    d[m] = 2 + 18 * rng.beta(2.5, 1.2, m.sum())
+    m = kind == 2  # long-form tail
+    d[m] = 20 + 20 * rng.beta(1.0, 1.8, m.sum())
+    m = kind == 3  # long low-speech segments
+    d[m] = rng.uniform(20.0, 40.0, m.sum())
+    tps[m] = rng.uniform(0.05, 0.8, m.sum())
+    m = kind == 4  # long-transcript outliers
+    d[m] = rng.uniform(1.0, 20.0, m.sum())
+    tps[m] *= rng.uniform(3.0, 10.0, m.sum())
+    d = d.round(2)
+    t = np.round(tps * d).astype(int) + 6
+    return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
+
+
 def load_examples(args) -> list:
     if args.manifest is None:
-        return (wide_corpus if args.workload == "wide" else synthetic_corpus)(args.synthetic, args.seed)
+        corpus = {"synthetic": synthetic_corpus, "wide": wide_corpus, "paper": paper_corpus}[args.workload]
+        return corpus(args.synthetic, args.seed)
     with open(args.manifest) as f:
         return [{"id": i, **json.loads(line)} for i, line in enumerate(f) if line.strip()]
 
@@ -248,7 +288,8 @@ def in_child(fn, *a):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--synthetic", type=int, default=100_000, help="examples in the synthetic corpus")
-    p.add_argument("--workload", choices=["synthetic", "wide"], default="synthetic", help="which synthetic corpus")
+    p.add_argument("--workload", choices=["synthetic", "wide", "paper"], default="synthetic",
+                   help="which synthetic corpus")
     p.add_argument("--manifest", default=None, help="JSONL with duration and num_tokens (instead of --synthetic)")
     p.add_argument("--batch-sizes", default=None, help="oom.py's per-bucket batch sizes JSON (2d-per-bucket)")
     p.add_argument("--peer", choices=["lhotse"], default=None)

@@ -79,6 +79,21 @@ def test_model_fields_with_another_source_are_rejected_and_n_mels_follows_the_fe
             load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), [key])
 
 
+def test_later_yaml_files_override_earlier_ones_and_train_py_takes_them_in_order(tmp_path):
+    from train import parse_config
+
+    tiny = os.path.join(ROOT, "configs/tiny.yaml")
+    buckets = tmp_path / "buckets.yaml"  # what oom.py --out writes
+    buckets.write_text("train:\n  batch_sizes: b.json\n  max_tps: [20.5, 16]\n")
+    cfg, _ = parse_config([tiny, str(buckets), "train.num_buckets=3"])
+    assert cfg.train.batch_sizes == "b.json" and cfg.train.max_tps == [20.5, 16.0]
+    assert cfg.train.num_buckets == 3 and cfg.train.sub_buckets == 2 and cfg.model.enc_d_model == 144  # tiny's
+    with pytest.raises(ConfigError, match="max_tps"):
+        load_train_config([tiny, str(buckets)], ["train.max_tps=[fast]"])
+    with pytest.raises(ConfigError, match="missing.yaml: cannot read the config file"):
+        load_train_config([tiny, str(tmp_path / "missing.yaml")])
+
+
 def test_choices_are_checked_with_the_key_named():
     for override, key in [("objective=ctc", "objective"), ("precision=int8", "precision"),
                           ("train.allocation=loose", "train.allocation"), ("model.enc_heads=5", "model")]:

@@ -250,6 +250,47 @@ def test_cli_writes_monotone_batch_sizes_that_train_py_reads(tmp_path, capsys):
     assert "limit 18.0 MB" in table  # 20 MB budget - 10% margin
 
 
+def test_one_command_from_manifests_to_a_config_train_py_reads(tmp_path, capsys):
+    # oom.py --out: bins from the config's manifests with its tokenizer and prompt, the TPS filter,
+    # the search, and a YAML fragment that train.py merges over the config.
+    import yaml
+
+    from aed.audio import LogMel
+    from aed.config import load_train_config
+    from aed.data import encode_utterance, read_manifest
+    from aed.tokenizer import Tokenizer
+    from bins import estimate_bins
+    from train import build_training_data
+
+    manifest, tok_dir = str(ROOT / "data/mini/train.jsonl"), str(ROOT / "data/mini/tokenizer")
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({
+        "model": {k: v for k, v in TINY.items() if k not in ("n_mels", "vocab_size", "pad_id")},
+        "features": {"n_mels": 24}, "run_dir": str(tmp_path / "run"),
+        "train": {"manifests": [manifest], "tokenizer": tok_dir, "num_buckets": 1, "sub_buckets": 2,
+                  "bin_method": "equal", "num_workers": 0}}))
+    out = tmp_path / "buckets.yaml"
+    main(["--config", str(config), "--memory-budget", "30MB", "--device", "cpu", "--threshold", "0.5",
+          "--start-batch-size", "8", "--out", str(out)])
+    assert str(out) in capsys.readouterr().out
+
+    fragment = yaml.safe_load(out.read_text())["train"]
+    bins, sizes = load_batch_sizes(fragment["batch_sizes"])
+    tok = Tokenizer.load(tok_dir)
+    utts = read_manifest(manifest)
+    n = [len(encode_utterance(tok, u)[0]) for u in utts]  # prompt + text + EOS, as training counts
+    kept = [(u.duration, k) for u, k in zip(utts, n) if k <= TINY["dec_max_len"]]
+    expected = estimate_bins([d for d, _ in kept], [k for _, k in kept], 1, 2, method="equal")
+    assert bins == expected and fragment["max_tps"] == expected.max_tps  # the TPS filter, one per bin
+    assert min(s for row in sizes for s in row) >= 1 and "manifests" not in fragment
+
+    cfg = load_train_config([str(config), str(out)])
+    assert cfg.train.batch_sizes == fragment["batch_sizes"] and cfg.train.max_tps == expected.max_tps
+    sampler, _, train_bins = build_training_data(cfg, tok, LogMel(cfg.features), 0, 1, False)
+    assert train_bins == bins and sampler.sizes == [s for row in sizes for s in row]
+    assert sampler.allocate.max_tps == expected.max_tps
+
+
 # --- simulated device memory ---------------------------------------------------------------------
 
 

@@ -1,0 +1,88 @@
+"""Bucket bins estimated from training manifests, counting tokens exactly as training does.
+
+    bins, meta = bins_from_manifests(["train.jsonl"], tokenizer, num_buckets=30, sub_buckets=2)
+
+An example's token count is the length of what the decoder is trained on: prompt + text + EOS,
+from `aed.data.encode_utterance` with the training tokenizer (train.tokenizer), after the line is
+parsed by the manifest reader training uses. Bins are estimated from a uniform random sample of
+the non-empty lines of all manifests (one pass, reservoir sampling); lines that do not parse or
+tokenize are skipped, counted by reason (meta["skipped"]) and reported on stderr with the first
+such line. `bins.py` explains the estimation itself. Shared by tools/estimate_bins.py and oom.py.
+"""
+
+import os
+import random
+import sys
+import time
+from collections import Counter
+
+from aed.data import ManifestError, encode_utterance, parse_line
+from bins import estimate_bins
+
+
+def sample_lines(paths: list, n: int | None, seed: int) -> tuple:
+    """Uniform random sample of n non-empty lines over all manifests: ([(path, line_no, line)], total)."""
+    rng, sample, seen, last = random.Random(seed), [], 0, time.time()
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                if n is None or seen < n:
+                    sample.append((path, line_no, line))
+                elif (j := rng.randrange(seen + 1)) < n:
+                    sample[j] = (path, line_no, line)
+                seen += 1
+                if seen % 100_000 == 0 and time.time() - last > 2:
+                    last = time.time()
+                    print(f"estimate_bins: scanned {seen:,} lines ({path})", file=sys.stderr)
+    return sample, seen
+
+
+def measure(lines: list, tokenizer, max_tokens: int | None) -> tuple:
+    """(durations, num_tokens, skipped by reason, first skipped line per reason)."""
+    durations, num_tokens, skipped, example = [], [], Counter(), {}
+    last = time.time()
+    for k, (path, line_no, line) in enumerate(lines, 1):
+        where = f"{path}:{line_no}"
+        try:
+            utt = parse_line(line, where, os.path.dirname(os.path.abspath(path)))
+            n = len(encode_utterance(tokenizer, utt)[0])
+        except ManifestError as e:
+            skipped["bad_line"] += 1
+            example.setdefault("bad_line", str(e))
+            continue
+        except (ValueError, KeyError) as e:  # e.g. a language the tokenizer does not know
+            skipped["not_tokenizable"] += 1
+            example.setdefault("not_tokenizable", f"{where}: {e}")
+            continue
+        if max_tokens is not None and n > max_tokens:
+            skipped["over_max_tokens"] += 1
+            example.setdefault("over_max_tokens", f"{where}: {n} tokens")
+            continue
+        durations.append(utt.duration)
+        num_tokens.append(n)
+        if time.time() - last > 2:
+            last = time.time()
+            print(f"estimate_bins: tokenized {k:,} of {len(lines):,} sampled lines", file=sys.stderr)
+    return durations, num_tokens, skipped, example
+
+
+def bins_from_manifests(paths: list, tokenizer, num_buckets: int = 30, sub_buckets: int = 2,
+                        method: str = "optimised", sample: int | None = None, seed: int = 0,
+                        outlier_z: float = 4.0, max_tokens: int | None = None,
+                        audio_weight: float | None = None) -> tuple:
+    """(Bins, meta): bins estimated (bins.estimate_bins) from `sample` lines of the manifests (all
+    by default), leaving out examples over max_tokens (train.py drops those: model.dec_max_len).
+    meta records what they were estimated from. Raises ValueError if no line is usable."""
+    lines, total = sample_lines(paths, sample, seed)
+    durations, num_tokens, skipped, example = measure(lines, tokenizer, max_tokens)
+    for reason, n in skipped.items():
+        print(f"estimate_bins: skipped {n:,} sampled lines ({reason}), e.g. {example[reason]}", file=sys.stderr)
+    if not durations:
+        raise ValueError(f"estimate_bins: no usable line in {len(lines):,} sampled lines of {', '.join(paths)}")
+    bins = estimate_bins(durations, num_tokens, num_buckets, sub_buckets, outlier_z, method, audio_weight)
+    meta = {"manifests": list(paths), "lines": total, "sampled": len(lines), "used": len(durations),
+            "skipped": dict(skipped), "method": method, "audio_weight": audio_weight, "seed": seed,
+            "outlier_z": outlier_z, "max_tokens": max_tokens}
+    return bins, meta
