@@ -17,6 +17,7 @@ The model section describes the architecture only. Three of its fields have anot
 import dataclasses
 import inspect
 import io
+import os
 import re
 import tokenize
 import types
@@ -244,10 +245,10 @@ def _merge(base: dict, update: dict) -> dict:
     return out
 
 
-def _user_dict(yaml_path: str | list[str] | None, overrides: list[str]) -> dict:
+def _user_dict(yaml_path: str | os.PathLike | list | None, overrides: list[str]) -> dict:
     """What the YAML file(s) and the overrides set, merged in order, without defaults."""
     d = {}
-    for path in [yaml_path] if isinstance(yaml_path, str) else yaml_path or []:
+    for path in [yaml_path] if isinstance(yaml_path, (str, os.PathLike)) else yaml_path or []:
         try:
             with open(path, encoding="utf-8") as f:
                 part = yaml.safe_load(f) or {}
