@@ -37,6 +37,7 @@ from aed.config import ConfigError, help_text, load_train_config, resolve_model,
 from aed.data import (Collate, ManifestError, UtteranceDataset, check_audio, duration_batches, encodable,
                       ignore_stop_signals, read_manifest)
 from aed.decoding import DecodingOptions, decode
+from aed.flops import StepFlops, matmul_peak
 from aed.distributed import (all_gather_objects, all_reduce, barrier, cleanup, gather_objects, init_distributed,
                              peer_lost)
 from aed.memory import format_bytes, parse_bytes
@@ -424,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
              precision, device)
 
     # --- resume, or initialise from another checkpoint
-    step = 0
+    step, total_flops = 0, 0.0  # optimizer steps, and the FLOPs they cost on all ranks together (aed/flops.py)
     try:
         ckpt_path, ckpt = load_latest(cfg.run_dir)
     except CheckpointError as e:
@@ -434,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])
-        step = ckpt["step"]
+        step, total_flops = ckpt["step"], ckpt.get("flops", 0.0)  # checkpoints before FLOP accounting have none
         saved_world = len(ckpt["sampler"])
         if saved_world == world_size:
             sampler.load_state_dict(ckpt["sampler"][rank])
@@ -490,7 +491,7 @@ def main(argv: list[str] | None = None) -> None:
             checksums = [s["checksum"] for s in states]
             if len(set(checksums)) > 1:
                 raise RuntimeError(f"step {step}: ranks disagree on parameters (checksums {checksums})")
-            state |= {"step": step, "model_config": dataclasses.asdict(cfg.model),
+            state |= {"step": step, "flops": total_flops, "model_config": dataclasses.asdict(cfg.model),
                       "features": dataclasses.asdict(cfg.features), "tokenizer": pack_dir(cfg.train.tokenizer),
                       "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "sampler": [s["sampler"] for s in states], "rng": [s["rng"] for s in states],
@@ -549,10 +550,18 @@ def main(argv: list[str] | None = None) -> None:
     totals = torch.zeros(len(TOTALS), device=device)
     if step == 0 and cfg.val.every > 0:
         validate(0)
+    step_flops, window_flops, run_flops = StepFlops(), 0.0, 0.0
+    peak = matmul_peak(device, precision)  # per device: MFU is FLOP/s per rank over this
+    log.info("matmul peak %.3g FLOP/s per device (%s, measured); FLOPs so far %.4g%s", peak, precision, total_flops,
+             f" of a {cfg.budget_flops:.4g} budget" if cfg.budget_flops else "")
+
+    def budget_spent() -> bool:
+        return cfg.budget_flops is not None and total_flops >= cfg.budget_flops
+
     t_start, t_last, val_at_last, steps_since, start_step = time.time(), time.time(), val_seconds, 0, step
     val_at_start = val_seconds  # the step-0 validation ran before t_start: not to be subtracted again
 
-    while step < cfg.max_steps:
+    while step < cfg.max_steps and not budget_spent():
         micro = []
         while len(micro) < cfg.optim.grad_accum:
             batch = next(loader)
@@ -565,8 +574,11 @@ def main(argv: list[str] | None = None) -> None:
                 micro.append(batch)
         num_targets = all_reduce(torch.tensor(float(count_targets(model, micro)), device=device))
         totals += batch_totals(model, micro, frame_s, device)
-        result = train_step(fwd_model, micro, optimizer, scaler, spec_augment, precision, cfg.optim.clip_grad,
-                            num_targets, world_size, ddp_model.no_sync if world_size > 1 else None)
+        result, flops = step_flops.run(lambda: train_step(
+            fwd_model, micro, optimizer, scaler, spec_augment, precision, cfg.optim.clip_grad, num_targets,
+            world_size, ddp_model.no_sync if world_size > 1 else None), micro)
+        flops = all_reduce(torch.tensor(float(flops), device=device)).item()  # every rank's: the budget is global
+        total_flops, window_flops, run_flops = total_flops + flops, window_flops + flops, run_flops + flops
         totals[0] += result.loss
         totals[1] += result.count
         if result.updated:
@@ -581,12 +593,15 @@ def main(argv: list[str] | None = None) -> None:
         step += 1
         steps_since += 1
 
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
+        last = step == cfg.max_steps or budget_spent()
+        if step % cfg.log_every == 0 or last:
             t = dict(zip(TOTALS, all_reduce(totals).tolist()))
             skipped = int(all_reduce(torch.tensor(float(skipped_audio), device=device)).item())
             dt = time.time() - t_last - (val_seconds - val_at_last)  # training time of the window
             trained = time.time() - t_start - (val_seconds - val_at_start)
             eta = trained / (step - start_step) * (cfg.max_steps - step)
+            if cfg.budget_flops:  # whichever comes first, the last step or the spent budget
+                eta = min(eta, trained / run_flops * max(cfg.budget_flops - total_flops, 0.0))
             mem = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else rss_gb()
             values = {"train/loss": t["loss"] / max(t["targets"], 1), "train/lr": scheduler.get_last_lr()[0],
                       "train/grad_norm": result.grad_norm.item(),
@@ -595,26 +610,34 @@ def main(argv: list[str] | None = None) -> None:
                       "train/text_padding": 100 * (1 - t["tokens"] / t["padded_tokens"]) if t["padded_tokens"] else 0.0,
                       "train/audio_s_per_s": t["audio_s"] / dt, "train/tokens_per_s": t["tokens"] / dt,
                       "train/step_time": dt / steps_since, "train/memory_gb": mem, "train/skipped_audio": skipped,
-                      "train/ctc_skipped": int(t["ctc_skipped"])}  # utterances left out of the CTC loss
+                      "train/ctc_skipped": int(t["ctc_skipped"]),  # utterances left out of the CTC loss
+                      "train/flops": total_flops, "train/flops_per_s": window_flops / dt,  # all ranks
+                      "train/mfu": window_flops / dt / world_size / peak,
+                      "train/flop_shapes": len(step_flops.cache)}  # batch shapes counted so far (each a slower step)
             run_log.write(values, step)
             log.info(f"step {step} | loss {values['train/loss']:.3f} | lr {values['train/lr']:.2e} | "
                      f"gnorm {values['train/grad_norm']:.2f} | bs {values['train/batch_size']:.1f} | "
                      f"pad audio {values['train/audio_padding']:.1f}% text {values['train/text_padding']:.1f}% | "
                      f"{values['train/audio_s_per_s']:.1f} audio s/s | {values['train/tokens_per_s']:.0f} tok/s | "
-                     f"{values['train/step_time']:.2f} s/step | mem {mem:.2f} GB | eta {eta / 60:.1f} min"
+                     f"{values['train/step_time']:.2f} s/step | {total_flops:.3g} FLOPs | "
+                     f"{values['train/flops_per_s'] / 1e9:.2f} GFLOP/s | MFU {100 * values['train/mfu']:.1f}% | "
+                     f"mem {mem:.2f} GB | eta {eta / 60:.1f} min"
                      + (f" | {int(t['ctc_skipped'])} utts too short for CTC" if t["ctc_skipped"] else ""))
             totals.zero_()
+            window_flops = 0.0
             t_last, val_at_last, steps_since = time.time(), val_seconds, 0
 
         # A preempted job has a grace period (often ~30 s) to save: a signal skips validation, and
         # one that arrives during validation or a save stops right after it, not after another step.
         stop = stop_requested()
-        if not stop and cfg.val.every > 0 and (step % cfg.val.every == 0 or step == cfg.max_steps):
+        if not stop and cfg.val.every > 0 and (step % cfg.val.every == 0 or last):
             validate(step)
             stop = stop_requested()
-        if stop or step % cfg.ckpt_every == 0 or step == cfg.max_steps:
+        if stop or step % cfg.ckpt_every == 0 or last:
             save(step)
             stop = stop or stop_requested()
+        if budget_spent():
+            log.info("FLOP budget spent at step %d: %.4g of %.4g FLOPs", step, total_flops, cfg.budget_flops)
         if stop:
             log.info("stopping on signal at step %d; rerun the same command to resume", step)
             break

@@ -310,3 +310,13 @@ def test_ssl_pretraining_on_audio_alone_resumes_exactly(tmp_path):
     assert sorted(dev) == [0, 3, 6] and all(0 < v < 10 for v in dev.values())
     ckpt = read_checkpoint(b / "ckpt-00000006", TRAINING_KEYS)
     assert any(k.startswith("heads.") for k in ckpt["model"]) and "quantizer.codebook" in ckpt["model"]
+    # FLOPs: the resumed run continues the count; a budget stops training at the step that spends it.
+    with open(a / "metrics.jsonl") as f:
+        flops = {r["step"]: r["train/flops"] for r in map(json.loads, f) if "train/flops" in r}
+    assert 0 < flops[1] < flops[2] < flops[6]
+    assert ckpt["flops"] == read_checkpoint(a / "ckpt-00000006", TRAINING_KEYS)["flops"] == flops[6]
+    c = tmp_path / "c"
+    p = run_train(c, "max_steps=6", f"budget_flops={(flops[3] + flops[4]) / 2}", *args)
+    assert "FLOP budget spent at step 4" in p.stderr
+    assert read_checkpoint(c / "ckpt-00000004", TRAINING_KEYS)["flops"] == flops[4]
+    assert losses(c) == {s: la[s] for s in (1, 2, 3, 4)}
