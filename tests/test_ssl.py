@@ -1,6 +1,7 @@
 """BEST-RQ (aed/ssl.py): seeded targets, masks inside the utterances, a loss that learns, and
 manifests without text: read for ssl, refused with the line and field named for the rest."""
 
+import dataclasses
 import json
 import os
 
@@ -148,3 +149,25 @@ def test_oom_sizes_ssl_batches_on_1d_buckets():
     step.warm_up(*shapes[-1][1:])
     peaks = [step.peak(n, shapes[-1][1], 2) for n in (1, 4)]
     assert 0 < peaks[0] < peaks[1]  # memory grows with the batch: what the search relies on
+
+
+@pytest.mark.parametrize("encoder_only", [True, False])
+def test_an_ssl_checkpoint_initialises_the_encoder_of_an_aed_and_a_transducer(tmp_path, encoder_only):
+    """init_from: the pretrained encoder loads into an AED with a CTC head and into a transducer; the
+    BEST-RQ quantizer and heads have no place there and are dropped, the rest stays fresh."""
+    from aed.checkpoint import init_from_checkpoint, save_checkpoint
+    from aed.model import AED
+    from aed.transducer import TransducerASR
+
+    ssl = tiny_model()
+    path = save_checkpoint({"model": ssl.state_dict()}, str(tmp_path), 7, keep_last=1)
+    cfg = dataclasses.replace(ssl.cfg, vocab_size=40, dec_d_model=48, dec_layers=1, dec_heads=2, ctc_weight=0.3)
+    for model in (AED(cfg), TransducerASR(cfg, 38, pred_dim=32, joint_dim=32)):
+        fresh = {k: v.clone() for k, v in model.state_dict().items()}
+        note = init_from_checkpoint(model, path, encoder_only)
+        assert "not in this model, dropped: heads, quantizer" in note
+        for k, v in model.state_dict().items():
+            if k.startswith("encoder."):
+                assert torch.equal(v, ssl.state_dict()[k]), k
+            else:
+                assert torch.equal(v, fresh[k]), k  # decoder, CTC head, transducer: as initialised
