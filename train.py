@@ -37,9 +37,9 @@ from aed.config import ConfigError, help_text, load_train_config, resolve_model,
 from aed.data import (Collate, ManifestError, UtteranceDataset, check_audio, duration_batches, encodable,
                       ignore_stop_signals, read_manifest)
 from aed.decoding import DecodingOptions, decode
-from aed.flops import StepFlops, matmul_peak
 from aed.distributed import (all_gather_objects, all_reduce, barrier, cleanup, gather_objects, init_distributed,
                              peer_lost)
+from aed.flops import StepFlops, matmul_peak
 from aed.memory import format_bytes, parse_bytes
 from aed.metrics import corpus_scores
 from aed.shards import MixedSource, ShardDataset, ShardSource
