@@ -291,32 +291,29 @@ def audio_only(src, dst):
 
 
 @pytest.mark.slow
-def test_ssl_pretraining_on_audio_alone_resumes_exactly(tmp_path):
+def test_ssl_pretraining_on_audio_alone_stops_at_a_flop_budget_and_resumes_exactly(tmp_path):
     train_m = audio_only(os.path.join(MINI, "train.jsonl"), tmp_path / "train.jsonl")
     dev_m = audio_only(os.path.join(MINI, "dev.jsonl"), tmp_path / "dev.jsonl")
     args = ["objective=ssl", f"train.manifests=[{train_m}]", f"val.manifests=[{dev_m}]", "ssl.codebook_size=64",
-            "ckpt_every=100", "val.every=3"]
+            "ckpt_every=100", "val.every=3", "max_steps=6"]
     a, b = tmp_path / "a", tmp_path / "b"
-    run_train(a, "max_steps=6", *args)
-    run_train(b, "max_steps=3", *args)
-    p = run_train(b, "max_steps=6", *args)
+    run_train(a, *args)
+    with open(a / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    flops = {r["step"]: r["train/flops"] for r in rows if "train/flops" in r}
+    assert 0 < flops[1] < flops[2] < flops[6]
+    # b: stopped by a FLOP budget that step 3 spends (validated and checkpointed there), then resumed.
+    p = run_train(b, *args, f"budget_flops={(flops[2] + flops[3]) / 2}")
+    assert "FLOP budget spent at step 3" in p.stderr
+    assert read_checkpoint(b / "ckpt-00000003", TRAINING_KEYS)["flops"] == flops[3]
+    p = run_train(b, *args)
     assert "resumed from" in p.stderr and "at step 3" in p.stderr
     assert "text 0.0%" in p.stderr  # 1D buckets, no tokens
     la, lb = losses(a), losses(b)
     assert sorted(la) == sorted(lb) == [1, 2, 3, 4, 5, 6]
     assert all(la[s] == lb[s] for s in la), (la, lb)  # bitwise: same batches, masks and dropout
-    with open(a / "metrics.jsonl") as f:
-        dev = {r["step"]: r["val/dev/loss"] for r in map(json.loads, f) if "val/dev/loss" in r}
+    dev = {r["step"]: r["val/dev/loss"] for r in rows if "val/dev/loss" in r}
     assert sorted(dev) == [0, 3, 6] and all(0 < v < 10 for v in dev.values())
     ckpt = read_checkpoint(b / "ckpt-00000006", TRAINING_KEYS)
     assert any(k.startswith("heads.") for k in ckpt["model"]) and "quantizer.codebook" in ckpt["model"]
-    # FLOPs: the resumed run continues the count; a budget stops training at the step that spends it.
-    with open(a / "metrics.jsonl") as f:
-        flops = {r["step"]: r["train/flops"] for r in map(json.loads, f) if "train/flops" in r}
-    assert 0 < flops[1] < flops[2] < flops[6]
-    assert ckpt["flops"] == read_checkpoint(a / "ckpt-00000006", TRAINING_KEYS)["flops"] == flops[6]
-    c = tmp_path / "c"
-    p = run_train(c, "max_steps=6", f"budget_flops={(flops[3] + flops[4]) / 2}", *args)
-    assert "FLOP budget spent at step 4" in p.stderr
-    assert read_checkpoint(c / "ckpt-00000004", TRAINING_KEYS)["flops"] == flops[4]
-    assert losses(c) == {s: la[s] for s in (1, 2, 3, 4)}
+    assert ckpt["flops"] == read_checkpoint(a / "ckpt-00000006", TRAINING_KEYS)["flops"] == flops[6]  # continued
