@@ -40,7 +40,7 @@ class SSLConfig:
     mask_prob: float = 0.01  # probability that a feature frame starts a masked span (BEST-RQ, NeMo NEST: 0.01)
     mask_span: int = 40  # frames per masked span: 400 ms at a 10 ms hop (BEST-RQ, NeMo NEST: 40)
     noise_std: float = 0.1  # masked frames are replaced by N(0, noise_std^2) noise (BEST-RQ: 0.1)
-    codebooks: int = 1  # independent quantizers, one head and one target each (BEST-RQ's multi-codebook variant: 16)
+    codebooks: int = 1  # independent quantizers, one head and one target each (BEST-RQ, NeMo NEST: 1)
     codebook_size: int = 8192  # codewords per codebook = classes of each head (BEST-RQ, NeMo NEST: 8192)
     codebook_dim: int = 16  # width of the random projection and the codewords (BEST-RQ, NeMo NEST: 16)
 

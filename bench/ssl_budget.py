@@ -2,7 +2,7 @@
 Self-Supervised Speech Foundation Models on a Compute Budget").
 
     python bench/ssl_budget.py --plot docs/ssl_budget.png     # the study: ~25 min on 2 loaded cores
-    python bench/ssl_budget.py --quick                        # every run for a few steps (tests/test_ssl_budget.py)
+    python bench/ssl_budget.py --quick                        # every run for a few steps, ~35 s (tests/test_ssl_budget.py)
 
 Every pretraining run is `train.py configs/tiny-ssl.yaml` (BEST-RQ, aed/ssl.py) stopped by the same
 FLOP budget (`budget_flops`, counted by aed/flops.py); every fine-tune is `train.py configs/tiny.yaml`
@@ -26,9 +26,11 @@ The score is the fine-tuned model's dev loss, or dev WER when some fine-tuned mo
 
 import argparse
 import json
+import logging
 import os
 import random
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -110,6 +112,29 @@ def pretraining_sets(quick: bool, data: Path, work: Path) -> dict:
 # --- runs ------------------------------------------------------------------------------------------
 
 
+def train_py(args: list, log_path: Path, quick: bool) -> None:
+    """`python train.py ...` as a subprocess; with --quick in this process instead (the same main(),
+    its log written to log_path), which saves each of the 11 runs importing torch and aed again."""
+    if not quick:
+        run_script(args, log_path)
+        return
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    log(f"$ {shlex.join(str(a) for a in args)}  (in this process)")
+    root, handler, cwd = logging.getLogger(), logging.FileHandler(log_path, mode="w"), os.getcwd()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    root.addHandler(handler)  # before train.main: its logging.basicConfig then adds no stderr handler
+    root.setLevel(logging.INFO)
+    os.chdir(ROOT)
+    try:
+        train.main([str(a) for a in args[1:]])
+    finally:
+        os.chdir(cwd)
+        root.removeHandler(handler)
+        handler.close()
+
+
 def last_row(rows: list, key: str):
     return next((r for r in reversed(rows) if key in r), None)
 
@@ -123,7 +148,7 @@ def pretrain(name: str, dims, manifest: Path, mode: dict, work: Path) -> dict:
     if mode["quick"]:
         args += QUICK_ARGS
     t0 = time.time()
-    run_script(args, work / f"ssl_{name}.log")
+    train_py(args, work / f"ssl_{name}.log", mode["quick"])
     rows = read_metrics(run_dir)
     train = [r for r in rows if "train/step_time" in r]
     step = max(r["step"] for r in train)
@@ -148,7 +173,7 @@ def finetune(name: str, dims, init: str | None, mode: dict, work: Path, seed: in
     if mode["quick"]:  # an untrained decoder babbles to its last position: a short one
         args += QUICK_ARGS + ["model.dec_d_model=32", "model.dec_layers=1", "model.dec_heads=2", "model.dec_max_len=64"]
     t0 = time.time()
-    run_script(args, work / f"ft_{name}.log")
+    train_py(args, work / f"ft_{name}.log", mode["quick"])
     rows = read_metrics(run_dir)
     final = last_row(rows, "val/dev/loss")
     result = {"dev_loss": final["val/dev/loss"], "dev_wer": final["val/dev/wer"], "steps": steps,
