@@ -31,8 +31,8 @@ buckets). For each bucket, from the largest to the smallest:
    random tokens of its token bound U (1D bins: U = the bin's max tokens/s x d, from bins.max_tps
    or --max-tps; filter the data with train.max_tps to match, or outliers may not fit).
 2. One full training step, the very function train.py runs (`aed.training.train_step`: zero_grad,
-   SpecAugment, forward, loss, backward, clip, AdamW step), for the config's objective (aed or
-   rnnt) and precision, with its peak memory measured: on CUDA by the
+   SpecAugment, forward, loss, backward, clip, AdamW step), for the config's objective (aed,
+   rnnt or ssl; ssl's 1D bins get 2-token batches, as it reads no text) and precision, with its peak memory measured: on CUDA by the
    allocator under set_per_process_memory_fraction, on CPU by tracking live tensor storages
    (aed/memory.py). No formula: every number comes from running the step.
 3. Double the batch while it fits, then bisect between the largest fit and the smallest failure
@@ -65,6 +65,7 @@ from aed.data import Batch
 from aed.manifest_bins import bins_from_manifests
 from aed.memory import OutOfMemory, format_bytes, parse_bytes, peak_memory
 from aed.memory_model import MemoryModel
+from aed.ssl import BestRQ
 from aed.transducer import TransducerASR
 from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice, allocated_limit
 from aed.tokenizer import Tokenizer
@@ -120,7 +121,7 @@ class TrainingStep:
         self.device = next(model.parameters()).device
         self.vocab_size = text_vocab_size or model.cfg.vocab_size
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "fp16")
-        self.spec_augment = (spec_augment or SpecAugment()).train()
+        self.spec_augment = spec_augment if spec_augment is not None else SpecAugment()  # in its own mode (ssl: off)
         # DDP holds its gradient buckets, one more copy of every gradient, for the whole run.
         ddp_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if ddp else 0
         self.ddp_buckets = torch.empty(ddp_bytes, dtype=torch.uint8, device=self.device)
@@ -345,7 +346,7 @@ def load_training_setup(path: str, device: torch.device, precision: str | None =
     if not simulated:  # fake parameters cannot move (and are on the CPU already)
         model = model.to(device)
     return TrainingSetup(model, build_optimizer(model, cfg.optim), cfg.features,
-                         SpecAugment(cfg.spec_augment), precision, tokenizer.vocab_size)
+                         SpecAugment(cfg.spec_augment).train(cfg.objective != "ssl"), precision, tokenizer.vocab_size)
 
 
 def device_memory(device: torch.device) -> int:
@@ -445,7 +446,8 @@ def main(argv=None) -> None:
         model, features, precision = setup.model, setup.features, setup.precision
         try:
             bins = bins or Bins.load(args.bins)
-            shapes = bucket_shapes(bins, features, model.cfg.dec_max_len, args.max_tps)
+            max_tps = 0.0 if isinstance(model, BestRQ) and args.max_tps is None else args.max_tps  # no tokens
+            shapes = bucket_shapes(bins, features, model.cfg.dec_max_len, max_tps)
             total = parse_bytes(args.simulate_memory) if simulated else device_memory(device)
             budget_bytes = parse_bytes(args.memory_budget) if args.memory_budget else int(args.memory_fraction * total)
         except (OSError, ValueError) as e:

@@ -40,6 +40,7 @@ from aed.data import (Collate, ManifestError, UtteranceDataset, check_audio, dur
 from aed.decoding import DecodingOptions, decode
 from aed.distributed import (all_gather_objects, all_reduce, barrier, cleanup, gather_objects, init_distributed,
                              peer_lost)
+from aed.flops import StepFlops, matmul_peak
 from aed.memory import format_bytes, parse_bytes
 from aed.metrics import corpus_scores
 from aed.shards import MixedSource, ShardDataset, ShardSource
@@ -90,15 +91,19 @@ def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_
     """Manifests (paths or {path, weight}) -> (utterances, token counts); weight w repeats a
     manifest's utterances int(w) times per epoch plus a random fraction w - int(w) of them.
     Lines the tokenizer cannot encode and (with check_audio) utterances whose audio is unreadable
-    or disagrees with its duration are skipped and counted, or stop the run without skip_invalid."""
+    or disagrees with its duration are skipped and counted, or stop the run without skip_invalid.
+    tokenizer None (objective=ssl): audio-only lines are read, and every token count is 0."""
     rng = random.Random(seed)
     out, out_tokens = [], []
     for spec in specs:
         spec = {"path": spec} if isinstance(spec, str) else spec
         if set(spec) - {"path", "weight"} or "path" not in spec:
             raise ConfigError(f"train.manifests entry {spec!r}: expected a path or {{path, weight}}")
-        utts = read_manifest(spec["path"], skip_invalid=data_cfg.skip_invalid)
-        utts, num_tokens = encodable(utts, tokenizer, data_cfg.skip_invalid)
+        utts = read_manifest(spec["path"], skip_invalid=data_cfg.skip_invalid, needs_text=tokenizer is not None)
+        if tokenizer is not None:
+            utts, num_tokens = encodable(utts, tokenizer, data_cfg.skip_invalid)
+        else:
+            num_tokens = [0] * len(utts)
         if data_cfg.check_audio:
             utts, num_tokens = with_valid_audio(spec["path"], utts, num_tokens, data_cfg, rank, world_size)
         weight = float(spec.get("weight", 1.0))
@@ -138,7 +143,9 @@ def with_valid_audio(path: str, utts: list, num_tokens: list, data_cfg, rank: in
 
 def build_training_data(cfg, tokenizer, logmel, rank: int, world_size: int, master: bool):
     """(sampler, dataset, bins) for cfg.train: manifests in memory, or tar shards streamed
-    through the sampler's producer thread (then bins come from the source manifests)."""
+    through the sampler's producer thread (then bins come from the source manifests).
+    objective=ssl reads audio alone: no text, 1D (duration) buckets."""
+    ssl = cfg.objective == "ssl"
     sampler_args = dict(allocation=cfg.train.allocation, min_tps=cfg.train.min_tps,
                         max_tps=cfg.train.max_tps, buffer_size=cfg.train.buffer_size, seed=cfg.seed,
                         rank=rank, world_size=world_size, sync_buckets=cfg.train.sync_buckets,
@@ -154,6 +161,8 @@ def build_training_data(cfg, tokenizer, logmel, rank: int, world_size: int, mast
 
     shard_specs = [s for s in cfg.train.manifests if isinstance(s, dict) and "shards" in s]
     if shard_specs:
+        if ssl:
+            raise ConfigError("objective=ssl reads manifests (audio-only lines are fine), not tar shards")
         if len(shard_specs) != len(cfg.train.manifests) or bins is None:
             raise ConfigError("sharded training needs every train.manifests entry as {shards: DIR} "
                               "(convert manifests with tools/make_shards.py) and train.bins or train.batch_sizes")
@@ -166,7 +175,8 @@ def build_training_data(cfg, tokenizer, logmel, rank: int, world_size: int, mast
             sources, [float(s.get("weight", 1.0)) for s in shard_specs])
         return BucketingSampler(source, bins, **sampler_args), ShardDataset(tokenizer, logmel, seed=cfg.seed), bins
 
-    utts, num_tokens = load_examples(cfg.train.manifests, cfg.train, tokenizer, cfg.seed, rank, world_size)
+    utts, num_tokens = load_examples(cfg.train.manifests, cfg.train, None if ssl else tokenizer, cfg.seed, rank,
+                                     world_size)
     too_long = [i for i, n in enumerate(num_tokens) if n > cfg.model.dec_max_len]
     if too_long:
         log.warning("dropping %d utterances whose prompt+text exceed dec_max_len=%d tokens, e.g. %s",
@@ -174,13 +184,13 @@ def build_training_data(cfg, tokenizer, logmel, rank: int, world_size: int, mast
         keep = sorted(set(range(len(utts))) - set(too_long))
         utts, num_tokens = [utts[i] for i in keep], [num_tokens[i] for i in keep]
     if bins is None:
-        bins = estimate_bins([u.duration for u in utts], num_tokens, cfg.train.num_buckets, cfg.train.sub_buckets,
-                             method=cfg.train.bin_method)
+        bins = estimate_bins([u.duration for u in utts], num_tokens, cfg.train.num_buckets,
+                             1 if ssl else cfg.train.sub_buckets, method=cfg.train.bin_method)
         if master:
             bins.save(os.path.join(cfg.run_dir, "bins.json"))
     examples = [{"duration": u.duration, "num_tokens": n} for u, n in zip(utts, num_tokens)]
     sampler = BucketingSampler(examples, bins, **sampler_args, yield_indices=True)
-    return sampler, UtteranceDataset(utts, tokenizer, logmel, seed=cfg.seed), bins
+    return sampler, UtteranceDataset(utts, None if ssl else tokenizer, logmel, seed=cfg.seed), bins
 
 
 class CountingBatches:
@@ -253,6 +263,36 @@ def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, 
             results[f"{name}/wer"] = asr_wer
         results[f"{name}/examples"] = [f"{r[1]}->{r[2]} REF: {r[3]} | HYP: {r[4]}"
                                        for r in rows[: cfg.val.num_examples]]
+    train_mode(model, cfg.freeze)
+    return results
+
+
+@torch.no_grad()
+def evaluate_ssl(model, cfg, val_names: dict, precision: str, rank: int, world_size: int, bad_audio: set) -> dict:
+    """objective=ssl: the masked-prediction loss on every validation manifest (audio-only lines are
+    fine). Masks come from a generator reseeded for every validation, so each one masks the same
+    frames (losses of different steps compare) and training's random stream is left alone."""
+    device = next(model.parameters()).device
+    model.eval()
+    logmel, collate, results = LogMel(cfg.features).eval(), Collate(0), {}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(cfg.seed + rank)
+        for name, path in val_names.items():
+            utts = read_manifest(path, cfg.train.skip_invalid, needs_text=False)[: cfg.val.max_utterances]
+            order = sorted(range(len(utts)), key=lambda i: utts[i].duration)[rank::world_size]
+            ds = UtteranceDataset([utts[i] for i in order], None, logmel)
+            totals = torch.zeros(2, device=device)
+            for group in duration_batches([u.duration for u in ds.utterances], cfg.val.batch_duration):
+                b = collate([ds[j] for j in group]).to(device)
+                for err in set(b.errors) - bad_audio:
+                    log.warning("validation: skipped unreadable audio (logged once per run): %s", err)
+                    bad_audio.add(err)
+                if len(b):
+                    with autocast(device, precision):
+                        loss, n = model(b.feats, b.feat_lens)
+                    totals += torch.stack([loss.float(), n.float()])
+            totals = all_reduce(totals)
+            results[f"{name}/loss"] = (totals[0] / totals[1].clamp(min=1)).item()
     train_mode(model, cfg.freeze)
     return results
 
@@ -373,7 +413,8 @@ def main(argv: list[str] | None = None) -> None:
                           worker_init_fn=ignore_stop_signals,
                           generator=torch.Generator().manual_seed(cfg.seed))
 
-    spec_augment = SpecAugment(cfg.spec_augment).train().to(device)
+    # BEST-RQ's masking is its augmentation, and its targets come from the features as loaded.
+    spec_augment = SpecAugment(cfg.spec_augment).train(cfg.objective != "ssl").to(device)
 
     # --- model and optimizer
     try:
@@ -384,12 +425,14 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.optim))
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    log.info("model: %.2fM parameters (encoder %d x %d, decoder %d x %d), precision %s, device %s",
-             sum(p.numel() for p in model.parameters()) / 1e6, cfg.model.enc_layers,
-             cfg.model.enc_d_model, cfg.model.dec_layers, cfg.model.dec_d_model, precision, device)
+    head = (f"{cfg.ssl.codebooks} BEST-RQ head(s) x {cfg.ssl.codebook_size} classes" if cfg.objective == "ssl"
+            else f"decoder {cfg.model.dec_layers} x {cfg.model.dec_d_model}")
+    log.info("model: %.2fM parameters (encoder %d x %d, %s), precision %s, device %s",
+             sum(p.numel() for p in model.parameters()) / 1e6, cfg.model.enc_layers, cfg.model.enc_d_model, head,
+             precision, device)
 
     # --- resume, or initialise from another checkpoint
-    step = 0
+    step, total_flops = 0, 0.0  # optimizer steps, and the FLOPs they cost on all ranks together (aed/flops.py)
     try:
         ckpt_path, ckpt = load_latest(cfg.run_dir)
     except CheckpointError as e:
@@ -399,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])
-        step = ckpt["step"]
+        step, total_flops = ckpt["step"], ckpt.get("flops", 0.0)  # checkpoints before FLOP accounting have none
         saved_world = len(ckpt["sampler"])
         if saved_world == world_size:
             sampler.load_state_dict(ckpt["sampler"][rank])
@@ -429,7 +472,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             peaks = preflight(model, optimizer, bins, sampler.sizes, parse_bytes(cfg.memory_budget),
                               cfg.features, precision, spec_augment, ddp=world_size > 1,
-                              max_tps=cfg.train.max_tps, text_vocab_size=tokenizer.vocab_size)
+                              max_tps=0.0 if cfg.objective == "ssl" else cfg.train.max_tps,
+                              text_vocab_size=tokenizer.vocab_size)
         except MemoryBudgetError as e:
             sys.exit(f"preflight: {e}")
         log.info("preflight: all %d buckets fit %s (largest peak %s)", len(peaks), cfg.memory_budget,
@@ -454,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
             checksums = [s["checksum"] for s in states]
             if len(set(checksums)) > 1:
                 raise RuntimeError(f"step {step}: ranks disagree on parameters (checksums {checksums})")
-            state |= {"step": step, "model_config": dataclasses.asdict(cfg.model),
+            state |= {"step": step, "flops": total_flops, "model_config": dataclasses.asdict(cfg.model),
                       "features": dataclasses.asdict(cfg.features), "tokenizer": pack_dir(cfg.train.tokenizer),
                       "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                       "sampler": [s["sampler"] for s in states], "rng": [s["rng"] for s in states],
@@ -487,7 +531,8 @@ def main(argv: list[str] | None = None) -> None:
     def validate(step: int) -> None:
         nonlocal val_seconds
         t0 = time.time()
-        res = evaluate(model, cfg, val_names, tokenizer, precision, rank, world_size, bad_audio)
+        res = (evaluate_ssl(model, cfg, val_names, precision, rank, world_size, bad_audio) if cfg.objective == "ssl"
+               else evaluate(model, cfg, val_names, tokenizer, precision, rank, world_size, bad_audio))
         val_seconds += time.time() - t0
         run_log.write({f"val/{k}": v for k, v in res.items()} | {"val/seconds": time.time() - t0}, step)
         for k, v in res.items():
@@ -514,10 +559,18 @@ def main(argv: list[str] | None = None) -> None:
     totals = torch.zeros(len(TOTALS), device=device)
     if step == 0 and cfg.val.every > 0:
         validate(0)
+    step_flops, window_flops, run_flops = StepFlops(), 0.0, 0.0
+    peak = matmul_peak(device, precision)  # per device: MFU is FLOP/s per rank over this
+    log.info("matmul peak %.3g FLOP/s per device (%s, measured); FLOPs so far %.4g%s", peak, precision, total_flops,
+             f" of a {cfg.budget_flops:.4g} budget" if cfg.budget_flops else "")
+
+    def budget_spent() -> bool:
+        return cfg.budget_flops is not None and total_flops >= cfg.budget_flops
+
     t_start, t_last, val_at_last, steps_since, start_step = time.time(), time.time(), val_seconds, 0, step
     val_at_start = val_seconds  # the step-0 validation ran before t_start: not to be subtracted again
 
-    while step < cfg.max_steps:
+    while step < cfg.max_steps and not budget_spent():
         micro = []
         while len(micro) < cfg.optim.grad_accum:
             batch = next(loader)
@@ -530,8 +583,11 @@ def main(argv: list[str] | None = None) -> None:
                 micro.append(batch)
         num_targets = all_reduce(torch.tensor(float(count_targets(model, micro)), device=device))
         totals += batch_totals(model, micro, frame_s, device)
-        result = train_step(fwd_model, micro, optimizer, scaler, spec_augment, precision, cfg.optim.clip_grad,
-                            num_targets, world_size, ddp_model.no_sync if world_size > 1 else None)
+        result, flops = step_flops.run(lambda: train_step(
+            fwd_model, micro, optimizer, scaler, spec_augment, precision, cfg.optim.clip_grad, num_targets,
+            world_size, ddp_model.no_sync if world_size > 1 else None), micro)
+        flops = all_reduce(torch.tensor(float(flops), device=device)).item()  # every rank's: the budget is global
+        total_flops, window_flops, run_flops = total_flops + flops, window_flops + flops, run_flops + flops
         totals[0] += result.loss
         totals[1] += result.count
         if result.updated:
@@ -546,40 +602,51 @@ def main(argv: list[str] | None = None) -> None:
         step += 1
         steps_since += 1
 
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
+        last = step == cfg.max_steps or budget_spent()
+        if step % cfg.log_every == 0 or last:
             t = dict(zip(TOTALS, all_reduce(totals).tolist()))
             skipped = int(all_reduce(torch.tensor(float(skipped_audio), device=device)).item())
             dt = time.time() - t_last - (val_seconds - val_at_last)  # training time of the window
             trained = time.time() - t_start - (val_seconds - val_at_start)
             eta = trained / (step - start_step) * (cfg.max_steps - step)
+            if cfg.budget_flops:  # whichever comes first, the last step or the spent budget
+                eta = min(eta, trained / run_flops * max(cfg.budget_flops - total_flops, 0.0))
             mem = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else rss_gb()
             values = {"train/loss": t["loss"] / max(t["targets"], 1), "train/lr": scheduler.get_last_lr()[0],
                       "train/grad_norm": result.grad_norm.item(),
                       "train/batch_size": t["utterances"] / steps_since / world_size,  # per rank and step
                       "train/audio_padding": 100 * (1 - t["frames"] / t["padded_frames"]),
-                      "train/text_padding": 100 * (1 - t["tokens"] / t["padded_tokens"]),
+                      "train/text_padding": 100 * (1 - t["tokens"] / t["padded_tokens"]) if t["padded_tokens"] else 0.0,
                       "train/audio_s_per_s": t["audio_s"] / dt, "train/tokens_per_s": t["tokens"] / dt,
                       "train/step_time": dt / steps_since, "train/memory_gb": mem, "train/skipped_audio": skipped,
-                      "train/ctc_skipped": int(t["ctc_skipped"])}  # utterances left out of the CTC loss
+                      "train/ctc_skipped": int(t["ctc_skipped"]),  # utterances left out of the CTC loss
+                      "train/flops": total_flops, "train/flops_per_s": window_flops / dt,  # all ranks
+                      "train/mfu": window_flops / dt / world_size / peak,
+                      "train/flop_shapes": len(step_flops.cache)}  # batch shapes counted so far (each a slower step)
             run_log.write(values, step)
             log.info(f"step {step} | loss {values['train/loss']:.3f} | lr {values['train/lr']:.2e} | "
                      f"gnorm {values['train/grad_norm']:.2f} | bs {values['train/batch_size']:.1f} | "
                      f"pad audio {values['train/audio_padding']:.1f}% text {values['train/text_padding']:.1f}% | "
                      f"{values['train/audio_s_per_s']:.1f} audio s/s | {values['train/tokens_per_s']:.0f} tok/s | "
-                     f"{values['train/step_time']:.2f} s/step | mem {mem:.2f} GB | eta {eta / 60:.1f} min"
+                     f"{values['train/step_time']:.2f} s/step | {total_flops:.3g} FLOPs | "
+                     f"{values['train/flops_per_s'] / 1e9:.2f} GFLOP/s | MFU {100 * values['train/mfu']:.1f}% | "
+                     f"mem {mem:.2f} GB | eta {eta / 60:.1f} min"
                      + (f" | {int(t['ctc_skipped'])} utts too short for CTC" if t["ctc_skipped"] else ""))
             totals.zero_()
+            window_flops = 0.0
             t_last, val_at_last, steps_since = time.time(), val_seconds, 0
 
         # A preempted job has a grace period (often ~30 s) to save: a signal skips validation, and
         # one that arrives during validation or a save stops right after it, not after another step.
         stop = stop_requested()
-        if not stop and cfg.val.every > 0 and (step % cfg.val.every == 0 or step == cfg.max_steps):
+        if not stop and cfg.val.every > 0 and (step % cfg.val.every == 0 or last):
             validate(step)
             stop = stop_requested()
-        if stop or step % cfg.ckpt_every == 0 or step == cfg.max_steps:
+        if stop or step % cfg.ckpt_every == 0 or last:
             save(step)
             stop = stop or stop_requested()
+        if budget_spent():
+            log.info("FLOP budget spent at step %d: %.4g of %.4g FLOPs", step, total_flops, cfg.budget_flops)
         if stop:
             log.info("stopping on signal at step %d; rerun the same command to resume", step)
             break

@@ -287,7 +287,9 @@ def grow_vocabulary(state: dict, size: int) -> list[str]:
 def init_from_checkpoint(model: torch.nn.Module, path: str, encoder_only: bool = False) -> str:
     """Initialise `model` (a fresh run) with the weights of the checkpoint at `path`; returns a
     summary for the log. Tensors of equal name and shape are copied; encoder_only copies only
-    `encoder.*` (an rnnt-pretrained encoder into an AED; extra layers stay random). Raises
+    `encoder.*` (an rnnt- or ssl-pretrained encoder into an AED; extra layers stay random). A
+    checkpoint of another objective loads the same way: what `model` lacks (a BEST-RQ run's
+    quantizer and heads, a transducer's joint) is dropped and listed. Raises
     ValueError listing every tensor whose shape differs.
 
     A tokenizer with blocks appended (a new language's SentencePiece model: tools/add_language.py)
@@ -298,7 +300,7 @@ def init_from_checkpoint(model: torch.nn.Module, path: str, encoder_only: bool =
     prefix = "encoder." if encoder_only else ""
     notes = []
     size = own[VOCAB_ROWS[0]].shape[0] if VOCAB_ROWS[0] in own else None
-    if not encoder_only and size is not None and src[VOCAB_ROWS[0]].shape[0] < size:
+    if not encoder_only and size is not None and VOCAB_ROWS[0] in src and src[VOCAB_ROWS[0]].shape[0] < size:
         notes = grow_vocabulary(src, size)
     mismatched = [f"{k}: {tuple(v.shape)} -> {tuple(own[k].shape)}" for k, v in src.items()
                   if k.startswith(prefix) and k in own and own[k].shape != v.shape]
@@ -307,8 +309,10 @@ def init_from_checkpoint(model: torch.nn.Module, path: str, encoder_only: bool =
     loadable = {k: v for k, v in src.items() if k.startswith(prefix) and k in own}
     model.load_state_dict(loadable, strict=False)
     fresh = sorted({".".join(k.split(".")[:3]) for k in own if k.startswith(prefix) and k not in loadable})
+    dropped = sorted({k.split(".")[0] for k in src if k not in own})
     return (f"loaded {len(loadable)} tensors{' (encoder only)' if encoder_only else ''}"
-            + "".join(f"; {n}" for n in notes) + f"; left random: {', '.join(fresh) or 'nothing'}")
+            + "".join(f"; {n}" for n in notes) + f"; left random: {', '.join(fresh) or 'nothing'}"
+            + (f"; not in this model, dropped: {', '.join(dropped)}" if dropped else ""))
 
 
 def rng_state(device: torch.device) -> dict:

@@ -30,6 +30,7 @@ import yaml
 from aed.audio import FeatureConfig, SpecAugmentConfig
 from aed.model import AEDConfig
 from aed.normalize import NORMALIZERS
+from aed.ssl import SSLConfig
 
 
 class ConfigError(ValueError):
@@ -101,11 +102,12 @@ class OptimConfig:
 class TrainConfig:
     run_dir: str = "runs/tiny"  # checkpoints, metrics.jsonl, TensorBoard events, resolved config
     seed: int = 0  # data order, initialisation, dropout and SpecAugment
-    objective: str = "aed"  # aed: encoder-decoder cross-entropy | rnnt: encoder + transducer (encoder pretraining)
+    objective: str = "aed"  # aed: encoder-decoder cross-entropy | rnnt: encoder + transducer (encoder pretraining) | ssl: BEST-RQ on audio alone (encoder pretraining, section ssl)
     rnnt_chunk_size: int = 4  # rnnt: samples per joint tensor (1 = least memory, B = batched speed)
     rnnt_pred_dim: int = 640  # rnnt: predictor width (NeMo's default)
     rnnt_joint_dim: int = 640  # rnnt: joint width; the (B, T', U+1, H) joint dominates a small model's step
     max_steps: int = 100000  # optimizer steps of the whole run
+    budget_flops: float | None = None  # stop (and checkpoint) once training has spent this many FLOPs, all ranks together (aed/flops.py)
     log_every: int = 10  # steps between progress lines
     ckpt_every: int = 1000  # steps between checkpoints (and at the end, and on SIGTERM/SIGUSR1)
     keep_last: int = 3  # checkpoints kept in run_dir
@@ -124,10 +126,11 @@ class TrainConfig:
     train: DataConfig = field(default_factory=DataConfig)  # training data and batching
     val: ValConfig = field(default_factory=ValConfig)  # validation
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer and schedule
+    ssl: SSLConfig = field(default_factory=SSLConfig)  # objective=ssl: masking and random-projection targets (aed/ssl.py)
 
     def __post_init__(self):
-        if self.objective not in ("aed", "rnnt"):
-            raise ConfigError(f"objective: expected aed or rnnt, got {self.objective!r}")
+        if self.objective not in ("aed", "rnnt", "ssl"):
+            raise ConfigError(f"objective: expected aed, rnnt or ssl, got {self.objective!r}")
         if self.freeze not in FREEZE:
             raise ConfigError(f"freeze: expected one of {FREEZE}, got {self.freeze!r}")
         if self.freeze == "all_but_new_tokens" and (self.objective != "aed" or not self.init_from

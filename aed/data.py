@@ -138,12 +138,16 @@ def check_task(where: str, source_lang, target_lang, pnc, taskname) -> tuple[str
     return source_lang, target_lang, PNC_VALUES[flag], taskname
 
 
-def parse_line(line: str, where: str, base_dir: str) -> Utterance:
-    """A training manifest line -> Utterance: every field but `offset` is required."""
+def parse_line(line: str, where: str, base_dir: str, needs_text: bool = True) -> Utterance:
+    """A training manifest line -> Utterance: every field but `offset` is required. needs_text=False
+    (self-supervised training) reads audio-only lines: audio_filepath and duration; text and task
+    fields become empty defaults and are not checked."""
     d = json_object(line, where)
     path = audio_path(d, where, base_dir)
     duration = seconds(d, "duration", where, positive=True, required=True)
     offset = seconds(d, "offset", where, positive=False)
+    if not needs_text:
+        return Utterance(path, duration, "", "", "", True, "asr", offset or 0.0, where, segment=offset is not None)
     text = reference_text(d)
     if not isinstance(text, str):
         fail(where, "text", "missing (neither 'text' nor 'answer') or not a string")
@@ -153,25 +157,34 @@ def parse_line(line: str, where: str, base_dir: str) -> Utterance:
     return Utterance(path, duration, text, *task, offset or 0.0, where, segment=offset is not None)
 
 
-def iter_manifest(path: str, skip_invalid: bool = False) -> Iterator[Utterance]:
+def iter_manifest(path: str, skip_invalid: bool = False, needs_text: bool = True) -> Iterator[Utterance]:
     """Stream a manifest's utterances. A bad line raises ManifestError, or with `skip_invalid` is
-    logged and counted. Blank lines are ignored."""
+    logged and counted. Blank lines are ignored. A manifest where no line has a transcript is an
+    audio-only one: with needs_text it raises ManifestError naming its first line and `text` even
+    with `skip_invalid`, as skipping every line would leave nothing to train on."""
     base_dir = os.path.dirname(os.path.abspath(path))
-    skipped = 0
+    skipped = kept = 0
+    first_text_error = None
     for where, line in manifest_lines(path):
         try:
-            yield parse_line(line, where, base_dir)
+            yield parse_line(line, where, base_dir, needs_text)
+            kept += 1
         except ManifestError as e:
+            if first_text_error is None and "field 'text'" in str(e):
+                first_text_error = e
             if not skip_invalid:
                 raise
             skipped += 1
             log.warning("skipping invalid manifest line: %s", e)
+    if not kept and first_text_error is not None:
+        raise ManifestError(f"{first_text_error}; no line of {path} has a transcript: an audio-only manifest "
+                            "trains objective=ssl only") from None
     if skipped:
         log.warning("%s: skipped %d invalid line(s)", path, skipped)
 
 
-def read_manifest(path: str, skip_invalid: bool = False) -> list[Utterance]:
-    return list(iter_manifest(path, skip_invalid))
+def read_manifest(path: str, skip_invalid: bool = False, needs_text: bool = True) -> list[Utterance]:
+    return list(iter_manifest(path, skip_invalid, needs_text))
 
 
 # --- dataset items ------------------------------------------------------------------------------
@@ -256,7 +269,8 @@ def make_item(wav: torch.Tensor, utt: Utterance, index: int, tokenizer, logmel: 
 
         {"feats": (T, F), "tokens": prompt + text + EOS ids, "prompt_len", "audio_filepath", "index"}
 
-    or {"error", "audio_filepath"} when the audio is shorter than one frame. Features are per
+    (tokenizer None: no tokens and prompt_len 0, for training on audio alone), or
+    {"error", "audio_filepath"} when the audio is shorter than one frame. Features are per
     utterance (normalisation uses only its frames), so this is exactly what the batched `LogMel`
     gives. Dither noise is seeded by (seed, index): a resumed run sees the same features whichever
     DataLoader worker loads the utterance.
@@ -266,7 +280,7 @@ def make_item(wav: torch.Tensor, utt: Utterance, index: int, tokenizer, logmel: 
         feats, feat_lens = logmel(wav[None], torch.tensor([wav.numel()]))
     if feat_lens[0] == 0:
         return {"error": f"{utt.where}: audio shorter than one frame", "audio_filepath": utt.audio_filepath}
-    tokens, prompt_len = encode_utterance(tokenizer, utt)
+    tokens, prompt_len = encode_utterance(tokenizer, utt) if tokenizer is not None else ([], 0)
     return {"feats": feats[0, : feat_lens[0]], "tokens": tokens, "prompt_len": prompt_len,
             "audio_filepath": utt.audio_filepath, "index": index}
 

@@ -24,6 +24,7 @@ from aed.ctc import infeasible
 from aed.distributed import peer_lost
 from aed.encoder import subsampled_length
 from aed.model import AED, param_groups, text_targets
+from aed.ssl import BestRQ
 from aed.transducer import TransducerASR
 
 log = logging.getLogger(__name__)
@@ -68,12 +69,14 @@ def new_tokens(cfg: TrainConfig, vocab_size: int) -> dict | None:
 
 
 def build_model(cfg: TrainConfig, text_vocab_size: int, added_tokens: dict | None = None) -> nn.Module:
-    """The model `cfg.objective` trains. Both share the encoder and its parameter names, so an
-    rnnt-pretrained encoder loads into an AED (`init_from` with `init_encoder_only`).
+    """The model `cfg.objective` trains. All share the encoder and its parameter names, so an
+    rnnt- or ssl-pretrained encoder loads into an AED (`init_from` with `init_encoder_only`).
     text_vocab_size: the tokenizer's real ids (the transducer's blank comes after them).
     added_tokens: `new_tokens(cfg, ...)`, required by freeze=all_but_new_tokens."""
     if cfg.objective == "aed":
         model = AED(cfg.model)
+    elif cfg.objective == "ssl":
+        model = BestRQ(cfg.model, cfg.ssl, seed=cfg.seed)
     else:
         model = TransducerASR(cfg.model, text_vocab_size, cfg.rnnt_chunk_size,
                               pred_dim=cfg.rnnt_pred_dim, joint_dim=cfg.rnnt_joint_dim)
@@ -138,7 +141,10 @@ def lr_factor(step: int, optim: OptimConfig) -> float:
 
 
 def count_targets(model: nn.Module, batches: list) -> int:
-    """Tokens the loss scores in these batches, counted on the host from their lengths."""
+    """Tokens the loss scores in these batches, counted on the host from their lengths (BEST-RQ:
+    valid encoder frames, aed/ssl.py)."""
+    if isinstance(model, BestRQ):
+        return sum(int(model.count_targets(b.feat_lens).sum()) for b in batches)
     return sum(int(model.count_targets(b.token_lens, b.prompt_lens).sum()) for b in batches)
 
 

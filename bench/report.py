@@ -375,6 +375,9 @@ def scale_section(path: Path = E2_SCALE) -> list:
     return s
 
 
+HAND_WRITTEN = "<!-- hand-written below this line: bench/report.py keeps it when it rewrites the report -->"
+
+
 def write_report(res: dict, out: Path, pngs: list) -> Path:
     m, e2, runs = res["machine"], res["e2"], res["e2"]["runs"]
     def figure(name: str, alt: str) -> str:
@@ -508,7 +511,9 @@ def write_report(res: dict, out: Path, pngs: list) -> Path:
           "- Speeds were taken on 2 cores that other jobs may share (see the load averages); padding, batch sizes and counts are "
           "exact, time ratios are rough."]
     path = out / "REPORT.md"
-    path.write_text("\n".join(s) + "\n")
+    old = path.read_text() if path.exists() else ""
+    kept = "\n" + old[old.index(HAND_WRITTEN):] if HAND_WRITTEN in old else ""  # hand-written sections survive
+    path.write_text("\n".join(s) + "\n" + kept)
     return path
 
 

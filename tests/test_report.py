@@ -43,3 +43,13 @@ def test_quick_report(tmp_path):
             assert not any(c.lower() in ("nan", "none", "inf") for c in row), f"a row with a missing value: {row}"
     run_rows = {r[0]: r for rows in found for r in rows}
     assert {"fixed", "A", "B", "C", "D"} <= set(run_rows), "E2/E4 training runs missing from the tables"
+
+
+def test_rerendering_keeps_the_hand_written_sections(tmp_path):
+    marker = "<!-- hand-written below this line: bench/report.py keeps it when it rewrites the report -->"
+    (tmp_path / "REPORT.md").write_text(f"an older generated part\n\n{marker}\n\n## Mine\nkept as written\n")
+    subprocess.run([sys.executable, "bench/report.py", "--render", "docs/report_results.json", "-o", str(tmp_path)],
+                   cwd=ROOT, check=True, capture_output=True)
+    text = (tmp_path / "REPORT.md").read_text()
+    assert "## E1" in text and "an older generated part" not in text
+    assert text.endswith(f"{marker}\n\n## Mine\nkept as written\n")

@@ -278,3 +278,42 @@ def test_sharded_training_resumes_exactly(tmp_path):
     la, lb = losses(a), losses(b)
     assert sorted(la) == sorted(lb) == [1, 2, 3, 4]
     assert all(la[s] == lb[s] for s in la), (la, lb)
+
+
+def audio_only(src, dst):
+    """`src` manifest reduced to audio_filepath (absolute) and duration: unlabelled audio."""
+    with open(src) as f, open(dst, "w") as out:
+        for line in f:
+            d = json.loads(line)
+            out.write(json.dumps({"audio_filepath": os.path.join(os.path.dirname(src), d["audio_filepath"]),
+                                  "duration": d["duration"]}) + "\n")
+    return dst
+
+
+@pytest.mark.slow
+def test_ssl_pretraining_on_audio_alone_stops_at_a_flop_budget_and_resumes_exactly(tmp_path):
+    train_m = audio_only(os.path.join(MINI, "train.jsonl"), tmp_path / "train.jsonl")
+    dev_m = audio_only(os.path.join(MINI, "dev.jsonl"), tmp_path / "dev.jsonl")
+    args = ["objective=ssl", f"train.manifests=[{train_m}]", f"val.manifests=[{dev_m}]", "ssl.codebook_size=64",
+            "ckpt_every=100", "val.every=3", "max_steps=6"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_train(a, *args)
+    with open(a / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    flops = {r["step"]: r["train/flops"] for r in rows if "train/flops" in r}
+    assert 0 < flops[1] < flops[2] < flops[6]
+    # b: stopped by a FLOP budget that step 3 spends (validated and checkpointed there), then resumed.
+    p = run_train(b, *args, f"budget_flops={(flops[2] + flops[3]) / 2}")
+    assert "FLOP budget spent at step 3" in p.stderr
+    assert read_checkpoint(b / "ckpt-00000003", TRAINING_KEYS)["flops"] == flops[3]
+    p = run_train(b, *args)
+    assert "resumed from" in p.stderr and "at step 3" in p.stderr
+    assert "text 0.0%" in p.stderr  # 1D buckets, no tokens
+    la, lb = losses(a), losses(b)
+    assert sorted(la) == sorted(lb) == [1, 2, 3, 4, 5, 6]
+    assert all(la[s] == lb[s] for s in la), (la, lb)  # bitwise: same batches, masks and dropout
+    dev = {r["step"]: r["val/dev/loss"] for r in rows if "val/dev/loss" in r}
+    assert sorted(dev) == [0, 3, 6] and all(0 < v < 10 for v in dev.values())
+    ckpt = read_checkpoint(b / "ckpt-00000006", TRAINING_KEYS)
+    assert any(k.startswith("heads.") for k in ckpt["model"]) and "quantizer.codebook" in ckpt["model"]
+    assert ckpt["flops"] == read_checkpoint(a / "ckpt-00000006", TRAINING_KEYS)["flops"] == flops[6]  # continued

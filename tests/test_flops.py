@@ -1,0 +1,69 @@
+"""FLOP accounting (aed/flops.py): torch's counter against hand formulas for the encoder's own
+modules, counted once per batch shape, and a measured matmul peak."""
+
+import torch
+
+from aed.encoder import ConformerFeedForward, RelPositionMultiHeadAttention, rel_positional_encoding
+from aed.flops import StepFlops, matmul_peak
+
+
+class Shaped:
+    """The two fields of a batch that `shape_key` reads."""
+
+    def __init__(self, feats, tokens=torch.zeros(0, 0)):
+        self.feats, self.tokens = feats, tokens
+
+
+def test_feed_forward_step_flops_equal_the_hand_formula():
+    """N frames through D -> F -> D, forward and backward, input without gradient: forward 2NDF per
+    Linear; backward 2NDF for each weight gradient and for the input gradient of the second Linear
+    (the first one's input needs none): 10 N D F in all. Biases are not matmul FLOPs."""
+    n, d, f = 37, 24, 96
+    ff = ConformerFeedForward(d, f, dropout=0.0)
+    x = torch.randn(n, d)
+    counter = StepFlops()
+    _, flops = counter.run(lambda: ff(x).sum().backward(), [Shaped(x)])
+    assert flops == 10 * n * d * f
+
+
+def test_relative_position_attention_flops_equal_the_hand_formula():
+    """Forward only: q, k, v, out projections 4 x 2BTD^2; the position table's projection
+    2(2T-1)D^2; position scores (q+v) p^T 2BT(2T-1)D; SDPA's q k^T and weights x v 2 x 2BT^2D."""
+    b, t, d, h = 3, 11, 32, 4
+    att = RelPositionMultiHeadAttention(d, h, dropout_att=0.0).eval()
+    x = torch.randn(b, t, d)
+    pos = rel_positional_encoding(t, d, x.device, x.dtype)
+    with torch.no_grad():
+        _, flops = StepFlops().run(lambda: att(x, pos, torch.zeros(b, t, dtype=torch.bool)), [Shaped(x)])
+    assert flops == 8 * b * t * d * d + 2 * (2 * t - 1) * d * d + 2 * b * t * (2 * t - 1) * d + 4 * b * t * t * d
+
+
+def test_a_shape_is_counted_once_and_looked_up_after():
+    ff = ConformerFeedForward(8, 16, dropout=0.0)
+    counter, runs = StepFlops(), []
+
+    def step(x):
+        runs.append(x.shape)
+        ff(x).sum().backward()
+
+    a, b = torch.randn(5, 8), torch.randn(7, 8)
+    first = counter.run(lambda: step(a), [Shaped(a)])[1]
+    again = counter.run(lambda: step(a), [Shaped(a)])[1]
+    other = counter.run(lambda: step(b), [Shaped(b)])[1]
+    assert first == again == 10 * 5 * 8 * 16 and other == 10 * 7 * 8 * 16
+    assert len(runs) == 3 and len(counter.cache) == 2  # every step ran; two shapes were counted
+
+
+def test_matmul_peak_is_a_plausible_rate():
+    peak = matmul_peak("cpu", "fp32", seconds=0.05)
+    assert 1e8 < peak < 1e13  # any CPU from a slow core to a big socket
+
+
+def test_attention_backward_is_counted_on_the_cpu_too():
+    """SDPA backward recomputes q k^T and takes four more (B, H, T, T) x d products: 5 x 2BHT^2d."""
+    b, h, t, d = 2, 3, 9, 8
+    q, k, v = (torch.randn(b, h, t, d, requires_grad=True) for _ in range(3))
+    _, flops = StepFlops().run(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(t, t)).sum().backward(),
+        [Shaped(q)])
+    assert flops == 2 * 2 * b * h * t * t * d + 5 * 2 * b * h * t * t * d
