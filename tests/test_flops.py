@@ -1,6 +1,7 @@
 """FLOP accounting (aed/flops.py): torch's counter against hand formulas for the encoder's own
 modules, counted once per batch shape, and a measured matmul peak."""
 
+import pytest
 import torch
 
 from aed.encoder import ConformerFeedForward, RelPositionMultiHeadAttention, rel_positional_encoding
@@ -52,6 +53,23 @@ def test_a_shape_is_counted_once_and_looked_up_after():
     other = counter.run(lambda: step(b), [Shaped(b)])[1]
     assert first == again == 10 * 5 * 8 * 16 and other == 10 * 7 * 8 * 16
     assert len(runs) == 3 and len(counter.cache) == 2  # every step ran; two shapes were counted
+
+
+def test_a_fit_of_counted_shapes_predicts_new_ones_only_when_it_checks_out():
+    ff = ConformerFeedForward(8, 16, dropout=0.0)
+    counter = StepFlops(exact=8)
+    for b, t in [(b, t) for b in (1, 2, 3) for t in range(3, 9)]:  # 18 shapes
+        x = torch.randn(b, t, 8)
+        _, flops = counter.run(lambda: ff(x).sum().backward(), [Shaped(x)])
+        assert flops == pytest.approx(10 * b * t * 8 * 16, rel=1e-9)
+    assert len(counter.cache) == 8 and counter.coef is not None  # 8 counted, 10 predicted
+
+    cubic = StepFlops(exact=8)  # 2 n^3 FLOPs: not a sum of the shape terms, so it never takes over
+    for n in range(2, 20):
+        a = torch.randn(n, n)
+        _, flops = cubic.run(lambda: a @ a, [Shaped(a[None])])
+        assert flops == 2 * n**3
+    assert cubic.coef is None and len(cubic.cache) == 18
 
 
 def test_matmul_peak_is_a_plausible_rate():
