@@ -27,3 +27,10 @@ def checkout_on_pythonpath():
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PYTHONPATH", ROOT, prepend=os.pathsep)
         yield
+
+
+def pytest_collection_modifyitems(items):
+    """Slow tests first (stable, so every xdist worker collects the same order): `make test` hands
+    tests to its two workers from the front, so the long ones start early and the short ones fill
+    in around them, instead of one long test running alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
