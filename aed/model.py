@@ -88,15 +88,20 @@ def text_targets(tokens, token_lens, prompt_lens):
     return tokens.gather(1, idx), text_lens
 
 
+def build_encoder(cfg: AEDConfig) -> ConformerEncoder:
+    """The FastConformer encoder of `cfg`: the same module (and parameter names) under every objective."""
+    return ConformerEncoder(
+        cfg.n_mels, cfg.enc_d_model, cfg.enc_layers, cfg.enc_heads, cfg.enc_ff_mult, cfg.conv_kernel,
+        cfg.conv_norm, cfg.subsampling_channels, cfg.enc_dropout, cfg.enc_dropout_pre_encoder, cfg.enc_dropout_att,
+        cfg.enc_xscaling,
+    )
+
+
 class AED(nn.Module):
     def __init__(self, cfg: AEDConfig):
         super().__init__()
         self.cfg = cfg
-        self.encoder = ConformerEncoder(
-            cfg.n_mels, cfg.enc_d_model, cfg.enc_layers, cfg.enc_heads, cfg.enc_ff_mult, cfg.conv_kernel,
-            cfg.conv_norm, cfg.subsampling_channels, cfg.enc_dropout, cfg.enc_dropout_pre_encoder, cfg.enc_dropout_att,
-            cfg.enc_xscaling,
-        )
+        self.encoder = build_encoder(cfg)
         # Canary-180M-Flash: 512-wide encoder feeding a 1024-wide decoder.
         if cfg.enc_d_model != cfg.dec_d_model:
             self.encoder_decoder_proj = nn.Linear(cfg.enc_d_model, cfg.dec_d_model)

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aed.encoder import SUBSAMPLING_STAGES, ConformerEncoder, subsampled_length
+from aed.encoder import SUBSAMPLING_STAGES, subsampled_length
+from aed.model import build_encoder
 
 STACK = 2**SUBSAMPLING_STAGES  # feature frames per encoder frame (and per target)
 MASK_THRESHOLD = 0.8  # an encoder frame is a target when >= 80% of its stacked frames are masked (NeMo's MultiMLMLoss)
@@ -127,11 +128,7 @@ class BestRQ(nn.Module):
         """cfg: the AEDConfig whose encoder fields build the encoder (the decoder fields go unused)."""
         super().__init__()
         self.cfg, self.ssl = cfg, ssl
-        self.encoder = ConformerEncoder(
-            cfg.n_mels, cfg.enc_d_model, cfg.enc_layers, cfg.enc_heads, cfg.enc_ff_mult, cfg.conv_kernel,
-            cfg.conv_norm, cfg.subsampling_channels, cfg.enc_dropout, cfg.enc_dropout_pre_encoder,
-            cfg.enc_dropout_att, cfg.enc_xscaling,
-        )
+        self.encoder = build_encoder(cfg)
         self.quantizer = RandomProjectionQuantizer(STACK * cfg.n_mels, ssl.codebook_dim, ssl.codebook_size,
                                                    ssl.codebooks, seed)
         self.heads = nn.ModuleList(nn.Linear(cfg.enc_d_model, ssl.codebook_size) for _ in range(ssl.codebooks))

@@ -21,8 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aed.encoder import ConformerEncoder
-from aed.model import AEDConfig, text_targets
+from aed.model import AEDConfig, build_encoder, text_targets
 
 
 @dataclass
@@ -305,11 +304,7 @@ class TransducerASR(nn.Module):
                  predictor: str = "lstm", pred_dim: int = 640, joint_dim: int = 640):
         super().__init__()
         self.cfg, self.chunk_size = cfg, chunk_size
-        self.encoder = ConformerEncoder(
-            cfg.n_mels, cfg.enc_d_model, cfg.enc_layers, cfg.enc_heads, cfg.enc_ff_mult, cfg.conv_kernel,
-            cfg.conv_norm, cfg.subsampling_channels, cfg.enc_dropout, cfg.enc_dropout_pre_encoder,
-            cfg.enc_dropout_att, cfg.enc_xscaling,
-        )
+        self.encoder = build_encoder(cfg)
         # Blank is appended after the tokenizer's ids. pred_dim and joint_dim default to NeMo's 640;
         # a tiny model wants less, as the (B, T', U+1, joint_dim) joint dominates its step.
         self.transducer = Transducer(TransducerConfig(
