@@ -25,9 +25,11 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(VENV)/bin/pip install -q -e .
 	touch $@
 
-# Two workers: the suite is mostly single-threaded subprocesses (~14 min on one core, 9-11 on two).
+# Two workers: the suite is mostly single-threaded subprocesses. Slow tests are collected first
+# (tests/conftest.py) and an idle worker takes queued tests from the busy one (worksteal), so the
+# long runs start early and neither worker ends alone on one of them.
 test: venv
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 # Under a minute on 2 CPU cores: all but the tests marked slow (training runs, scripts in subprocesses, overfitting).
 test-fast: venv

@@ -30,7 +30,7 @@ def checkout_on_pythonpath():
 
 
 def pytest_collection_modifyitems(items):
-    """Slow tests first (stable, so every xdist worker collects the same order): `make test` hands
-    tests to its two workers from the front, so the long ones start early and the short ones fill
-    in around them, instead of one long test running alone at the end."""
+    """Slow tests first (stable, so every xdist worker collects the same order): `make test`'s two
+    workers take tests from the front and steal each other's queued ones (--dist worksteal), so the
+    long runs start early and the short ones fill in around them."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
