@@ -99,14 +99,15 @@ class HostValues(TorchDispatchMode):
         return fake
 
     def _mask_to_indices(self, indices):
-        """index/index_put's boolean masks -> the long index tensors they stand for (one per mask dim)."""
+        """index/index_put's boolean masks -> the long index tensors they stand for (one per mask dim).
+        A mask of unknown value (drawn from random numbers, as BEST-RQ's) selects every position:
+        the most memory what follows can take, so the simulated peak stays an upper bound."""
         out = []
         for idx in indices:
             if isinstance(idx, torch.Tensor) and idx.dtype == torch.bool:
-                if self._real(idx) is None:
-                    raise RuntimeError("simulated step: boolean-mask indexing with a mask of unknown value")
                 with _disable_current_modes():
-                    real = self._real(idx).nonzero().unbind(1)
+                    mask = self._real(idx)
+                    real = (torch.ones(idx.shape, dtype=torch.bool) if mask is None else mask).nonzero().unbind(1)
                 out.extend(self._fake_like(i) for i in real)
             else:
                 out.append(idx)

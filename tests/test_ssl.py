@@ -151,6 +151,25 @@ def test_oom_sizes_ssl_batches_on_1d_buckets():
     assert 0 < peaks[0] < peaks[1]  # memory grows with the batch: what the search relies on
 
 
+def test_a_simulated_ssl_step_bounds_the_real_one_from_above():
+    """Fake tensors cannot know BEST-RQ's random masks: the simulator lets them select every frame,
+    so the simulated peak is at least the real one (never under), and not wildly above it."""
+    from aed.simulated_memory import SimulatedDevice
+    from oom import TrainingStep
+
+    def step():
+        torch.manual_seed(0)
+        model = tiny_model().train()
+        s = TrainingStep(model, build_optimizer(model, OptimConfig()))
+        s.warm_up(101, 2)
+        return s
+
+    real = step().peak(4, 401, 2)
+    with SimulatedDevice():
+        simulated = step().peak(4, 401, 2)
+    assert real <= simulated < 2 * real, (real, simulated)
+
+
 @pytest.mark.parametrize("encoder_only", [True, False])
 def test_an_ssl_checkpoint_initialises_the_encoder_of_an_aed_and_a_transducer(tmp_path, encoder_only):
     """init_from: the pretrained encoder loads into an AED with a CTC head and into a transducer; the
