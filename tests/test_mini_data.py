@@ -96,3 +96,26 @@ def test_digit_strings_are_new_in_dev_and_use_only_digit_words():
         train_strings = {key(e["text"]) for e in train if e["source_lang"] == lang}
         dev_strings = {key(e["text"]) for e in dev if e["source_lang"] == lang}
         assert len(train_strings) == 100 and len(dev_strings) == 12 and not train_strings & dev_strings, lang
+
+
+def test_test_split_has_its_own_sentences_and_voices():
+    """--test-per-lang: test sentences are in neither dev nor train, and spoken by voices they never use."""
+    import argparse
+    import random
+
+    from tools.make_mini_data import TEST_VARIANTS, VARIANTS, plan_jobs, split_pool
+
+    assert not set(TEST_VARIANTS) & set(VARIANTS)
+    sentences = [f"sentence number {i}" for i in range(200)]
+    args = argparse.Namespace(dev_per_lang=5, test_per_lang=7, train_per_lang=None, ast_pairs=None)
+    lists = split_pool("en", sentences, random.Random(0), args)
+    assert len(lists[("test", "en")]) == 7 and len(lists[("dev", "en")]) == 5
+    by_split = {split: {s for (sp, _), items in lists.items() if sp == split for s in items}
+                for split in ("train", "dev", "test")}
+    assert sum(map(len, by_split.values())) == len(sentences)  # every sentence lands in exactly one split
+    assert not by_split["test"] & (by_split["train"] | by_split["dev"])
+
+    texts = [("en", "en", s, s) for s in lists[("test", "en")]]
+    jobs = list(plan_jobs("test", texts, random.Random(0), repeat=False, variants=TEST_VARIANTS))
+    assert sorted(j.spoken for j in jobs) == sorted(lists[("test", "en")])
+    assert all(any(j.voice.endswith(v) for v in TEST_VARIANTS if v) for j in jobs)

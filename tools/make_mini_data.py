@@ -20,9 +20,14 @@ A larger corpus for benchmarks, about 10 hours (~15 minutes on 2 cores; sentence
 fresh voices, and train and dev still share no sentence):
     python tools/make_mini_data.py -o /tmp/mini10h --hours 10 --num-workers 2
 
+The laptop recipe's corpus (configs/laptop.yaml; ~5 minutes): 9 hours of train, 150 dev and 240 test
+utterances; the test sentences are in neither train nor dev, and are spoken by voice variants
+(TEST_VARIANTS) that no train or dev utterance uses:
+    python tools/make_mini_data.py -o data/sentences --hours 9 --dev-per-lang 25 --test-per-lang 40
+
 Output (existing audio/ and examples/ sub-folders of the output folder are replaced):
     train.jsonl, dev.jsonl   one utterance per line: audio_filepath (relative to the manifest's
-                             folder), duration, text, source_lang, target_lang, pnc, taskname
+    (test.jsonl)             folder), duration, text, source_lang, target_lang, pnc, taskname
     audio/*.flac             16 kHz mono 16-bit FLAC
     examples/*.wav           three training utterances as WAV files for infer.py, one of them
     examples.jsonl           resampled to 44.1 kHz stereo to exercise the loader's conversions
@@ -50,6 +55,7 @@ import torch
 import torchaudio.functional as AF
 
 LANGS = ("en", "de", "fr", "es")
+SPLITS = ("dev", "test", "train")
 AST_PAIRS = (("en", "es"), ("es", "en"))
 APERTIUM_MODES = {("en", "es"): "eng-spa", ("es", "en"): "spa-eng"}
 APT_PACKAGES = "espeak-ng apertium apertium-eng-spa fortunes fortunes-de fortunes-es gnome-user-docs"
@@ -232,10 +238,12 @@ class Job:
 ACCENTS = {"en": ["en-us", "en-gb", "en-gb-x-rp", "en-gb-scotland"], "de": ["de"],
            "fr": ["fr-fr", "fr-be", "fr-ch"], "es": ["es", "es-419"]}
 VARIANTS = ["", "+m1", "+m2", "+m3", "+m4", "+m5", "+m7", "+f1", "+f2", "+f3", "+f4", "+f5"]
+# The test split's voices: variants no train or dev utterance uses.
+TEST_VARIANTS = ["+m6", "+Andy", "+Annie", "+anika", "+john"]
 
 
 def split_pool(lang, sentences, rng, args):
-    """Shuffle one language's sentences and cut them into disjoint dev/train ASR and AST lists.
+    """Shuffle one language's sentences and cut them into disjoint dev/test/train ASR and AST lists.
 
     Returns {(split, target_lang): [sentence, ...]}; AST lists hold candidates, more than needed,
     because some translations are rejected.
@@ -245,6 +253,9 @@ def split_pool(lang, sentences, rng, args):
     n_ast_dev = AST_CANDIDATE_FACTOR * args.dev_per_lang if lang in ("en", "es") else 0
     dev_asr, pool = pool[:args.dev_per_lang], pool[args.dev_per_lang:]
     dev_ast, pool = pool[:n_ast_dev], pool[n_ast_dev:]
+    n_ast_test = AST_CANDIDATE_FACTOR * args.test_per_lang if lang in ("en", "es") else 0
+    test_asr, pool = pool[:args.test_per_lang], pool[args.test_per_lang:]
+    test_ast, pool = pool[:n_ast_test], pool[n_ast_test:]
     if lang not in ("en", "es"):
         train_ast, train_asr = [], pool
     elif args.ast_pairs is None:  # --hours: a third of what is left becomes translation candidates
@@ -258,11 +269,12 @@ def split_pool(lang, sentences, rng, args):
               f"for ASR, asked for {n_train} / {args.dev_per_lang}")
     other = "es" if lang == "en" else "en"
     return {("dev", lang): dev_asr, ("dev", other): dev_ast,
+            ("test", lang): test_asr, ("test", other): test_ast,
             ("train", lang): train_asr[:n_train], ("train", other): train_ast}
 
 
 def plan_texts(args, rng):
-    """-> {split: [(source_lang, target_lang, spoken, text), ...]} with train/dev disjoint."""
+    """-> {split: [(source_lang, target_lang, spoken, text), ...]} with train, dev and test disjoint."""
     lists = {}
     for lang in LANGS:
         sentences = load_sentences(lang)
@@ -271,27 +283,28 @@ def plan_texts(args, rng):
             lists[(split, lang, tgt)] = items
 
     texts = {split: [(lang, lang, s, s) for lang in LANGS for s in lists[(split, lang, lang)]]
-             for split in ("dev", "train")}
+             for split in SPLITS}
     for src, tgt in AST_PAIRS:
-        for split, other in (("train", "dev"), ("dev", "train")):
-            # A translation can coincide with a sentence of the other split ("Time is money.").
-            taken = {dedup_key(t[i]) for t in texts[other] for i in (2, 3)}
+        for split in ("train", "dev", "test"):
+            # A translation can coincide with a sentence of another split ("Time is money.").
+            taken = {dedup_key(t[i]) for other in SPLITS if other != split for t in texts[other] for i in (2, 3)}
             candidates = lists[(split, src, tgt)]
             translations = translate(candidates, src, tgt) if candidates else []
             pairs = [(src, tgt, s, t) for s, t in zip(candidates, translations)
                      if t is not None and dedup_key(t) not in taken]
-            wanted = args.dev_per_lang if split == "dev" else args.ast_pairs
+            wanted = {"dev": args.dev_per_lang, "test": args.test_per_lang, "train": args.ast_pairs}[split]
             print(f"{split} {src}->{tgt}: {len(pairs)} of {len(candidates)} translations kept"
                   + (f", using {wanted}" if wanted is not None else ""))
             texts[split] += pairs[:wanted]
 
-    # The property the whole set is built around: nothing said or written in dev is in train.
-    train, dev = ({dedup_key(t[i]) for t in texts[split] for i in (2, 3)} for split in ("train", "dev"))
-    assert not train & dev, f"train/dev overlap: {sorted(train & dev)[:5]}"
+    # The property the whole set is built around: nothing said or written in dev or test is in train.
+    keys = {split: {dedup_key(t[i]) for t in texts[split] for i in (2, 3)} for split in SPLITS}
+    for a, b in (("train", "dev"), ("train", "test"), ("dev", "test")):
+        assert not keys[a] & keys[b], f"{a}/{b} overlap: {sorted(keys[a] & keys[b])[:5]}"
     return texts
 
 
-def plan_jobs(split, texts, rng, repeat):
+def plan_jobs(split, texts, rng, repeat, variants=VARIANTS):
     """Yield Jobs for one split, taking turns between the language pairs.
 
     Without `repeat` every text is spoken once. With `repeat` (--hours) each pair cycles through
@@ -313,7 +326,7 @@ def plan_jobs(split, texts, rng, repeat):
                 queues[pair] = rng.sample(groups[pair], len(groups[pair]))
             src, tgt, spoken, text = queues[pair].pop()
             counters[pair] += 1
-            voice = rng.choice(ACCENTS[src]) + rng.choice(VARIANTS)
+            voice = rng.choice(ACCENTS[src]) + rng.choice(variants)
             yield Job(f"{split}_{pair}_{counters[pair]:06d}", src, tgt, spoken, text, voice,
                       rate=rng.randint(150, 210), pitch=rng.randint(30, 70),
                       gain_db=round(rng.uniform(-18.0, -6.0), 1))
@@ -445,6 +458,9 @@ def main():
                         help="distinct ASR train sentences per language (default 60; all with --hours)")
     parser.add_argument("--dev-per-lang", type=int, default=8,
                         help="dev ASR sentences per language and dev pairs per AST direction")
+    parser.add_argument("--test-per-lang", type=int, default=0,
+                        help="test ASR sentences per language and test pairs per AST direction, "
+                             "spoken by voices no train or dev utterance uses (default 0: no test split)")
     parser.add_argument("--ast-pairs", type=int, default=None,
                         help="distinct train pairs per AST direction (default 25; all with --hours)")
     parser.add_argument("--hours", type=float, default=None,
@@ -466,15 +482,21 @@ def main():
     os.makedirs(os.path.join(args.output, "audio"))
     with multiprocessing.get_context("fork").Pool(args.num_workers, initializer=_worker_init) as pool:
         dev = run_split("dev", plan_jobs("dev", texts["dev"], rng, repeat=False), args.output, pool, None)
+        test = run_split("test", plan_jobs("test", texts["test"], rng, repeat=False, variants=TEST_VARIANTS),
+                         args.output, pool, None)
         train = run_split("train", plan_jobs("train", texts["train"], rng, repeat=args.hours is not None),
                           args.output, pool, args.hours)
     write_manifest(os.path.join(args.output, "dev.jsonl"), dev)
     write_manifest(os.path.join(args.output, "train.jsonl"), train)
+    if test:
+        write_manifest(os.path.join(args.output, "test.jsonl"), test)
     examples = write_examples(args.output, train)
 
     print(f"wrote {args.output}:")
     summarize("train", train)
     summarize("dev", dev)
+    if test:
+        summarize("test", test)
     summarize("examples", examples)
 
 
