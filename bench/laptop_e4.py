@@ -3,7 +3,7 @@ against training time, the same training-time budget for both.
 
     python tools/make_mini_data.py -o data/sentences --hours 9 --dev-per-lang 25 --test-per-lang 40
     python tools/train_tokenizer.py --manifest data/sentences/train.jsonl --vocab-size 1024 -o data/sentences/tokenizer
-    python bench/laptop_e4.py --budget-s 1200 --work-dir runs/laptop_e4     # ~45 min on 2 idle cores
+    python bench/laptop_e4.py --budget-s 600 --val-every 200     # ~25 min on 2 idle cores
 
 Both runs are configs/laptop.yaml, its data and its model, stopped (SIGTERM, then one more step
 that ends with a validation) once their logged step times add up to --budget-s; validation time is
@@ -42,8 +42,8 @@ def memory_bound(config: str, bins, sizes: list) -> int:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/laptop.yaml", help="the recipe (train.py YAML)")
-    p.add_argument("--budget-s", type=float, default=1200.0, help="training seconds per run (validation excluded)")
-    p.add_argument("--val-every", type=int, default=300, help="validate every N steps")
+    p.add_argument("--budget-s", type=float, default=600.0, help="training seconds per run (validation excluded)")
+    p.add_argument("--val-every", type=int, default=200, help="validate every N steps")
     p.add_argument("--threads", type=int, default=2, help="torch threads per run (runs go one after the other)")
     p.add_argument("--work-dir", default=None, help="run dirs and logs (default: runs/laptop_e4)")
     args = p.parse_args()
@@ -82,19 +82,23 @@ def main():
         runs[name] = train_run(run_name, config, common + overrides, mode, work) | {
             "buckets": len(flat), "epoch_batch": epoch_batch(b, flat) if b is not None and b.counts else float(fixed_n)}
 
-    print_table(["run", "buckets", "steps", "training s", "batch", "epoch batch", "audio pad", "text pad",
-                 "audio s/s", "dev WER first -> last"],
-                [[name, r["buckets"], r["steps"], f"{r['seconds']:.0f}", f"{r['batch']:.1f}", f"{r['epoch_batch']:.1f}",
-                  f"{100 * r['audio_padding']:.1f}%", f"{100 * r['text_padding']:.1f}%", f"{r['audio_s_per_s']:.1f}",
-                  f"{r['val'][0]['wer']:.1f}% -> {r['val'][-1]['wer']:.1f}%"] for name, r in runs.items()])
-    print()
-    print_table(["run", "step", "training s", "dev loss", "dev WER"],
-                [[name, v["step"], f"{v['seconds']:.0f}", f"{v['loss']:.3f}", f"{v['wer']:.1f}%"]
-                 for name, r in runs.items() for v in r["val"]])
-    print_json({"config": args.config, "budget_s": args.budget_s, "memory_budget_bytes": budget,
-                "fixed_batch": fixed_n, "load_start": load_start, "load_end": load_avg(),
-                "wall_s": time.time() - t0, "runs": runs})
+    print_report(runs, {"config": args.config, "budget_s": args.budget_s, "memory_budget_bytes": budget,
+                        "fixed_batch": fixed_n, "load_start": load_start, "load_end": load_avg(),
+                        "wall_s": time.time() - t0})
 
+
+def print_report(runs: dict, about: dict) -> None:
+    """Both runs' totals, their validation curves, and everything as the JSON last line."""
+    print_table([("run", "<12"), ("buckets", ">7"), ("steps", ">5"), ("training s", ">10.0f"), ("batch", ">5.1f"),
+                 ("epoch batch", ">11.1f"), ("audio pad %", ">11.1f"), ("text pad %", ">10.1f"), ("audio s/s", ">9.1f"),
+                 ("dev WER", ">7.1f"), ("dev loss", ">8.3f")],
+                [[name, r["buckets"], r["steps"], r["seconds"], r["batch"], r["epoch_batch"], r["audio_padding"],
+                  r["text_padding"], r["audio_s_per_s"], r["val"][-1]["wer"], r["val"][-1]["loss"]]
+                 for name, r in runs.items()])
+    print()
+    print_table([("run", "<12"), ("step", ">5"), ("training s", ">10.0f"), ("dev loss", ">8.3f"), ("dev WER", ">7.1f")],
+                [[name, v["step"], v["seconds"], v["loss"], v["wer"]] for name, r in runs.items() for v in r["val"]])
+    print_json(about | {"runs": runs})
 
 if __name__ == "__main__":
     main()

@@ -94,6 +94,12 @@ def test_later_yaml_files_override_earlier_ones_and_train_py_takes_them_in_order
         load_train_config([tiny, str(tmp_path / "missing.yaml")])
 
 
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(ROOT, "configs"))))
+def test_every_shipped_config_loads(name):
+    cfg = load_train_config(os.path.join(ROOT, "configs", name))
+    assert cfg.model.n_mels == cfg.features.n_mels
+
+
 def test_choices_are_checked_with_the_key_named():
     for override, key in [("objective=ctc", "objective"), ("precision=int8", "precision"),
                           ("train.allocation=loose", "train.allocation"), ("model.enc_heads=5", "model")]:
