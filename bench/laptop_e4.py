@@ -100,5 +100,6 @@ def print_report(runs: dict, about: dict) -> None:
                 [[name, v["step"], v["seconds"], v["loss"], v["wer"]] for name, r in runs.items() for v in r["val"]])
     print_json(about | {"runs": runs})
 
+
 if __name__ == "__main__":
     main()
