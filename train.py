@@ -218,7 +218,8 @@ def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, 
     device = next(model.parameters()).device
     model.eval()
     logmel, collate = LogMel(cfg.features).eval(), Collate(tokenizer.pad)
-    options = DecodingOptions(ctc_weight=cfg.val.ctc_weight, frame_seconds=frame_seconds(cfg.features))
+    options = DecodingOptions(ctc_weight=cfg.val.ctc_weight,
+                              frame_seconds=frame_seconds(cfg.features, cfg.model.subsampling_factor))
     results = {}
     for name, path in val_names.items():
         utts = read_manifest(path, skip_invalid=cfg.train.skip_invalid)[: cfg.val.max_utterances]
@@ -234,7 +235,7 @@ def evaluate(model, cfg, val_names: dict, tokenizer, precision: str, rank: int, 
             if len(b) == 0:
                 continue
             with autocast(device, precision):
-                loss, n = model(b.feats, b.feat_lens, b.tokens, b.token_lens, b.prompt_lens)
+                loss, n = model(b.feats, b.feat_lens, b.tokens, b.token_lens, b.prompt_lens, b.transcribed)
                 if cfg.objective == "rnnt":
                     hyps = model.transcribe(b.feats, b.feat_lens)
                 else:

@@ -26,10 +26,12 @@ class CTCHead(nn.Module):
         """enc (B, T', enc_dim) -> log-probs (B, T', V) in fp32 (CTC sums log-probs over long paths)."""
         return self.proj(enc).float().log_softmax(-1)
 
-    def loss(self, enc, enc_lens, targets, target_lens):
+    def loss(self, enc, enc_lens, targets, target_lens, rows=None):
         """Summed CTC loss and the number of target tokens it covers (the caller normalises).
 
-        enc (B, T', enc_dim), enc_lens (B,), targets (B, U) padded with anything, target_lens (B,).
+        enc (B, T', enc_dim), enc_lens (B,), targets (B, U) padded with anything, target_lens (B,);
+        rows (B,) bool or None: only these rows count (the AED passes its transcriptions: a
+        translation's words were never spoken, so no alignment to the audio exists).
         An utterance that no alignment fits (`infeasible`) is left out of both the sum and the count;
         train.py counts them from the batch lengths (aed.training.count_ctc_skipped) and logs the
         number with each progress line and validation.
@@ -44,6 +46,8 @@ class CTCHead(nn.Module):
                              f"got values {targets[valid].unique().tolist()}")
         targets = targets.masked_fill(~valid, 0)
         feasible = ~infeasible(enc_lens, targets, target_lens)
+        if rows is not None:
+            feasible &= rows
         log_probs = self(enc).transpose(0, 1)  # (T', B, V), the layout F.ctc_loss wants
         nll = F.ctc_loss(log_probs, targets, enc_lens, target_lens, blank=self.blank,
                          reduction="none", zero_infinity=True)  # (B,)

@@ -267,9 +267,10 @@ def check_audio(utts: list[Utterance], tolerance: float, part: int = 0, parts: i
 def make_item(wav: torch.Tensor, utt: Utterance, index: int, tokenizer, logmel: LogMel, seed: int = 0) -> dict:
     """One utterance's audio (S,) -> the item every dataset returns, which `Collate` pads:
 
-        {"feats": (T, F), "tokens": prompt + text + EOS ids, "prompt_len", "audio_filepath", "index"}
+        {"feats": (T, F), "tokens": prompt + text + EOS ids, "prompt_len", "transcribed", "audio_filepath", "index"}
 
-    (tokenizer None: no tokens and prompt_len 0, for training on audio alone), or
+    (tokenizer None: no tokens and prompt_len 0, for training on audio alone; transcribed: the text
+    is the spoken words, not a translation), or
     {"error", "audio_filepath"} when the audio is shorter than one frame. Features are per
     utterance (normalisation uses only its frames), so this is exactly what the batched `LogMel`
     gives. Dither noise is seeded by (seed, index): a resumed run sees the same features whichever
@@ -282,7 +283,7 @@ def make_item(wav: torch.Tensor, utt: Utterance, index: int, tokenizer, logmel: 
         return {"error": f"{utt.where}: audio shorter than one frame", "audio_filepath": utt.audio_filepath}
     tokens, prompt_len = encode_utterance(tokenizer, utt) if tokenizer is not None else ([], 0)
     return {"feats": feats[0, : feat_lens[0]], "tokens": tokens, "prompt_len": prompt_len,
-            "audio_filepath": utt.audio_filepath, "index": index}
+            "transcribed": utt.taskname == "asr", "audio_filepath": utt.audio_filepath, "index": index}
 
 
 class UtteranceDataset(Dataset):
@@ -340,6 +341,7 @@ class Batch:
     paths: list[str]
     indices: list[int]
     errors: list[str]          # items dropped from this batch (unreadable audio), with reasons
+    transcribed: torch.Tensor | None = None  # (B,) bool: the text is the spoken words (ASR, not AST); None: every row
 
     def __len__(self):
         return len(self.paths)
@@ -348,11 +350,11 @@ class Batch:
         kw = {"device": device, "non_blocking": non_blocking}
         return Batch(self.feats.to(**kw), self.feat_lens.to(**kw), self.tokens.to(**kw),
                      self.token_lens.to(**kw), self.prompt_lens.to(**kw), self.paths,
-                     self.indices, self.errors)
+                     self.indices, self.errors, None if self.transcribed is None else self.transcribed.to(**kw))
 
     def pin_memory(self) -> "Batch":  # called by DataLoader(pin_memory=True)
         return Batch(self.feats.pin_memory(), self.feat_lens, self.tokens.pin_memory(),
-                     self.token_lens, self.prompt_lens, self.paths, self.indices, self.errors)
+                     self.token_lens, self.prompt_lens, self.paths, self.indices, self.errors, self.transcribed)
 
 
 class Collate:
@@ -374,8 +376,9 @@ class Collate:
             feats[b, : feat_lens[b]] = it["feats"]
             tokens[b, : token_lens[b]] = torch.tensor(it["tokens"], dtype=torch.long)
         prompt_lens = torch.tensor([it["prompt_len"] for it in items], dtype=torch.long)
+        transcribed = torch.tensor([it["transcribed"] for it in items], dtype=torch.bool)
         return Batch(feats, feat_lens, tokens, token_lens, prompt_lens,
-                     [it["audio_filepath"] for it in items], [it["index"] for it in items], errors)
+                     [it["audio_filepath"] for it in items], [it["index"] for it in items], errors, transcribed)
 
 
 def ignore_stop_signals(worker_id: int) -> None:

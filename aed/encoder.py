@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-SUBSAMPLING_STAGES = 3  # three stride-2 convs: 8x fewer frames (80 ms per encoder frame at 10 ms hop)
+SUBSAMPLING_FACTORS = (4, 8)  # stride-2 conv stages: 2 (40 ms per encoder frame at 10 ms hop) or 3 (Canary's 80 ms)
 
 
 def conv_stage_length(lengths):
@@ -27,9 +27,16 @@ def conv_stage_length(lengths):
     return (lengths + 2 * 1 - 3) // 2 + 1
 
 
-def subsampled_length(lengths):
-    """Encoder output frames T' for T input frames (or F' for F mel bins): three conv stages."""
-    for _ in range(SUBSAMPLING_STAGES):
+def subsampling_stages(factor: int) -> int:
+    """Stride-2 conv stages of a subsampling `factor` (one of SUBSAMPLING_FACTORS)."""
+    if factor not in SUBSAMPLING_FACTORS:
+        raise ValueError(f"subsampling factor must be one of {SUBSAMPLING_FACTORS}, got {factor}")
+    return factor.bit_length() - 1
+
+
+def subsampled_length(lengths, factor: int = 8):
+    """Encoder output frames T' for T input frames (or F' for F mel bins): one conv stage per factor of 2."""
+    for _ in range(subsampling_stages(factor)):
         lengths = conv_stage_length(lengths)
     return lengths
 
@@ -40,23 +47,24 @@ def padding_mask(lengths, max_len):
 
 
 class ConvSubsampling(nn.Module):
-    """NeMo `ConvSubsampling(subsampling="dw_striding")`: (B, T, F) -> (B, T', D), 8x in time and frequency.
+    """NeMo `ConvSubsampling(subsampling="dw_striding")`: (B, T, F) -> (B, T', D), `factor`x in time
+    and frequency.
 
     `conv` keeps NeMo's nn.Sequential indices: 0 conv, 1 relu, then [2 depthwise, 3 pointwise, 4 relu]
-    and [5 depthwise, 6 pointwise, 7 relu].
+    and, at factor 8, [5 depthwise, 6 pointwise, 7 relu].
     """
 
-    def __init__(self, n_mels: int, channels: int, d_model: int):
+    def __init__(self, n_mels: int, channels: int, d_model: int, factor: int = 8):
         super().__init__()
         layers = [nn.Conv2d(1, channels, kernel_size=3, stride=2, padding=1), nn.ReLU()]
-        for _ in range(SUBSAMPLING_STAGES - 1):
+        for _ in range(subsampling_stages(factor) - 1):
             layers += [
                 nn.Conv2d(channels, channels, kernel_size=3, stride=2, padding=1, groups=channels),
                 nn.Conv2d(channels, channels, kernel_size=1),
                 nn.ReLU(),
             ]
         self.conv = nn.Sequential(*layers)
-        self.out = nn.Linear(channels * subsampled_length(n_mels), d_model)
+        self.out = nn.Linear(channels * subsampled_length(n_mels, factor), d_model)
 
     def forward(self, x, x_lens):
         x = x.unsqueeze(1)  # (B, 1, T, F): time and mel bins are the conv's two spatial axes
@@ -235,12 +243,12 @@ class ConformerLayer(nn.Module):
 
 class ConformerEncoder(nn.Module):
     def __init__(self, n_mels, d_model, n_layers, n_heads, ff_mult, conv_kernel, conv_norm,
-                 subsampling_channels, dropout, dropout_pre_encoder, dropout_att, xscaling=False):
+                 subsampling_channels, dropout, dropout_pre_encoder, dropout_att, xscaling=False, subsampling_factor=8):
         super().__init__()
-        self.n_mels, self.d_model = n_mels, d_model
+        self.n_mels, self.d_model, self.subsampling_factor = n_mels, d_model, subsampling_factor
         # NeMo's xscaling: the subsampled input is multiplied by sqrt(d_model) before the layers.
         self.xscale = math.sqrt(d_model) if xscaling else 1.0
-        self.pre_encode = ConvSubsampling(n_mels, subsampling_channels, d_model)
+        self.pre_encode = ConvSubsampling(n_mels, subsampling_channels, d_model, subsampling_factor)
         self.pre_dropout = nn.Dropout(dropout_pre_encoder)  # NeMo: pos_enc.dropout
         self.layers = nn.ModuleList(
             ConformerLayer(d_model, n_heads, ff_mult, conv_kernel, conv_norm, dropout, dropout_att)

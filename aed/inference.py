@@ -422,7 +422,8 @@ def segment_words(asr: LoadedModel, ids: list[int], log_probs: torch.Tensor | No
         log.warning("%s at %.2f s: %d tokens do not fit a CTC path through %d frames; their times are "
                     "spread evenly over the segment", where, offset, len(text_ids), log_probs.shape[0])
     spans = align(log_probs, text_ids, asr.model.ctc.blank)
-    words = to_words(asr.tokenizer, text_ids, spans, frame_seconds(asr.features), offset)
+    frame_s = frame_seconds(asr.features, asr.model.cfg.subsampling_factor)
+    words = to_words(asr.tokenizer, text_ids, spans, frame_s, offset)
     words = snap_to_speech(words, speech_frames(wav, asr.features.sample_rate), offset)
     end = offset + wav.numel() / asr.features.sample_rate
     return [Word(w.text, min(w.start, end), min(w.end, end), w.ids) for w in words]
@@ -490,7 +491,7 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
     t_start = time.perf_counter()
     options = DecodingOptions(beam_size, length_penalty, max_delta, max_new_tokens, ctc_weight=ctc_weight,
                               max_repeats=max_repeats, max_tokens_per_second=max_tokens_per_second,
-                              frame_seconds=frame_seconds(asr.features))
+                              frame_seconds=frame_seconds(asr.features, asr.model.cfg.subsampling_factor))
     requests = to_requests(inputs, source_lang=source_lang, target_lang=target_lang, task=task, pnc=pnc)
     results = [Result(r) for r in requests]
     prompts = request_prompts(requests, asr.tokenizer)

@@ -17,7 +17,7 @@ from torch import nn
 
 from aed.ctc import CTCHead
 from aed.decoder import KVCache, TransformerDecoder
-from aed.encoder import ConformerEncoder
+from aed.encoder import SUBSAMPLING_FACTORS, ConformerEncoder
 
 
 @dataclass
@@ -34,7 +34,8 @@ class AEDConfig:
     enc_ff_mult: int = 4  # FF inner width = enc_ff_mult * enc_d_model
     conv_kernel: int = 9  # depthwise conv kernel over encoder frames (FastConformer uses 9, not 31)
     conv_norm: str = "batch_norm"  # batch_norm (Canary, masked statistics) or layer_norm (batch-size independent)
-    subsampling_channels: int = 256  # conv channels of the 8x dw_striding subsampling
+    subsampling_channels: int = 256  # conv channels of the dw_striding subsampling
+    subsampling_factor: int = 8  # feature frames per encoder frame: 8 (Canary, 80 ms) or 4 (40 ms: frames enough for CTC over characters)
     enc_xscaling: bool = False  # scale the subsampled input by sqrt(enc_d_model), as NeMo's xscaling (its default)
     # --- decoder (pre-LN Transformer)
     dec_d_model: int = 1024  # decoder width; an encoder_decoder_proj Linear appears when it differs from enc_d_model
@@ -57,6 +58,8 @@ class AEDConfig:
         assert self.enc_d_model % self.enc_heads == 0, f"enc_d_model {self.enc_d_model} % enc_heads {self.enc_heads} != 0"
         assert self.dec_d_model % self.dec_heads == 0, f"dec_d_model {self.dec_d_model} % dec_heads {self.dec_heads} != 0"
         assert 0 <= self.pad_id < self.vocab_size, f"pad_id {self.pad_id} outside vocab_size {self.vocab_size}"
+        assert self.subsampling_factor in SUBSAMPLING_FACTORS, \
+            f"subsampling_factor must be one of {SUBSAMPLING_FACTORS}, got {self.subsampling_factor}"
 
     @classmethod
     def from_dict(cls, d: dict) -> "AEDConfig":
@@ -93,7 +96,7 @@ def build_encoder(cfg: AEDConfig) -> ConformerEncoder:
     return ConformerEncoder(
         cfg.n_mels, cfg.enc_d_model, cfg.enc_layers, cfg.enc_heads, cfg.enc_ff_mult, cfg.conv_kernel,
         cfg.conv_norm, cfg.subsampling_channels, cfg.enc_dropout, cfg.enc_dropout_pre_encoder, cfg.enc_dropout_att,
-        cfg.enc_xscaling,
+        cfg.enc_xscaling, cfg.subsampling_factor,
     )
 
 
@@ -127,10 +130,12 @@ class AED(nn.Module):
         ctc_log_probs = self.ctc(x) if self.ctc is not None else None
         return self.encoder_decoder_proj(x), x_lens, ctc_log_probs
 
-    def forward(self, feats, feat_lens, tokens, token_lens, prompt_lens):
+    def forward(self, feats, feat_lens, tokens, token_lens, prompt_lens, transcribed=None):
         """Summed next-token cross-entropy and its token count; the training script normalises.
 
         tokens (B, U) = prompt + text + eos, right-padded; token_lens (B,) and prompt_lens (B,) count them.
+        transcribed (B,) bool: rows whose text is the spoken words; the CTC term learns from these
+        only (None: every row). The decoder learns from every row.
         Targets are tokens[:, 1:]: with loss_on_prompt=False only the text and eos are scored.
         """
         b, u = tokens.shape
@@ -151,7 +156,7 @@ class AED(nn.Module):
         if self.ctc is not None:
             # Summed like the CE and divided by the same (decoder) target count in train.py, so the
             # effective CTC weight is ctc_weight x (text tokens / decoder targets), slightly under ctc_weight.
-            ctc_sum, _ = self.ctc.loss(enc, memory_lens, *text_targets(tokens, token_lens, prompt_lens))
+            ctc_sum, _ = self.ctc.loss(enc, memory_lens, *text_targets(tokens, token_lens, prompt_lens), transcribed)
             loss = loss + self.cfg.ctc_weight * ctc_sum
         return loss, is_target.sum()
 

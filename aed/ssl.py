@@ -29,10 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aed.encoder import SUBSAMPLING_STAGES, subsampled_length
+from aed.encoder import subsampled_length
 from aed.model import build_encoder
 
-STACK = 2**SUBSAMPLING_STAGES  # feature frames per encoder frame (and per target)
 MASK_THRESHOLD = 0.8  # an encoder frame is a target when >= 80% of its stacked frames are masked (NeMo's MultiMLMLoss)
 
 
@@ -53,13 +52,13 @@ class SSLConfig:
             f"{self.codebook_size}, {self.codebook_dim}")
 
 
-def stack_frames(feats):
-    """(B, T, F) -> (B, T', STACK * F): encoder frame t' gets feature frames STACK*t' .. STACK*t'+STACK-1,
-    zero padded past T (features are zero past an utterance's end anyway), T' = subsampled_length(T)."""
+def stack_frames(feats, factor: int):
+    """(B, T, F) -> (B, T', factor * F): encoder frame t' gets feature frames factor*t' .. factor*t'+factor-1,
+    zero padded past T (features are zero past an utterance's end anyway), T' = subsampled_length(T, factor)."""
     b, t, f = feats.shape
-    groups = subsampled_length(t)
-    x = F.pad(feats, (0, 0, 0, groups * STACK - t))  # (B, T'*STACK, F)
-    return x.reshape(b, groups, STACK * f)  # (B, T'*STACK, F) -> (B, T', STACK*F)
+    groups = subsampled_length(t, factor)
+    x = F.pad(feats, (0, 0, 0, groups * factor - t))  # (B, T'*factor, F)
+    return x.reshape(b, groups, factor * f)  # (B, T'*factor, F) -> (B, T', factor*F)
 
 
 class RandomProjectionQuantizer(nn.Module):
@@ -70,8 +69,11 @@ class RandomProjectionQuantizer(nn.Module):
     standard normal, l2-normalised, and the projected vector too, so the nearest codeword is the
     one of largest cosine (BEST-RQ)."""
 
-    def __init__(self, in_dim: int, codebook_dim: int, codebook_size: int, codebooks: int, seed: int):
+    def __init__(self, n_mels: int, factor: int, codebook_dim: int, codebook_size: int, codebooks: int, seed: int):
+        """Quantises `factor` stacked frames of `n_mels` bins: one target per encoder frame."""
         super().__init__()
+        self.factor = factor
+        in_dim = factor * n_mels
         g = torch.Generator().manual_seed(seed)
         std = math.sqrt(2.0 / (in_dim + codebook_dim))
         self.register_buffer("projection", torch.randn(codebooks, in_dim, codebook_dim, generator=g) * std)
@@ -82,7 +84,7 @@ class RandomProjectionQuantizer(nn.Module):
     def forward(self, feats):
         """feats (B, T, F) -> targets (B, K, T') long, K codebooks."""
         with torch.autocast(feats.device.type, enabled=False):  # targets must not depend on the precision
-            x = stack_frames(feats.float())  # (B, T', STACK*F)
+            x = stack_frames(feats.float(), self.factor)  # (B, T', factor*F)
             z = F.normalize(torch.einsum("btd,kde->bkte", x, self.projection), dim=-1)  # (B, K, T', E)
             return torch.einsum("bkte,kce->bktc", z, self.codebook).argmax(-1)  # (B, K, T', C) -> (B, K, T')
 
@@ -111,12 +113,13 @@ def span_mask(lengths, max_len: int, prob: float, span: int, generator=None):
     return (count - prev > 0) & (pos[None, :] < lengths[:, None])
 
 
-def target_mask(frame_mask, lengths):
-    """Encoder frames that are targets: (B, T) masked feature frames, (B,) lengths -> (B, T').
-    A frame is a target when at least MASK_THRESHOLD of its stacked valid feature frames are masked."""
-    masked = stack_frames(frame_mask[:, :, None].float()).sum(-1)  # (B, T')
-    first = torch.arange(masked.shape[1], device=lengths.device)[None, :] * STACK  # (1, T')
-    valid = (lengths[:, None] - first).clamp(0, STACK)  # (B, T') valid feature frames per encoder frame
+def target_mask(frame_mask, lengths, factor: int):
+    """Encoder frames that are targets: (B, T) masked feature frames, (B,) lengths -> (B, T'), `factor`
+    feature frames per encoder frame. A frame is a target when at least MASK_THRESHOLD of its
+    stacked valid feature frames are masked."""
+    masked = stack_frames(frame_mask[:, :, None].float(), factor).sum(-1)  # (B, T')
+    first = torch.arange(masked.shape[1], device=lengths.device)[None, :] * factor  # (1, T')
+    valid = (lengths[:, None] - first).clamp(0, factor)  # (B, T') valid feature frames per encoder frame
     return (valid > 0) & (masked >= MASK_THRESHOLD * valid)
 
 
@@ -129,22 +132,22 @@ class BestRQ(nn.Module):
         super().__init__()
         self.cfg, self.ssl = cfg, ssl
         self.encoder = build_encoder(cfg)
-        self.quantizer = RandomProjectionQuantizer(STACK * cfg.n_mels, ssl.codebook_dim, ssl.codebook_size,
-                                                   ssl.codebooks, seed)
+        self.quantizer = RandomProjectionQuantizer(cfg.n_mels, cfg.subsampling_factor, ssl.codebook_dim,
+                                                   ssl.codebook_size, ssl.codebooks, seed)
         self.heads = nn.ModuleList(nn.Linear(cfg.enc_d_model, ssl.codebook_size) for _ in range(ssl.codebooks))
 
     def count_targets(self, feat_lens):
         """Per-row valid encoder frames: the count train.py normalises by (module docstring)."""
-        return subsampled_length(feat_lens)
+        return subsampled_length(feat_lens, self.cfg.subsampling_factor)
 
-    def forward(self, feats, feat_lens, tokens=None, token_lens=None, prompt_lens=None):
+    def forward(self, feats, feat_lens, tokens=None, token_lens=None, prompt_lens=None, transcribed=None):
         """feats (B, T, F), feat_lens (B,) -> (masked-frame mean cross-entropy x valid encoder frames,
         valid encoder frames). The cross-entropy is averaged over the codebooks."""
         targets = self.quantizer(feats)  # (B, K, T') from the clean features
         frame_mask = span_mask(feat_lens, feats.shape[1], self.ssl.mask_prob, self.ssl.mask_span)  # (B, T)
         noise = self.ssl.noise_std * torch.randn_like(feats)
         enc, enc_lens = self.encoder(torch.where(frame_mask[:, :, None], noise, feats), feat_lens)  # (B, T', D)
-        is_target = target_mask(frame_mask, feat_lens)  # (B, T')
+        is_target = target_mask(frame_mask, feat_lens, self.cfg.subsampling_factor)  # (B, T')
         hidden = enc[is_target]  # (N, D)
         loss = sum(F.cross_entropy(head(hidden).float(), targets[:, k][is_target], reduction="sum")
                    for k, head in enumerate(self.heads)) / len(self.heads)

@@ -1,13 +1,13 @@
 """Word and segment timestamps: a hypothesis force-aligned to the CTC head's frame posteriors.
 
     spans = align(log_probs[b, :enc_lens[b]], ids, blank=model.ctc.blank)   # one (start, end) frame span per id
-    words = to_words(tokenizer, ids, spans, frame_seconds(features), offset=segment_start)
+    words = to_words(tokenizer, ids, spans, frame_seconds(features, model.cfg.subsampling_factor), offset=segment_start)
     segments = to_segments(words)
     open("a.srt", "w").write(srt(segments))    # or webvtt(words) for one cue per word
 
 Why CTC: the attention decoder has no notion of time (its cross-attention is free to look
 anywhere), but the CTC head on the encoder (model.ctc, trained when model.ctc_weight > 0) scores
-every 80 ms encoder frame against the same token ids. Viterbi forced alignment
+every encoder frame (80 ms at Canary's 8x subsampling) against the same token ids. Viterbi forced alignment
 (torchaudio.functional.forced_align) finds the most likely CTC path that emits exactly the
 hypothesis' tokens, so the AED's text gets the CTC head's timing without being changed.
 
@@ -36,7 +36,6 @@ import torch
 import torchaudio.functional as AF
 
 from aed.audio import FeatureConfig
-from aed.encoder import SUBSAMPLING_STAGES
 from aed.tokenizer import Tokenizer
 
 SENTENCE_END = (".", "!", "?", "。", "？", "！")  # a segment ends after a word ending with one of these
@@ -78,9 +77,9 @@ class Segment:
         return out | ({"words": [w.to_json() for w in self.words]} if with_words else {})
 
 
-def frame_seconds(features: FeatureConfig) -> float:
+def frame_seconds(features: FeatureConfig, subsampling_factor: int) -> float:
     """Seconds per encoder frame: the feature hop times the subsampling factor."""
-    return features.hop_length * 2**SUBSAMPLING_STAGES / features.sample_rate
+    return features.hop_length * subsampling_factor / features.sample_rate
 
 
 # --- alignment --------------------------------------------------------------------------------

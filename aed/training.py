@@ -149,12 +149,17 @@ def count_targets(model: nn.Module, batches: list) -> int:
 
 
 def count_ctc_skipped(model: nn.Module, batches: list) -> int:
-    """Utterances in these batches that the CTC loss leaves out (more text tokens than encoder frames
-    allow, aed/ctc.py), counted from their lengths; 0 for a model without a CTC head."""
+    """Transcriptions in these batches that the CTC loss leaves out (more text tokens than encoder
+    frames allow, aed/ctc.py), counted from their lengths; 0 for a model without a CTC head.
+    Translations, which CTC never learns from, are not counted."""
     if getattr(model, "ctc", None) is None:
         return 0
-    return sum(int(infeasible(subsampled_length(b.feat_lens), *text_targets(b.tokens, b.token_lens, b.prompt_lens)).sum())
-               for b in batches)
+    skipped = 0
+    for b in batches:
+        frames = subsampled_length(b.feat_lens, model.cfg.subsampling_factor)
+        too_short = infeasible(frames, *text_targets(b.tokens, b.token_lens, b.prompt_lens))  # (B,)
+        skipped += int((too_short if b.transcribed is None else too_short & b.transcribed).sum())
+    return skipped
 
 
 @dataclass
@@ -186,7 +191,7 @@ def train_step(model: nn.Module, batches: list, optimizer, scaler, spec_augment,
         try:
             with (nullcontext() if last or no_sync is None else no_sync()), autocast(device, precision):
                 feats = spec_augment(b.feats, b.feat_lens)
-                loss, n = model(feats, b.feat_lens, b.tokens, b.token_lens, b.prompt_lens)
+                loss, n = model(feats, b.feat_lens, b.tokens, b.token_lens, b.prompt_lens, b.transcribed)
                 scaler.scale(loss * world_size / num_targets).backward()
         except Exception as e:
             if peer_lost(e):  # the gradient all-reduce in backward: this batch is not the cause

@@ -315,8 +315,9 @@ class TransducerASR(nn.Module):
         """Per-row number of scored tokens: the text, without prompt and EOS."""
         return token_lens - prompt_lens - 1
 
-    def forward(self, feats, feat_lens, tokens, token_lens, prompt_lens):
-        """Summed sample-wise transducer loss over the text tokens, and their count."""
+    def forward(self, feats, feat_lens, tokens, token_lens, prompt_lens, transcribed=None):
+        """Summed sample-wise transducer loss over the text tokens, and their count. Every row counts,
+        `transcribed` or not: encoder pretraining reads transcription manifests."""
         enc, enc_lens = self.encoder(feats, feat_lens)  # (B, T', D)
         targets, target_lens = text_targets(tokens, token_lens, prompt_lens)
         return self.transducer.loss(enc, enc_lens, targets, target_lens, mode="samplewise",

@@ -104,6 +104,7 @@ def test_dataset_collate_offsets_and_bad_audio(tmp_path, tokenizer):
     assert batch.tokens[1, : len(ids1)].tolist() == ids1
     assert (batch.tokens[1, len(ids1):] == tokenizer.pad).all()
     assert tokenizer.decode(batch.tokens[1, p1: len(ids1) - 1].tolist()) == "Hola."
+    assert batch.transcribed.tolist() == [True, False]  # the translation's text was never spoken
 
 
 def test_make_item_is_the_item_of_files_and_shards_and_inference_prompts_agree(tmp_path, tokenizer):

@@ -29,15 +29,22 @@ def tiny_config(**overrides):
     return AEDConfig(**d)
 
 
-def test_subsampled_length_matches_the_convolutions():
-    sub = ConvSubsampling(n_mels=20, channels=4, d_model=8)
+@pytest.mark.parametrize("factor", [8, 4])
+def test_subsampled_length_matches_the_convolutions(factor):
+    sub = ConvSubsampling(n_mels=20, channels=4, d_model=8, factor=factor)
     for t in list(range(1, 70)) + [97, 128, 1001, 3000]:
         y, y_lens = sub(torch.randn(1, t, 20), torch.tensor([t]))
-        assert y.shape == (1, subsampled_length(t), 8), t
-        assert y_lens.tolist() == [subsampled_length(t)]
-        assert subsampled_length(torch.tensor([t])).item() == subsampled_length(t)
+        assert y.shape == (1, subsampled_length(t, factor), 8), t
+        assert y_lens.tolist() == [subsampled_length(t, factor)]
+        assert subsampled_length(torch.tensor([t]), factor).item() == subsampled_length(t, factor) == -(-t // factor)
         assert conv_stage_length(t) == math.floor((t + 2 * 1 - 3) / 2 + 1)
     assert subsampled_length(128) == 16  # the F' of the Canary subsampling Linear (256 * 16 -> 1024)
+    assert len(sub.conv) == (8 if factor == 8 else 5)  # NeMo's Sequential: conv, relu, then 3 modules per extra stage
+
+
+def test_a_subsampling_factor_other_than_4_or_8_is_rejected():
+    with pytest.raises(AssertionError, match="subsampling_factor must be one of"):
+        tiny_config(subsampling_factor=2)
 
 
 @pytest.mark.parametrize(
@@ -135,10 +142,10 @@ def test_masked_batch_norm_ignores_padding():
     assert set(dict(ours.named_buffers())) == set(dict(ref.named_buffers()))  # NeMo BatchNorm checkpoints load as is
 
 
-@pytest.mark.parametrize("conv_norm", ["batch_norm", "layer_norm"])
-def test_utterance_alone_equals_inside_padded_batch(conv_norm):
+@pytest.mark.parametrize("conv_norm,factor", [("batch_norm", 8), ("layer_norm", 8), ("batch_norm", 4)])
+def test_utterance_alone_equals_inside_padded_batch(conv_norm, factor):
     torch.manual_seed(0)
-    model = AED(tiny_config(conv_norm=conv_norm)).eval()
+    model = AED(tiny_config(conv_norm=conv_norm, subsampling_factor=factor, ctc_weight=0.5)).eval()
     with torch.no_grad():  # non-trivial running statistics, so eval-mode BatchNorm does something
         for m in model.modules():
             if isinstance(m, MaskedBatchNorm1d):
@@ -258,3 +265,9 @@ def test_ctc_auxiliary_loss_adds_a_head_and_a_term():
     torch.testing.assert_close(total, ce + 0.3 * ctc)
     total.backward()
     assert with_ctc.ctc.proj.weight.grad.abs().sum() > 0
+    # A translation row trains the decoder but not the CTC head: its words were never spoken.
+    only_first, _ = with_ctc(feats, feat_lens, tokens, token_lens, prompt_lens, torch.tensor([True, False]))
+    first_targets = text_targets(tokens[:1], token_lens[:1], prompt_lens[:1])
+    ctc_first, count_first = with_ctc.ctc.loss(enc[:1], enc_lens[:1], *first_targets)
+    assert count_first == 6 and ctc_first < ctc
+    torch.testing.assert_close(only_first, ce + 0.3 * ctc_first)

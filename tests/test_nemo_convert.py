@@ -174,7 +174,7 @@ def test_cli_reports_the_unsupported_option(tmp_path):
     p = subprocess.run([sys.executable, "tools/convert_nemo.py", str(bad), "-o", str(tmp_path / "x.pt")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1
-    assert "encoder.subsampling_factor=4" in p.stderr and "aed subsamples 8x" in p.stderr
+    assert "encoder.subsampling_factor=4" in p.stderr and "aed converts 8x (Canary) subsampling only" in p.stderr
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from aed.config import OptimConfig
 from aed.data import Collate, ManifestError, UtteranceDataset, read_manifest
 from aed.encoder import subsampled_length
 from aed.model import AEDConfig
-from aed.ssl import STACK, BestRQ, RandomProjectionQuantizer, SSLConfig, span_mask, target_mask
+from aed.ssl import BestRQ, RandomProjectionQuantizer, SSLConfig, span_mask, target_mask
 from aed.training import build_optimizer, count_targets, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,9 +21,10 @@ MINI = os.path.join(ROOT, "data", "mini")
 N_MELS = 80
 
 
-def tiny_model(seed=0, **ssl):
+def tiny_model(seed=0, factor=8, **ssl):
     cfg = AEDConfig(n_mels=N_MELS, vocab_size=8, pad_id=1, enc_d_model=48, enc_layers=2, enc_heads=2,
-                    subsampling_channels=16, enc_dropout=0.0, enc_dropout_pre_encoder=0.0, enc_dropout_att=0.0)
+                    subsampling_channels=16, subsampling_factor=factor, enc_dropout=0.0,
+                    enc_dropout_pre_encoder=0.0, enc_dropout_att=0.0)
     return BestRQ(cfg, SSLConfig(**{"codebook_size": 64, **ssl}), seed=seed)
 
 
@@ -40,7 +41,7 @@ def audio_only_manifest(tmp_path, n=None):
 
 def test_targets_are_a_function_of_the_seed_and_of_each_utterance_alone():
     feats = torch.randn(3, 50, N_MELS)
-    a, b, c = (RandomProjectionQuantizer(STACK * N_MELS, 16, 512, 2, seed=s) for s in (0, 0, 1))
+    a, b, c = (RandomProjectionQuantizer(N_MELS, 8, 16, 512, 2, seed=s) for s in (0, 0, 1))
     torch.manual_seed(123)  # the global RNG plays no part
     assert torch.equal(a.projection, b.projection) and torch.equal(a.codebook, b.codebook)
     assert torch.equal(a(feats), b(feats))
@@ -71,12 +72,15 @@ def test_masks_never_touch_padding_and_every_utterance_gets_one():
     frame_mask[0, 8:15] = True  # 7 of encoder frame 1's 8 frames: 87.5%
     frame_mask[0, 16:22] = True  # 6 of 8: 75%, not a target
     frame_mask[1, 32:34] = True  # row 1 has 34 frames: its last encoder frame holds 2, both masked
-    assert target_mask(frame_mask, torch.tensor([40, 34])).tolist() == [
+    assert target_mask(frame_mask, torch.tensor([40, 34]), 8).tolist() == [
         [False, True, False, False, False], [False, False, False, False, True]]
+    # At 4x, row 0's encoder frames 2 and 4 (frames 8-11, 16-19) are all masked; 3 holds 3 of 4, 5 holds 2 of 4.
+    assert target_mask(frame_mask, torch.tensor([40, 34]), 4)[0, :6].tolist() == [False, False, True, False, True, False]
 
 
-def test_the_model_masks_with_noise_inside_utterances_only():
-    model = tiny_model()
+@pytest.mark.parametrize("factor", [8, 4])
+def test_the_model_masks_with_noise_inside_utterances_only(factor):
+    model = tiny_model(factor=factor)
     seen = {}
     model.encoder.register_forward_pre_hook(lambda m, args: seen.update(x=args[0].clone()))
     feats = torch.randn(2, 100, N_MELS)
@@ -86,7 +90,7 @@ def test_the_model_masks_with_noise_inside_utterances_only():
     loss, n = model(feats, lens)
     changed = (seen["x"] != feats).any(-1)  # (B, T) frames the encoder saw replaced
     assert changed[0].any() and changed[1, :60].any() and not changed[1, 60:].any()
-    assert n == subsampled_length(lens).sum() and torch.isfinite(loss)
+    assert n == subsampled_length(lens, factor).sum() and torch.isfinite(loss)
 
 
 def test_ssl_loss_goes_down_on_the_bundled_audio(tmp_path):

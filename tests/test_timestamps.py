@@ -64,7 +64,8 @@ def test_words_start_at_word_marked_pieces_and_carry_the_offset(tokenizer):
     assert [w.text for w in words] == ["red", "morning"]
     # "red" starts at "re" (frame 3), not at the bare "▁" before it: that piece has no sound.
     assert [(w.start, w.end) for w in words] == [pytest.approx((30.24, 30.4)), pytest.approx((30.8, 31.2))]
-    assert frame_seconds(FeatureConfig()) == pytest.approx(0.08)
+    assert frame_seconds(FeatureConfig(), 8) == pytest.approx(0.08)
+    assert frame_seconds(FeatureConfig(), 4) == pytest.approx(0.04)
 
 
 def test_word_times_move_to_the_edges_of_the_speech_in_their_span():

@@ -155,7 +155,7 @@ def model_config(opt: Options, vocab_size: int, pad_id: int, n_mels: int) -> AED
                 "aed's encoder is a ConformerEncoder")
     opt.require(e + "feat_in", lambda v: v == n_mels, None, f"must equal preprocessor.features ({n_mels})")
     opt.require(e + "subsampling", lambda v: v == "dw_striding", "striding", "aed implements dw_striding subsampling")
-    opt.require(e + "subsampling_factor", lambda v: v == 8, 4, "aed subsamples 8x")
+    opt.require(e + "subsampling_factor", lambda v: v == 8, 4, "aed converts 8x (Canary) subsampling only")
     opt.require(e + "causal_downsampling", lambda v: v is False, False, "aed's subsampling is not causal")
     opt.require(e + "reduction", lambda v: v is None, None, "aed has no time reduction inside the encoder")
     opt.require(e + "self_attention_model", lambda v: v == "rel_pos", "rel_pos", "aed uses relative positions")
