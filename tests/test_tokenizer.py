@@ -233,6 +233,20 @@ def test_training_is_deterministic_and_lowers_too_large_vocab(capsys):
     assert "lowering it to" in capsys.readouterr().out
 
 
+def test_a_character_tokenizer_spells_every_text_one_token_per_character(manifest, tmp_path):
+    train_tokenizer.main(["--manifest", str(manifest), "--model-type", "char", "-o", str(tmp_path / "tok")])
+    tok = Tokenizer.load(tmp_path / "tok")
+    for lang in ("en", "de", "fr", "es"):
+        for text in SENTENCES[lang][::17]:
+            ids = tok.encode(text, lang)
+            assert tok.decode(ids) == text
+            assert len(ids) == len(text) + 1  # each character, and the word-boundary mark the text starts with
+        held_out = tok.encode(HELD_OUT[lang], lang)  # characters never seen are spelled as their UTF-8 bytes
+        assert tok.decode(held_out) == HELD_OUT[lang] and len(held_out) >= len(HELD_OUT[lang]) + 1
+    pieces = {tok.id_to_token(i) for lang in ("en", "de") for i in tok.encode(SENTENCES[lang][0], lang)}
+    assert all(len(p) == 1 for p in pieces), pieces
+
+
 def test_extra_language_and_bad_manifest_line(tmp_path):
     good = tmp_path / "it.jsonl"
     write_manifest(good, [{"text": s, "source_lang": "it", "target_lang": "en"} for s in SENTENCES["en"]])

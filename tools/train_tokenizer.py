@@ -97,7 +97,8 @@ def main(argv=None):
         default="single",
         help="single: one model for all languages; aggregate: one model per target language (NeMo Canary)",
     )
-    parser.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    parser.add_argument("--model-type", choices=["bpe", "unigram", "char"], default="bpe",
+                        help="char: one token per character seen (--vocab-size is ignored), for CTC at 4x subsampling")
     parser.add_argument("--max-sentences", type=int, default=2_000_000, help="sentences sampled per model")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sentence sample")
     parser.add_argument("-o", "--output", required=True, help="output directory")
