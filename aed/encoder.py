@@ -243,9 +243,10 @@ class ConformerLayer(nn.Module):
 
 class ConformerEncoder(nn.Module):
     def __init__(self, n_mels, d_model, n_layers, n_heads, ff_mult, conv_kernel, conv_norm,
-                 subsampling_channels, dropout, dropout_pre_encoder, dropout_att, xscaling=False, subsampling_factor=8):
+                 subsampling_channels, dropout, dropout_pre_encoder, dropout_att, xscaling=False,
+                 subsampling_factor=8):
         super().__init__()
-        self.n_mels, self.d_model, self.subsampling_factor = n_mels, d_model, subsampling_factor
+        self.n_mels, self.d_model = n_mels, d_model
         # NeMo's xscaling: the subsampled input is multiplied by sqrt(d_model) before the layers.
         self.xscale = math.sqrt(d_model) if xscaling else 1.0
         self.pre_encode = ConvSubsampling(n_mels, subsampling_channels, d_model, subsampling_factor)
