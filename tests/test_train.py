@@ -146,20 +146,20 @@ def test_utterances_too_short_for_ctc_are_counted_in_the_logs(tmp_path):
     for r in records:
         r["audio_filepath"] = os.path.join(MINI, r["audio_filepath"])
     long_text = " ".join(["uno dos tres"] * 12)  # 84 tokens for 25-52 encoder frames
-    # A translation is left out of the CTC loss whatever its length (its words were never spoken): not counted.
-    records[7] = dict(records[7], target_lang="es" if records[7]["source_lang"] != "es" else "en", taskname="ast")
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(dict(r, text=long_text)) + "\n" for r in records))
-    (tmp_path / "dev.jsonl").write_text("".join(json.dumps(dict(r, text=long_text) if i == 0 else r) + "\n"
-                                                for i, r in enumerate(records)))
+    # A translation is left out of the CTC loss whatever its length (its words were never spoken): not counted.
+    translation = dict(records[7], target_lang="es" if records[7]["source_lang"] != "es" else "en", taskname="ast")
+    dev = [dict(records[0], text=long_text), *records[1:7], dict(translation, text=long_text)]
+    (tmp_path / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dev))
     p = run_train(tmp_path / "ctc", "max_steps=2", f"train.manifests=[{tmp_path / 'train.jsonl'}]",
                   f"val.manifests=[{tmp_path / 'dev.jsonl'}]", "val.every=2", "train.batch_size=8",
                   "train.max_duration=null")
     assert "Warning" not in p.stderr and "warn" not in p.stderr
-    assert "| 7 utts too short for CTC" in p.stderr
+    assert "| 8 utts too short for CTC" in p.stderr
     assert "validation dev: 1 of 8 utterances have more tokens than CTC frames allow" in p.stderr
     with open(tmp_path / "ctc" / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
-    assert [r["train/ctc_skipped"] for r in rows if "train/ctc_skipped" in r] == [7, 7]
+    assert [r["train/ctc_skipped"] for r in rows if "train/ctc_skipped" in r] == [8, 8]
     assert [r["val/dev/ctc_skipped"] for r in rows if "val/dev/ctc_skipped" in r] == [1, 1]
 
 
