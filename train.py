@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"config error: {e}")
     model = build_model(cfg, tokenizer.vocab_size, added_tokens).to(device)
     optimizer = build_optimizer(model, cfg.optim)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.optim))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.optim, cfg.max_steps))
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     head = (f"{cfg.ssl.codebooks} BEST-RQ head(s) x {cfg.ssl.codebook_size} classes" if cfg.objective == "ssl"
             else f"decoder {cfg.model.dec_layers} x {cfg.model.dec_d_model}")

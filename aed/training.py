@@ -11,6 +11,7 @@ Nothing here knows about processes: the caller passes the global target count an
 """
 
 import logging
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -134,10 +135,16 @@ def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimiz
     return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas)
 
 
-def lr_factor(step: int, optim: OptimConfig) -> float:
-    """Linear warmup to lr, then inverse square root decay (Noam), floored at min_lr."""
-    s, warmup = max(step, 1), max(optim.warmup_steps, 1)
-    return max(min(s / warmup, (warmup / s) ** 0.5), optim.min_lr / optim.lr)
+def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
+    """Linear warmup to lr, then the decay of optim.schedule, floored at min_lr. Inverse square root
+    (Noam) suits runs with no set end; cosine reaches min_lr at max_steps, so a short run ends annealed."""
+    s, warmup, floor = max(step, 1), max(optim.warmup_steps, 1), optim.min_lr / optim.lr
+    if s < warmup:
+        return max(s / warmup, floor)
+    if optim.schedule == "cosine":
+        done = min((s - warmup) / max(max_steps - warmup, 1), 1.0)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * done))
+    return max((warmup / s) ** 0.5, floor)
 
 
 def count_targets(model: nn.Module, batches: list) -> int:

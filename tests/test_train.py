@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from aed.checkpoint import TRAINING_KEYS, read_checkpoint
+from aed.config import OptimConfig
+from aed.training import lr_factor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINI = os.path.join(ROOT, "data", "mini")
@@ -44,6 +46,19 @@ def losses(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def test_lr_schedules_warm_up_then_decay_to_their_floor():
+    noam = OptimConfig(lr=1e-3, warmup_steps=100, min_lr=1e-5)
+    cosine = OptimConfig(lr=1e-3, warmup_steps=100, min_lr=1e-5, schedule="cosine")
+    for optim in (noam, cosine):
+        assert lr_factor(50, optim, 1000) == pytest.approx(0.5)
+        assert lr_factor(100, optim, 1000) == pytest.approx(1.0)
+    assert lr_factor(400, noam, 1000) == pytest.approx(0.5)  # sqrt(100 / 400)
+    assert lr_factor(10**9, noam, 1000) == pytest.approx(0.01)  # min_lr / lr
+    assert lr_factor(550, cosine, 1000) == pytest.approx(0.505)  # halfway down: (1 + 0.01) / 2
+    assert lr_factor(1000, cosine, 1000) == pytest.approx(0.01)  # min_lr at max_steps, and after
+    assert lr_factor(2000, cosine, 1000) == pytest.approx(0.01)
 
 
 @pytest.mark.slow
