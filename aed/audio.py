@@ -163,6 +163,7 @@ class SpecAugmentConfig:
     freq_width: int = 27  # ... of up to 27 mel bins
     time_masks: int = 10  # and 10 time masks ...
     time_width: int | float = 0.05  # ... of up to 5% of the utterance each (an int: that many frames)
+    freq_warp: float = 0.0  # stretch each utterance's mel axis by a factor in [1 - w, 1 + w] (0: off; Canary: off)
 
 
 class SpecAugment(nn.Module):
@@ -171,6 +172,10 @@ class SpecAugment(nn.Module):
     time_width: a float is a fraction of each utterance's valid length (so long and short
     utterances lose the same share), an int is a number of frames. Masks stay inside valid
     frames, so padding is never touched. Mask value 0 is the per-bin mean after normalisation.
+    freq_warp: before masking, a per-utterance stretch of the mel axis moves formants and
+    harmonics as a longer or shorter vocal tract would (VTLP, Jaitly & Hinton 2013): a
+    recogniser trained on few voices meets new ones. It leaves durations as they are, so the
+    sampler's buckets and oom.py's batch sizes still hold.
     """
 
     def __init__(self, cfg: SpecAugmentConfig = SpecAugmentConfig(), generator=None):
@@ -179,6 +184,7 @@ class SpecAugment(nn.Module):
         self.freq_width = cfg.freq_width
         self.time_masks = cfg.time_masks
         self.time_width = cfg.time_width
+        self.freq_warp = cfg.freq_warp
         self.generator = generator  # for reproducible tests; None uses torch's global RNG
 
     def forward(self, feats, feat_lens):
@@ -186,6 +192,8 @@ class SpecAugment(nn.Module):
         if not self.training:
             return feats
         B, T, F = feats.shape
+        if self.freq_warp > 0:
+            feats = self._warp_freq(feats)
         if isinstance(self.time_width, float):
             max_time_width = (feat_lens * self.time_width).long().clamp(min=1)
         else:
@@ -198,15 +206,32 @@ class SpecAugment(nn.Module):
         mask = (time_mask[:, :, None] | freq_mask[:, None, :]) & valid[:, :, None]  # (B, T, F)
         return feats.masked_fill(mask, 0.0)
 
+    def _warp_freq(self, feats):
+        """feats (B, T, F) -> (B, T, F): in row b, bin f reads bin f / factor_b (linear
+        interpolation), factor_b ~ U[1 - freq_warp, 1 + freq_warp]; a shrunk axis repeats its top bin.
+        Padded frames hold one value in every bin, so they stay as they are."""
+        B, T, F = feats.shape
+        factor = 1 + self.freq_warp * (2 * self._rand(B, feats.device) - 1)  # (B,)
+        src = (torch.arange(F, device=feats.device) / factor[:, None]).clamp(max=F - 1)  # (B, F)
+        lo = src.long()
+        hi = (lo + 1).clamp(max=F - 1)
+        low, high = (feats.gather(2, i[:, None, :].expand(B, T, F)) for i in (lo, hi))  # (B, T, F) each
+        return torch.lerp(low, high, (src - lo)[:, None, :].to(feats.dtype))
+
+    def _rand(self, *shape_and_device):
+        """Uniform [0, 1) draws of the given shape on the given device, from self.generator if set
+        (drawn on the generator's device, which may differ from the features', then moved)."""
+        *shape, device = shape_and_device
+        rng_device = self.generator.device if self.generator is not None else device
+        return torch.rand(*shape, generator=self.generator, device=rng_device).to(device)
+
     def _spans(self, n_masks, max_width, length, size):
         """Union of n_masks random spans per row: width ~ U{0..max_width}, span inside [0, length).
 
         max_width, length: (B,) -> mask (B, size) bool. All rows and masks are drawn at once.
         """
         B, device = length.shape[0], length.device
-        # Draw on the generator's device (it may differ from the features'), then move.
-        rng_device = self.generator.device if self.generator is not None else device
-        u = torch.rand(2, B, n_masks, generator=self.generator, device=rng_device).to(device)
+        u = self._rand(2, B, n_masks, device)
         width = (u[0] * (max_width[:, None] + 1)).long()  # (B, n_masks)
         start = (u[1] * (length[:, None] - width + 1).clamp(min=1)).long()  # (B, n_masks)
         pos = torch.arange(size, device=device)

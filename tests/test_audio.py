@@ -271,3 +271,23 @@ def test_specaugment_reproducible_and_identity_in_eval():
     second = SpecAugment(generator=torch.Generator().manual_seed(7)).train()(feats, lens)
     assert torch.equal(first, second)
     assert torch.equal(SpecAugment().eval()(feats, lens), feats)
+
+
+def test_freq_warp_stretches_each_utterance_mel_axis_and_leaves_padding():
+    F = 80
+    lens = torch.tensor([50, 30])
+    feats = torch.arange(F, dtype=torch.float32).repeat(2, 50, 1)  # (B, T, F): every frame reads its bin index
+    feats[1, 30:] = -3.0
+    cfg = SpecAugmentConfig(freq_masks=0, time_masks=0, freq_warp=0.1)
+    out = SpecAugment(cfg, generator=torch.Generator().manual_seed(0)).train()(feats, lens)
+    assert out.shape == feats.shape
+    assert torch.all(out[1, 30:] == -3.0)
+    for b in range(2):
+        row = out[b, 0]
+        assert torch.equal(out[b, : lens[b]], row.expand(int(lens[b]), F))  # one warp per utterance
+        factor = 1 / row[1].item()  # bin 1 reads bin 1 / factor
+        assert 0.9 <= factor <= 1.1 and abs(factor - 1) > 1e-4
+        expected = (torch.arange(F) / factor).clamp(max=F - 1)
+        assert torch.allclose(row, expected, atol=1e-4)
+    assert not torch.equal(out[0, 0], out[1, 0])
+    assert torch.equal(SpecAugment(cfg).eval()(feats, lens), feats)
