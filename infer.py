@@ -15,8 +15,9 @@ and BLEU (AST, per language pair). Long inputs are cut at pauses (see --chunk-se
 
 Timestamps (--timestamps word|segment) are the hypothesis force-aligned to the CTC head's frame
 posteriors (aed/timestamps.py), in seconds from the start of each file, to a resolution of one
-encoder frame (80 ms). A model without a CTC head (model.ctc_weight=0, e.g. a converted Canary
-checkpoint) cannot give them: infer.py stops with an error before decoding.
+encoder frame (80 ms at Canary's 8x subsampling, 40 ms at 4x). A model without a CTC head
+(model.ctc_weight=0, e.g. a converted Canary checkpoint) cannot give them: infer.py stops with an
+error before decoding.
 
 stdout: one `path<TAB>text` line per transcribed file, in input order. stderr: progress, failures
 (path and reason), metrics and the RTFx report. Exit code 1 if any input failed, else 0.
