@@ -2,15 +2,17 @@
 against training time, the same training-time budget for both.
 
     python tools/make_mini_data.py -o data/sentences --hours 9 --dev-per-lang 25 --test-per-lang 40
-    python tools/train_tokenizer.py --manifest data/sentences/train.jsonl --vocab-size 1024 -o data/sentences/tokenizer
-    python bench/laptop_e4.py --budget-s 600 --val-every 200     # ~25 min on 2 idle cores
+    python tools/train_tokenizer.py --manifest data/sentences/train.jsonl --model-type char -o data/sentences/tokenizer
+    python bench/laptop_e4.py --budget-s 600 --val-every 300     # ~24 min on 2 idle cores
 
-Both runs are configs/laptop.yaml, its data and its model, stopped (SIGTERM, then one more step
-that ends with a validation) once their logged step times add up to --budget-s; validation time is
-not counted. The memory both must fit is the recipe's own: the peak of its worst bucket (2D bins,
-train.max_duration padded seconds per batch), measured by oom.preflight (CPU: live tensor bytes).
+Both runs are configs/laptop.yaml, its data and its model, in one process, stopped (SIGTERM, then
+one more step that ends with a validation) once their logged step times add up to --budget-s;
+validation time is not counted. Stopped by a clock rather than at max_steps, both decay the learning
+rate as inverse square root (cosine would have no end to anneal towards). The memory both must fit
+is the recipe's step in one process: the peak of its worst bucket at --max-duration padded seconds
+per batch (2D bins), measured by oom.preflight (CPU: live tensor bytes).
 - fixed: one bucket, the largest batch size N whose batch of the longest utterances stays inside
-  the recipe's padded-duration budget (N = floor(max_duration / longest)), every batch padded to
+  the recipe's padded-duration budget (N = floor(--max-duration / longest)), every batch padded to
   its longest utterance;
 - 2D + oom.py: the recipe's 2D bins with per-bucket sizes from oom.py under that memory.
 The last line printed is a JSON object.
@@ -44,6 +46,8 @@ def main():
     p.add_argument("--config", default="configs/laptop.yaml", help="the recipe (train.py YAML)")
     p.add_argument("--budget-s", type=float, default=600.0, help="training seconds per run (validation excluded)")
     p.add_argument("--val-every", type=int, default=200, help="validate every N steps")
+    p.add_argument("--max-duration", type=float, default=30.0,
+                   help="padded seconds per batch that set the memory bound (the recipe's step: 2 ranks x 15 s)")
     p.add_argument("--threads", type=int, default=2, help="torch threads per run (runs go one after the other)")
     p.add_argument("--work-dir", default=None, help="run dirs and logs (default: runs/laptop_e4)")
     args = p.parse_args()
@@ -54,7 +58,7 @@ def main():
     cfg = load_train_config(args.config)
     bins, manifests = manifest_bins(args.config, None, None)
     longest = max(u.duration for m in manifests for u in read_manifest(m))
-    m = cfg.train.max_duration
+    m = args.max_duration
     budget = memory_bound(args.config, bins, max_duration_sizes(bins, m))
     fixed_n = max(1, int(m // longest))
     log(f"recipe's worst bucket: {budget / 1e6:.0f} MB of live tensors; fixed batch {fixed_n} "
@@ -69,7 +73,7 @@ def main():
     oom_config.write_text(yaml.safe_dump(recipe, sort_keys=False))
 
     mode = {"budget_s": args.budget_s, "val_every": args.val_every}
-    common = [f"cpu_threads={args.threads}"]
+    common = [f"cpu_threads={args.threads}", "optim.schedule=inverse_sqrt"]
     schemes = {"fixed": (Path(args.config), ["train.num_buckets=1", "train.sub_buckets=1",
                                                f"train.batch_size={fixed_n}", "train.max_duration=null"],
                           [fixed_n], None),
