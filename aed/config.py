@@ -93,7 +93,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.98)  # AdamW's moment decay rates
     weight_decay: float = 1e-3  # AdamW weight decay on matrices (not on norms, biases, position biases)
     warmup_steps: int = 2500  # linear warmup, then the decay of `schedule`
-    schedule: str = "inverse_sqrt"  # decay after warmup: inverse_sqrt (Noam, Canary's) | cosine (half a cosine down to min_lr at max_steps)
+    schedule: str = "inverse_sqrt"  # decay after warmup: inverse_sqrt (Noam, Canary's) | cosine (half a cosine down to min_lr at max_steps; raising max_steps on resume raises the lr again, and a run stopped by budget_flops never anneals)
     min_lr: float = 1e-6  # floor of the decay
     clip_grad: float = 1.0  # max gradient norm
     grad_accum: int = 1  # micro-batches per optimizer step
