@@ -119,3 +119,18 @@ def test_test_split_has_its_own_sentences_and_voices():
     jobs = list(plan_jobs("test", texts, random.Random(0), repeat=False, variants=TEST_VARIANTS))
     assert sorted(j.spoken for j in jobs) == sorted(lists[("test", "en")])
     assert all(any(j.voice.endswith(v) for v in TEST_VARIANTS if v) for j in jobs)
+
+
+def test_help_pages_give_paragraphs_without_markup(tmp_path):
+    """French text comes from GNOME's Mallard pages and LibreOffice's HTML pages (in sub-folders)."""
+    from tools.make_mini_data import read_help_pages
+
+    (tmp_path / "files.page").write_text(
+        "<page><title>Fichiers</title><p>Ouvrez le dossier.</p><p>Cliquez sur <gui>Ouvrir</gui>.</p></page>",
+        encoding="utf-8")
+    (tmp_path / "text" / "swriter").mkdir(parents=True)
+    (tmp_path / "text" / "swriter" / "main.html").write_text(
+        '<p id="par_1" class="paragraph" dir="auto">S&eacute;lectionnez l&apos;image.</p>'
+        '<p id="par_2" class="paragraph" dir="auto">Choisissez <emph>Format</emph>.</p>',
+        encoding="utf-8")
+    assert read_help_pages(tmp_path) == ["Ouvrez le dossier.", "Sélectionnez l'image."]

@@ -7,14 +7,15 @@ translation pairs use Apertium's translation of the spoken sentence as the targe
 
 Text sources (all Debian packages):
     en: fortunes        de: fortunes-de        es: fortunes-es
-    fr: gnome-user-docs (the French GNOME help; Debian has no French fortune package)
+    fr: gnome-user-docs and libreoffice-help-fr (the French GNOME and LibreOffice help; Debian has
+        no French fortune package, and GNOME's help alone gives only 131 clean sentences)
 
 Dependencies (Debian/Ubuntu):
     apt-get install espeak-ng apertium apertium-eng-spa fortunes fortunes-de fortunes-es \\
-        gnome-user-docs
+        gnome-user-docs libreoffice-help-fr
 
-The committed data/mini/ was produced by (about 30 s on 2 cores):
-    python tools/make_mini_data.py -o data/mini --seed 0
+The committed data/mini/ was produced by (about 30 s on 2 cores; it predates the LibreOffice source):
+    python tools/make_mini_data.py -o data/mini --seed 0 --french-text gnome-help
 
 A larger corpus for benchmarks, about 10 hours (~15 minutes on 2 cores; sentences repeat with
 fresh voices, and train and dev still share no sentence):
@@ -58,7 +59,8 @@ LANGS = ("en", "de", "fr", "es")
 SPLITS = ("dev", "test", "train")
 AST_PAIRS = (("en", "es"), ("es", "en"))
 APERTIUM_MODES = {("en", "es"): "eng-spa", ("es", "en"): "spa-eng"}
-APT_PACKAGES = "espeak-ng apertium apertium-eng-spa fortunes fortunes-de fortunes-es gnome-user-docs"
+APT_PACKAGES = ("espeak-ng apertium apertium-eng-spa fortunes fortunes-de fortunes-es gnome-user-docs "
+                "libreoffice-help-fr")
 
 SAMPLE_RATE = 16000
 MIN_WORDS, MAX_WORDS = 3, 8  # short sentences: more utterances fit in the ~12 MB budget
@@ -85,7 +87,9 @@ FORTUNE_FILES = {
            "es/proverbios.fortunes", "es/refranes.fortunes", "es/sabiduria.fortunes",
            "es/sentimientos.fortunes", "es/verdad.fortunes", "es/vida.fortunes"],
 }
-GNOME_HELP_FR = "/usr/share/help/fr/gnome-help"
+# French instructions ("Sélectionnez l'image dans votre document."): natural, well punctuated prose.
+FRENCH_HELP = {"gnome-help": "/usr/share/help/fr/gnome-help",  # 131 clean sentences
+               "libreoffice-help": "/usr/share/libreoffice/help/fr"}  # 1296 more (LibreOffice 7.4)
 
 LETTERS = {
     "en": "a-zA-Z",
@@ -125,15 +129,20 @@ def read_fortunes(path):
     return out
 
 
-def read_gnome_help(folder):
-    """French GNOME help pages -> the text of every <p> paragraph without inline markup."""
+def read_help_pages(folder):
+    """French help pages -> the text of every paragraph without inline markup.
+
+    GNOME's Mallard pages (*.page) count plain <p> elements; LibreOffice's HTML pages (*.html) put
+    an id and class on every <p>.
+    """
     out = []
-    for path in sorted(glob.glob(os.path.join(folder, "*.page"))):
-        with open(path, encoding="utf-8") as f:
-            page = f.read()
-        for para in re.findall(r"<p>(.*?)</p>", page, re.S):
-            if "<" not in para:  # inline markup (links, GUI labels, keys) does not read well
-                out.append(html.unescape(para))
+    for pattern, paragraph in (("*.page", r"<p>(.*?)</p>"), ("**/*.html", r"<p [^>]*>(.*?)</p>")):
+        for path in sorted(glob.glob(os.path.join(folder, pattern), recursive=True)):
+            with open(path, encoding="utf-8") as f:
+                page = f.read()
+            for para in re.findall(paragraph, page, re.S):
+                if "<" not in para:  # inline markup (links, GUI labels, keys) does not read well
+                    out.append(html.unescape(para))
     return out
 
 
@@ -174,10 +183,10 @@ def dedup_key(s):
     return " ".join(re.sub(r"[^\w\s]", " ", s.lower()).split())
 
 
-def load_sentences(lang):
+def load_sentences(lang, french_text):
     """All clean sentences of one language, deduplicated and sorted (the RNG shuffles later)."""
     if lang == "fr":
-        paragraphs = read_gnome_help(GNOME_HELP_FR)
+        paragraphs = [p for name in french_text for p in read_help_pages(FRENCH_HELP[name])]
     else:
         paragraphs = [e for name in FORTUNE_FILES[lang] for e in read_fortunes(os.path.join(FORTUNES, name))]
     by_key = {}
@@ -277,7 +286,7 @@ def plan_texts(args, rng):
     """-> {split: [(source_lang, target_lang, spoken, text), ...]} with train, dev and test disjoint."""
     lists = {}
     for lang in LANGS:
-        sentences = load_sentences(lang)
+        sentences = load_sentences(lang, args.french_text)
         print(f"{lang}: {len(sentences)} clean sentences")
         for (split, tgt), items in split_pool(lang, sentences, rng, args).items():
             lists[(split, lang, tgt)] = items
@@ -429,10 +438,10 @@ def write_examples(out_dir, train):
 # --- main
 
 
-def check_dependencies():
+def check_dependencies(french_text):
     missing = [tool for tool in ("espeak-ng", "apertium") if shutil.which(tool) is None]
-    missing += [p for p in [FORTUNES + "/fortunes", FORTUNES + "/de", FORTUNES + "/es", GNOME_HELP_FR]
-                if not os.path.exists(p)]
+    missing += [p for p in [FORTUNES + "/fortunes", FORTUNES + "/de", FORTUNES + "/es"]
+                + [FRENCH_HELP[name] for name in french_text] if not os.path.exists(p)]
     if missing:
         sys.exit(f"missing: {', '.join(missing)}\ninstall with: apt-get install {APT_PACKAGES}")
 
@@ -468,11 +477,15 @@ def main():
                              "train set holds about this many hours")
     parser.add_argument("--num-workers", type=int, default=os.cpu_count() or 1,
                         help="parallel espeak-ng processes")
+    parser.add_argument("--french-text", type=lambda s: s.split(","), default=list(FRENCH_HELP),
+                        help=f"comma-separated French help sources, of {', '.join(FRENCH_HELP)} (default: all)")
     args = parser.parse_args()
+    if unknown := set(args.french_text) - set(FRENCH_HELP):
+        parser.error(f"--french-text: unknown source {', '.join(sorted(unknown))}; choose from {', '.join(FRENCH_HELP)}")
     if args.hours is None:
         args.train_per_lang = 60 if args.train_per_lang is None else args.train_per_lang
         args.ast_pairs = 25 if args.ast_pairs is None else args.ast_pairs
-    check_dependencies()
+    check_dependencies(args.french_text)
 
     rng = random.Random(args.seed)
     texts = plan_texts(args, rng)
