@@ -89,7 +89,7 @@ FORTUNE_FILES = {
 }
 # French instructions ("Sélectionnez l'image dans votre document."): natural, well punctuated prose.
 FRENCH_HELP = {"gnome-help": "/usr/share/help/fr/gnome-help",  # 131 clean sentences
-               "libreoffice-help": "/usr/share/libreoffice/help/fr"}  # 1296 more (LibreOffice 7.4)
+               "libreoffice-help": "/usr/share/libreoffice/help/fr"}  # 1320 (LibreOffice 7.4); 1450 together
 
 LETTERS = {
     "en": "a-zA-Z",
