@@ -165,6 +165,9 @@ class SpecAugmentConfig:
     time_width: int | float = 0.05  # ... of up to 5% of the utterance each (an int: that many frames)
     freq_warp: float = 0.0  # stretch each utterance's mel axis by a factor in [1 - w, 1 + w] (0: off; Canary: off)
 
+    def __post_init__(self):
+        assert 0 <= self.freq_warp < 1, f"freq_warp must be in [0, 1) (a factor of 1 - w must stay positive), got {self.freq_warp}"
+
 
 class SpecAugment(nn.Module):
     """Frequency and time masking (Park et al. 2019) with Canary's settings; identity in eval mode.
@@ -192,8 +195,9 @@ class SpecAugment(nn.Module):
         if not self.training:
             return feats
         B, T, F = feats.shape
+        valid = torch.arange(T, device=feats.device) < feat_lens[:, None]  # (B, T)
         if self.freq_warp > 0:
-            feats = self._warp_freq(feats)
+            feats = torch.where(valid[:, :, None], self._warp_freq(feats), feats)
         if isinstance(self.time_width, float):
             max_time_width = (feat_lens * self.time_width).long().clamp(min=1)
         else:
@@ -202,14 +206,13 @@ class SpecAugment(nn.Module):
         time_mask = self._spans(self.time_masks, max_time_width, feat_lens, T)  # (B, T)
         full_f = torch.full_like(feat_lens, F)
         freq_mask = self._spans(self.freq_masks, full_f.clamp(max=self.freq_width), full_f, F)  # (B, F)
-        valid = torch.arange(T, device=feats.device) < feat_lens[:, None]  # (B, T)
         mask = (time_mask[:, :, None] | freq_mask[:, None, :]) & valid[:, :, None]  # (B, T, F)
         return feats.masked_fill(mask, 0.0)
 
     def _warp_freq(self, feats):
         """feats (B, T, F) -> (B, T, F): in row b, bin f reads bin f / factor_b (linear
         interpolation), factor_b ~ U[1 - freq_warp, 1 + freq_warp]; a shrunk axis repeats its top bin.
-        Padded frames hold one value in every bin, so they stay as they are."""
+        Every frame is warped; the caller keeps the padded ones as they were."""
         B, T, F = feats.shape
         factor = 1 + self.freq_warp * (2 * self._rand(B, feats.device) - 1)  # (B,)
         src = (torch.arange(F, device=feats.device) / factor[:, None]).clamp(max=F - 1)  # (B, F)

@@ -277,11 +277,11 @@ def test_freq_warp_stretches_each_utterance_mel_axis_and_leaves_padding():
     F = 80
     lens = torch.tensor([50, 30])
     feats = torch.arange(F, dtype=torch.float32).repeat(2, 50, 1)  # (B, T, F): every frame reads its bin index
-    feats[1, 30:] = -3.0
+    feats[1, 30:] = -torch.arange(F, dtype=torch.float32)  # padding that a warp would move
     cfg = SpecAugmentConfig(freq_masks=0, time_masks=0, freq_warp=0.1)
     out = SpecAugment(cfg, generator=torch.Generator().manual_seed(0)).train()(feats, lens)
     assert out.shape == feats.shape
-    assert torch.all(out[1, 30:] == -3.0)
+    assert torch.equal(out[1, 30:], feats[1, 30:])
     for b in range(2):
         row = out[b, 0]
         assert torch.equal(out[b, : lens[b]], row.expand(int(lens[b]), F))  # one warp per utterance

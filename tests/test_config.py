@@ -103,7 +103,8 @@ def test_every_shipped_config_loads(name):
 def test_choices_are_checked_with_the_key_named():
     for override, key in [("objective=ctc", "objective"), ("precision=int8", "precision"),
                           ("train.allocation=loose", "train.allocation"), ("model.enc_heads=5", "model"),
-                          ("optim.schedule=linear", "optim.schedule")]:
+                          ("optim.schedule=linear", "optim.schedule"),
+                          ("spec_augment.freq_warp=1.0", "spec_augment")]:
         with pytest.raises(ConfigError, match=key):
             load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), [override])
 
