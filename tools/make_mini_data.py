@@ -138,7 +138,7 @@ def read_help_pages(folder):
     out = []
     for pattern, paragraph in (("*.page", r"<p>(.*?)</p>"), ("**/*.html", r"<p [^>]*>(.*?)</p>")):
         for path in sorted(glob.glob(os.path.join(folder, pattern), recursive=True)):
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8", errors="replace") as f:  # a stray byte fails the letter check
                 page = f.read()
             for para in re.findall(paragraph, page, re.S):
                 if "<" not in para:  # inline markup (links, GUI labels, keys) does not read well
