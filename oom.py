@@ -21,332 +21,40 @@ train.max_tps, so training drops the same outliers; the batch sizes go to -o (de
 memory as a low-order function of (B, T, U) to --fit-steps steps (aed/memory_model.py), takes every
 bucket's size from it and measures --verify buckets at their answer.
 
-The cumulative-duration heuristic (train.max_duration) gives every bucket the same seconds of
-audio, but memory is not linear in duration (attention is quadratic in frames; the decoder and its
-vocab-sized logits grow with tokens), so most buckets run far below the limit to keep the worst
-one safe. Measuring every bucket instead gave the paper a 3.4x larger mean batch (5x with 2D
-buckets). For each bucket, from the largest to the smallest:
-
-1. An artificial batch at the bucket's upper bounds: random features of num_frames(d) frames and
-   random tokens of its token bound U (1D bins: U = the bin's max tokens/s x d, from bins.max_tps
-   or --max-tps; filter the data with train.max_tps to match, or outliers may not fit).
-2. One full training step, the very function train.py runs (`aed.training.train_step`: zero_grad,
-   SpecAugment, forward, loss, backward, clip, AdamW step), for the config's objective (aed,
-   rnnt or ssl; ssl's 1D bins get 2-token batches, as it reads no text) and precision, with its peak memory measured: on CUDA by the
-   allocator under set_per_process_memory_fraction, on CPU by tracking live tensor storages
-   (aed/memory.py). No formula: every number comes from running the step.
-3. Double the batch while it fits, then bisect between the largest fit and the smallest failure
-   until they are within --threshold (5%). The next bucket starts from 2x this answer.
-
-Steps must fit the budget minus a safety margin (10%) for what an artificial step does not see:
-allocator fragmentation, pinned loader buffers, validation decoding. --ddp adds DDP's gradient
-buckets (one more copy of the gradients). A bucket at least as large as another in both duration
-and tokens never gets a larger batch: violations (measurement noise) are lowered and reported.
-Writes `sampler.save_batch_sizes`'s format and prints a table. `preflight()` is train.py's check
-before step 0: the worst-case batch of every bucket runs once, with an actionable error.
+The search itself is aed/oomptimizer.py: every bucket's largest batch, found by running train.py's
+own training step (built by aed/training_setup.py from the same config) on an artificial batch at
+the bucket's bounds, doubling and bisecting. Steps must fit the budget minus a safety margin (10%)
+for what an artificial step does not see: allocator fragmentation, pinned loader buffers,
+validation decoding. --ddp adds DDP's gradient buckets (one more copy of the gradients). Writes
+`sampler.save_batch_sizes`'s format and prints a table.
 """
 
 import argparse
 import logging
-import math
 import os
 import sys
 import time
 from contextlib import nullcontext
-from typing import NamedTuple
 
 import torch
 import yaml
-from torch.utils._pytree import tree_map
 
-from aed.audio import FeatureConfig, SpecAugment, num_frames
-from aed.config import ConfigError, load_train_config, resolve_model
-from aed.data import Batch
+from aed.config import ConfigError, load_train_config
 from aed.manifest_bins import bins_from_manifests
-from aed.memory import OutOfMemory, format_bytes, parse_bytes, peak_memory
-from aed.memory_model import MemoryModel
-from aed.ssl import BestRQ
-from aed.transducer import TransducerASR
+from aed.memory import format_bytes, parse_bytes
+from aed.oomptimizer import (MemoryBudgetError, TrainingStep, fit_memory_model, make_monotone, optimize,
+                             optimize_with_model)
 from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice, allocated_limit
 from aed.tokenizer import Tokenizer
-from aed.training import (AMP_DTYPES, build_model, build_optimizer, count_targets, new_tokens, resolve_precision,
-                          train_step)
-from sampler import Bins, save_batch_sizes
+from aed.training import AMP_DTYPES
+from aed.training_setup import load_training_setup
+from bins import Bins
+from sampler import save_batch_sizes
 
 log = logging.getLogger("oom")
 
 
-class MemoryBudgetError(RuntimeError):
-    pass
-
-
-def bucket_shapes(bins: Bins, features: FeatureConfig, dec_max_len: int, max_tps=None) -> list:
-    """(duration bound s, feature frames T, token bound U) of every bucket, duration-major like
-    bins.buckets(). 1D bins get U = max_tps x d (max_tps: a number, one per bin, or bins.max_tps)."""
-    tps = max_tps if max_tps is not None else bins.max_tps
-    if bins.tokens is None and tps is None:
-        raise ValueError("1D bins without max_tps: pass the max tokens per second (--max-tps)")
-    tps = [float(tps)] * len(bins.durations) if isinstance(tps, (int, float)) else tps
-    shapes = []
-    for i, d in enumerate(bins.durations):
-        for t in bins.tokens[i] if bins.tokens else [math.ceil(tps[i] * d)]:
-            if t > dec_max_len:  # train.py drops longer utterances, so no batch reaches t
-                log.info("bucket (%.2f s, %d tokens): token bound capped at dec_max_len=%d", d, t, dec_max_len)
-            frames = num_frames(round(d * features.sample_rate), features.hop_length)
-            shapes.append((d, frames, max(2, min(int(t), dec_max_len))))  # >= 2: one input, one target
-    return shapes
-
-
-def artificial_batch(batch_size: int, frames: int, tokens: int, n_mels: int, vocab_size: int, device) -> Batch:
-    """A batch at a bucket's bounds, made on the device: feats (B, T, F) of random values, T
-    valid frames each; tokens (B, U) of random ids below vocab_size, all valid, a 1-token prompt."""
-    B, T, U = batch_size, frames, tokens
-    return Batch(feats=torch.randn(B, T, n_mels, device=device),  # (B, T, F)
-                 feat_lens=torch.full((B,), T, device=device),
-                 tokens=torch.randint(0, vocab_size, (B, U), device=device),  # (B, U)
-                 token_lens=torch.full((B,), U, device=device),
-                 prompt_lens=torch.ones(B, dtype=torch.long, device=device),
-                 paths=[f"<artificial {T} frames, {U} tokens>"] * B, indices=list(range(B)), errors=[])
-
-
-class TrainingStep:
-    """train.py's training step (aed.training.train_step) on an artificial batch at a bucket's
-    bounds, and its peak memory. text_vocab_size bounds the random target ids: the tokenizer's
-    real ids (a transducer's blank comes right after them); default: the model's vocabulary."""
-
-    def __init__(self, model, optimizer, precision: str = "fp32", spec_augment=None, ddp: bool = False,
-                 text_vocab_size: int | None = None, granularity: int = 1):
-        self.model, self.optimizer, self.precision = model, optimizer, precision
-        self.granularity = granularity  # CPU tracker's allocation rounding (simulating CUDA: 512)
-        self.device = next(model.parameters()).device
-        self.vocab_size = text_vocab_size or model.cfg.vocab_size
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "fp16")
-        self.spec_augment = spec_augment if spec_augment is not None else SpecAugment()  # in its own mode (ssl: off)
-        # DDP holds its gradient buckets, one more copy of every gradient, for the whole run.
-        ddp_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if ddp else 0
-        self.ddp_buckets = torch.empty(ddp_bytes, dtype=torch.uint8, device=self.device)
-
-    def run(self, batch_size: int, frames: int, tokens: int) -> None:
-        batch = artificial_batch(batch_size, frames, tokens, self.model.cfg.n_mels, self.vocab_size, self.device)
-        train_step(self.model, [batch], self.optimizer, self.scaler, self.spec_augment, self.precision,
-                   clip_grad=1.0, num_targets=count_targets(self.model, [batch]))  # the clip value costs no memory
-
-    def warm_up(self, frames: int, tokens: int) -> None:
-        """AdamW creates its state in its first step; later steps carry it through forward and
-        backward, so measure those."""
-        if not self.optimizer.state:
-            self.run(1, frames, tokens)
-
-    def peak(self, batch_size: int, frames: int, tokens: int, limit=None) -> int:
-        """Peak bytes of one step at this batch shape; raises OutOfMemory past `limit`."""
-        # The last step's gradients die at the zero_grad that starts the next one, before its peak.
-        # Free them here: a reference in `existing` would keep them alive through the step.
-        self.optimizer.zero_grad(set_to_none=True)
-        state = [v for s in self.optimizer.state.values() for v in s.values()]
-        existing = [*self.model.parameters(), *self.model.buffers(), *state, self.ddp_buckets]
-        return peak_memory(lambda: self.run(batch_size, frames, tokens), self.device, limit, existing,
-                           self.granularity)
-
-
-def search_batch_size(peak_at, start: int, threshold: float) -> tuple:
-    """Largest n for which `peak_at(n)` (bytes, or None: does not fit) fits, assuming memory grows
-    with n: double from `start` while it fits (halve while it does not), then bisect until the
-    largest fit and the smallest failure are within `threshold` of each other (or adjacent).
-    Returns (n, its peak, trials); n = 0 when batch size 1 does not fit."""
-    fit, fail, best_peak, trials, n = 0, None, None, 0, max(1, start)
-    while True:
-        trials += 1
-        peak = peak_at(n)
-        if peak is None:
-            fail = n
-        else:
-            fit, best_peak = n, peak
-        if fail is None:
-            n *= 2
-        elif fit == 0:
-            if fail == 1:
-                return 0, None, trials
-            n = fail // 2
-        elif fail - fit <= max(1.0, threshold * fit):
-            return fit, best_peak, trials
-        else:
-            n = (fit + fail) // 2
-
-
-def make_monotone(shapes: list, sizes: list) -> tuple:
-    """A bucket at least as long as another in duration and in tokens gets at most its batch size
-    (measurement noise can break this). Returns (sizes, [(bucket, old, new), ...] changes)."""
-    fixed = [min(s for (d2, _, t2), s in zip(shapes, sizes) if d2 <= d and t2 <= t) for d, _, t in shapes]
-    return fixed, [(b, old, new) for b, (old, new) in enumerate(zip(sizes, fixed)) if old != new]
-
-
-def optimize(step: TrainingStep, shapes: list, limit: int, start: int = 16, threshold: float = 0.05) -> list:
-    """Search every bucket's batch size, largest bucket first; returns one row (dict) per bucket
-    in bucket order: duration, frames, tokens, batch_size, peak (bytes), trials, seconds."""
-    step.warm_up(*shapes[0][1:])
-    rows = [None] * len(shapes)
-    for b in reversed(range(len(shapes))):
-        d, frames, tokens = shapes[b]
-        t_bucket = time.time()
-
-        def peak_at(n):
-            t0 = time.time()
-            try:
-                peak = step.peak(n, frames, tokens, limit)
-                outcome = f"fits, peak {format_bytes(peak)}"
-            except OutOfMemory as e:
-                peak, outcome = None, f"does not fit ({e})"
-            log.info("bucket %d/%d (%.2f s, %d tokens) batch %d: %s [%.1f s]", b, len(shapes) - 1, d, tokens, n,
-                     outcome, time.time() - t0)
-            return peak
-
-        size, peak, trials = search_batch_size(peak_at, start, threshold)
-        if size == 0:
-            raise MemoryBudgetError(
-                f"bucket {b} ({d:.2f} s, {tokens} tokens) does not fit a batch of 1 in {format_bytes(limit)}: raise "
-                "the budget, use bf16 or activation_checkpointing, or re-estimate bins without the longest utterances")
-        rows[b] = {"bucket": b, "duration": d, "frames": frames, "tokens": tokens, "batch_size": size, "peak": peak,
-                   "trials": trials, "seconds": time.time() - t_bucket}
-        start = 2 * size
-    return rows
-
-
-def fit_memory_model(step: TrainingStep, shapes: list, limit: int, fit_steps: int = 12, chunk: int = 0) -> tuple:
-    """A MemoryModel (aed/memory_model.py) of this step, fitted to `fit_steps` measured steps.
-
-    Two probes on the middle bucket (batch 2 and 6) give the bytes per utterance there; each fit
-    step then takes a bucket spread over `shapes` at the batch that would fill 60% or 95% of
-    `limit` if memory scaled with seconds of audio, so the fit sees near-limit steps of every
-    shape. Returns (model, samples [(B, T, U, peak)]). Steps over the limit are skipped.
-    """
-    def measure(B, frames, tokens):
-        try:
-            peak = step.peak(B, frames, tokens)
-        except OutOfMemory:  # a real device ran out: nothing to fit on
-            return None
-        log.info("fit: batch %d, %d frames, %d tokens: peak %s", B, frames, tokens, format_bytes(peak))
-        return (B, frames, tokens, peak)
-
-    step.warm_up(*shapes[0][1:])
-    d_mid, t_mid, u_mid = shapes[len(shapes) // 2]
-    samples = [measure(2, t_mid, u_mid), measure(6, t_mid, u_mid)]
-    per_second = (samples[1][3] - samples[0][3]) / (4 * d_mid)  # bytes per second of audio there
-    fixed = samples[0][3] - 2 * d_mid * per_second
-    seconds = (limit - fixed) / per_second  # a duration heuristic's budget that would fill the limit
-    picks = sorted({round(i * (len(shapes) - 1) / max(1, fit_steps - 1)) for i in range(fit_steps)})
-    for n, b in enumerate(picks):
-        d, frames, tokens = shapes[b]
-        samples.append(measure(max(1, math.floor((0.6, 0.95)[n % 2] * seconds / d)), frames, tokens))
-    samples = [x for x in samples if x is not None and x[3] <= limit]
-    return MemoryModel.fit(samples, chunk), samples
-
-
-def optimize_with_model(step: TrainingStep, model: MemoryModel, shapes: list, limit: int, verify: int = 4) -> list:
-    """Every bucket's batch size from the fitted model; `verify` buckets spread over the list are
-    then measured at that size (shapes the fit did not see at that batch). A bucket whose step is
-    over the limit is lowered to the model's answer for limit / (measured / predicted). Rows as
-    `optimize`'s, with "predicted" and, when verified, "peak" and "error" (relative, measured)."""
-    rows = []
-    checked = {round(i * (len(shapes) - 1) / max(1, verify - 1)) for i in range(verify)} if verify else set()
-    for b, (d, frames, tokens) in enumerate(shapes):
-        t0 = time.time()
-        size = model.max_batch_size(frames, tokens, limit)
-        if size == 0:
-            raise MemoryBudgetError(f"bucket {b} ({d:.2f} s, {tokens} tokens) does not fit a batch of 1 in "
-                                    f"{format_bytes(limit)} (memory model)")
-        row = {"bucket": b, "duration": d, "frames": frames, "tokens": tokens, "batch_size": size,
-               "predicted": model.predict(size, frames, tokens), "peak": None, "trials": 0}
-        if b in checked:
-            peak = step.peak(size, frames, tokens)
-            row.update(peak=peak, trials=1, error=row["predicted"] / peak - 1)
-            log.info("verify bucket %d (%.2f s, %d tokens) batch %d: predicted %s, measured %s (%+.1f%%)", b, d,
-                     tokens, size, format_bytes(row["predicted"]), format_bytes(peak), 100 * row["error"])
-            if peak > limit:
-                row["batch_size"] = model.max_batch_size(frames, tokens, limit * row["predicted"] / peak)
-        row["seconds"] = time.time() - t0
-        rows.append(row)
-    return rows
-
-
-def preflight(model, optimizer, bins: Bins, batch_sizes: list, budget: int, features=FeatureConfig(),
-              precision: str = "fp32", spec_augment=None, ddp: bool = False, max_tps=None,
-              text_vocab_size: int | None = None) -> list:
-    """train.py's check before step 0: one step at every bucket's bounds and batch size.
-
-    batch_sizes: flat or nested like bins.tokens (e.g. `sampler.sizes`). Returns each bucket's
-    peak bytes; raises MemoryBudgetError naming every bucket whose step needs more than `budget`.
-    Weights, optimizer state, RNG states and train/eval mode are restored afterwards, so training
-    continues as if this never ran. On CPU a step is stopped at 2x the budget (not to exhaust RAM).
-    """
-    nested = isinstance(batch_sizes[0], (list, tuple))
-    sizes = [s for row in batch_sizes for s in row] if nested else list(batch_sizes)
-    shapes = bucket_shapes(bins, features, model.cfg.dec_max_len, max_tps)
-    if len(sizes) != len(shapes):
-        raise ValueError(f"preflight: {len(sizes)} batch sizes for {len(shapes)} buckets")
-    step = TrainingStep(model, optimizer, precision, spec_augment, ddp, text_vocab_size)
-    saved = tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x,
-                     {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
-    was_training = model.training
-    peaks, failures = [], []
-    with torch.random.fork_rng(devices=[step.device] if step.device.type == "cuda" else []):
-        model.train()
-        step.warm_up(*shapes[0][1:])
-        for b, ((d, frames, tokens), n) in enumerate(zip(shapes, sizes)):
-            try:
-                peak = step.peak(n, frames, tokens, limit=2 * budget if step.device.type == "cpu" else None)
-                need = format_bytes(peak)
-            except OutOfMemory as e:  # CPU: stopped at 2x the budget; CUDA: a real OOM
-                peak = None
-                need = "more than the device's memory" if e.needed is None else f"over {format_bytes(e.needed)}"
-            log.info("preflight: bucket %d (%.2f s, %d tokens) at batch %d: peak %s", b, d, tokens, n, need)
-            peaks.append(peak)
-            if peak is None or peak > budget:
-                failures.append(f"bucket {b} ({d:.2f} s, {tokens} tokens) at batch {n} needs {need} > "
-                                f"{format_bytes(budget)} budget")
-    model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-    optimizer.zero_grad(set_to_none=True)
-    model.train(was_training)
-    if failures:
-        raise MemoryBudgetError(
-            f"{len(failures)} of {len(shapes)} buckets do not fit the memory budget:\n  " + "\n  ".join(failures)
-            + "\nrerun oom.py for this model, precision and budget, or lower these buckets' batch sizes "
-            "(train.batch_sizes / train.max_duration), or use precision=bf16 / activation_checkpointing")
-    return peaks
-
-
 # --- command line -----------------------------------------------------------------------------
-
-
-class TrainingSetup(NamedTuple):
-    model: torch.nn.Module  # in train mode, on the device
-    optimizer: torch.optim.Optimizer
-    features: FeatureConfig
-    spec_augment: SpecAugment
-    precision: str  # resolved: fp32, bf16 or fp16
-    text_vocab_size: int  # the tokenizer's real ids
-
-
-def load_training_setup(path: str, device: torch.device, precision: str | None = None,
-                        overrides: list[str] = (), simulated: bool = False) -> TrainingSetup:
-    """What decides a training step's memory, built from a train.py config exactly as train.py
-    builds it: the model of its objective (vocabulary from its tokenizer), the optimizer with
-    train.py's parameter groups, features, SpecAugment and precision (`precision` overrides).
-    simulated: built inside aed.simulated_memory.SimulatedDevice, standing in for a CUDA device,
-    so `auto` precision resolves as it would there (bf16)."""
-    try:
-        cfg = load_train_config(path, overrides)
-        tokenizer = Tokenizer.load(cfg.train.tokenizer)
-        cfg = resolve_model(cfg, tokenizer)
-        precision = resolve_precision(precision or cfg.precision, torch.device("cuda") if simulated else device)
-        added_tokens = new_tokens(cfg, tokenizer.vocab_size)
-    except (ConfigError, OSError, ValueError) as e:
-        raise SystemExit(f"{path}: {e}") from None
-    model = build_model(cfg, tokenizer.vocab_size, added_tokens).train()
-    if not simulated:  # fake parameters cannot move (and are on the CPU already)
-        model = model.to(device)
-    return TrainingSetup(model, build_optimizer(model, cfg.optim), cfg.features,
-                         SpecAugment(cfg.spec_augment).train(cfg.objective != "ssl"), precision, tokenizer.vocab_size)
 
 
 def device_memory(device: torch.device) -> int:
@@ -443,11 +151,10 @@ def main(argv=None) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     with SimulatedDevice() if simulated else nullcontext():  # the model must be built on fake tensors
         setup = load_training_setup(args.config, device, args.dtype, simulated=simulated)
-        model, features, precision = setup.model, setup.features, setup.precision
+        model, precision = setup.model, setup.precision
         try:
             bins = bins or Bins.load(args.bins)
-            max_tps = 0.0 if isinstance(model, BestRQ) and args.max_tps is None else args.max_tps  # no tokens
-            shapes = bucket_shapes(bins, features, model.cfg.dec_max_len, max_tps)
+            shapes = setup.bucket_shapes(bins, args.max_tps)
             total = parse_bytes(args.simulate_memory) if simulated else device_memory(device)
             budget_bytes = parse_bytes(args.memory_budget) if args.memory_budget else int(args.memory_fraction * total)
         except (OSError, ValueError) as e:
@@ -464,11 +171,10 @@ def main(argv=None) -> None:
                  100 * args.margin, len(shapes))
 
         t0 = time.time()
-        step = TrainingStep(model, setup.optimizer, precision, setup.spec_augment, args.ddp, setup.text_vocab_size,
-                            granularity=CUDA_BLOCK if simulated else 1)
+        step = TrainingStep.of(setup, args.ddp, granularity=CUDA_BLOCK if simulated else 1)
         try:
             if args.memory_model:
-                chunk = model.chunk_size if isinstance(model, TransducerASR) else 0
+                chunk = getattr(model, "chunk_size", 0)  # a transducer computes its joint this many samples at a time
                 memory_model, samples = fit_memory_model(step, shapes, limit, args.fit_steps, chunk)
                 fit_errors = memory_model.relative_errors(samples)
                 log.info("%s; fit error on its %d steps: max |%.1f%%|", memory_model, len(samples),

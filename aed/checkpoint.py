@@ -1,10 +1,8 @@
 """Checkpoints: sharded per rank, published by a completion marker, newest-valid lookup, and
 loading a model for inference.
 
-A checkpoint holds, self-contained so `infer.py` needs nothing else:
-    model_config, model (raw module state), features (FeatureConfig fields),
-    tokenizer ({file name: bytes} of the tokenizer directory), and for training also
-    step, optimizer, scheduler, sampler (one state per rank), rng (one per rank), config.
+A checkpoint holds a `Checkpoint`: self-contained, so `infer.py` needs nothing else, and for a
+training run everything resuming needs. On disk it is a plain dict of those fields.
 
 train.py writes it as a directory, so that no single process serialises a 1B model's ~12 GB of
 weights and AdamW moments (README, "Checkpoints at scale"):
@@ -27,6 +25,7 @@ import random
 import re
 import shutil
 import tempfile
+from dataclasses import MISSING, dataclass, field, fields
 
 import numpy as np
 import torch
@@ -57,9 +56,39 @@ def unpack_tokenizer(files: dict) -> Tokenizer:
         return Tokenizer.load(tmp)
 
 
-# Entries without which a checkpoint cannot serve its purpose: inference, or resuming a run.
-INFERENCE_KEYS = ("model_config", "model", "features", "tokenizer")
-TRAINING_KEYS = INFERENCE_KEYS + ("step", "optimizer", "scheduler", "scaler", "sampler", "rng", "config")
+RESUME = {"resume": True}  # marks the fields a run needs to resume, beyond inference's
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint holds, each entry named here once. Fields without a default are what
+    inference needs; those marked RESUME are what a training run needs to continue exactly."""
+    model_config: dict  # AEDConfig fields
+    model: dict  # the raw module's state dict
+    features: dict  # FeatureConfig fields
+    tokenizer: dict  # {file name: bytes} of the tokenizer directory (pack_dir)
+    max_train_duration: float | None = None  # longest training utterance (s): infer.py's chunk length
+    new_tokens: dict | None = None  # the rows tools/add_language.py appended (freeze=all_but_new_tokens)
+    step: int | None = field(default=None, metadata=RESUME)  # optimizer steps taken
+    flops: float = 0.0  # their FLOPs, all ranks together (aed/flops.py); checkpoints before FLOP counting have none
+    optimizer: dict | None = field(default=None, metadata=RESUME)
+    scheduler: dict | None = field(default=None, metadata=RESUME)
+    scaler: dict | None = field(default=None, metadata=RESUME)
+    sampler: list | None = field(default=None, metadata=RESUME)  # one BucketingSampler state per rank
+    rng: list | None = field(default=None, metadata=RESUME)  # one `rng_state` per rank
+    config: dict | None = field(default=None, metadata=RESUME)  # the run's resolved TrainConfig
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Checkpoint":
+        """A dict from `read_checkpoint` (with at least INFERENCE_KEYS); other keys are ignored."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+INFERENCE_KEYS = tuple(f.name for f in fields(Checkpoint) if f.default is MISSING)
+TRAINING_KEYS = INFERENCE_KEYS + tuple(f.name for f in fields(Checkpoint) if f.metadata.get("resume"))
 COMPLETE = "COMPLETE"
 
 
@@ -329,12 +358,9 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def load_model(path: str, device="cpu") -> tuple[AED, Tokenizer, FeatureConfig]:
-    """Model (eval mode), tokenizer and feature settings from a checkpoint file."""
-    return model_from_checkpoint(read_checkpoint(path, INFERENCE_KEYS), device)
-
-
 def model_from_checkpoint(ckpt: dict, device="cpu") -> tuple[AED, Tokenizer, FeatureConfig]:
-    model = AED(AEDConfig(**ckpt["model_config"]))
-    model.load_state_dict(ckpt["model"])
-    return model.to(device).eval(), unpack_tokenizer(ckpt["tokenizer"]), FeatureConfig(**ckpt["features"])
+    """Model (eval mode), tokenizer and feature settings of a checkpoint read by `read_checkpoint`."""
+    ckpt = Checkpoint.from_dict(ckpt)
+    model = AED(AEDConfig(**ckpt.model_config))
+    model.load_state_dict(ckpt.model)
+    return model.to(device).eval(), unpack_tokenizer(ckpt.tokenizer), FeatureConfig(**ckpt.features)

@@ -30,6 +30,7 @@ import yaml
 from aed.audio import FeatureConfig, SpecAugmentConfig
 from aed.model import AEDConfig
 from aed.normalize import NORMALIZERS
+from aed.objectives import OBJECTIVES
 from aed.ssl import SSLConfig
 
 
@@ -134,8 +135,8 @@ class TrainConfig:
     ssl: SSLConfig = field(default_factory=SSLConfig)  # objective=ssl: masking and random-projection targets (aed/ssl.py)
 
     def __post_init__(self):
-        if self.objective not in ("aed", "rnnt", "ssl"):
-            raise ConfigError(f"objective: expected aed, rnnt or ssl, got {self.objective!r}")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"objective: expected one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.freeze not in FREEZE:
             raise ConfigError(f"freeze: expected one of {FREEZE}, got {self.freeze!r}")
         if self.freeze == "all_but_new_tokens" and (self.objective != "aed" or not self.init_from

@@ -381,6 +381,20 @@ class Collate:
                      [it["audio_filepath"] for it in items], [it["index"] for it in items], errors, transcribed)
 
 
+class UnreadableAudio:
+    """The unreadable audio files a run has met, each logged once: the sampler draws a bad file
+    again every pass, and validation reads its manifests again every time."""
+
+    def __init__(self):
+        self.seen = set()
+
+    def report(self, errors: list[str], where: str) -> None:
+        """Log the errors of a batch (`Batch.errors`) not logged before; `where`: training or validation."""
+        for err in sorted(set(errors) - self.seen):
+            log.warning("%s: skipped unreadable audio (logged once per run): %s", where, err)
+            self.seen.add(err)
+
+
 def ignore_stop_signals(worker_id: int) -> None:
     """DataLoader worker_init_fn. Cluster schedulers signal every process of the job, workers
     included; the trainer must outlive its workers long enough to save a checkpoint, and it

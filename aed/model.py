@@ -160,9 +160,9 @@ class AED(nn.Module):
             loss = loss + self.cfg.ctc_weight * ctc_sum
         return loss, is_target.sum()
 
-    def count_targets(self, token_lens, prompt_lens):
+    def count_targets(self, batch):
         """Per-row number of scored tokens, as `forward` counts them (for global normalisation)."""
-        return token_lens - 1 if self.cfg.loss_on_prompt else token_lens - prompt_lens
+        return batch.token_lens - 1 if self.cfg.loss_on_prompt else batch.token_lens - batch.prompt_lens
 
     def new_cache(self, memory, memory_lens, max_len: int) -> KVCache:
         return self.decoder.new_cache(memory, memory_lens, max_len)

@@ -136,9 +136,9 @@ class BestRQ(nn.Module):
                                                    ssl.codebook_size, ssl.codebooks, seed)
         self.heads = nn.ModuleList(nn.Linear(cfg.enc_d_model, ssl.codebook_size) for _ in range(ssl.codebooks))
 
-    def count_targets(self, feat_lens):
+    def count_targets(self, batch):
         """Per-row valid encoder frames: the count train.py normalises by (module docstring)."""
-        return subsampled_length(feat_lens, self.cfg.subsampling_factor)
+        return subsampled_length(batch.feat_lens, self.cfg.subsampling_factor)
 
     def forward(self, feats, feat_lens, tokens=None, token_lens=None, prompt_lens=None, transcribed=None):
         """feats (B, T, F), feat_lens (B,) -> (masked-frame mean cross-entropy x valid encoder frames,

@@ -19,14 +19,13 @@ from functools import partial
 import torch
 from torch import nn
 
-from aed.checkpoint import CheckpointError, read_checkpoint
+from aed.checkpoint import Checkpoint, CheckpointError, read_checkpoint
 from aed.config import ConfigError, OptimConfig, TrainConfig
 from aed.ctc import infeasible
 from aed.distributed import peer_lost
 from aed.encoder import subsampled_length
 from aed.model import AED, param_groups, text_targets
-from aed.ssl import BestRQ
-from aed.transducer import TransducerASR
+from aed.objectives import OBJECTIVES
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ def new_tokens(cfg: TrainConfig, vocab_size: int) -> dict | None:
     checkpoint, never typed by hand; it must belong to the training tokenizer (`vocab_size` ids),
     else ConfigError: the rows would be another tokenizer's."""
     try:
-        record = read_checkpoint(cfg.init_from, ()).get("new_tokens") if cfg.init_from else None
+        record = Checkpoint.from_dict(read_checkpoint(cfg.init_from)).new_tokens if cfg.init_from else None
     except CheckpointError as e:
         raise ConfigError(f"init_from: {e}") from None
     if cfg.freeze != "all_but_new_tokens":
@@ -70,17 +69,10 @@ def new_tokens(cfg: TrainConfig, vocab_size: int) -> dict | None:
 
 
 def build_model(cfg: TrainConfig, text_vocab_size: int, added_tokens: dict | None = None) -> nn.Module:
-    """The model `cfg.objective` trains. All share the encoder and its parameter names, so an
-    rnnt- or ssl-pretrained encoder loads into an AED (`init_from` with `init_encoder_only`).
-    text_vocab_size: the tokenizer's real ids (the transducer's blank comes after them).
+    """The model `cfg.objective` trains (aed/objectives.py), with the run's activation
+    checkpointing and `freeze` applied. text_vocab_size: the tokenizer's real ids.
     added_tokens: `new_tokens(cfg, ...)`, required by freeze=all_but_new_tokens."""
-    if cfg.objective == "aed":
-        model = AED(cfg.model)
-    elif cfg.objective == "ssl":
-        model = BestRQ(cfg.model, cfg.ssl, seed=cfg.seed)
-    else:
-        model = TransducerASR(cfg.model, text_vocab_size, cfg.rnnt_chunk_size,
-                              pred_dim=cfg.rnnt_pred_dim, joint_dim=cfg.rnnt_joint_dim)
+    model = OBJECTIVES[cfg.objective].build(cfg, text_vocab_size)
     model.encoder.checkpoint_activations = cfg.activation_checkpointing
     if cfg.freeze == "encoder":  # no gradients: AdamW skips the parameters (see train_mode for the rest)
         model.encoder.requires_grad_(False)
@@ -148,11 +140,9 @@ def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
 
 
 def count_targets(model: nn.Module, batches: list) -> int:
-    """Tokens the loss scores in these batches, counted on the host from their lengths (BEST-RQ:
-    valid encoder frames, aed/ssl.py)."""
-    if isinstance(model, BestRQ):
-        return sum(int(model.count_targets(b.feat_lens).sum()) for b in batches)
-    return sum(int(model.count_targets(b.token_lens, b.prompt_lens).sum()) for b in batches)
+    """Targets the loss scores in these batches, counted on the host from their lengths (tokens;
+    BEST-RQ: valid encoder frames, aed/ssl.py)."""
+    return sum(int(model.count_targets(b).sum()) for b in batches)
 
 
 def count_ctc_skipped(model: nn.Module, batches: list) -> int:

@@ -311,9 +311,9 @@ class TransducerASR(nn.Module):
             vocab_size=text_vocab_size + 1, enc_dim=cfg.enc_d_model, pred_dim=pred_dim, joint_dim=joint_dim,
             predictor=predictor))
 
-    def count_targets(self, token_lens, prompt_lens):
+    def count_targets(self, batch):
         """Per-row number of scored tokens: the text, without prompt and EOS."""
-        return token_lens - prompt_lens - 1
+        return batch.token_lens - batch.prompt_lens - 1
 
     def forward(self, feats, feat_lens, tokens, token_lens, prompt_lens, transcribed=None):
         """Summed sample-wise transducer loss over the text tokens, and their count. Every row counts,

@@ -10,7 +10,7 @@ one more step that ends with a validation) once their logged step times add up t
 validation time is not counted. Stopped by a clock rather than at max_steps, both decay the learning
 rate as inverse square root (cosine would have no end to anneal towards). The memory both must fit
 is the recipe's step in one process: the peak of its worst bucket at --max-duration padded seconds
-per batch (2D bins), measured by oom.preflight (CPU: live tensor bytes).
+per batch (2D bins), measured by aed.oomptimizer.preflight (CPU: live tensor bytes).
 - fixed: one bucket, the largest batch size N whose batch of the longest utterances stays inside
   the recipe's padded-duration budget (N = floor(--max-duration / longest)), every batch padded to
   its longest utterance;
@@ -28,17 +28,18 @@ import yaml
 
 from aed.config import load_train_config
 from aed.data import read_manifest
+from aed.oomptimizer import TrainingStep, preflight
+from aed.training_setup import load_training_setup
 from common import ROOT, epoch_batch, load_avg, log, max_duration_sizes, print_json, print_table, run_script
-from oom import load_training_setup, manifest_bins, preflight
+from oom import manifest_bins
 from report import train_run
 from sampler import load_batch_sizes
 
 
 def memory_bound(config: str, bins, sizes: list) -> int:
     """Peak bytes of the worst bucket at these batch sizes: one real step per bucket."""
-    model, optimizer, features, spec_augment, precision, vocab = load_training_setup(config, torch.device("cpu"))
-    return max(preflight(model, optimizer, bins, sizes, 1 << 40, features, precision, spec_augment,
-                         text_vocab_size=vocab))
+    setup = load_training_setup(config, torch.device("cpu"))
+    return max(preflight(TrainingStep.of(setup), setup.bucket_shapes(bins), sizes, 1 << 40))
 
 
 def main():

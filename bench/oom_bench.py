@@ -14,7 +14,7 @@ each bucket its batch size, on the synthetic corpus of bench/sampler_bench.py an
 optimizer and memory limit (budget minus oom.py's 10% margin):
 (a) 1D, 30 duration buckets, padded-duration heuristic: n = floor(M / d) with the largest M for
     which no bucket exceeds the limit: just below min over buckets of (oom.py's size + 1) x d,
-    then checked by running every bucket's worst-case batch once (oom.preflight);
+    then checked by running every bucket's worst-case batch once (aed.oomptimizer.preflight);
 (b) the same 1D buckets, sizes from oom.py;
 (c) 2D 30x2 buckets, sizes from oom.py.
 1D buckets are bounded in tokens by the bin's max tokens/s x d (bins.max_tps, as oom.py does).
@@ -65,7 +65,7 @@ from aed.memory_model import MemoryModel
 from aed.model import AEDConfig, count_parameters
 from aed.simulated_memory import SimulatedDevice, allocated_limit
 from common import add_width_args, epoch_batch, log, print_json, print_table, random_aed, show_library_logs
-from oom import TrainingStep, bucket_shapes, make_monotone, optimize, optimize_with_model, preflight
+from aed.oomptimizer import TrainingStep, bucket_shapes, make_monotone, optimize, optimize_with_model, preflight
 from sampler import BucketingSampler, estimate_bins
 from sampler_bench import paper_corpus, synthetic_corpus
 
@@ -295,7 +295,7 @@ def small(args) -> None:
     # n = floor(M / d) must stay <= oom.py's size in every bucket: M < (size + 1) x d everywhere.
     max_duration = min((n + 1) * d for n, (d, _, _) in zip(sizes_b, shapes_1d))
     sizes_a = [math.ceil(max_duration / d) - 1 for d, _, _ in shapes_1d]  # largest n with n x d < M
-    peaks_a = preflight(model, optimizer, bins_1d, sizes_a, limit, features)  # raises if any bucket does not fit
+    peaks_a = preflight(step, shapes_1d, sizes_a, limit)  # raises if any bucket does not fit
 
     # (c) 2D 30x2 + oom.py
     shapes_2d = bucket_shapes(bins_2d, features, cfg.dec_max_len)

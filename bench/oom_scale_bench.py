@@ -30,7 +30,7 @@ from aed.model import AED, AEDConfig
 from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice
 from aed.transducer import TransducerASR
 from aed.training import build_optimizer
-from oom import TrainingStep
+from aed.oomptimizer import TrainingStep
 
 # (seconds of audio, tokens per second, seconds in the batch): 0.5-40 s, 3-25 tokens/s, batches of
 # 500 or 900 s (Canary-1B fills 80 GiB near 900 s), and long-transcript outliers at 45-80 tokens/s

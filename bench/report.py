@@ -54,10 +54,11 @@ import torch
 
 from aed.data import encode_utterance, read_manifest
 from aed.model import AED, AEDConfig, count_parameters
+from aed.oomptimizer import TrainingStep, preflight
 from aed.tokenizer import Tokenizer
+from aed.training_setup import load_training_setup
 from common import (MINI_TOKENIZER, ROOT, cores, epoch_batch, last_json, load_avg, log, max_duration_sizes,
                     read_metrics, run_script, script_failed, step_totals, write_config)
-from oom import load_training_setup, preflight
 from sampler import Bins, estimate_bins, load_batch_sizes
 
 PAPER = {"sync": {2: 7, 16: 13, 128: 20}, "b/a": 3.4, "c/a": 5.0,
@@ -207,12 +208,11 @@ def run_training(mode: dict, args, work: Path) -> dict:
     bins = {"1d": estimate_bins(durs, toks, nb, 1), "2d": estimate_bins(durs, toks, nb, 2, method="equal")}  # the paper's bins
     for k, b in bins.items():
         b.save(work / f"bins_{k}.json")
-    # Memory of a scheme = its worst bucket's peak, measured by oom.preflight (CPU: live tensor bytes).
-    model, optimizer, features, spec_augment, precision, vocab = load_training_setup(str(config), torch.device("cpu"))
+    # Memory of a scheme = its worst bucket's peak, measured by aed.oomptimizer.preflight (CPU: live tensor bytes).
+    setup = load_training_setup(str(config), torch.device("cpu"))
 
     def bound(b: Bins, sizes: list, max_tps=None) -> int:
-        return max(preflight(model, optimizer, b, sizes, 1 << 40, features, precision, spec_augment, max_tps=max_tps,
-                             text_vocab_size=vocab))
+        return max(preflight(TrainingStep.of(setup), setup.bucket_shapes(b, max_tps), sizes, 1 << 40))
 
     sizes_a = max_duration_sizes(bins["1d"], m)
     budget = bound(bins["1d"], sizes_a)
@@ -460,7 +460,7 @@ def write_report(res: dict, out: Path, pngs: list) -> Path:
     s.append(run_table(runs, ["A", "B", "C", "D"]))
     s += ["", "batch = mean examples per step during training; epoch batch = over an epoch from the bucket counts; "
           "padding is element-weighted (1 - real / padded); audio s/s = training audio seconds per second of "
-          "training; memory = the worst bucket's peak of live tensors (oom.preflight), RSS = train.py's process "
+          "training; memory = the worst bucket's peak of live tensors (aed.oomptimizer.preflight), RSS = train.py's process "
           "memory (includes ~1 GB of runtime).", "",
           "The runs ran one after another; whatever else used the 2 cores (see the load averages) changed how "
           "much CPU each run got: compare s/step of runs with similar batch sizes and padding. Steps, audio s/s "

@@ -24,7 +24,7 @@ From RUN_DIR/metrics.jsonl (log_every=1) after the first --warmup steps: mean ba
 and text padding (element-weighted: 1 - sum(lengths) / sum(padded)), audio seconds and tokens
 per second of wall-clock (data loading included), seconds per step, peak memory as train.py logs
 it (CUDA: max allocated; CPU: process RSS, which includes ~1 GB of runtime), and ratios against
-fixed. "bound" is each scheme's worst bucket, measured by oom.preflight (one real step at every
+fixed. "bound" is each scheme's worst bucket, measured by aed.oomptimizer.preflight (one real step at every
 bucket's bounds and batch size; CPU: live tensor bytes): the memory the scheme must provision.
 "epoch batch" is the mean batch size over a whole epoch (bins.counts / sizes), which the few
 measured steps only sample.
@@ -49,9 +49,11 @@ import torch
 import yaml
 
 from aed.model import AED, AEDConfig, count_parameters
+from aed.oomptimizer import TrainingStep, preflight
+from aed.training_setup import load_training_setup
 from common import (ROOT, cores, epoch_batch, load_avg, log, max_duration_sizes, print_json, print_table,
                     read_metrics, run_script, step_totals, write_config)
-from oom import device_memory, load_training_setup, preflight
+from oom import device_memory
 from sampler import Bins, load_batch_sizes
 
 # name -> (model overrides of configs/tiny.yaml, default steps). 30m: Canary-1B-Flash's shape
@@ -115,10 +117,9 @@ def bench_model(name: str, args, work: Path, device: torch.device) -> dict:
     def bound(bins: Bins, sizes: list) -> int:
         """Worst-bucket peak of a scheme's sizes (no budget to enforce: the device's memory). The
         model lives only during the measurement, so it holds no device memory while train.py runs."""
-        model, optimizer, features, spec_augment, precision, vocab = load_training_setup(str(config), device)
-        peak = max(preflight(model, optimizer, bins, sizes, device_memory(device), features, precision,
-                             spec_augment, text_vocab_size=vocab))
-        del model, optimizer
+        setup = load_training_setup(str(config), device)
+        peak = max(preflight(TrainingStep.of(setup), setup.bucket_shapes(bins), sizes, device_memory(device)))
+        del setup
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return peak

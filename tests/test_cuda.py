@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from aed.audio import FeatureConfig, SpecAugment, num_frames
-from aed.checkpoint import load_model, pack_dir, read_checkpoint, save_checkpoint
+from aed.checkpoint import pack_dir, read_checkpoint, save_checkpoint
 from aed.data import Batch
 from aed.inference import LoadedModel, load_checkpoint, transcribe
 from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
 from aed.training import train_step
-from oom import TrainingStep, optimize
+from aed.oomptimizer import TrainingStep, optimize
 from test_nemo_convert import FIXTURES, convert
 from test_train import ROOT, SMALL
 
@@ -120,8 +120,7 @@ def test_converted_nemo_model_on_cuda_matches_cpu(tmp_path):
     out = tmp_path / "canary.pt"
     convert(FIXTURES / "canary.nemo", out)
     ref = torch.load(FIXTURES / "canary.ref.pt", weights_only=False)
-    cpu, _, _ = load_model(out, "cpu")
-    gpu, _, _ = load_model(out, "cuda")
+    cpu, gpu = load_checkpoint(out, "cpu").model, load_checkpoint(out, "cuda").model
     for u in ref["utterances"]:
         feats, lens = u["feats"][None], torch.tensor([u["feat_len"]])
         with torch.no_grad():
@@ -135,5 +134,5 @@ def test_a_checkpoint_saved_from_gpu_tensors_loads_on_cpu(tmp_path):
     save_checkpoint({"model": model.state_dict(), "model_config": dataclasses.asdict(CFG),
                      "features": dataclasses.asdict(FeatureConfig(n_mels=80)),
                      "tokenizer": pack_dir(str(MINI / "tokenizer"))}, str(tmp_path), 1, keep_last=1)
-    loaded, _, _ = load_model(str(tmp_path / "ckpt-00000001"), "cpu")
+    loaded = load_checkpoint(str(tmp_path / "ckpt-00000001"), "cpu").model
     assert all(torch.equal(a.cpu(), b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))

@@ -9,7 +9,7 @@ import torch
 
 from aed.model import AED, AEDConfig
 from aed.simulated_memory import CUBLAS_WORKSPACE, CUDA_BLOCK, SimulatedDevice
-from oom import TrainingStep
+from aed.oomptimizer import TrainingStep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

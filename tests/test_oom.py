@@ -17,8 +17,9 @@ from aed.memory_model import MemoryModel
 from aed.model import AED, AEDConfig
 from aed.transducer import TransducerASR
 from aed.simulated_memory import CUBLAS_WORKSPACE, CUDA_CONTEXT, SimulatedDevice, allocated_limit
-from oom import (MemoryBudgetError, TrainingStep, bucket_shapes, main, make_monotone, optimize, preflight,
-                 search_batch_size)
+from aed.oomptimizer import (MemoryBudgetError, TrainingStep, bucket_shapes, make_monotone, optimize, preflight,
+                             search_batch_size)
+from oom import main
 from sampler import Bins, load_batch_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +78,7 @@ import json, torch
 torch.set_num_threads(1)
 from aed.memory import LiveTensorMemory
 from aed.model import AED, AEDConfig
-from oom import TrainingStep
+from aed.oomptimizer import TrainingStep
 def status(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
@@ -199,20 +200,15 @@ def test_parse_bytes():
 # --- pre-flight check and command line -----------------------------------------------------------
 
 
-def as_bins(shapes):
-    """Bins whose bucket_shapes() are exactly `shapes` (2D, default features)."""
-    durations = sorted({d for d, _, _ in shapes})
-    return Bins(durations, tokens=[[t for d2, _, t in shapes if d2 == d] for d in durations])
-
-
 def test_preflight_passes_the_searched_table_and_restores_the_training_state(searched):
     _, rows = searched
     model, optimizer = tiny_setup(seed=1)
+    model.encoder.eval()  # as train_mode leaves a frozen encoder: the check must not switch it to training
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    peaks = preflight(model, optimizer, as_bins(SHAPES), [r["batch_size"] for r in rows], LIMIT,
-                      features=FeatureConfig(n_mels=24))
+    peaks = preflight(TrainingStep(model, optimizer), SHAPES, [r["batch_size"] for r in rows], LIMIT)
     assert all(p <= LIMIT for p in peaks) and len(peaks) == len(SHAPES)
+    assert not model.encoder.training and model.decoder.training
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items()), "weights changed"
     assert not optimizer.state and all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.get_rng_state(), rng)
@@ -224,7 +220,7 @@ def test_preflight_fails_on_an_oversized_table_with_an_actionable_message(search
     sizes[2] = int(sizes[2] * 1.5)
     model, optimizer = tiny_setup()
     with pytest.raises(MemoryBudgetError) as e:
-        preflight(model, optimizer, as_bins(SHAPES), sizes, LIMIT, features=FeatureConfig(n_mels=24))
+        preflight(TrainingStep(model, optimizer), SHAPES, sizes, LIMIT)
     msg = str(e.value)
     expected = rf"bucket 2 \(2\.00 s, 16 tokens\) at batch {sizes[2]} needs [0-9.]+ MB > 16\.0 MB budget"
     assert re.search(expected, msg), msg
@@ -255,12 +251,11 @@ def test_one_command_from_manifests_to_a_config_train_py_reads(tmp_path, capsys)
     # the search, and a YAML fragment that train.py merges over the config.
     import yaml
 
-    from aed.audio import LogMel
     from aed.config import load_train_config
     from aed.data import encode_utterance, read_manifest
     from aed.tokenizer import Tokenizer
     from bins import estimate_bins
-    from train import build_training_data
+    from aed.training_data import build_training_data
 
     manifest, tok_dir = str(ROOT / "data/mini/train.jsonl"), str(ROOT / "data/mini/tokenizer")
     config = tmp_path / "run.yaml"
@@ -286,7 +281,8 @@ def test_one_command_from_manifests_to_a_config_train_py_reads(tmp_path, capsys)
 
     cfg = load_train_config([str(config), str(out)])
     assert cfg.train.batch_sizes == fragment["batch_sizes"] and cfg.train.max_tps == expected.max_tps
-    sampler, _, train_bins = build_training_data(cfg, tok, LogMel(cfg.features), 0, 1, False)
+    data = build_training_data(cfg, tok, 0, 1)
+    sampler, train_bins = data.sampler, data.bins
     assert train_bins == bins and sampler.sizes == [s for row in sizes for s in row]
     assert sampler.allocate.max_tps == expected.max_tps
 

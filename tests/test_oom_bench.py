@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from aed.memory_model import MemoryModel  # noqa: E402
-from oom import bucket_shapes  # noqa: E402
+from aed.oomptimizer import bucket_shapes  # noqa: E402
 from aed.audio import FeatureConfig, num_frames  # noqa: E402
 from oom_bench import largest_batch_duration, memory_of, model_sizes, run_epoch  # noqa: E402
 from sampler import estimate_bins  # noqa: E402

@@ -143,7 +143,7 @@ def test_train_py_refuses_an_audio_only_manifest_for_objectives_that_need_text(t
 def test_oom_sizes_ssl_batches_on_1d_buckets():
     """oom.py's artificial step runs BEST-RQ on duration-only buckets (2-token batches: no text)."""
     from bins import estimate_bins
-    from oom import TrainingStep, bucket_shapes
+    from aed.oomptimizer import TrainingStep, bucket_shapes
 
     bins = estimate_bins([1.0, 2.0, 3.0, 4.0] * 10, [0] * 40, 2, 1)
     shapes = bucket_shapes(bins, FeatureConfig(n_mels=N_MELS), 128, max_tps=0.0)
@@ -159,7 +159,7 @@ def test_a_simulated_ssl_step_bounds_the_real_one_from_above():
     """Fake tensors cannot know BEST-RQ's random masks: the simulator lets them select every frame,
     so the simulated peak is at least the real one (never under), and not wildly above it."""
     from aed.simulated_memory import SimulatedDevice
-    from oom import TrainingStep
+    from aed.oomptimizer import TrainingStep
 
     def step():
         torch.manual_seed(0)

@@ -1,0 +1,160 @@
+"""What a training run reports: the progress line, metrics.jsonl and TensorBoard.
+
+    progress = Progress(device, world_size, cfg, frame_s, peak_flops, step, flops)
+    progress.add(model, micro, result, flops)             # every step: sums stay on the device
+    with progress.paused():                               # validation: not training time
+        ...
+    values, line = progress.report(step, lr, shapes)      # every log_every steps (syncs the ranks)
+    run_log.write(values, step)
+"""
+
+import json
+import logging
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+from aed.distributed import all_reduce
+from aed.training import count_ctc_skipped
+
+log = logging.getLogger(__name__)
+
+# Sums kept on the device between progress lines (no host sync per step), in this order.
+TOTALS = ("loss", "targets", "audio_s", "padded_frames", "frames", "padded_tokens", "tokens", "utterances",
+          "ctc_skipped")
+
+
+class Progress:
+    """The sums and clocks behind the progress line. Counters cover the window since the last
+    line (rates, padding, loss) or the whole run (FLOPs, skipped audio, the ETA). Time spent
+    `paused()` (validation) is kept out of step times, rates and the ETA."""
+
+    def __init__(self, device: torch.device, world_size: int, cfg, frame_s: float, peak_flops: float,
+                 step: int, total_flops: float):
+        self.device, self.world_size, self.frame_s, self.peak_flops = device, world_size, frame_s, peak_flops
+        self.max_steps, self.budget_flops = cfg.max_steps, cfg.budget_flops
+        self.totals = torch.zeros(len(TOTALS), device=device)
+        self.total_flops = total_flops  # all ranks, the whole run including what it resumed from
+        self.run_flops = self.window_flops = 0.0  # since this process started / since the last line
+        self.skipped_audio = 0  # utterances whose audio could not be read, on this rank, this process
+        self.start_step, self.window_steps = step, 0
+        self.paused_s = 0.0
+        self.t_start = self.t_window = time.time()
+        self.paused_at_window = 0.0
+        self.grad_norm = None
+
+    @contextmanager
+    def paused(self):
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.paused_s += time.time() - t0
+
+    def add(self, model, batches: list, result, flops: float) -> None:
+        """One optimizer step over `batches` (host-side), its StepResult and its FLOPs on all ranks."""
+        self.totals += torch.tensor([0.0, 0.0,
+                                     sum(float(b.feat_lens.sum()) * self.frame_s for b in batches),
+                                     sum(b.feats.shape[0] * b.feats.shape[1] for b in batches),
+                                     sum(int(b.feat_lens.sum()) for b in batches),
+                                     sum(b.tokens.numel() for b in batches),
+                                     sum(int(b.token_lens.sum()) for b in batches),
+                                     sum(len(b) for b in batches),
+                                     count_ctc_skipped(model, batches)], device=self.device)
+        self.totals[0] += result.loss
+        self.totals[1] += result.count
+        self.grad_norm = result.grad_norm
+        self.total_flops += flops
+        self.run_flops += flops
+        self.window_flops += flops
+        self.window_steps += 1
+
+    def budget_spent(self) -> bool:
+        return self.budget_flops is not None and self.total_flops >= self.budget_flops
+
+    def report(self, step: int, lr: float, flop_shapes: int) -> tuple[dict, str]:
+        """(metrics for RunLog, the progress line) of the window since the last report, then a new
+        window. flop_shapes: batch shapes whose FLOPs were counted so far (each a slower step).
+        Every rank must call it: it all-reduces the sums."""
+        t = dict(zip(TOTALS, all_reduce(self.totals).tolist()))
+        skipped = int(all_reduce(torch.tensor(float(self.skipped_audio), device=self.device)).item())
+        now = time.time()
+        dt = now - self.t_window - (self.paused_s - self.paused_at_window)  # training time of the window
+        trained = now - self.t_start - self.paused_s
+        eta = trained / (step - self.start_step) * (self.max_steps - step)
+        if self.budget_flops:  # whichever comes first, the last step or the spent budget
+            eta = min(eta, trained / self.run_flops * max(self.budget_flops - self.total_flops, 0.0))
+        mem = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else rss_gb()
+        steps = self.window_steps
+        values = {"train/loss": t["loss"] / max(t["targets"], 1), "train/lr": lr,
+                  "train/grad_norm": self.grad_norm.item(),
+                  "train/batch_size": t["utterances"] / steps / self.world_size,  # per rank and step
+                  "train/audio_padding": 100 * (1 - t["frames"] / t["padded_frames"]),
+                  "train/text_padding": 100 * (1 - t["tokens"] / t["padded_tokens"]) if t["padded_tokens"] else 0.0,
+                  "train/audio_s_per_s": t["audio_s"] / dt, "train/tokens_per_s": t["tokens"] / dt,
+                  "train/step_time": dt / steps, "train/memory_gb": mem, "train/skipped_audio": skipped,
+                  "train/ctc_skipped": int(t["ctc_skipped"]),  # utterances left out of the CTC loss
+                  "train/flops": self.total_flops, "train/flops_per_s": self.window_flops / dt,  # all ranks
+                  "train/mfu": self.window_flops / dt / self.world_size / self.peak_flops,
+                  "train/flop_shapes": flop_shapes}
+        line = (f"step {step} | loss {values['train/loss']:.3f} | lr {lr:.2e} | "
+                f"gnorm {values['train/grad_norm']:.2f} | bs {values['train/batch_size']:.1f} | "
+                f"pad audio {values['train/audio_padding']:.1f}% text {values['train/text_padding']:.1f}% | "
+                f"{values['train/audio_s_per_s']:.1f} audio s/s | {values['train/tokens_per_s']:.0f} tok/s | "
+                f"{values['train/step_time']:.2f} s/step | {self.total_flops:.3g} FLOPs | "
+                f"{values['train/flops_per_s'] / 1e9:.2f} GFLOP/s | MFU {100 * values['train/mfu']:.1f}% | "
+                f"mem {mem:.2f} GB | eta {eta / 60:.1f} min"
+                + (f" | {int(t['ctc_skipped'])} utts too short for CTC" if t["ctc_skipped"] else ""))
+        self.totals.zero_()
+        self.window_flops, self.window_steps = 0.0, 0
+        self.t_window, self.paused_at_window = time.time(), self.paused_s
+        return values, line
+
+
+def rss_gb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+
+
+class RunLog:
+    """metrics.jsonl and TensorBoard scalars/text in the run directory, written by rank 0 only.
+
+    A run resumed at step s replays the steps after s that its killed predecessor had already
+    logged: their rows are dropped from metrics.jsonl, and TensorBoard purges their events."""
+
+    def __init__(self, run_dir: str, master: bool, resumed_step: int = 0):
+        self.writer = self.file = None
+        if not master:
+            return
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if resumed_step and os.path.exists(path):
+            with open(path) as f:
+                rows = f.readlines()
+            kept = [r for r in rows if r.strip() and json.loads(r).get("step", 0) <= resumed_step]
+            if len(kept) < len(rows):
+                log.info("metrics.jsonl: dropped %d rows logged after step %d (replayed now)",
+                         len(rows) - len(kept), resumed_step)
+                with open(path + ".tmp", "w") as f:
+                    f.writelines(kept)
+                os.replace(path + ".tmp", path)
+        self.writer = SummaryWriter(run_dir, purge_step=resumed_step + 1 if resumed_step else None)
+        self.file = open(path, "a")
+
+    def write(self, values: dict, step: int) -> None:
+        if self.file is None:
+            return
+        self.file.write(json.dumps({"step": step, **values}) + "\n")
+        self.file.flush()
+        for k, v in values.items():
+            if isinstance(v, list):
+                self.writer.add_text(k, "  \n".join(v), step)
+            elif isinstance(v, (int, float)):
+                self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.writer.close()
+            self.file.close()
