@@ -39,7 +39,8 @@ from contextlib import nullcontext
 import torch
 import yaml
 
-from aed.config import ConfigError, load_train_config
+from aed.config import load_train_config
+from aed.dataclass_config import ConfigError
 from aed.manifest_bins import bins_from_manifests
 from aed.memory import format_bytes, parse_bytes
 from aed.oomptimizer import (MemoryBudgetError, TrainingStep, fit_memory_model, make_monotone, optimize,

@@ -34,8 +34,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aed.checkpoint import (Checkpoint, CheckpointError, begin_checkpoint, checkpoint_dir, init_from_checkpoint,
                             load_latest, pack_dir, publish_checkpoint, rng_state, set_rng_state, write_shard)
-from aed.config import ConfigError, help_text, load_train_config, to_dict
+from aed.config import help_text, load_train_config
 from aed.data import ManifestError, UnreadableAudio
+from aed.dataclass_config import ConfigError, to_dict
 from aed.distributed import all_reduce, barrier, cleanup, gather_objects, init_distributed, peer_lost
 from aed.flops import StepFlops, matmul_peak
 from aed.memory import format_bytes, parse_bytes

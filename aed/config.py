@@ -1,13 +1,12 @@
-"""The run configuration: typed dataclasses, then YAML files, then `key=value` overrides.
+"""The training run's configuration (train.py, oom.py): TrainConfig and its section dataclasses.
 
     cfg = load_train_config("configs/tiny.yaml", ["optim.lr=1e-3", "train.manifests=[a.jsonl]"])
     cfg = load_train_config(["configs/canary-1b.yaml", "buckets.yaml"])   # later files win (oom.py --out)
 
-Nested dataclass fields are YAML sections and dotted keys on the command line. Override values
-are parsed as YAML, so lists and mappings work (`train.manifests=[{path: a.jsonl, weight: 2}]`).
-Unknown keys and values of the wrong type are errors that name the key. Each field's trailing
-comment is its description: `train.py --help` prints it (`describe`), so the comment next to the
-default is the one place a key is documented.
+aed/dataclass_config.py does the loading: dataclass defaults, then the YAML file(s), then
+`key=value` overrides, with unknown keys and values of the wrong type as errors that name the
+key. Each field's trailing comment is its description: `train.py --help` prints it (`help_text`),
+so the comment next to the default is the one place a key is documented.
 
 The model section describes the architecture only. Three of its fields have another source:
 `n_mels` is `features.n_mels`, and `vocab_size` / `pad_id` come from the tokenizer
@@ -15,27 +14,14 @@ The model section describes the architecture only. Three of its fields have anot
 """
 
 import dataclasses
-import inspect
-import io
-import os
-import re
-import tokenize
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any
-
-import yaml
 
 from aed.audio import FeatureConfig, SpecAugmentConfig
+from aed.dataclass_config import ConfigError, describe, dotted_keys, from_dict, help_table, merged_dict, user_dict
 from aed.model import AEDConfig
 from aed.normalize import NORMALIZERS
 from aed.objectives import OBJECTIVES
 from aed.ssl import SSLConfig
-
-
-class ConfigError(ValueError):
-    pass
 
 
 FREEZE = ("none", "encoder", "all_but_new_tokens")  # TrainConfig.freeze (aed/training.py: build_model)
@@ -158,7 +144,7 @@ def load_train_config(yaml_path: str | list[str] | None = None, overrides: list[
     model.n_mels follows the features (vocab_size and pad_id follow the tokenizer once it is
     loaded: `resolve_model`)."""
     d = merged_dict(TrainConfig, yaml_path, overrides)
-    given = _dotted_keys(_user_dict(yaml_path, overrides))
+    given = dotted_keys(user_dict(yaml_path, overrides))
     for key, source in DERIVED.items():
         if key in given:
             raise ConfigError(f"{key} is set from {source}; remove it from the config")
@@ -173,165 +159,7 @@ def resolve_model(cfg: TrainConfig, tokenizer) -> TrainConfig:
     return dataclasses.replace(cfg, model=model)
 
 
-# --- loading and checking -----------------------------------------------------------------------
-
-
-def _check(value: Any, hint: Any, key: str) -> Any:
-    """Return `value` converted to `hint` (int -> float only), or raise ConfigError naming `key`."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _check(value, arg, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0])
-    if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return from_dict(hint, value, prefix=f"{key}.")
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        item = args[0] if args else Any
-        out = [_check(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(out) if origin is tuple else out
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return value
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
-        try:
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"{key}: expected float, got {value!r}") from None
-    if hint is bool and not isinstance(value, bool):
-        raise ConfigError(f"{key}: expected true/false, got {value!r}")
-    if isinstance(hint, type) and not isinstance(value, hint) or (
-            hint is int and isinstance(value, bool)):
-        raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r}")
-    return value
-
-
-def from_dict(cls, d: dict, prefix: str = ""):
-    """Build dataclass `cls` from a (possibly partial) mapping, checking names and types."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(prefix + k for k in unknown)}; "
-                          f"valid keys here: {', '.join(sorted(names))}")
-    try:
-        return cls(**{k: _check(v, hints[k], prefix + k) for k, v in d.items()})
-    except AssertionError as e:  # a model dataclass's own consistency check
-        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from None
-
-
-def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def _set_dotted(d: dict, dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    for p in parents:
-        d = d.setdefault(p, {})
-        if not isinstance(d, dict):
-            raise ConfigError(f"{dotted}: '{p}' is not a section")
-    d[last] = value
-
-
-def _merge(base: dict, update: dict) -> dict:
-    out = dict(base)
-    for k, v in update.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def _user_dict(yaml_path: str | os.PathLike | list | None, overrides: list[str]) -> dict:
-    """What the YAML file(s) and the overrides set, merged in order, without defaults."""
-    d = {}
-    for path in [yaml_path] if isinstance(yaml_path, (str, os.PathLike)) else yaml_path or []:
-        try:
-            with open(path, encoding="utf-8") as f:
-                part = yaml.safe_load(f) or {}
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
-        if not isinstance(part, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
-        d = _merge(d, part)
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
-        _set_dotted(d, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
-    return d
-
-
-def _dotted_keys(d: dict, prefix: str = "") -> set:
-    keys = set()
-    for k, v in d.items():
-        keys.add(prefix + k)
-        if isinstance(v, dict):
-            keys |= _dotted_keys(v, f"{prefix}{k}.")
-    return keys
-
-
-def merged_dict(cls, yaml_path: str | list[str] | None = None, overrides: list[str] = ()) -> dict:
-    return _merge(dataclasses.asdict(cls()), _user_dict(yaml_path, overrides))
-
-
-def load_config(cls, yaml_path: str | list[str] | None = None, overrides: list[str] = ()):
-    """Defaults < YAML file(s) < `key=value` overrides, validated against dataclass `cls`."""
-    return from_dict(cls, merged_dict(cls, yaml_path, overrides))
-
-
-# --- documentation ------------------------------------------------------------------------------
-
-
-def _field_comments(cls) -> dict:
-    """{field name: its trailing comment} read from the dataclass's source."""
-    comments, names = {}, {}
-    source = inspect.getsource(cls)
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
-    for lineno, line in enumerate(source.splitlines(), 1):
-        m = re.match(r"\s+(\w+)\s*:\s*[^=]+=", line)
-        if m and lineno in comments:
-            names[m.group(1)] = comments[lineno]
-    return names
-
-
-def describe(cls, defaults=None, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(dotted key, type, default, description) for every leaf field of dataclass `cls`."""
-    defaults = defaults if defaults is not None else cls()
-    hints, comments, rows = typing.get_type_hints(cls), _field_comments(cls), []
-    for f in dataclasses.fields(cls):
-        value, hint = getattr(defaults, f.name), hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            rows += describe(hint, value, f"{prefix}{f.name}.")
-            continue
-        key = prefix + f.name
-        note = f"(set from {DERIVED[key]}) " if key in DERIVED else ""
-        type_name = re.sub(r"\btyping\.|<class '(\w+)'>", r"\1", str(hint))
-        rows.append((key, type_name, repr(value), note + comments.get(f.name, "")))
-    return rows
-
-
-def help_text(cls=TrainConfig) -> str:
-    rows = describe(cls)
-    width = max(len(k) for k, *_ in rows)
-    lines = []
-    for key, type_name, default, text in rows:
-        section = key.rsplit(".", 1)[0] if "." in key else ""
-        if lines and section != lines[-1][0]:
-            lines.append((section, ""))
-        lines.append((section, f"  {key:<{width}}  {type_name} = {default}\n  {'':<{width}}  {text}"))
-    return "\n".join(line for _, line in lines)
+def help_text() -> str:
+    """train.py --help: every TrainConfig key with its type, default and description."""
+    notes = {key: f"set from {source}" for key, source in DERIVED.items()}
+    return help_table(describe(TrainConfig, notes))

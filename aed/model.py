@@ -16,6 +16,7 @@ import yaml
 from torch import nn
 
 from aed.ctc import CTCHead
+from aed.dataclass_config import from_dict
 from aed.decoder import KVCache, TransformerDecoder
 from aed.encoder import SUBSAMPLING_FACTORS, ConformerEncoder
 
@@ -64,7 +65,6 @@ class AEDConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "AEDConfig":
         """Build from a mapping (a YAML `model:` section); unknown keys and wrong types name the key."""
-        from aed.config import from_dict  # aed.config imports this module (TrainConfig has a model)
         return from_dict(cls, d, prefix="model.")
 
     @classmethod

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from aed.checkpoint import Checkpoint, CheckpointError, read_checkpoint
-from aed.config import ConfigError, OptimConfig, TrainConfig
+from aed.config import OptimConfig, TrainConfig
 from aed.ctc import infeasible
+from aed.dataclass_config import ConfigError
 from aed.distributed import peer_lost
 from aed.encoder import subsampled_length
 from aed.model import AED, param_groups, text_targets

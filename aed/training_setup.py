@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from aed.audio import SpecAugment
-from aed.config import ConfigError, TrainConfig, load_train_config, resolve_model
+from aed.config import TrainConfig, load_train_config, resolve_model
+from aed.dataclass_config import ConfigError
 from aed.objectives import OBJECTIVES, Objective
 from aed.oomptimizer import bucket_shapes
 from aed.tokenizer import Tokenizer

@@ -9,8 +9,9 @@ import torch
 
 from aed.audio import FeatureConfig
 from aed.checkpoint import init_from_checkpoint, pack_dir, save_checkpoint
-from aed.config import ConfigError, TrainConfig
+from aed.config import TrainConfig
 from aed.data import Batch
+from aed.dataclass_config import ConfigError
 from aed.inference import load_checkpoint, read_requests, transcribe
 from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
