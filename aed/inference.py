@@ -415,7 +415,7 @@ def segment_words(asr: LoadedModel, ids: list[int], log_probs: torch.Tensor | No
     each word's span (`aed.timestamps.snap_to_speech`), else untimed. Special and padding ids carry
     no text and no time. The last encoder frame reaches past the segment's end (up to 80 ms of
     padding): times are clipped to the segment."""
-    text_ids = [t for t in ids if t < asr.tokenizer.vocab_size and not asr.tokenizer.is_special(t)]
+    text_ids = asr.tokenizer.text_ids(ids)
     if log_probs is None:
         return to_words(asr.tokenizer, text_ids, None, 0.0)
     if not feasible(log_probs.shape[0], text_ids):
@@ -437,8 +437,7 @@ def join_pieces(results: list[Result], pieces: list[dict], tokenizer: Tokenizer,
             if words is not None:
                 res.words = [w for k in sorted(words[i]) for w in words[i][k]]
             ordered = [by_segment[k] for k in sorted(by_segment)]
-            # The model's vocabulary is padded to a multiple of 8; ids past the tokenizer's are not text.
-            texts = [tokenizer.decode([t for t in ids if t < tokenizer.vocab_size]) for ids in ordered]
+            texts = [tokenizer.decode_hypothesis(ids) for ids in ordered]
             res.pred_text = " ".join(text for text in texts if text)
             res.tokens = [t for ids in ordered for t in ids]
 

@@ -88,7 +88,7 @@ def main(argv=None):
             options = DecodingOptions(max_new_tokens=max_len - len(prompt), max_delta=max_len, max_repeats=0,
                                       max_tokens_per_second=None)  # the exported loop stops at EOS or max_len only
             ref = greedy_search(model, memory, lens, torch.tensor([prompt]), asr.tokenizer.eos, options)[0]
-        text = asr.tokenizer.decode([t for t in got if t < asr.tokenizer.vocab_size])
+        text = asr.tokenizer.decode_hypothesis(got)
         print(f"{args.audio}: {text!r} ({'same as' if got == ref else 'DIFFERENT from'} eager greedy search)")
         if got != ref:
             sys.exit("error: the exported greedy transcript differs from the eager one")
