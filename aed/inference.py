@@ -1,9 +1,10 @@
 """Batched transcription and translation of audio files: the Python API behind infer.py.
 
+    from aed.decoding import DecodingOptions
     from aed.inference import load_checkpoint, transcribe, read_requests, score
     asr = load_checkpoint("runs/tiny")                       # a checkpoint file, or a run dir (newest)
     results, timings = transcribe(asr, ["a.wav", "clips/"], source_lang="en")
-    results, timings = transcribe(asr, read_requests("test.jsonl"), beam_size=4)
+    results, timings = transcribe(asr, read_requests("test.jsonl"), DecodingOptions(beam_size=4))
     print(results[0].pred_text, timings.rtfx, score(results))
 
 Inputs are files (any rate and channel count soundfile reads), directories, glob patterns, or
@@ -35,7 +36,7 @@ import math
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import soundfile as sf
@@ -462,35 +463,29 @@ def merge_pieces(results: list[Result], segments: list[Segment], words: list[dic
 
 
 @torch.inference_mode()
-def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", target_lang: str | None = None,
-               task: str | None = None, pnc: bool = True, beam_size: int = 1, length_penalty: float = 0.0,
-               max_delta: int = 50, max_new_tokens: int | None = None, ctc_weight: float = 0.3,
-               max_repeats: int = 4, max_tokens_per_second: float | None = 25.0, batch_duration: float = 300.0,
-               chunk_seconds: float | None = None, chunk_overlap: float = 0.0,
+def transcribe(asr: LoadedModel, inputs: list, options: DecodingOptions = DecodingOptions(), *,
+               source_lang: str = "en", target_lang: str | None = None, task: str | None = None, pnc: bool = True,
+               batch_duration: float = 300.0, chunk_seconds: float | None = None, chunk_overlap: float = 0.0,
                dtype: torch.dtype | None = None, timestamps: bool = False,
                progress=None) -> tuple[list[Result], Timings]:
     """Transcribe/translate `inputs` (paths, directories, globs, or Requests) -> one Result each, in order.
 
-    source_lang/target_lang/task/pnc apply to plain paths (Requests carry their own). beam_size 1 is
-    greedy search; length_penalty is GNMT's alpha (0 ranks by log-probability); at most encoder
-    frames + max_delta and `max_new_tokens` tokens are generated. ctc_weight: joint CTC/attention decoding
-    for models with a CTC head (0: attention only); max_repeats and max_tokens_per_second stop looping
-    hypotheses (see `aed.decoding.DecodingOptions`).
+    options: the search (`aed.decoding.DecodingOptions`); its frame_seconds is the model's own, not the
+    caller's, as it converts max_tokens_per_second into encoder frames.
+    source_lang/target_lang/task/pnc apply to plain paths (Requests carry their own).
     batch_duration: padded seconds of audio per batch (`aed.data.duration_batches`). chunk_seconds:
     longer inputs are cut at pauses (see the module docstring); None: `chunk_length` picks it.
     chunk_overlap: seconds by which a chunk starts before the previous one ends where their cut is not
     a pause, the hypotheses merged (`aed.merge`); 0: never.
     dtype: torch.bfloat16 for bf16 autocast, None for fp32. timestamps: set every Result's `words`
-    (`aed.timestamps`); a model without a CTC head raises ValueError, before any work. progress(done_s, total_s) is called after
-    every batch with seconds of audio.
+    (`aed.timestamps`); a model without a CTC head raises ValueError, before any work.
+    progress(done_s, total_s) is called after every batch with seconds of audio.
     """
     if timestamps and asr.model.ctc is None:
         raise ValueError(f"{asr.path} has no CTC head (trained with model.ctc_weight=0), and timestamps are "
                          f"forced alignments to its frame posteriors; train with model.ctc_weight > 0 for them")
     t_start = time.perf_counter()
-    options = DecodingOptions(beam_size, length_penalty, max_delta, max_new_tokens, ctc_weight=ctc_weight,
-                              max_repeats=max_repeats, max_tokens_per_second=max_tokens_per_second,
-                              frame_seconds=frame_seconds(asr.features, asr.model.cfg.subsampling_factor))
+    options = replace(options, frame_seconds=frame_seconds(asr.features, asr.model.cfg.subsampling_factor))
     requests = to_requests(inputs, source_lang=source_lang, target_lang=target_lang, task=task, pnc=pnc)
     results = [Result(r) for r in requests]
     prompts = request_prompts(requests, asr.tokenizer)

@@ -11,6 +11,7 @@ from aed.audio import FeatureConfig
 from aed.checkpoint import init_from_checkpoint, pack_dir, save_checkpoint
 from aed.config import ConfigError, TrainConfig
 from aed.data import Batch
+from aed.decoding import DecodingOptions
 from aed.inference import load_checkpoint, read_requests, transcribe
 from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
@@ -68,8 +69,9 @@ def test_old_ids_prompts_and_outputs_are_unchanged(grown):
     # Old-language inputs: identical greedy and beam outputs, old logits and CTC posteriors equal.
     requests = read_requests(os.path.join(MINI, "examples.jsonl"))
     for beam in (1, 3):
-        before, _ = transcribe(old, requests, beam_size=beam, max_new_tokens=8)
-        after, _ = transcribe(new, requests, beam_size=beam, max_new_tokens=8)
+        options = DecodingOptions(beam_size=beam, max_new_tokens=8)
+        before, _ = transcribe(old, requests, options)
+        after, _ = transcribe(new, requests, options)
         assert [r.tokens for r in before] == [r.tokens for r in after] and all(r.tokens for r in before)
     feats = torch.randn(1, 200, 32)
     with torch.no_grad():

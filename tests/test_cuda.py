@@ -17,6 +17,7 @@ import torch
 from aed.audio import FeatureConfig, SpecAugment, num_frames
 from aed.checkpoint import load_model, pack_dir, read_checkpoint, save_checkpoint
 from aed.data import Batch
+from aed.decoding import DecodingOptions
 from aed.inference import LoadedModel, load_checkpoint, transcribe
 from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
@@ -65,7 +66,7 @@ def test_train_py_under_torchrun_with_nccl_then_its_checkpoint_loads_on_cpu(tmp_
     ckpt = read_checkpoint(str(tmp_path / "ckpt-00000002"), ("model", "optimizer"))
     assert all(v.device.type == "cpu" for v in ckpt["model"].values())
     asr = load_checkpoint(str(tmp_path), device="cpu")
-    results, _ = transcribe(asr, [str(MINI / "examples" / "en_asr_16k.wav")], max_new_tokens=5)
+    results, _ = transcribe(asr, [str(MINI / "examples" / "en_asr_16k.wav")], DecodingOptions(max_new_tokens=5))
     assert results[0].error is None
 
 
@@ -110,7 +111,7 @@ def test_bf16_batched_inference():
     model = AED(dataclasses.replace(CFG, vocab_size=tokenizer.padded_vocab_size, pad_id=tokenizer.pad)).cuda().eval()
     asr = LoadedModel(model, tokenizer, FeatureConfig(n_mels=80), "random weights")
     wavs = sorted(str(p) for p in (MINI / "audio").glob("train_en_*.flac"))[:8]
-    results, timings = transcribe(asr, wavs, dtype=torch.bfloat16, max_new_tokens=8)
+    results, timings = transcribe(asr, wavs, DecodingOptions(max_new_tokens=8), dtype=torch.bfloat16)
     assert len(results) == len(wavs) and all(r.error is None for r in results)
     assert all(0 < len(r.tokens) <= 8 and max(r.tokens) < tokenizer.vocab_size for r in results)
     assert timings.rtfx > 0

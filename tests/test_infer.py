@@ -17,7 +17,7 @@ from aed.audio import FeatureConfig, LogMel, load_audio
 from aed.checkpoint import pack_dir, save_checkpoint
 from aed.ctc import CTCHead
 from aed.data import ManifestError, encode_utterance, read_manifest
-from aed.decoding import decode
+from aed.decoding import DecodingOptions, decode
 from aed.inference import (LoadedModel, Request, chunk_length, expand_inputs, load_checkpoint, plan_segments,
                            quiet_point, read_requests, request_prompts, transcribe)
 from aed.metrics import corpus_scores, wer
@@ -196,7 +196,7 @@ def test_beam_search_is_at_least_as_likely_as_greedy(asr):
     dev = [r for r in read_requests(os.path.join(MINI, "dev.jsonl")) if r.source_lang == "en"][:4]
     requests = read_requests(EXAMPLES) + dev
     greedy, _ = transcribe(unsure, requests)
-    beam, _ = transcribe(unsure, requests, beam_size=4)
+    beam, _ = transcribe(unsure, requests, DecodingOptions(beam_size=4))
     tokenizer, model = unsure.tokenizer, unsure.model
     logmel = LogMel(unsure.features).eval()
 
@@ -217,9 +217,9 @@ def test_beam_search_is_at_least_as_likely_as_greedy(asr):
 def test_max_new_tokens_caps_every_utterance(asr):
     requests = read_requests(EXAMPLES)
     full, _ = transcribe(asr, requests)
-    capped, _ = transcribe(asr, requests, max_new_tokens=3)
+    capped, _ = transcribe(asr, requests, DecodingOptions(max_new_tokens=3))
     assert [r.tokens for r in capped] == [r.tokens[:3] for r in full]  # greedy: a prefix of the full output
-    capped_beam, _ = transcribe(asr, requests, max_new_tokens=3, beam_size=2)
+    capped_beam, _ = transcribe(asr, requests, DecodingOptions(beam_size=2, max_new_tokens=3))
     assert all(len(r.tokens) <= 3 for r in capped_beam)
 
 
@@ -234,7 +234,7 @@ def test_joint_ctc_decoding_is_on_by_default_for_a_model_with_a_ctc_head(asr):
         with_head.model.ctc.proj.weight.zero_()
         with_head.model.ctc.proj.bias.zero_()
         with_head.model.ctc.proj.bias[-1] = 50.0  # blank at every frame
-    attention_only, _ = transcribe(with_head, requests, ctc_weight=0.0)
+    attention_only, _ = transcribe(with_head, requests, DecodingOptions(ctc_weight=0.0))
     joint, _ = transcribe(with_head, requests)
     assert [r.tokens for r in attention_only] == [r.tokens for r in plain] and all(r.tokens for r in plain)
     assert [r.tokens for r in joint] == [[] for _ in requests]

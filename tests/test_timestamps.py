@@ -13,6 +13,7 @@ import torch
 
 from aed.audio import FeatureConfig, load_audio
 from aed.checkpoint import pack_dir, save_checkpoint
+from aed.decoding import DecodingOptions
 from aed.inference import load_checkpoint, plan_segments, Request, transcribe
 from aed.model import AED, AEDConfig
 from aed.timestamps import (Segment, Word, align, frame_seconds, snap_to_speech, speech_frames, srt, to_segments,
@@ -148,7 +149,8 @@ def test_times_are_monotonic_within_the_audio_and_offset_per_chunk(tmp_path, tok
     asr = load_checkpoint(checkpoint(tmp_path, tokenizer, ctc_weight=0.3))
     path, _ = long_file(tmp_path)
     chunk = 4.0
-    (res,), timings = transcribe(asr, [path], chunk_seconds=chunk, max_new_tokens=6, timestamps=True)
+    (res,), timings = transcribe(asr, [path], DecodingOptions(max_new_tokens=6), chunk_seconds=chunk,
+                                 timestamps=True)
     pieces = plan_segments(Request(path, "en", "en", True, "asr"), chunk, 16000)
     assert len(pieces) >= 4 and timings.align > 0
     assert res.words and " ".join(w.text for w in res.words) == " ".join(res.pred_text.split())
@@ -194,8 +196,8 @@ def test_overlapping_chunks_of_continuous_speech_merge_into_one_ordered_transcri
     chunk, overlap = 2.0, 0.5
     pieces = plan_segments(Request(path, "en", "en", True, "asr"), chunk, 16000, overlap)
     assert len(pieces) >= 4 and all(b[0] == pytest.approx(a[0] + a[2] - overlap) for a, b in zip(pieces, pieces[1:]))
-    (res,), _ = transcribe(asr, [path], chunk_seconds=chunk, chunk_overlap=overlap, max_new_tokens=6,
-                           timestamps=ctc_weight > 0)
+    (res,), _ = transcribe(asr, [path], DecodingOptions(max_new_tokens=6), chunk_seconds=chunk,
+                           chunk_overlap=overlap, timestamps=ctc_weight > 0)
     assert res.error is None and res.duration == pytest.approx(wav.numel() / 16000, abs=1e-3)  # overlaps count once
     assert res.pred_text and res.tokens
     if ctc_weight > 0:
@@ -204,7 +206,8 @@ def test_overlapping_chunks_of_continuous_speech_merge_into_one_ordered_transcri
         assert all(0 <= w.start < w.end <= res.duration + 1e-6 for w in res.words)
         assert all(a.end <= b.start + 1e-6 for a, b in zip(res.words, res.words[1:]))
         assert any(w.start >= pieces[2][0] for w in res.words), "no word from a later chunk"
-    (no_overlap,), _ = transcribe(asr, [path], chunk_seconds=chunk, chunk_overlap=0.0, max_new_tokens=6)
+    (no_overlap,), _ = transcribe(asr, [path], DecodingOptions(max_new_tokens=6), chunk_seconds=chunk,
+                                  chunk_overlap=0.0)
     assert no_overlap.duration == pytest.approx(res.duration, abs=1e-3)
 
 
