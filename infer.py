@@ -34,8 +34,7 @@ import time
 import torch
 
 from aed.decoding import DecodingOptions
-from aed.inference import (expand_inputs, known_languages, load_checkpoint, make_request, read_requests, score,
-                           transcribe)
+from aed.inference import expand_inputs, known_languages, load_asr, make_request, read_requests, score, transcribe
 from aed.normalize import NORMALIZERS
 from aed.timestamps import srt, to_segments, webvtt
 
@@ -61,9 +60,9 @@ def parse_args():
     dec.add_argument("--length-penalty", type=float, default=DecodingOptions.length_penalty,
                      help="beam search GNMT alpha; 0 ranks hypotheses by log-probability")
     dec.add_argument("--max-new-tokens", type=int, default=DecodingOptions.max_new_tokens,
-                     help="cap on generated tokens per segment")
+                     help="cap on generated tokens per chunk")
     dec.add_argument("--max-delta", type=int, default=DecodingOptions.max_delta,
-                     help="at most encoder frames + this many tokens per segment (NeMo's max_generation_delta)")
+                     help="at most encoder frames + this many tokens per chunk (NeMo's max_generation_delta)")
     dec.add_argument("--ctc-weight", type=float, default=DecodingOptions.ctc_weight,
                      help="joint CTC/attention decoding weight for models with a CTC head; 0: attention only")
     dec.add_argument("--max-repeats", type=int, default=DecodingOptions.max_repeats,
@@ -163,7 +162,7 @@ def main() -> None:
     device = torch.device(args.device)
     t_load = time.perf_counter()
     try:
-        asr = load_checkpoint(args.ckpt, device)
+        asr = load_asr(args.ckpt, device)
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:  # missing, not ours, or corrupt
         sys.exit(f"error: cannot load --ckpt {args.ckpt}: {e}")
     t_load = time.perf_counter() - t_load

@@ -23,7 +23,7 @@ from pathlib import Path
 import jiwer
 
 from aed.decoding import DecodingOptions
-from aed.inference import load_checkpoint, read_requests, score, transcribe
+from aed.inference import load_asr, read_requests, score, transcribe
 from aed.metrics import normalize_text
 from common import add_device_args, device_from_args, load_avg, log, print_json, print_table
 
@@ -55,7 +55,7 @@ def main():
 
     rows = []
     for ckpt in args.ckpt:
-        asr = load_checkpoint(ckpt, device)
+        asr = load_asr(ckpt, device)
         requests = read_requests(args.manifest)
         for beam in args.beam_sizes:
             for name, fields in SETTINGS.items():

@@ -18,7 +18,7 @@ from aed.audio import FeatureConfig, SpecAugment, num_frames
 from aed.checkpoint import load_model, pack_dir, read_checkpoint, save_checkpoint
 from aed.data import Batch
 from aed.decoding import DecodingOptions
-from aed.inference import LoadedModel, load_checkpoint, transcribe
+from aed.inference import LoadedModel, load_asr, transcribe
 from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
 from aed.training import train_step
@@ -65,7 +65,7 @@ def test_train_py_under_torchrun_with_nccl_then_its_checkpoint_loads_on_cpu(tmp_
          "configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=2", "ckpt_every=2", "precision=bf16"])
     ckpt = read_checkpoint(str(tmp_path / "ckpt-00000002"), ("model", "optimizer"))
     assert all(v.device.type == "cpu" for v in ckpt["model"].values())
-    asr = load_checkpoint(str(tmp_path), device="cpu")
+    asr = load_asr(str(tmp_path), device="cpu")
     results, _ = transcribe(asr, [str(MINI / "examples" / "en_asr_16k.wav")], DecodingOptions(max_new_tokens=5))
     assert results[0].error is None
 

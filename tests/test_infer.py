@@ -18,7 +18,7 @@ from aed.checkpoint import pack_dir, save_checkpoint
 from aed.ctc import CTCHead
 from aed.data import ManifestError, encode_utterance, read_manifest
 from aed.decoding import DecodingOptions, decode
-from aed.inference import (LoadedModel, Request, chunk_length, expand_inputs, load_checkpoint, plan_segments,
+from aed.inference import (LoadedModel, Request, chunk_length, expand_inputs, load_asr, plan_chunks,
                            quiet_point, read_requests, request_prompts, transcribe)
 from aed.metrics import corpus_scores, wer
 from aed.model import AED, AEDConfig
@@ -109,7 +109,7 @@ def run_dir(tmp_path_factory, train_utts):
 
 @pytest.fixture(scope="module")
 def asr(run_dir):
-    return load_checkpoint(run_dir)  # a run directory: its newest checkpoint
+    return load_asr(run_dir)  # a run directory: its newest checkpoint
 
 
 # --- with the trained model -------------------------------------------------------------------
@@ -159,14 +159,14 @@ def test_long_audio_is_cut_at_pauses_and_recovers_every_word(asr, train_utts, tm
 
     # Every cut falls into a pause: a gap, or the silence the mini utterances keep at their edges
     # (0.15 s at the end, 0.1 s at the start; data/mini/README.md), so no word is split.
-    pieces = plan_segments(Request(str(path), "en", "en", True, "asr"), chunk, 16000)
-    assert len(pieces) == len(wavs)
+    chunks = plan_chunks(Request(str(path), "en", "en", True, "asr"), chunk, 16000)
+    assert len(chunks) == len(wavs)
     gaps, t = [], 0.0
     for w in wavs[:-1]:
         t += w.numel() / 16000
         gaps.append((t - 0.15, t + gap + 0.1))
         t += gap
-    for (start, _, _), (lo, hi) in zip(pieces[1:], gaps):
+    for (start, _, _), (lo, hi) in zip(chunks[1:], gaps):
         assert lo <= start <= hi, (start, lo, hi)
 
     # No chunk length given: the one recorded in the checkpoint (the training maximum) is used.
@@ -345,8 +345,8 @@ def test_quiet_point_is_the_middle_of_the_silent_stretch(tmp_path):
     cut, pause = quiet_point(str(path), 0.5, 2.0, 16000)
     assert cut == pytest.approx(1.25, abs=0.011) and pause
     assert not quiet_point(str(path), 0.0, 0.9, 16000)[1]  # noise only: no pause
-    # Short files are never cut; long ones into pieces of at most chunk_seconds.
-    assert plan_segments(Request(str(path), "en", "en", True, "asr"), 5.0, 16000) == [(0.0, None, 2.5)]
-    pieces = plan_segments(Request(str(path), "en", "en", True, "asr"), 1.6, 16000)
-    assert len(pieces) == 2 and 1.2 <= pieces[0][1] <= 1.5  # the quiet part of the search window [1.2, 1.6]
-    assert pieces[1][1] is None and pieces[1][0] + pieces[1][2] == pytest.approx(2.5)
+    # Short files are never cut; long ones into chunks of at most chunk_seconds.
+    assert plan_chunks(Request(str(path), "en", "en", True, "asr"), 5.0, 16000) == [(0.0, None, 2.5)]
+    chunks = plan_chunks(Request(str(path), "en", "en", True, "asr"), 1.6, 16000)
+    assert len(chunks) == 2 and 1.2 <= chunks[0][1] <= 1.5  # the quiet part of the search window [1.2, 1.6]
+    assert chunks[1][1] is None and chunks[1][0] + chunks[1][2] == pytest.approx(2.5)

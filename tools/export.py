@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from aed.audio import LogMel, load_audio
 from aed.decoding import DecodingOptions, greedy_search
 from aed.export import MIN_FRAMES, empty_cache, export_model, greedy
-from aed.inference import load_checkpoint
+from aed.inference import load_asr
 
 
 def largest_errors(model, encoder, step, max_len: int) -> tuple[float, float]:
@@ -65,7 +65,7 @@ def main(argv=None):
     p.add_argument("--lang", default="en", help="with --audio: its language")
     args = p.parse_args(argv)
 
-    asr = load_checkpoint(args.ckpt)
+    asr = load_asr(args.ckpt)
     model = asr.model.float()
     max_len = args.max_len or model.cfg.dec_max_len
     print(f"exporting {asr.path}: inputs of {MIN_FRAMES}..{args.max_frames} frames, decoder positions {max_len}")
