@@ -33,8 +33,8 @@ import time
 
 import torch
 
-from aed.inference import (expand_inputs, known_languages, load_checkpoint, make_request, read_requests, score,
-                           transcribe)
+from aed.decoding import DecodingOptions
+from aed.inference import expand_inputs, known_languages, load_asr, make_request, read_requests, score, transcribe
 from aed.normalize import NORMALIZERS
 from aed.timestamps import srt, to_segments, webvtt
 
@@ -55,18 +55,19 @@ def parse_args():
     task.add_argument("--target-lang", help="language of the output text; default: the source language")
     task.add_argument("--pnc", action=argparse.BooleanOptionalAction, default=True,
                       help="output punctuation and capitalisation")
-    dec = p.add_argument_group("decoding")
-    dec.add_argument("--beam-size", type=int, default=1, help="1: greedy search")
-    dec.add_argument("--length-penalty", type=float, default=0.0,
+    dec = p.add_argument_group("decoding")  # defaults: aed.decoding.DecodingOptions, the one place they are set
+    dec.add_argument("--beam-size", type=int, default=DecodingOptions.beam_size, help="1: greedy search")
+    dec.add_argument("--length-penalty", type=float, default=DecodingOptions.length_penalty,
                      help="beam search GNMT alpha; 0 ranks hypotheses by log-probability")
-    dec.add_argument("--max-new-tokens", type=int, help="cap on generated tokens per segment")
-    dec.add_argument("--max-delta", type=int, default=50,
-                     help="at most encoder frames + this many tokens per segment (NeMo's max_generation_delta)")
-    dec.add_argument("--ctc-weight", type=float, default=0.3,
+    dec.add_argument("--max-new-tokens", type=int, default=DecodingOptions.max_new_tokens,
+                     help="cap on generated tokens per chunk")
+    dec.add_argument("--max-delta", type=int, default=DecodingOptions.max_delta,
+                     help="at most encoder frames + this many tokens per chunk (NeMo's max_generation_delta)")
+    dec.add_argument("--ctc-weight", type=float, default=DecodingOptions.ctc_weight,
                      help="joint CTC/attention decoding weight for models with a CTC head; 0: attention only")
-    dec.add_argument("--max-repeats", type=int, default=4,
+    dec.add_argument("--max-repeats", type=int, default=DecodingOptions.max_repeats,
                      help="stop a hypothesis that repeats an n-gram more than this many times in a row; 0: never")
-    dec.add_argument("--max-tokens-per-second", type=float, default=25.0,
+    dec.add_argument("--max-tokens-per-second", type=float, default=DecodingOptions.max_tokens_per_second,
                      help="stop a hypothesis at this many tokens per second of audio; 0: no bound")
     run = p.add_argument_group("execution")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -161,7 +162,7 @@ def main() -> None:
     device = torch.device(args.device)
     t_load = time.perf_counter()
     try:
-        asr = load_checkpoint(args.ckpt, device)
+        asr = load_asr(args.ckpt, device)
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:  # missing, not ours, or corrupt
         sys.exit(f"error: cannot load --ckpt {args.ckpt}: {e}")
     t_load = time.perf_counter() - t_load
@@ -170,20 +171,20 @@ def main() -> None:
         if not requests:
             sys.exit("error: no valid inputs left")
     dtype = {"bf16": torch.bfloat16, "fp32": None}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    joint = f" + CTC {args.ctc_weight:g}" if asr.model.ctc is not None and args.ctc_weight > 0 else ""
+    options = DecodingOptions(beam_size=args.beam_size, length_penalty=args.length_penalty, max_delta=args.max_delta,
+                              max_new_tokens=args.max_new_tokens, ctc_weight=args.ctc_weight,
+                              max_repeats=args.max_repeats, max_tokens_per_second=args.max_tokens_per_second or None)
+    joint = f" + CTC {options.ctc_weight:g}" if asr.model.ctc is not None and options.ctc_weight > 0 else ""
+    search = "greedy" if options.beam_size == 1 else f"beam {options.beam_size}"
     print(f"model {asr.path} ({sum(p.numel() for p in asr.model.parameters()) / 1e6:.1f}M parameters) on {device}, "
-          f"{'bf16' if dtype else 'fp32'}, {'greedy' if args.beam_size == 1 else f'beam {args.beam_size}'}{joint}; "
-          f"{len(requests)} input(s)", file=sys.stderr)
+          f"{'bf16' if dtype else 'fp32'}, {search}{joint}; {len(requests)} input(s)", file=sys.stderr)
 
     # --- transcription
 
     try:
         results, timings = transcribe(
-            asr, requests, beam_size=args.beam_size, length_penalty=args.length_penalty, max_delta=args.max_delta,
-            max_new_tokens=args.max_new_tokens, ctc_weight=args.ctc_weight, max_repeats=args.max_repeats,
-            max_tokens_per_second=args.max_tokens_per_second or None, batch_duration=args.batch_duration,
-            chunk_seconds=args.chunk_seconds, chunk_overlap=args.chunk_overlap, dtype=dtype,
-            timestamps=args.timestamps is not None,
+            asr, requests, options, batch_duration=args.batch_duration, chunk_seconds=args.chunk_seconds,
+            chunk_overlap=args.chunk_overlap, dtype=dtype, timestamps=args.timestamps is not None,
             progress=ProgressBar(not args.quiet and len(requests) > 1))
     except ValueError as e:  # e.g. a language the tokenizer does not know, named with its manifest line
         sys.exit(f"error: {e}")

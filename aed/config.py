@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from aed.audio import FeatureConfig, SpecAugmentConfig
 from aed.dataclass_config import ConfigError, describe, dotted_keys, from_dict, help_table, merged_dict, user_dict
+from aed.decoding import DecodingOptions
 from aed.model import AEDConfig
 from aed.normalize import NORMALIZERS
 from aed.objectives import OBJECTIVES
@@ -66,7 +67,7 @@ class ValConfig:
     batch_duration: float = 300.0  # padded seconds of audio per decoding batch (batch size x longest)
     max_utterances: int | None = None  # validate on the first N utterances of each manifest only
     num_examples: int = 4  # transcripts shown in the log and TensorBoard
-    ctc_weight: float = 0.3  # joint CTC/attention decoding weight for models with a CTC head (infer.py's default); 0: attention only
+    ctc_weight: float = DecodingOptions.ctc_weight  # joint CTC/attention decoding weight for models with a CTC head (infer.py's default too); 0: attention only
     normalizer: str = "simple"  # WER text normaliser: simple (case, punctuation) | whisper (the leaderboards', aed/normalize.py)
 
     def __post_init__(self):

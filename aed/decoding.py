@@ -30,6 +30,9 @@ REPEAT_NGRAM = 6  # the repetition guard looks at n-grams of up to this many tok
 
 @dataclass(frozen=True)
 class DecodingOptions:
+    """How to search. The defaults here are the only ones: infer.py's flags, `aed.inference.transcribe`
+    and the val.ctc_weight config key take theirs from this class."""
+
     beam_size: int = 1  # 1: batched greedy search; >1: vectorised beam search over B x beam_size rows
     length_penalty: float = 0.0  # GNMT alpha: rank by logP / ((5 + len) / 6)^alpha; 0 ranks by logP (Canary's default)
     max_delta: int = 50  # at most encoder frames + max_delta new tokens per utterance (NeMo's max_generation_delta)

@@ -1,14 +1,18 @@
 """Batched transcription and translation of audio files: the Python API behind infer.py.
 
-    from aed.inference import load_checkpoint, transcribe, read_requests, score
-    asr = load_checkpoint("runs/tiny")                       # a checkpoint file, or a run dir (newest)
+    from aed.decoding import DecodingOptions
+    from aed.inference import load_asr, transcribe, read_requests, score
+    asr = load_asr("runs/tiny")                              # a checkpoint file, or a run dir (newest)
     results, timings = transcribe(asr, ["a.wav", "clips/"], source_lang="en")
-    results, timings = transcribe(asr, read_requests("test.jsonl"), beam_size=4)
+    results, timings = transcribe(asr, read_requests("test.jsonl"), DecodingOptions(beam_size=4))
     print(results[0].pred_text, timings.rtfx, score(results))
 
 Inputs are files (any rate and channel count soundfile reads), directories, glob patterns, or
 `Request`s (one per manifest line, with per-line task fields). Every input gets one `Result`, in
 input order; an unreadable file gets `error` set instead of a transcript, never dropped.
+
+A *chunk* is a stretch of one input that is decoded on its own (`AudioChunk`; `aed.merge.Chunk`
+once decoded); a *segment* is a subtitle cue (`aed.timestamps.Segment`).
 
 How the work is cut:
 1. Plan: each input's duration (manifest, else the file header). Inputs longer than `chunk_seconds`
@@ -17,8 +21,8 @@ How the work is cut:
    a cut that is not a pause (40 dB below the loudest 100 ms near it: continuous speech, background
    noise) starts the next chunk that many seconds earlier instead, so the words around the cut are
    heard whole by one of the two chunks, and the two hypotheses are merged.
-2. Batch: segments sorted by duration, longest first, and cut into batches of at most
-   `batch_duration` padded seconds (batch size x longest segment): `aed.data.duration_batches`.
+2. Batch: chunks sorted by duration, longest first, and cut into batches of at most
+   `batch_duration` padded seconds (batch size x longest chunk): `aed.data.duration_batches`.
 3. Per batch: load + log-mel features, encoder, then greedy or beam search (`aed.decoding.search`);
    joint with the CTC head when the model has one; each phase is timed separately (the device is
    synchronised between phases) for the RTFx report.
@@ -35,7 +39,7 @@ import math
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import soundfile as sf
@@ -43,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from aed.audio import AudioError, FeatureConfig, LogMel, load_audio, num_frames
-from aed.checkpoint import INFERENCE_KEYS, is_checkpoint, load_latest, model_from_checkpoint, read_checkpoint
+from aed.checkpoint import INFERENCE_KEYS, Checkpoint, is_checkpoint, load_latest, model_from_checkpoint, read_checkpoint
 from aed.data import (PROMPT_TASKS, ManifestError, audio_path, check_task, duration_batches, json_object, languages,
                       manifest_lines, reference_text, seconds)
 from aed.decoding import DecodingOptions, search
@@ -79,7 +83,7 @@ class LoadedModel:
         return next(self.model.parameters()).device
 
 
-def load_checkpoint(path: str, device="cpu") -> LoadedModel:
+def load_asr(path: str, device="cpu") -> LoadedModel:
     """A checkpoint (a train.py `ckpt-*` directory or a single file), or a run directory (its newest
     valid checkpoint: a truncated newer one is skipped with a warning naming it), ready for inference."""
     if os.path.isdir(path) and not is_checkpoint(path):
@@ -92,7 +96,7 @@ def load_checkpoint(path: str, device="cpu") -> LoadedModel:
     else:
         raise FileNotFoundError(f"{path}: no such checkpoint file or run directory")
     model, tokenizer, features = model_from_checkpoint(ckpt, device)
-    return LoadedModel(model, tokenizer, features, path, ckpt.get("max_train_duration"))
+    return LoadedModel(model, tokenizer, features, path, Checkpoint.from_dict(ckpt).max_train_duration)
 
 
 def chunk_length(asr: LoadedModel, chunk_seconds: float | None) -> float:
@@ -115,7 +119,7 @@ def chunk_length(asr: LoadedModel, chunk_seconds: float | None) -> float:
 
 @dataclass
 class Request:
-    """One input: a file (or a segment of one, via offset/duration) and the task to run on it."""
+    """One input: a file (or a stretch of one, via offset/duration) and the task to run on it."""
 
     audio_filepath: str
     source_lang: str
@@ -276,10 +280,10 @@ def quiet_point(path: str, start: float, end: float, sample_rate: int) -> tuple[
     return start + ((first + last) // 2 + window // 2) * hop / sample_rate, pause
 
 
-def plan_segments(req: Request, chunk_seconds: float, sample_rate: int,
-                  overlap: float = 0.0) -> list[tuple[float, float | None, float]]:
-    """(offset, duration or None = to the end, estimated seconds) pieces of one request: each ends at
-    the quietest point of its last quarter; the next starts there when that is a pause, else
+def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int,
+                overlap: float = 0.0) -> list[tuple[float, float | None, float]]:
+    """(offset, duration or None = to the end, estimated seconds) of each chunk of one request: each
+    ends at the quietest point of its last quarter; the next starts there when that is a pause, else
     `overlap` seconds before it (the words around the cut are then merged: `aed.merge`)."""
     if not 0 <= overlap <= chunk_seconds / 2:
         raise ValueError(f"chunk overlap {overlap} s must lie in [0, half the chunk length {chunk_seconds} s]")
@@ -297,20 +301,22 @@ def plan_segments(req: Request, chunk_seconds: float, sample_rate: int,
             raise AudioError(req.audio_filepath, f"no audio after offset {req.offset}s ({info.frames} samples)")
     if total <= chunk_seconds:
         return [(req.offset, req.duration, total)]
-    pieces, start, end = [], req.offset, req.offset + total
+    chunks, start, end = [], req.offset, req.offset + total
     while end - start > chunk_seconds:
         search_from = start + (1 - CUT_SEARCH) * chunk_seconds
         cut, pause = quiet_point(req.audio_filepath, search_from, start + chunk_seconds, sample_rate)
-        pieces.append((start, cut - start, cut - start))
+        chunks.append((start, cut - start, cut - start))
         start = cut if pause else cut - overlap  # cut >= start + 3/4 chunk_seconds > start + overlap: moves on
-    pieces.append((start, end - start if req.duration is not None else None, end - start))
-    return pieces
+    chunks.append((start, end - start if req.duration is not None else None, end - start))
+    return chunks
 
 
 # --- transcription ----------------------------------------------------------------------------
 
 
-class Segment(NamedTuple):
+class AudioChunk(NamedTuple):
+    """A stretch of one request's audio, decoded on its own (`plan_chunks`)."""
+
     request: int  # index of its Request
     offset: float  # seconds into the file
     duration: float | None  # seconds from offset; None: to the end of the file
@@ -341,29 +347,30 @@ def request_prompts(requests: list[Request], tokenizer: Tokenizer) -> list[list[
 
 
 def plan(requests: list[Request], results: list[Result], chunk_seconds: float, overlap: float,
-         sample_rate: int) -> list[Segment]:
-    """Every request's segments, in file order; a file whose length cannot be read fails its Result."""
-    segments = []
+         sample_rate: int) -> list[AudioChunk]:
+    """Every request's chunks, in file order; a file whose length cannot be read fails its Result."""
+    chunks = []
     for i, r in enumerate(requests):
         try:
-            segments += [Segment(i, *piece) for piece in plan_segments(r, chunk_seconds, sample_rate, overlap)]
+            chunks += [AudioChunk(i, *chunk) for chunk in plan_chunks(r, chunk_seconds, sample_rate, overlap)]
         except AudioError as e:
             results[i].error = e.reason
-    return segments
+    return chunks
 
 
-def load_segments(asr: LoadedModel, requests: list[Request], segments: list[Segment], batch: list[int],
-                  results: list[Result]) -> tuple[list[int], list[torch.Tensor]]:
-    """The segments of `batch` that load, and their waveforms (S,). A failure is recorded on its
-    file's Result, and the file's remaining segments are skipped."""
+def load_chunks(asr: LoadedModel, requests: list[Request], chunks: list[AudioChunk], batch: list[int],
+                results: list[Result]) -> tuple[list[int], list[torch.Tensor]]:
+    """The chunks of `batch` that load, and their waveforms (S,). A failure is recorded on its
+    file's Result, and the file's remaining chunks are skipped."""
     kept, wavs = [], []
     for k in batch:
-        seg = segments[k]
-        res = results[seg.request]
+        chunk = chunks[k]
+        res = results[chunk.request]
         if res.error is not None:  # another chunk of this file already failed
             continue
         try:
-            wav = load_audio(requests[seg.request].audio_filepath, seg.offset, seg.duration, asr.features.sample_rate)
+            wav = load_audio(requests[chunk.request].audio_filepath, chunk.offset, chunk.duration,
+                             asr.features.sample_rate)
         except AudioError as e:
             res.error = e.reason
             continue
@@ -408,51 +415,51 @@ def decode_batch(asr: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], pro
     return hyps, (ctc_log_probs, memory_lens) if with_ctc else None, t1 - t0, t2 - t1
 
 
-def segment_words(asr: LoadedModel, ids: list[int], log_probs: torch.Tensor | None, wav: torch.Tensor,
-                  offset: float, where: str) -> list[Word]:
-    """One segment's hypothesis -> its words; with its CTC log-probs (T', V), force-aligned, with times
-    in the file (the segment's audio `wav` (S,) starts at `offset` s) narrowed to the speech inside
+def chunk_words(asr: LoadedModel, ids: list[int], log_probs: torch.Tensor | None, wav: torch.Tensor,
+                offset: float, where: str) -> list[Word]:
+    """One chunk's hypothesis -> its words; with its CTC log-probs (T', V), force-aligned, with times
+    in the file (the chunk's audio `wav` (S,) starts at `offset` s) narrowed to the speech inside
     each word's span (`aed.timestamps.snap_to_speech`), else untimed. Special and padding ids carry
-    no text and no time. The last encoder frame reaches past the segment's end (up to 80 ms of
-    padding): times are clipped to the segment."""
-    text_ids = [t for t in ids if t < asr.tokenizer.vocab_size and not asr.tokenizer.is_special(t)]
+    no text and no time. The last encoder frame reaches past the chunk's end (up to 80 ms of
+    padding): times are clipped to the chunk."""
+    text_ids = asr.tokenizer.text_ids(ids)
     if log_probs is None:
         return to_words(asr.tokenizer, text_ids, None, 0.0)
     if not feasible(log_probs.shape[0], text_ids):
         log.warning("%s at %.2f s: %d tokens do not fit a CTC path through %d frames; their times are "
-                    "spread evenly over the segment", where, offset, len(text_ids), log_probs.shape[0])
+                    "spread evenly over the chunk", where, offset, len(text_ids), log_probs.shape[0])
     spans = align(log_probs, text_ids, asr.model.ctc.blank)
-    frame_s = frame_seconds(asr.features, asr.model.cfg.subsampling_factor)
-    words = to_words(asr.tokenizer, text_ids, spans, frame_s, offset)
+    encoder_frame_s = frame_seconds(asr.features, asr.model.cfg.subsampling_factor)
+    words = to_words(asr.tokenizer, text_ids, spans, encoder_frame_s, offset)
     words = snap_to_speech(words, speech_frames(wav, asr.features.sample_rate), offset)
     end = offset + wav.numel() / asr.features.sample_rate
     return [Word(w.text, min(w.start, end), min(w.end, end), w.ids) for w in words]
 
 
-def join_pieces(results: list[Result], pieces: list[dict], tokenizer: Tokenizer, words: list[dict] | None) -> None:
+def join_chunks(results: list[Result], generated: list[dict], tokenizer: Tokenizer,
+                words: list[dict] | None) -> None:
     """Each transcribed file's text and ids (and words, when timed) from chunks that do not overlap:
-    its segments' in file order, texts joined with spaces."""
-    for i, (res, by_segment) in enumerate(zip(results, pieces)):
+    its chunks' in file order, texts joined with spaces."""
+    for i, (res, by_chunk) in enumerate(zip(results, generated)):
         if res.error is None:
             if words is not None:
                 res.words = [w for k in sorted(words[i]) for w in words[i][k]]
-            ordered = [by_segment[k] for k in sorted(by_segment)]
-            # The model's vocabulary is padded to a multiple of 8; ids past the tokenizer's are not text.
-            texts = [tokenizer.decode([t for t in ids if t < tokenizer.vocab_size]) for ids in ordered]
+            ordered = [by_chunk[k] for k in sorted(by_chunk)]
+            texts = [tokenizer.decode_hypothesis(ids) for ids in ordered]
             res.pred_text = " ".join(text for text in texts if text)
             res.tokens = [t for ids in ordered for t in ids]
 
 
-def merge_pieces(results: list[Result], segments: list[Segment], words: list[dict], timed: bool,
-                 keep_words: bool) -> None:
+def merge_overlapping_chunks(results: list[Result], chunks: list[AudioChunk], words: list[dict], timed: bool,
+                             keep_words: bool) -> None:
     """Each transcribed file's words from overlapping chunks (`aed.merge`): every word once, its text
     the words joined with spaces, its ids the kept words' (special tokens are not kept)."""
     stats = MergeStats()
     for i, res in enumerate(results):
         if res.error is None:
-            chunks = [Chunk(segments[k].offset, segments[k].offset + segments[k].seconds, words[i][k], timed)
-                      for k in sorted(words[i])]
-            merged = merge_chunks(chunks, stats)
+            decoded = [Chunk(chunks[k].offset, chunks[k].offset + chunks[k].seconds, words[i][k], timed)
+                       for k in sorted(words[i])]
+            merged = merge_chunks(decoded, stats)
             res.pred_text = " ".join(w.text for w in merged)
             res.tokens = [t for w in merged for t in w.ids]
             res.words = merged if keep_words else None
@@ -463,67 +470,60 @@ def merge_pieces(results: list[Result], segments: list[Segment], words: list[dic
 
 
 @torch.inference_mode()
-def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", target_lang: str | None = None,
-               task: str | None = None, pnc: bool = True, beam_size: int = 1, length_penalty: float = 0.0,
-               max_delta: int = 50, max_new_tokens: int | None = None, ctc_weight: float = 0.3,
-               max_repeats: int = 4, max_tokens_per_second: float | None = 25.0, batch_duration: float = 300.0,
-               chunk_seconds: float | None = None, chunk_overlap: float = 0.0,
+def transcribe(asr: LoadedModel, inputs: list, options: DecodingOptions = DecodingOptions(), *,
+               source_lang: str = "en", target_lang: str | None = None, task: str | None = None, pnc: bool = True,
+               batch_duration: float = 300.0, chunk_seconds: float | None = None, chunk_overlap: float = 0.0,
                dtype: torch.dtype | None = None, timestamps: bool = False,
                progress=None) -> tuple[list[Result], Timings]:
     """Transcribe/translate `inputs` (paths, directories, globs, or Requests) -> one Result each, in order.
 
-    source_lang/target_lang/task/pnc apply to plain paths (Requests carry their own). beam_size 1 is
-    greedy search; length_penalty is GNMT's alpha (0 ranks by log-probability); at most encoder
-    frames + max_delta and `max_new_tokens` tokens are generated. ctc_weight: joint CTC/attention decoding
-    for models with a CTC head (0: attention only); max_repeats and max_tokens_per_second stop looping
-    hypotheses (see `aed.decoding.DecodingOptions`).
+    options: the search (`aed.decoding.DecodingOptions`); its frame_seconds is the model's own, not the
+    caller's, as it converts max_tokens_per_second into encoder frames.
+    source_lang/target_lang/task/pnc apply to plain paths (Requests carry their own).
     batch_duration: padded seconds of audio per batch (`aed.data.duration_batches`). chunk_seconds:
     longer inputs are cut at pauses (see the module docstring); None: `chunk_length` picks it.
     chunk_overlap: seconds by which a chunk starts before the previous one ends where their cut is not
     a pause, the hypotheses merged (`aed.merge`); 0: never.
     dtype: torch.bfloat16 for bf16 autocast, None for fp32. timestamps: set every Result's `words`
-    (`aed.timestamps`); a model without a CTC head raises ValueError, before any work. progress(done_s, total_s) is called after
-    every batch with seconds of audio.
+    (`aed.timestamps`); a model without a CTC head raises ValueError, before any work.
+    progress(done_s, total_s) is called after every batch with seconds of audio.
     """
     if timestamps and asr.model.ctc is None:
         raise ValueError(f"{asr.path} has no CTC head (trained with model.ctc_weight=0), and timestamps are "
                          f"forced alignments to its frame posteriors; train with model.ctc_weight > 0 for them")
     t_start = time.perf_counter()
-    options = DecodingOptions(beam_size, length_penalty, max_delta, max_new_tokens, ctc_weight=ctc_weight,
-                              max_repeats=max_repeats, max_tokens_per_second=max_tokens_per_second,
-                              frame_seconds=frame_seconds(asr.features, asr.model.cfg.subsampling_factor))
+    options = replace(options, frame_seconds=frame_seconds(asr.features, asr.model.cfg.subsampling_factor))
     requests = to_requests(inputs, source_lang=source_lang, target_lang=target_lang, task=task, pnc=pnc)
     results = [Result(r) for r in requests]
     prompts = request_prompts(requests, asr.tokenizer)
-    chunk = chunk_length(asr, chunk_seconds)
-    overlap = chunk_overlap
-    if not 0 <= overlap <= chunk / 2:
-        raise ValueError(f"chunk overlap {overlap} s must lie in [0, half the chunk length {chunk} s]")
-    segments = plan(requests, results, chunk, overlap, asr.features.sample_rate)
-    overlapping = any(a.request == b.request for a, b in zip(segments, segments[1:])) and overlap > 0
+    chunk_s = chunk_length(asr, chunk_seconds)
+    if not 0 <= chunk_overlap <= chunk_s / 2:
+        raise ValueError(f"chunk overlap {chunk_overlap} s must lie in [0, half the chunk length {chunk_s} s]")
+    chunks = plan(requests, results, chunk_s, chunk_overlap, asr.features.sample_rate)
+    overlapping = any(a.request == b.request for a, b in zip(chunks, chunks[1:])) and chunk_overlap > 0
     aligned = timestamps or (overlapping and asr.model.ctc is not None)  # merging by time needs alignments
     timings = Timings(load_features=time.perf_counter() - t_start)
 
     logmel = LogMel(asr.features).to(asr.device).eval()
-    pieces = [{} for _ in requests]  # per request: {segment index: generated ids}
-    words = [{} for _ in requests] if aligned or overlapping else None  # per request: {segment index: its words}
-    total_s, done_s = sum(s.seconds for s in segments), 0.0
-    for batch in duration_batches([s.seconds for s in segments], batch_duration):
+    generated = [{} for _ in requests]  # per request: {chunk index: generated ids}
+    words = [{} for _ in requests] if aligned or overlapping else None  # per request: {chunk index: its words}
+    total_s, done_s = sum(c.seconds for c in chunks), 0.0
+    for batch in duration_batches([c.seconds for c in chunks], batch_duration):
         t0 = time.perf_counter()
-        kept, wavs = load_segments(asr, requests, segments, batch, results)
+        kept, wavs = load_chunks(asr, requests, chunks, batch, results)
         hyps, ctc, encoder_s, decoder_s, align_s = [], None, 0.0, 0.0, 0.0
         if kept:
-            batch_prompts = [prompts[segments[k].request] for k in kept]
+            batch_prompts = [prompts[chunks[k].request] for k in kept]
             hyps, ctc, encoder_s, decoder_s = decode_batch(asr, logmel, wavs, batch_prompts, options, dtype,
                                                            with_ctc=aligned)
         if words is not None:
             t_align = time.perf_counter()
             log_probs, lens = (ctc[0].cpu(), ctc[1].tolist()) if ctc is not None else (None, None)
             for b, (k, ids) in enumerate(zip(kept, hyps)):
-                seg = segments[k]
+                chunk = chunks[k]
                 frames = log_probs[b, : lens[b]] if log_probs is not None else None
-                words[seg.request][k] = segment_words(asr, ids, frames, wavs[b], seg.offset,
-                                                      requests[seg.request].where)
+                words[chunk.request][k] = chunk_words(asr, ids, frames, wavs[b], chunk.offset,
+                                                      requests[chunk.request].where)
             align_s = time.perf_counter() - t_align
         batch_s = time.perf_counter() - t0
         timings.load_features += batch_s - encoder_s - decoder_s - align_s
@@ -532,19 +532,19 @@ def transcribe(asr: LoadedModel, inputs: list, *, source_lang: str = "en", targe
         timings.align += align_s
         samples = sum(w.numel() for w in wavs)
         for k, wav, ids in zip(kept, wavs, hyps):
-            i = segments[k].request
-            pieces[i][k] = ids
-            end = segments[k].offset - requests[i].offset + wav.numel() / asr.features.sample_rate
+            i = chunks[k].request
+            generated[i][k] = ids
+            end = chunks[k].offset - requests[i].offset + wav.numel() / asr.features.sample_rate
             results[i].duration = max(results[i].duration, end)  # overlapping chunks count once
             results[i].decode_time += batch_s * wav.numel() / samples  # its share of the batch, by audio length
-        done_s += sum(segments[k].seconds for k in batch)
+        done_s += sum(chunks[k].seconds for k in batch)
         if progress:
             progress(done_s, total_s)
 
     if overlapping:
-        merge_pieces(results, segments, words, timed=aligned, keep_words=timestamps)
+        merge_overlapping_chunks(results, chunks, words, timed=aligned, keep_words=timestamps)
     else:
-        join_pieces(results, pieces, asr.tokenizer, words if timestamps else None)
+        join_chunks(results, generated, asr.tokenizer, words if timestamps else None)
     timings.audio = sum(res.duration for res in results if res.error is None)
     timings.wall = time.perf_counter() - t_start
     return results, timings

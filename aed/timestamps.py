@@ -1,7 +1,7 @@
 """Word and segment timestamps: a hypothesis force-aligned to the CTC head's frame posteriors.
 
     spans = align(log_probs[b, :enc_lens[b]], ids, blank=model.ctc.blank)   # one (start, end) frame span per id
-    words = to_words(tokenizer, ids, spans, frame_seconds(features, model.cfg.subsampling_factor), offset=segment_start)
+    words = to_words(tokenizer, ids, spans, frame_seconds(features, model.cfg.subsampling_factor), offset=chunk_start)
     segments = to_segments(words)
     open("a.srt", "w").write(srt(segments))    # or webvtt(words) for one cue per word
 
@@ -19,8 +19,8 @@ Precision. A token's CTC span is where the Viterbi path puts it, and CTC's loss 
 firing inside the sound: a span may start in the pause before its word (a small model put its
 first word at frame 0 wherever it was spoken) or end before the word does. So word times are
 taken from the span's pieces that carry sound (not a bare "▁"), then moved to the edges of the
-stretch of speech the span overlaps (`snap_to_speech`: 10 ms frames 10 dB above the segment's
-noise floor, its quietest tenth), never past the neighbouring words. A segment without any pause
+stretch of speech the span overlaps (`snap_to_speech`: 10 ms frames 10 dB above the chunk's
+noise floor, its quietest tenth), never past the neighbouring words. A chunk without any pause
 has no floor to measure (its quietest tenth is speech): its words shrink toward their loudest
 frames, inside the same limits. Measured with bench/long_audio_bench.py on 60 generated files of the word
 clips with pauses (tools/make_word_model.py's model, 58 transcribed right, 146 words): CTC spans
@@ -41,7 +41,7 @@ from aed.tokenizer import Tokenizer
 SENTENCE_END = (".", "!", "?", "。", "？", "！")  # a segment ends after a word ending with one of these
 SEGMENT_PAUSE = 1.0  # ... or before a pause this long (s): unpunctuated output still gets cues
 SEGMENT_MAX = 7.0  # ... or before it would exceed this many seconds (a subtitle line's usual limit)
-SPEECH_ABOVE_FLOOR_DB = 10.0  # a 10 ms frame is speech this much above the segment's noise floor ...
+SPEECH_ABOVE_FLOOR_DB = 10.0  # a 10 ms frame is speech this much above the chunk's noise floor ...
 SPEECH_RANGE_DB = 40.0  # ... and within this much of its loudest frame (`snap_to_speech`)
 
 
@@ -123,17 +123,18 @@ def word_spans(tokenizer: Tokenizer, ids: list[int]) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [len(ids)]))
 
 
-def to_words(tokenizer: Tokenizer, ids: list[int], spans: list[tuple[int, int]] | None, frame_s: float,
+def to_words(tokenizer: Tokenizer, ids: list[int], spans: list[tuple[int, int]] | None, encoder_frame_s: float,
              offset: float = 0.0) -> list[Word]:
-    """Tokens and their frame spans -> words with times in seconds (`offset` added: the segment's
-    start in its file); spans None: untimed words (times 0). A word's time is that of its pieces
-    other than a bare "▁": that piece only marks the word boundary, has no sound of its own, and
-    CTC may emit it anywhere in the pause before the word."""
+    """Tokens and their encoder-frame spans -> words with times in seconds (`offset` added: the
+    chunk's start in its file); spans None: untimed words (times 0). A word's time is that of its
+    pieces other than a bare "▁": that piece only marks the word boundary, has no sound of its own,
+    and CTC may emit it anywhere in the pause before the word."""
     assert spans is None or len(spans) == len(ids), f"{len(spans)} spans for {len(ids)} tokens"
     words = []
     for a, b in word_spans(tokenizer, ids):
         sounding = [i for i in range(a, b) if tokenizer.id_to_token(ids[i]) != "▁"] or [a, b - 1]
-        start, end = (offset + spans[sounding[0]][0] * frame_s, offset + spans[sounding[-1]][1] * frame_s) \
+        first, last = sounding[0], sounding[-1]
+        start, end = (offset + spans[first][0] * encoder_frame_s, offset + spans[last][1] * encoder_frame_s) \
             if spans else (0.0, 0.0)
         words.append(Word(tokenizer.decode(ids[a:b]).strip(), start, end, tuple(ids[a:b])))
     return [w for w in words if w.text]  # a lone "▁" piece decodes to nothing
@@ -141,7 +142,7 @@ def to_words(tokenizer: Tokenizer, ids: list[int], spans: list[tuple[int, int]] 
 
 def speech_frames(wav: torch.Tensor, sample_rate: int) -> torch.Tensor:
     """wav (S,) -> (S // hop,) True at the 10 ms frames that sound like speech: SPEECH_ABOVE_FLOOR_DB
-    louder than the segment's noise floor (its 10th-percentile frame) and within SPEECH_RANGE_DB of
+    louder than the chunk's noise floor (its 10th-percentile frame) and within SPEECH_RANGE_DB of
     its loudest frame."""
     hop = sample_rate // 100
     if wav.numel() < hop:
@@ -153,7 +154,7 @@ def speech_frames(wav: torch.Tensor, sample_rate: int) -> torch.Tensor:
 
 def snap_to_speech(words: list[Word], speech: torch.Tensor, offset: float) -> list[Word]:
     """Each word's times moved to the edges of its sound: from the first and last speech frame
-    (`speech_frames`, of the segment that starts at `offset` s) inside its aligned span, out to where
+    (`speech_frames`, of the chunk that starts at `offset` s) inside its aligned span, out to where
     that stretch of speech begins and ends, but not past the previous word's (new) end or the next
     word's aligned start. A word whose span holds no speech is left as it is.
     Why: CTC emits a token on any frame between its neighbours' (peaky, often early: a first word

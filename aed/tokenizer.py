@@ -224,6 +224,15 @@ class Tokenizer:
             text += sp.decode(local_ids)
         return text
 
+    def text_ids(self, ids: list[int]) -> list[int]:
+        """Generated ids -> those that carry text. The model's output layer has padded_vocab_size
+        rows, so a model can generate an id past the tokenizer's; like special tokens, it has no text."""
+        return [i for i in ids if i < self.vocab_size and not self.is_special(i)]
+
+    def decode_hypothesis(self, ids: list[int]) -> str:
+        """Generated ids -> text; unlike `decode`, ids of the padded vocabulary are skipped, not an error."""
+        return self.decode(self.text_ids(ids))
+
     # --- prompts ---
 
     def prompt_ids(self, source_lang: str, target_lang: str, pnc: bool, task: str | None = None) -> list[int]:

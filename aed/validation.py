@@ -59,7 +59,7 @@ def evaluate(setup, manifests: dict[str, str], rank: int, world_size: int, skip_
                                                                            device=device)])
                 for k, hyp in enumerate(hyps):
                     u = ds.utterances[b.indices[k]]
-                    text = tokenizer.decode([t for t in hyp if t < tokenizer.vocab_size])
+                    text = tokenizer.decode_hypothesis(hyp)
                     rows.append((u.taskname, u.source_lang, u.target_lang, u.text, text))
             sums = all_reduce(sums)
             results[f"{name}/loss"] = (sums[0] / sums[1].clamp(min=1)).item()

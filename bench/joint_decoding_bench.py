@@ -22,11 +22,12 @@ from pathlib import Path
 
 import jiwer
 
-from aed.inference import load_checkpoint, read_requests, score, transcribe
+from aed.decoding import DecodingOptions
+from aed.inference import load_asr, read_requests, score, transcribe
 from aed.metrics import normalize_text
 from common import add_device_args, device_from_args, load_avg, log, print_json, print_table
 
-SETTINGS = {  # name: transcribe() options
+SETTINGS = {  # name: DecodingOptions fields other than beam_size
     "attention": dict(ctc_weight=0.0, max_repeats=0, max_tokens_per_second=None),
     "guards": dict(ctc_weight=0.0),
     "joint": dict(),
@@ -54,11 +55,12 @@ def main():
 
     rows = []
     for ckpt in args.ckpt:
-        asr = load_checkpoint(ckpt, device)
+        asr = load_asr(ckpt, device)
         requests = read_requests(args.manifest)
         for beam in args.beam_sizes:
-            for name, options in SETTINGS.items():
-                runs = [transcribe(asr, requests, beam_size=beam, **options) for _ in range(args.repeats)]
+            for name, fields in SETTINGS.items():
+                options = DecodingOptions(beam_size=beam, **fields)
+                runs = [transcribe(asr, requests, options) for _ in range(args.repeats)]
                 results, _ = runs[0]
                 scores = score(results)
                 bleus = [m["bleu"] for k, m in scores.items() if k.startswith("ast")]

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/ is not installed
 
 import aed.inference  # noqa: E402
-from aed.inference import Request, load_checkpoint, plan_segments, transcribe  # noqa: E402
+from aed.inference import Request, load_asr, plan_chunks, transcribe  # noqa: E402
 from aed.timestamps import snap_to_speech  # noqa: E402
 from common import ROOT, log, print_json, print_table  # noqa: E402
 from tools.make_word_model import SAMPLE_RATE, load_clips, word_sequence  # noqa: E402
@@ -48,7 +48,7 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    asr, clips = load_checkpoint(args.ckpt), load_clips()
+    asr, clips = load_asr(args.ckpt), load_clips()
     rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     tmp = tempfile.mkdtemp()
 
@@ -96,12 +96,12 @@ def main():
     overlap = args.overlap if args.overlap is not None else chunk / 4
     for name, overlap in ((f"overlap {overlap:.2f} s", overlap), ("no overlap", 0.0)):
         log(f"{len(files)} long files ({sum(f[2] for f in files):.0f} s): {name}")
-        pieces = [plan_segments(Request(path, "en", "en", False, "asr"), chunk, SAMPLE_RATE, overlap)
-                  for path, _, _ in files]
+        planned = [plan_chunks(Request(path, "en", "en", False, "asr"), chunk, SAMPLE_RATE, overlap)
+                   for path, _, _ in files]
         results, _ = transcribe(asr, [path for path, _, _ in files], pnc=False, chunk_overlap=overlap)
         out = jiwer.process_words([ref for _, ref, _ in files], [res.pred_text.lower() for res in results])
-        long[name] = {"overlap_s": round(overlap, 2), "chunks": sum(map(len, pieces)),
-                      "decoded_s": round(sum(p[2] for ps in pieces for p in ps), 1), "wer": round(100 * out.wer, 2),
+        long[name] = {"overlap_s": round(overlap, 2), "chunks": sum(map(len, planned)),
+                      "decoded_s": round(sum(c[2] for cs in planned for c in cs), 1), "wer": round(100 * out.wer, 2),
                       "deletions": out.deletions, "insertions": out.insertions, "substitutions": out.substitutions}
         rows.append([name, overlap, *list(long[name].values())[1:]])
     print_table([("long file", "<16"), ("overlap s", ">10.2f"), ("chunks", ">7d"), ("decoded s", ">10.1f"),

@@ -35,6 +35,7 @@ import torch
 
 
 from aed.audio import FeatureConfig
+from aed.decoding import DecodingOptions
 from aed.inference import LoadedModel, Timings, transcribe
 from aed.tokenizer import Tokenizer
 from common import (LAYOUTS, MINI_TOKENIZER, add_device_args, add_width_args, device_from_args, log, print_json,
@@ -68,8 +69,8 @@ def run(asr: LoadedModel, groups: list[list[str]], beam_size: int, args) -> Timi
     """transcribe() once per group (one batch each); the timings summed."""
     total = Timings()
     for group in groups:
-        _, t = transcribe(asr, group, beam_size=beam_size, max_new_tokens=args.tokens, batch_duration=math.inf,
-                          dtype=torch.bfloat16 if args.dtype == "bf16" else None)
+        _, t = transcribe(asr, group, DecodingOptions(beam_size=beam_size, max_new_tokens=args.tokens),
+                          batch_duration=math.inf, dtype=torch.bfloat16 if args.dtype == "bf16" else None)
         for f in ("audio", "wall", "load_features", "encoder", "decoder"):
             setattr(total, f, getattr(total, f) + getattr(t, f))
     return total

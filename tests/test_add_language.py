@@ -12,7 +12,8 @@ from aed.checkpoint import init_from_checkpoint, pack_dir, save_checkpoint
 from aed.config import TrainConfig
 from aed.data import Batch
 from aed.dataclass_config import ConfigError
-from aed.inference import load_checkpoint, read_requests, transcribe
+from aed.decoding import DecodingOptions
+from aed.inference import load_asr, read_requests, transcribe
 from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
 from aed.training import build_model, build_optimizer, new_tokens, train_mode, train_step
@@ -54,7 +55,7 @@ def grown(tmp_path_factory):
 
 def test_old_ids_prompts_and_outputs_are_unchanged(grown):
     old_dir, new_path = grown
-    old, new = load_checkpoint(old_dir), load_checkpoint(new_path)
+    old, new = load_asr(old_dir), load_asr(new_path)
     assert new.tokenizer.languages == old.tokenizer.languages + ["it"]
     assert new.tokenizer.vocab_size > old.tokenizer.vocab_size
     assert new.max_train_duration == 4.5
@@ -69,8 +70,9 @@ def test_old_ids_prompts_and_outputs_are_unchanged(grown):
     # Old-language inputs: identical greedy and beam outputs, old logits and CTC posteriors equal.
     requests = read_requests(os.path.join(MINI, "examples.jsonl"))
     for beam in (1, 3):
-        before, _ = transcribe(old, requests, beam_size=beam, max_new_tokens=8)
-        after, _ = transcribe(new, requests, beam_size=beam, max_new_tokens=8)
+        options = DecodingOptions(beam_size=beam, max_new_tokens=8)
+        before, _ = transcribe(old, requests, options)
+        after, _ = transcribe(new, requests, options)
         assert [r.tokens for r in before] == [r.tokens for r in after] and all(r.tokens for r in before)
     feats = torch.randn(1, 200, 32)
     with torch.no_grad():
@@ -85,7 +87,7 @@ def test_old_ids_prompts_and_outputs_are_unchanged(grown):
 
 def test_init_from_grows_the_ctc_head_and_keeps_its_blank_last(grown):
     old_dir, new_path = grown
-    old = load_checkpoint(old_dir)
+    old = load_asr(old_dir)
     bigger = AED(dataclasses.replace(old.model.cfg, vocab_size=old.model.cfg.vocab_size + 16))
     summary = init_from_checkpoint(bigger, old.path)
     assert "ctc.proj.weight grows from" in summary and "token_embedding.weight grows from" in summary
@@ -118,7 +120,7 @@ def test_freeze_encoder_trains_only_the_decoder_and_ctc_head():
 
 def test_freeze_all_but_new_tokens_trains_only_the_added_rows(grown):
     old_dir, new_path = grown
-    old, new = load_checkpoint(old_dir), load_checkpoint(new_path)
+    old, new = load_asr(old_dir), load_asr(new_path)
     tok_dir = os.path.splitext(new_path)[0] + ".tokenizer"
     cfg = dataclasses.replace(TrainConfig(), model=new.model.cfg, freeze="all_but_new_tokens", init_from=new_path,
                               optim=dataclasses.replace(TrainConfig().optim, lr=1e-2, weight_decay=0.1))
@@ -157,7 +159,7 @@ def test_freeze_all_but_new_tokens_refuses_a_checkpoint_without_the_record(grown
     old_dir, new_path = grown
     with pytest.raises(ConfigError, match="freeze=all_but_new_tokens needs objective=aed, init_from"):
         TrainConfig(freeze="all_but_new_tokens")  # no init_from
-    cfg = TrainConfig(freeze="all_but_new_tokens", init_from=load_checkpoint(old_dir).path)
+    cfg = TrainConfig(freeze="all_but_new_tokens", init_from=load_asr(old_dir).path)
     with pytest.raises(ConfigError, match="records no added tokens"):
         new_tokens(cfg, 1000)
     cfg = TrainConfig(freeze="all_but_new_tokens", init_from=new_path)

@@ -17,7 +17,8 @@ import torch
 from aed.audio import FeatureConfig, SpecAugment, num_frames
 from aed.checkpoint import pack_dir, read_checkpoint, save_checkpoint
 from aed.data import Batch
-from aed.inference import LoadedModel, load_checkpoint, transcribe
+from aed.decoding import DecodingOptions
+from aed.inference import LoadedModel, load_asr, transcribe
 from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
 from aed.training import train_step
@@ -64,8 +65,8 @@ def test_train_py_under_torchrun_with_nccl_then_its_checkpoint_loads_on_cpu(tmp_
          "configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=2", "ckpt_every=2", "precision=bf16"])
     ckpt = read_checkpoint(str(tmp_path / "ckpt-00000002"), ("model", "optimizer"))
     assert all(v.device.type == "cpu" for v in ckpt["model"].values())
-    asr = load_checkpoint(str(tmp_path), device="cpu")
-    results, _ = transcribe(asr, [str(MINI / "examples" / "en_asr_16k.wav")], max_new_tokens=5)
+    asr = load_asr(str(tmp_path), device="cpu")
+    results, _ = transcribe(asr, [str(MINI / "examples" / "en_asr_16k.wav")], DecodingOptions(max_new_tokens=5))
     assert results[0].error is None
 
 
@@ -110,7 +111,7 @@ def test_bf16_batched_inference():
     model = AED(dataclasses.replace(CFG, vocab_size=tokenizer.padded_vocab_size, pad_id=tokenizer.pad)).cuda().eval()
     asr = LoadedModel(model, tokenizer, FeatureConfig(n_mels=80), "random weights")
     wavs = sorted(str(p) for p in (MINI / "audio").glob("train_en_*.flac"))[:8]
-    results, timings = transcribe(asr, wavs, dtype=torch.bfloat16, max_new_tokens=8)
+    results, timings = transcribe(asr, wavs, DecodingOptions(max_new_tokens=8), dtype=torch.bfloat16)
     assert len(results) == len(wavs) and all(r.error is None for r in results)
     assert all(0 < len(r.tokens) <= 8 and max(r.tokens) < tokenizer.vocab_size for r in results)
     assert timings.rtfx > 0
@@ -120,7 +121,7 @@ def test_converted_nemo_model_on_cuda_matches_cpu(tmp_path):
     out = tmp_path / "canary.pt"
     convert(FIXTURES / "canary.nemo", out)
     ref = torch.load(FIXTURES / "canary.ref.pt", weights_only=False)
-    cpu, gpu = load_checkpoint(out, "cpu").model, load_checkpoint(out, "cuda").model
+    cpu, gpu = load_asr(out, "cpu").model, load_asr(out, "cuda").model
     for u in ref["utterances"]:
         feats, lens = u["feats"][None], torch.tensor([u["feat_len"]])
         with torch.no_grad():
@@ -134,5 +135,5 @@ def test_a_checkpoint_saved_from_gpu_tensors_loads_on_cpu(tmp_path):
     save_checkpoint({"model": model.state_dict(), "model_config": dataclasses.asdict(CFG),
                      "features": dataclasses.asdict(FeatureConfig(n_mels=80)),
                      "tokenizer": pack_dir(str(MINI / "tokenizer"))}, str(tmp_path), 1, keep_last=1)
-    loaded = load_checkpoint(str(tmp_path / "ckpt-00000001"), "cpu").model
+    loaded = load_asr(str(tmp_path / "ckpt-00000001"), "cpu").model
     assert all(torch.equal(a.cpu(), b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))

@@ -17,7 +17,7 @@ from aed.audio import FeatureConfig
 from aed.checkpoint import (CheckpointError, TRAINING_KEYS, begin_checkpoint, list_checkpoints, load_latest, pack_dir,
                             read_checkpoint, save_checkpoint, write_shard)
 from aed.data import Utterance, check_audio
-from aed.inference import load_checkpoint
+from aed.inference import load_asr
 from aed.model import AED, AEDConfig
 from sampler import BucketingSampler, JsonlSource, estimate_bins
 from test_train import ROOT, SMALL, run_train
@@ -103,10 +103,10 @@ def test_inference_on_a_run_dir_falls_back_past_a_truncated_newest_checkpoint(tm
     save_checkpoint(state, tmp_path, 1, keep_last=2)
     save_checkpoint(state, tmp_path, 2, keep_last=2)
     truncate(shard(tmp_path, 2))
-    asr = load_checkpoint(str(tmp_path))
+    asr = load_asr(str(tmp_path))
     assert asr.path.endswith("ckpt-00000001") and "ckpt-00000002/shard-000-of-001.pt: unreadable" in caplog.text
     with pytest.raises(CheckpointError, match="ckpt-00000002/shard-000-of-001.pt: unreadable"):
-        load_checkpoint(str(tmp_path / "ckpt-00000002"))  # a checkpoint named explicitly: no substitute
+        load_asr(str(tmp_path / "ckpt-00000002"))  # a checkpoint named explicitly: no substitute
 
 
 # --- bad data ---------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from aed.audio import FeatureConfig, LogMel, load_audio
 from aed.checkpoint import pack_dir, save_checkpoint
 from aed.ctc import CTCHead
 from aed.data import ManifestError, encode_utterance, read_manifest
-from aed.decoding import decode
-from aed.inference import (LoadedModel, Request, chunk_length, expand_inputs, load_checkpoint, plan_segments,
+from aed.decoding import DecodingOptions, decode
+from aed.inference import (LoadedModel, Request, chunk_length, expand_inputs, load_asr, plan_chunks,
                            quiet_point, read_requests, request_prompts, transcribe)
 from aed.metrics import corpus_scores, wer
 from aed.model import AED, AEDConfig
@@ -83,7 +83,7 @@ def run_dir(tmp_path_factory, train_utts):
         model.eval()
         for pads in (torch.zeros(len(wavs), 2), torch.rand(len(wavs), 2) * MAX_PAD):
             hyps = decode(model, *features_of(pads), tokens[:, :5], tokenizer.eos)
-            texts = [tokenizer.decode([t for t in h if t < tokenizer.vocab_size]) for h in hyps]
+            texts = [tokenizer.decode_hypothesis(h) for h in hyps]
             if texts != [u.text for u in train_utts]:
                 return False
         return True
@@ -109,7 +109,7 @@ def run_dir(tmp_path_factory, train_utts):
 
 @pytest.fixture(scope="module")
 def asr(run_dir):
-    return load_checkpoint(run_dir)  # a run directory: its newest checkpoint
+    return load_asr(run_dir)  # a run directory: its newest checkpoint
 
 
 # --- with the trained model -------------------------------------------------------------------
@@ -159,14 +159,14 @@ def test_long_audio_is_cut_at_pauses_and_recovers_every_word(asr, train_utts, tm
 
     # Every cut falls into a pause: a gap, or the silence the mini utterances keep at their edges
     # (0.15 s at the end, 0.1 s at the start; data/mini/README.md), so no word is split.
-    pieces = plan_segments(Request(str(path), "en", "en", True, "asr"), chunk, 16000)
-    assert len(pieces) == len(wavs)
+    chunks = plan_chunks(Request(str(path), "en", "en", True, "asr"), chunk, 16000)
+    assert len(chunks) == len(wavs)
     gaps, t = [], 0.0
     for w in wavs[:-1]:
         t += w.numel() / 16000
         gaps.append((t - 0.15, t + gap + 0.1))
         t += gap
-    for (start, _, _), (lo, hi) in zip(pieces[1:], gaps):
+    for (start, _, _), (lo, hi) in zip(chunks[1:], gaps):
         assert lo <= start <= hi, (start, lo, hi)
 
     # No chunk length given: the one recorded in the checkpoint (the training maximum) is used.
@@ -196,7 +196,7 @@ def test_beam_search_is_at_least_as_likely_as_greedy(asr):
     dev = [r for r in read_requests(os.path.join(MINI, "dev.jsonl")) if r.source_lang == "en"][:4]
     requests = read_requests(EXAMPLES) + dev
     greedy, _ = transcribe(unsure, requests)
-    beam, _ = transcribe(unsure, requests, beam_size=4)
+    beam, _ = transcribe(unsure, requests, DecodingOptions(beam_size=4))
     tokenizer, model = unsure.tokenizer, unsure.model
     logmel = LogMel(unsure.features).eval()
 
@@ -217,9 +217,9 @@ def test_beam_search_is_at_least_as_likely_as_greedy(asr):
 def test_max_new_tokens_caps_every_utterance(asr):
     requests = read_requests(EXAMPLES)
     full, _ = transcribe(asr, requests)
-    capped, _ = transcribe(asr, requests, max_new_tokens=3)
+    capped, _ = transcribe(asr, requests, DecodingOptions(max_new_tokens=3))
     assert [r.tokens for r in capped] == [r.tokens[:3] for r in full]  # greedy: a prefix of the full output
-    capped_beam, _ = transcribe(asr, requests, max_new_tokens=3, beam_size=2)
+    capped_beam, _ = transcribe(asr, requests, DecodingOptions(beam_size=2, max_new_tokens=3))
     assert all(len(r.tokens) <= 3 for r in capped_beam)
 
 
@@ -234,7 +234,7 @@ def test_joint_ctc_decoding_is_on_by_default_for_a_model_with_a_ctc_head(asr):
         with_head.model.ctc.proj.weight.zero_()
         with_head.model.ctc.proj.bias.zero_()
         with_head.model.ctc.proj.bias[-1] = 50.0  # blank at every frame
-    attention_only, _ = transcribe(with_head, requests, ctc_weight=0.0)
+    attention_only, _ = transcribe(with_head, requests, DecodingOptions(ctc_weight=0.0))
     joint, _ = transcribe(with_head, requests)
     assert [r.tokens for r in attention_only] == [r.tokens for r in plain] and all(r.tokens for r in plain)
     assert [r.tokens for r in joint] == [[] for _ in requests]
@@ -345,8 +345,8 @@ def test_quiet_point_is_the_middle_of_the_silent_stretch(tmp_path):
     cut, pause = quiet_point(str(path), 0.5, 2.0, 16000)
     assert cut == pytest.approx(1.25, abs=0.011) and pause
     assert not quiet_point(str(path), 0.0, 0.9, 16000)[1]  # noise only: no pause
-    # Short files are never cut; long ones into pieces of at most chunk_seconds.
-    assert plan_segments(Request(str(path), "en", "en", True, "asr"), 5.0, 16000) == [(0.0, None, 2.5)]
-    pieces = plan_segments(Request(str(path), "en", "en", True, "asr"), 1.6, 16000)
-    assert len(pieces) == 2 and 1.2 <= pieces[0][1] <= 1.5  # the quiet part of the search window [1.2, 1.6]
-    assert pieces[1][1] is None and pieces[1][0] + pieces[1][2] == pytest.approx(2.5)
+    # Short files are never cut; long ones into chunks of at most chunk_seconds.
+    assert plan_chunks(Request(str(path), "en", "en", True, "asr"), 5.0, 16000) == [(0.0, None, 2.5)]
+    chunks = plan_chunks(Request(str(path), "en", "en", True, "asr"), 1.6, 16000)
+    assert len(chunks) == 2 and 1.2 <= chunks[0][1] <= 1.5  # the quiet part of the search window [1.2, 1.6]
+    assert chunks[1][1] is None and chunks[1][0] + chunks[1][2] == pytest.approx(2.5)

@@ -11,7 +11,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from aed.inference import Request, load_checkpoint, plan_segments, transcribe
+from aed.inference import Request, load_asr, plan_chunks, transcribe
 from aed.merge import Chunk, MergeStats, longest_common_run, merge_chunks
 from aed.timestamps import Word
 from tools.make_word_model import load_clips, word_sequence
@@ -113,7 +113,7 @@ def test_words_both_chunks_heard_in_an_overlap_are_kept_once(tmp_path):
     exactly once, at its place in time: neither repeated (both chunks heard it) nor dropped (each
     chunk leaving it to the other). Words the model misses in a chunk are the model's errors, not
     the merge's, and are not counted."""
-    asr = load_checkpoint(WORD_MODEL)
+    asr = load_asr(WORD_MODEL)
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
     clips = load_clips()
     words = [rng.choice(sorted(clips)) for _ in range(40)]
@@ -122,12 +122,12 @@ def test_words_both_chunks_heard_in_an_overlap_are_kept_once(tmp_path):
     sf.write(path, wav.numpy(), 16000, subtype="FLOAT")
     chunk = asr.max_train_duration
     overlap = chunk / 4
-    pieces = plan_segments(Request(path, "en", "en", False, "asr"), chunk, 16000, overlap)
-    assert len(pieces) >= 5 and all(b[0] == pytest.approx(a[0] + a[2] - overlap) for a, b in zip(pieces, pieces[1:]))
+    chunks = plan_chunks(Request(path, "en", "en", False, "asr"), chunk, 16000, overlap)
+    assert len(chunks) >= 5 and all(b[0] == pytest.approx(a[0] + a[2] - overlap) for a, b in zip(chunks, chunks[1:]))
     (res,), _ = transcribe(asr, [path], pnc=False, chunk_overlap=overlap, timestamps=True)
     assert all(x.end <= y.start + 1e-6 for x, y in zip(res.words, res.words[1:]))
     chunk_words = []  # each chunk's own hypothesis, times in the file
-    for offset, duration, _ in pieces:
+    for offset, duration, _ in chunks:
         (r,), _ = transcribe(asr, [Request(path, "en", "en", False, "asr", offset=offset, duration=duration)],
                              chunk_seconds=chunk, timestamps=True)
         chunk_words.append(r.words)
@@ -136,11 +136,11 @@ def test_words_both_chunks_heard_in_an_overlap_are_kept_once(tmp_path):
         return [w.text for w in hyp if a <= (w.start + w.end) / 2 <= b] == [word]
 
     checked = 0
-    for k in range(len(pieces) - 1):
-        start, end = pieces[k + 1][0], pieces[k][0] + pieces[k][2]  # the overlap of chunks k and k + 1
+    for k in range(len(chunks) - 1):
+        start, end = chunks[k + 1][0], chunks[k][0] + chunks[k][2]  # the overlap of chunks k and k + 1
         for word, a, b in truth:
             if start <= a and b <= end and heard(chunk_words[k], word, a, b) and heard(chunk_words[k + 1], word, a, b):
                 assert heard(res.words, word, a, b), f"{word!r} at {a:.2f}-{b:.2f} s: " + str(
                     [w.text for w in res.words if a <= (w.start + w.end) / 2 <= b])
                 checked += 1
-    assert checked >= len(pieces) - 1  # about two words per overlap
+    assert checked >= len(chunks) - 1  # about two words per overlap

@@ -13,7 +13,8 @@ import torch
 
 from aed.audio import FeatureConfig, load_audio
 from aed.checkpoint import pack_dir, save_checkpoint
-from aed.inference import load_checkpoint, plan_segments, Request, transcribe
+from aed.decoding import DecodingOptions
+from aed.inference import load_asr, plan_chunks, Request, transcribe
 from aed.model import AED, AEDConfig
 from aed.timestamps import (Segment, Word, align, frame_seconds, snap_to_speech, speech_frames, srt, to_segments,
                             to_words, webvtt)
@@ -60,7 +61,7 @@ def test_words_start_at_word_marked_pieces_and_carry_the_offset(tokenizer):
     ids = tokenizer.encode("red morning", "en")  # ▁ re d ▁m or n ing
     assert len(ids) == 7
     spans = [(2, 3), (3, 4), (4, 5), (10, 11), (11, 12), (12, 13), (13, 15)]
-    words = to_words(tokenizer, ids, spans, frame_s=0.08, offset=30.0)
+    words = to_words(tokenizer, ids, spans, encoder_frame_s=0.08, offset=30.0)
     assert [w.text for w in words] == ["red", "morning"]
     # "red" starts at "re" (frame 3), not at the bare "▁" before it: that piece has no sound.
     assert [(w.start, w.end) for w in words] == [pytest.approx((30.24, 30.4)), pytest.approx((30.8, 31.2))]
@@ -137,7 +138,7 @@ def long_file(tmp_path, seconds_between: float = 0.6) -> tuple[str, list[tuple[s
 
 
 def test_a_model_without_ctc_head_refuses_timestamps_before_any_work(tmp_path, tokenizer):
-    asr = load_checkpoint(checkpoint(tmp_path, tokenizer, ctc_weight=0.0))
+    asr = load_asr(checkpoint(tmp_path, tokenizer, ctc_weight=0.0))
     with pytest.raises(ValueError, match="no CTC head"):
         transcribe(asr, [os.path.join(MINI, "examples", "en_asr_16k.wav")], timestamps=True)
 
@@ -145,16 +146,17 @@ def test_a_model_without_ctc_head_refuses_timestamps_before_any_work(tmp_path, t
 def test_times_are_monotonic_within_the_audio_and_offset_per_chunk(tmp_path, tokenizer):
     """Any model's words (an untrained one's here) lie in order inside the chunk they were decoded
     from, with the chunk's start added: the bookkeeping, whatever the model hears."""
-    asr = load_checkpoint(checkpoint(tmp_path, tokenizer, ctc_weight=0.3))
+    asr = load_asr(checkpoint(tmp_path, tokenizer, ctc_weight=0.3))
     path, _ = long_file(tmp_path)
     chunk = 4.0
-    (res,), timings = transcribe(asr, [path], chunk_seconds=chunk, max_new_tokens=6, timestamps=True)
-    pieces = plan_segments(Request(path, "en", "en", True, "asr"), chunk, 16000)
-    assert len(pieces) >= 4 and timings.align > 0
+    (res,), timings = transcribe(asr, [path], DecodingOptions(max_new_tokens=6), chunk_seconds=chunk,
+                                 timestamps=True)
+    chunks = plan_chunks(Request(path, "en", "en", True, "asr"), chunk, 16000)
+    assert len(chunks) >= 4 and timings.align > 0
     assert res.words and " ".join(w.text for w in res.words) == " ".join(res.pred_text.split())
     assert all(0 <= w.start < w.end <= res.duration + 1e-6 for w in res.words)
     assert all(a.end <= b.start + 1e-6 for a, b in zip(res.words, res.words[1:]))
-    bounds = [(start, start + length) for start, _, length in pieces]
+    bounds = [(start, start + length) for start, _, length in chunks]
     assert all(any(a - 1e-6 <= w.start and w.end <= b + 1e-6 for a, b in bounds) for w in res.words)
     later = [w for w in res.words if w.start >= bounds[1][0]]
     assert later, "no word came from a later chunk: the offsets are untested"
@@ -186,16 +188,16 @@ def test_overlapping_chunks_of_continuous_speech_merge_into_one_ordered_transcri
     """Words without pauses (and a noise floor, so no cut is a pause): the chunks overlap, and the
     merged words (by time with a CTC head, by text without) lie in order, each once, inside the
     audio. An untrained model: the bookkeeping, not recognition (tests/test_merge.py has the rules)."""
-    asr = load_checkpoint(checkpoint(tmp_path, tokenizer, ctc_weight=ctc_weight))
+    asr = load_asr(checkpoint(tmp_path, tokenizer, ctc_weight=ctc_weight))
     path, truth = long_file(tmp_path, seconds_between=0.0)
     wav = load_audio(path)
     sf.write(path, (wav + 0.01 * torch.randn(wav.numel(), generator=torch.Generator().manual_seed(0))).numpy(),
              16000, subtype="FLOAT")
     chunk, overlap = 2.0, 0.5
-    pieces = plan_segments(Request(path, "en", "en", True, "asr"), chunk, 16000, overlap)
-    assert len(pieces) >= 4 and all(b[0] == pytest.approx(a[0] + a[2] - overlap) for a, b in zip(pieces, pieces[1:]))
-    (res,), _ = transcribe(asr, [path], chunk_seconds=chunk, chunk_overlap=overlap, max_new_tokens=6,
-                           timestamps=ctc_weight > 0)
+    chunks = plan_chunks(Request(path, "en", "en", True, "asr"), chunk, 16000, overlap)
+    assert len(chunks) >= 4 and all(b[0] == pytest.approx(a[0] + a[2] - overlap) for a, b in zip(chunks, chunks[1:]))
+    (res,), _ = transcribe(asr, [path], DecodingOptions(max_new_tokens=6), chunk_seconds=chunk,
+                           chunk_overlap=overlap, timestamps=ctc_weight > 0)
     assert res.error is None and res.duration == pytest.approx(wav.numel() / 16000, abs=1e-3)  # overlaps count once
     assert res.pred_text and res.tokens
     if ctc_weight > 0:
@@ -203,8 +205,9 @@ def test_overlapping_chunks_of_continuous_speech_merge_into_one_ordered_transcri
         assert [t for w in res.words for t in w.ids] == res.tokens
         assert all(0 <= w.start < w.end <= res.duration + 1e-6 for w in res.words)
         assert all(a.end <= b.start + 1e-6 for a, b in zip(res.words, res.words[1:]))
-        assert any(w.start >= pieces[2][0] for w in res.words), "no word from a later chunk"
-    (no_overlap,), _ = transcribe(asr, [path], chunk_seconds=chunk, chunk_overlap=0.0, max_new_tokens=6)
+        assert any(w.start >= chunks[2][0] for w in res.words), "no word from a later chunk"
+    (no_overlap,), _ = transcribe(asr, [path], DecodingOptions(max_new_tokens=6), chunk_seconds=chunk,
+                                  chunk_overlap=0.0)
     assert no_overlap.duration == pytest.approx(res.duration, abs=1e-3)
 
 
@@ -218,7 +221,7 @@ def test_a_trained_models_word_times_are_near_the_true_boundaries(tmp_path):
     """Random sequences of the word clips with pauses and a noise floor; on the files it transcribes
     right, the word model's times (CTC spans narrowed to the speech in them) against the clips'
     true boundaries. bench/long_audio_bench.py measures the same on more files."""
-    asr = load_checkpoint(WORD_MODEL)
+    asr = load_asr(WORD_MODEL)
     rng, gen = random.Random(5), torch.Generator().manual_seed(5)
     clips = load_clips()
     paths, truths = [], []

@@ -221,6 +221,15 @@ def test_decode_rejects_ids_outside_the_vocab(tokenizers):
         tok.decode([tok.vocab_size])
 
 
+def test_decode_hypothesis_skips_the_padded_vocabulary_and_special_tokens(tokenizers):
+    tok = tokenizers["single"]
+    ids = tok.encode(HELD_OUT["en"], "en")
+    generated = [ids[0], tok.padded_vocab_size - 1, tok.eos, *ids[1:]]  # an id of the model's padding rows
+    assert tok.padded_vocab_size - 1 >= tok.vocab_size
+    assert tok.text_ids(generated) == ids
+    assert tok.decode_hypothesis(generated) == tok.decode(ids) == HELD_OUT["en"]
+
+
 def test_training_is_deterministic_and_lowers_too_large_vocab(capsys):
     sentences = train_tokenizer.sample_sentences(iter(SENTENCES["fr"] * 3), max_sentences=200, seed=0)
     assert len(sentences) == 200

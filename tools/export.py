@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from aed.audio import LogMel, load_audio
 from aed.decoding import DecodingOptions, greedy_search
 from aed.export import MIN_FRAMES, empty_cache, export_model, greedy
-from aed.inference import load_checkpoint
+from aed.inference import load_asr
 
 
 def largest_errors(model, encoder, step, max_len: int) -> tuple[float, float]:
@@ -65,7 +65,7 @@ def main(argv=None):
     p.add_argument("--lang", default="en", help="with --audio: its language")
     args = p.parse_args(argv)
 
-    asr = load_checkpoint(args.ckpt)
+    asr = load_asr(args.ckpt)
     model = asr.model.float()
     max_len = args.max_len or model.cfg.dec_max_len
     print(f"exporting {asr.path}: inputs of {MIN_FRAMES}..{args.max_frames} frames, decoder positions {max_len}")
@@ -88,7 +88,7 @@ def main(argv=None):
             options = DecodingOptions(max_new_tokens=max_len - len(prompt), max_delta=max_len, max_repeats=0,
                                       max_tokens_per_second=None)  # the exported loop stops at EOS or max_len only
             ref = greedy_search(model, memory, lens, torch.tensor([prompt]), asr.tokenizer.eos, options)[0]
-        text = asr.tokenizer.decode([t for t in got if t < asr.tokenizer.vocab_size])
+        text = asr.tokenizer.decode_hypothesis(got)
         print(f"{args.audio}: {text!r} ({'same as' if got == ref else 'DIFFERENT from'} eager greedy search)")
         if got != ref:
             sys.exit("error: the exported greedy transcript differs from the eager one")
