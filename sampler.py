@@ -50,7 +50,7 @@ import random
 import sys
 import threading
 from bisect import bisect_right
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
@@ -219,25 +219,74 @@ class _Producer:
 # --- sampler ------------------------------------------------------------------------------------
 
 
+def _rng(state) -> random.Random:
+    r = random.Random()
+    r.setstate((state[0], tuple(state[1]), state[2]))  # JSON turns the middle tuple into a list
+    return r
+
+
 @dataclass
 class _State:
-    """Everything that determines the remaining batches of an epoch (or of an infinite run)."""
+    """Everything that determines the remaining batches of an epoch (or of an infinite run), and
+    the one place that knows its saved form (`to_dict` / `from_dict`, the checkpoint format)."""
 
     epoch: int
     data_rng: random.Random  # per rank: which examples of a bucket form a batch
     select_rng: random.Random  # shared by all ranks when sync_buckets: which bucket
-    stats: dict
+    stats: dict  # the sampler's running totals (`BucketingSampler.stats`); drops are counted here only
     target: int | None = None  # batches every rank yields this epoch (finite in-memory lists)
     pass_idx: int = 0  # source pass; infinite mode starts a reshuffled pass when one ends
     cursor: object = None  # source position after the last example taken (None: pass start)
     queues: list = field(default_factory=list)  # per bucket: a list of Entry
     occupancy: int = 0
     ready: int = 0  # buckets holding at least one full batch
-    batches: int = 0
+    batches: int = 0  # batches yielded so far in this epoch
     exhausted: bool = False
     drain: list | None = None  # per bucket: the remaining batches once the source is exhausted
-    drops: Counter = field(default_factory=Counter)
+    drops_before: dict = field(default_factory=dict)  # stats["drops"] when this epoch began
     skip: tuple | None = None  # (pass, packed bitmask of examples) used in that pass before a world-size change
+
+    def epoch_drops(self) -> dict:
+        """Drops of this epoch by reason: the running counts less those of earlier epochs."""
+        before = self.drops_before
+        return {r: n - before.get(r, 0) for r, n in self.stats["drops"].items() if n > before.get(r, 0)}
+
+    def to_dict(self, fingerprint: dict) -> dict:
+        """Plain data (lists, numbers, the skip mask's bytes). Queued examples are saved as
+        [key, duration, num_tokens]; `from_dict` re-reads the example itself by its key."""
+
+        def pack(entries):
+            return [[e.key, e.duration, e.num_tokens] for e in entries]
+
+        return {
+            "fingerprint": fingerprint,
+            "epoch": self.epoch, "target": self.target, "pass_idx": self.pass_idx, "cursor": self.cursor,
+            "batches": self.batches, "exhausted": self.exhausted,
+            "queues": [pack(q) for q in self.queues],
+            "drain": None if self.drain is None else [[pack(x) for x in bb] for bb in self.drain],
+            "data_rng": self.data_rng.getstate(), "select_rng": self.select_rng.getstate(),
+            "stats": copy.deepcopy(self.stats), "drops": self.epoch_drops(), "skip": self.skip,
+        }
+
+    @classmethod
+    def from_dict(cls, sd: dict, sizes: list, entry) -> "_State":
+        """The state `to_dict` saved (its fingerprint is the caller's to check). entry(key, duration,
+        num_tokens) -> Entry rebuilds a queued example; sizes are the buckets' batch sizes."""
+
+        def unpack(es):
+            return [entry(key, d, n) for key, d, n in es]
+
+        stats = copy.deepcopy(sd["stats"])
+        epoch_drops = sd["drops"]
+        st = cls(epoch=sd["epoch"], data_rng=_rng(sd["data_rng"]), select_rng=_rng(sd["select_rng"]), stats=stats,
+                 target=sd["target"], pass_idx=sd["pass_idx"], cursor=sd["cursor"], batches=sd["batches"],
+                 exhausted=sd["exhausted"], queues=[unpack(q) for q in sd["queues"]],
+                 drain=None if sd["drain"] is None else [[unpack(x) for x in bb] for bb in sd["drain"]],
+                 drops_before={r: n - epoch_drops.get(r, 0) for r, n in stats["drops"].items()},
+                 skip=sd.get("skip"))  # states saved before world-size changes were supported have none
+        st.occupancy = sum(map(len, st.queues))
+        st.ready = sum(len(q) >= k for q, k in zip(st.queues, sizes))
+        return st
 
 
 class BucketingSampler:
@@ -442,6 +491,7 @@ class BucketingSampler:
             stats=self._stats,
             target=self._epoch_target(e) if self.is_list and not self.infinite else None,
             queues=[[] for _ in self.sizes],
+            drops_before=dict(self._stats["drops"]),
         )
 
     def _stream(self, epoch: int, pass_idx: int, cursor, skip=None):
@@ -482,7 +532,6 @@ class BucketingSampler:
         for item in reader:
             st.pass_idx, st.cursor, b, entry = item
             if b.__class__ is str:
-                st.drops[b] += 1
                 st.stats["drops"][b] = st.stats["drops"].get(b, 0) + 1
                 continue
             q = queues[b]
@@ -614,8 +663,8 @@ class BucketingSampler:
                 yield self._output(batch)
         finally:
             reader.close()
-        if st.drops:
-            log.warning("sampler: rank %d epoch %d dropped %s", self.rank, st.epoch, dict(st.drops))
+        if drops := st.epoch_drops():
+            log.warning("sampler: rank %d epoch %d dropped %s", self.rank, st.epoch, drops)
 
     # --- checkpointing
 
@@ -626,7 +675,7 @@ class BucketingSampler:
         c.data_rng, c.select_rng = random.Random(), random.Random()
         c.data_rng.setstate(st.data_rng.getstate())
         c.select_rng.setstate(st.select_rng.getstate())
-        c.stats, c.drops = copy.deepcopy(st.stats), Counter(st.drops)
+        c.stats = copy.deepcopy(st.stats)  # drops_before is replaced, never modified: shared
         return c
 
     def _fingerprint(self) -> dict:
@@ -648,19 +697,7 @@ class BucketingSampler:
             while st.batches < goal:
                 self._record(st.stats, *self._next_batch(st, reader))
             reader.close()
-
-        def pack(entries):  # the example itself is re-read on load
-            return [[e.key, e.duration, e.num_tokens] for e in entries]
-
-        return {
-            "fingerprint": self._fingerprint(),
-            "epoch": st.epoch, "target": st.target, "pass_idx": st.pass_idx, "cursor": st.cursor,
-            "batches": st.batches, "exhausted": st.exhausted,
-            "queues": [pack(q) for q in st.queues],
-            "drain": None if st.drain is None else [[pack(x) for x in bb] for bb in st.drain],
-            "data_rng": st.data_rng.getstate(), "select_rng": st.select_rng.getstate(),
-            "stats": copy.deepcopy(st.stats), "drops": dict(st.drops), "skip": st.skip,
-        }
+        return st.to_dict(self._fingerprint())
 
     def _rank_order(self, epoch: int, pass_idx: int, skip, rank: int, world_size: int) -> np.ndarray:
         """The examples `rank` reads in this pass, in order: its share of the pass's permutation,
@@ -682,24 +719,20 @@ class BucketingSampler:
         afresh, the shared bucket-selection RNG and the fill schedule continue."""
         if not (self.is_list and self.infinite):
             raise ValueError("only an in-memory infinite sampler can continue a run with another world size")
-        first = states[0]
-        pass_idx = max(sd["pass_idx"] for sd in states)
+        old = [_State.from_dict(sd, self.sizes, self._entry) for sd in states]
+        pass_idx = max(o.pass_idx for o in old)
         used = np.zeros(len(self.entries), dtype=bool)
-        for old_rank, sd in enumerate(states):
-            if sd["pass_idx"] != pass_idx or sd["cursor"] is None:
+        for old_rank, o in enumerate(old):
+            if o.pass_idx != pass_idx or o.cursor is None:
                 continue
-            used[self._rank_order(sd["epoch"], pass_idx, sd.get("skip"), old_rank, len(states))[: sd["cursor"]]] = True
-            queued = [e[0] for q in sd["queues"] for e in q]
-            used[queued] = False
-        self.epoch = first["epoch"]
-        fresh = self._fresh_state()
-        return {
-            "fingerprint": self._fingerprint(), "epoch": first["epoch"], "target": None, "pass_idx": pass_idx,
-            "cursor": None, "batches": first["batches"], "exhausted": False, "queues": [[] for _ in self.sizes],
-            "drain": None, "data_rng": fresh.data_rng.getstate(), "select_rng": first["select_rng"],
-            "stats": copy.deepcopy(states[min(self.rank, len(states) - 1)]["stats"]), "drops": {},
-            "skip": (pass_idx, np.packbits(used).tobytes()),
-        }
+            used[self._rank_order(o.epoch, pass_idx, o.skip, old_rank, len(old))[: o.cursor]] = True
+            used[[e.key for q in o.queues for e in q]] = False
+        self.epoch = old[0].epoch
+        stats = old[min(self.rank, len(old) - 1)].stats
+        st = _State(epoch=self.epoch, data_rng=self._fresh_state().data_rng, select_rng=old[0].select_rng,
+                    stats=stats, pass_idx=pass_idx, batches=old[0].batches, queues=[[] for _ in self.sizes],
+                    drops_before=dict(stats["drops"]), skip=(pass_idx, np.packbits(used).tobytes()))
+        return st.to_dict(self._fingerprint())
 
     def load_state_dict(self, sd: dict) -> None:
         """Restores a state; the next iteration continues exactly where it was taken."""
@@ -707,28 +740,16 @@ class BucketingSampler:
         for k, v in sd["fingerprint"].items():
             if json.loads(json.dumps(v)) != json.loads(json.dumps(mine[k])):
                 raise ValueError(f"sampler state was saved with {k}={v!r}, this sampler has {mine[k]!r}")
-
-        def unpack(es):
-            out = []
-            for key, d, n in es:
-                key = key if self.is_list else tuple(key)
-                out.append(Entry(key, d, n, None if self.is_list else self.source.get(key)))
-            return out
-
-        def rng(state):
-            r = random.Random()
-            r.setstate((state[0], tuple(state[1]), state[2]))
-            return r
-
-        self.epoch, self._stats = sd["epoch"], copy.deepcopy(sd["stats"])
-        st = _State(epoch=sd["epoch"], data_rng=rng(sd["data_rng"]), select_rng=rng(sd["select_rng"]),
-                    stats=self._stats, target=sd["target"], pass_idx=sd["pass_idx"], cursor=sd["cursor"],
-                    batches=sd["batches"], exhausted=sd["exhausted"], queues=[unpack(q) for q in sd["queues"]],
-                    drops=Counter(sd["drops"]), skip=sd.get("skip"))
-        st.drain = None if sd["drain"] is None else [[unpack(x) for x in bb] for bb in sd["drain"]]
-        st.occupancy = sum(map(len, st.queues))
-        st.ready = sum(len(q) >= k for q, k in zip(st.queues, self.sizes))
+        st = _State.from_dict(sd, self.sizes, self._entry)
+        self.epoch, self._stats = st.epoch, st.stats
         self._pending, self._live = st, None
+
+    def _entry(self, key, duration: float, num_tokens: int) -> Entry:
+        """A queued example from its saved form: list sources index it, streamed ones re-read it."""
+        if self.is_list:
+            return Entry(key, duration, num_tokens, None)
+        key = tuple(key)  # JSON turns tuples into lists
+        return Entry(key, duration, num_tokens, self.source.get(key))
 
 
 def _dist_info(rank, world_size) -> tuple:
