@@ -32,9 +32,9 @@ prompt included). A batch is padded along both, so we group examples that are si
 
 Batch size per bucket: `batch_size` (fixed), `max_duration` (`n * d <= max_duration` with d the
 bucket's duration bound, or `d + d^2 / quadratic_duration`), or `batch_sizes` per bucket (oom.py,
-see `save_batch_sizes` / `load_batch_sizes`). A batch never exceeds its bucket's size.
+see `bins.save_batch_sizes` / `bins.load_batch_sizes`). A batch never exceeds its bucket's size.
 
-    bins = Bins.load("bins.json")       # python tools/estimate_bins.py --manifest train.jsonl ...
+    bins = Bins.load("bins.json")       # from bins import Bins; made by tools/estimate_bins.py
     sampler = BucketingSampler(examples, bins, max_duration=360, yield_indices=True)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)   # list[int] batches
     sampler = BucketingSampler(JsonlSource("train.jsonl"), bins, batch_sizes=sizes, infinite=True)
@@ -58,7 +58,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from bins import Allocator, Bins, estimate_bins, load_batch_sizes, save_batch_sizes  # noqa: F401 - re-exported
+from bins import Allocator, Bins
+# Only for train.py and oom.py, which still import these three from here; everything else imports bins.
+from bins import estimate_bins, load_batch_sizes, save_batch_sizes  # noqa: F401
 
 log = logging.getLogger("sampler")
 

@@ -28,10 +28,10 @@ import yaml
 
 from aed.config import load_train_config
 from aed.data import read_manifest
+from bins import load_batch_sizes
 from common import ROOT, epoch_batch, load_avg, log, max_duration_sizes, print_json, print_table, run_script
 from oom import load_training_setup, manifest_bins, preflight
 from report import train_run
-from sampler import load_batch_sizes
 
 
 def memory_bound(config: str, bins, sizes: list) -> int:

@@ -19,7 +19,7 @@ from aed.transducer import TransducerASR
 from aed.simulated_memory import CUBLAS_WORKSPACE, CUDA_CONTEXT, SimulatedDevice, allocated_limit
 from oom import (MemoryBudgetError, TrainingStep, bucket_shapes, main, make_monotone, optimize, preflight,
                  search_batch_size)
-from sampler import Bins, load_batch_sizes
+from bins import Bins, load_batch_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(n_mels=24, vocab_size=40, pad_id=1, enc_d_model=32, enc_layers=2, enc_heads=4, subsampling_channels=8,

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bins import Allocator
-from sampler import BucketingSampler, Bins, JsonlSource, estimate_bins, load_batch_sizes, save_batch_sizes
+from bins import Allocator, Bins, estimate_bins, load_batch_sizes, save_batch_sizes
+from sampler import BucketingSampler, JsonlSource
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -422,7 +422,8 @@ def test_clean_shutdown_on_early_exit(tmp_path):
     code = f"""
 import sys, threading, time
 sys.path.insert(0, {str(ROOT)!r})
-from sampler import BucketingSampler, JsonlSource, Bins
+from bins import Bins
+from sampler import BucketingSampler, JsonlSource
 bins = Bins.load("bins.json")
 for k, batch in enumerate(BucketingSampler(JsonlSource({str(path)!r}), bins, max_duration=60.0, buffer_size=200)):
     if k == 3:

@@ -14,7 +14,8 @@ from aed.audio import LogMel, load_audio
 from aed.data import Collate, UtteranceDataset, encode_utterance, read_manifest
 from aed.shards import INDEX_NAME, MixedSource, ShardDataset, ShardSource, decode_audio
 from aed.tokenizer import Tokenizer
-from sampler import Bins, BucketingSampler
+from bins import Bins
+from sampler import BucketingSampler
 from tools import make_shards
 
 MINI = Path(__file__).resolve().parents[1] / "data" / "mini"

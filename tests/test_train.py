@@ -273,7 +273,7 @@ def test_rnnt_pretraining_then_its_encoder_into_an_aed(tmp_path):
 def test_sharded_training_resumes_exactly(tmp_path):
     from aed.data import encode_utterance, read_manifest
     from aed.tokenizer import Tokenizer
-    from sampler import estimate_bins
+    from bins import estimate_bins
 
     manifest = os.path.join(MINI, "train.jsonl")
     shards = tmp_path / "shards"
