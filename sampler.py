@@ -33,6 +33,10 @@ prompt included). A batch is padded along both, so we group examples that are si
 Batch size per bucket: `batch_size` (fixed), `max_duration` (`n * d <= max_duration` with d the
 bucket's duration bound, or `d + d^2 / quadratic_duration`), or `batch_sizes` per bucket (oom.py,
 see `bins.save_batch_sizes` / `bins.load_batch_sizes`). A batch never exceeds its bucket's size.
+A bucket whose size comes out 0 (one longer than max_duration) holds nothing, as in Lhotse's
+duration filter: its examples are dropped and counted as `over_batch_limit`, and one warning names
+the limit (for a list: how many were dropped and the longest; for a stream: the first one each
+rank meets). Only a limit that gives every bucket size 0 is an error.
 
     bins = Bins.load("bins.json")       # from bins import Bins; made by tools/estimate_bins.py
     sampler = BucketingSampler(examples, bins, max_duration=360, yield_indices=True)
@@ -63,6 +67,8 @@ from bins import Allocator, Bins
 from bins import estimate_bins, load_batch_sizes, save_batch_sizes  # noqa: F401
 
 log = logging.getLogger("sampler")
+
+OVER_LIMIT = "over_batch_limit"  # drop reason: the example's bucket gets batch size 0
 
 
 def _seed(*parts: int) -> int:
@@ -287,7 +293,7 @@ class _State:
                  drops_before={r: n - epoch_drops.get(r, 0) for r, n in stats["drops"].items()},
                  skip=sd.get("skip"))  # states saved before world-size changes were supported have none
         st.occupancy = sum(map(len, st.queues))
-        st.ready = sum(len(q) >= k for q, k in zip(st.queues, sizes))
+        st.ready = sum(0 < k <= len(q) for q, k in zip(st.queues, sizes))
         return st
 
 
@@ -352,7 +358,7 @@ class BucketingSampler:
         self.overfill = overfill
         self.allocate = Allocator(bins, allocation, min_tps, max_tps)
         self.bucket_bounds = bins.buckets()
-        self.sizes = self._batch_sizes(batch_size, max_duration, quadratic_duration, batch_sizes)
+        self.sizes, self._limit = self._batch_sizes(batch_size, max_duration, quadratic_duration, batch_sizes)
         self.epoch = 0
         self._reset()
         if not self.is_list and not infinite and self.world_size > 1:
@@ -360,19 +366,28 @@ class BucketingSampler:
                         "use infinite=True for DDP training (see the module docstring, point 5)")
         self._targets = {}
         self._warned_overflow = False
+        self._warned_limit = self.is_list  # lists warn here, once for all examples; streams at the first drop
 
         if self.is_list:
             # Measure and allocate once: every rank then knows every example's bucket, which gives
             # exact selection weights and the per-rank batch counts needed for equal epoch lengths.
             meas = [self._measure(ex, f"examples[{i}]") for i, ex in enumerate(source)]
-            self.where = [self.allocate(d, n) for d, n in meas]  # bucket, or why it is dropped
+            self.where = [self._bucket(d, n) for d, n in meas]  # bucket, or why it is dropped
             self.entries = [Entry(i, d, n, None) for i, (d, n) in enumerate(meas)]
             self.alloc = np.array([a if isinstance(a, int) else -1 for a in self.where], dtype=np.int64)
             counts = np.bincount(self.alloc[self.alloc >= 0], minlength=len(self.sizes)).astype(np.float64)
+            over = [d for (d, _), a in zip(meas, self.where) if a == OVER_LIMIT]
+            if over and self.rank == 0:
+                log.warning("sampler: dropping %d of %d examples (the longest %.2f s) because no batch can hold "
+                            "their buckets: %s; raise it to train on them", len(over), len(meas), max(over),
+                            self._zero_buckets())
         else:
             counts = np.array([c for row in bins.counts for c in row], np.float64) + 1 if bins.counts else None
+        usable = np.array(self.sizes) > 0
+        if counts is not None:
+            counts[~usable] = 0  # buckets of size 0 get no batch, hence no weight
         # Weight = expected batches per bucket, so draws follow how fast each bucket fills up.
-        w = counts / np.array(self.sizes) if counts is not None and counts.sum() > 0 else np.ones(len(self.sizes))
+        w = counts / np.maximum(self.sizes, 1) if counts is not None and counts.sum() > 0 else usable.astype(float)
         self.cum_weights = list(accumulate((w / w.sum()).tolist()))
         # Examples to read for one full batch of each bucket at its share of the data.
         n = len(self.sizes)
@@ -393,12 +408,15 @@ class BucketingSampler:
         other._reset()
         return other
 
-    def _batch_sizes(self, batch_size, max_duration, quadratic_duration, batch_sizes) -> list:
+    def _batch_sizes(self, batch_size, max_duration, quadratic_duration, batch_sizes) -> tuple:
+        """(batch size per bucket, the limit that set them, for messages)."""
         if sum(x is not None for x in (batch_size, max_duration, batch_sizes)) != 1:
             raise ValueError("give exactly one of batch_size, max_duration, batch_sizes")
         if batch_size is not None:
             sizes = [int(batch_size)] * len(self.bucket_bounds)
+            limit = f"batch_size={batch_size} (train.batch_size)"
         elif batch_sizes is not None:
+            limit = "batch_sizes (train.batch_sizes)"
             nested = isinstance(batch_sizes[0], (list, tuple))
             sizes = [int(s) for row in batch_sizes for s in row] if nested else [int(s) for s in batch_sizes]
             if len(sizes) != len(self.bucket_bounds):
@@ -411,11 +429,26 @@ class BucketingSampler:
                 while n * eff > max_duration:  # guard against float rounding in //
                     n -= 1
                 sizes.append(n)
+            limit = f"max_duration={max_duration:g} (train.max_duration)"
         for b, s in enumerate(sizes):
-            if s < 1:
+            if s < 0:
                 d, t = self.bucket_bounds[b]
-                raise ValueError(f"bucket {b} (<= {d} s, <= {t} tokens) gets batch size {s}: raise the limit")
-        return sizes
+                raise ValueError(f"bucket {b} (<= {d} s, <= {t} tokens) gets batch size {s} from {limit}")
+        if not any(sizes):
+            raise ValueError(f"{limit} gives every bucket batch size 0, so no example fits a batch (the shortest "
+                             f"bucket holds up to {self.bucket_bounds[0][0]:g} s): raise the limit")
+        return sizes, limit
+
+    def _zero_buckets(self) -> str:
+        """Which buckets get batch size 0, and why, for the over-limit warnings."""
+        bounds = [self.bucket_bounds[b][0] for b, k in enumerate(self.sizes) if not k]
+        span = f"bound {bounds[0]:g} s" if bounds[0] == bounds[-1] else f"bounds {bounds[0]:g}-{bounds[-1]:g} s"
+        return f"{self._limit} gives {len(bounds)} of {len(self.sizes)} buckets (duration {span}) batch size 0"
+
+    def _bucket(self, d: float, n: int):
+        """The example's bucket, or why it is dropped: a bucket of batch size 0 holds nothing."""
+        a = self.allocate(d, n)
+        return OVER_LIMIT if a.__class__ is int and not self.sizes[a] else a
 
     def _measure(self, ex, where: str) -> tuple:
         if not isinstance(ex, dict):
@@ -451,7 +484,7 @@ class BucketingSampler:
             ok = self.alloc >= 0
             nb = len(self.sizes)
             cells = np.bincount(rank_of[ok] * nb + self.alloc[ok], minlength=self.world_size * nb)
-            per_rank = -(-cells.reshape(self.world_size, nb) // np.array(self.sizes))  # ceil(n / batch size)
+            per_rank = -(-cells.reshape(self.world_size, nb) // np.maximum(self.sizes, 1))  # ceil(n / batch size)
             self._targets = {epoch: int(per_rank.sum(axis=1).max())}
         return self._targets[epoch]
 
@@ -510,7 +543,7 @@ class BucketingSampler:
                 pass_seed = _seed(self.seed, epoch, pass_idx, 3)
                 for key, cur, ex in self.source.read(pass_seed, self.rank, self.world_size, cursor):
                     d, n = self._measure(ex, self.source.describe(key))
-                    a = self.allocate(d, n)
+                    a = self._bucket(d, n)
                     used += isinstance(a, int)
                     yield pass_idx, cur, a, Entry(key, d, n, ex)
             if not self.infinite:
@@ -535,6 +568,13 @@ class BucketingSampler:
             st.pass_idx, st.cursor, b, entry = item
             if b.__class__ is str:
                 st.stats["drops"][b] = st.stats["drops"].get(b, 0) + 1
+                if b == OVER_LIMIT and not self._warned_limit:
+                    self._warned_limit = True
+                    bound = self.bucket_bounds[self.allocate(entry.duration, entry.num_tokens)][0]
+                    log.warning("sampler: rank %d dropped %s (%.2f s) because no batch can hold its bucket (up to "
+                                "%g s): %s; raise it to train on such examples (later ones are only counted, in "
+                                "stats['drops'])", self.rank, self.source.describe(entry.key), entry.duration, bound,
+                                self._zero_buckets())
                 continue
             q = queues[b]
             q.append(entry)
@@ -602,7 +642,7 @@ class BucketingSampler:
             b = self._nearest(drawn, lambda c: len(st.drain[c]) > 0)
             batch = st.drain[b].pop()
         else:
-            b = self._nearest(drawn, lambda c: len(st.queues[c]) >= self.sizes[c])
+            b = self._nearest(drawn, lambda c: 0 < self.sizes[c] <= len(st.queues[c]))
             if self.start + st.batches * self.ramp >= self.buffer_size:  # past the ramp: misses are the buffer's
                 self._track_agreement(b == drawn, st.occupancy)
             q, k, rand = st.queues[b], self.sizes[b], st.data_rng.random
@@ -621,7 +661,7 @@ class BucketingSampler:
         drain = []
         for q, k in zip(st.queues, self.sizes):
             st.data_rng.shuffle(q)
-            drain.append([q[i : i + k] for i in range(0, len(q), k)])
+            drain.append([q[i : i + k] for i in range(0, len(q), k)] if k else [])  # size 0: always empty
         st.queues, st.occupancy, st.ready = [[] for _ in self.sizes], 0, 0
         have = st.batches + sum(map(len, drain))
         if st.target is not None:
