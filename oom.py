@@ -26,7 +26,7 @@ own training step (built by aed/training_setup.py from the same config) on an ar
 the bucket's bounds, doubling and bisecting. Steps must fit the budget minus a safety margin (10%)
 for what an artificial step does not see: allocator fragmentation, pinned loader buffers,
 validation decoding. --ddp adds DDP's gradient buckets (one more copy of the gradients). Writes
-`sampler.save_batch_sizes`'s format and prints a table.
+`bins.save_batch_sizes`'s format and prints a table.
 """
 
 import argparse
@@ -49,8 +49,7 @@ from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice, allocated_limit
 from aed.tokenizer import Tokenizer
 from aed.training import AMP_DTYPES
 from aed.training_setup import load_training_setup
-from bins import Bins
-from sampler import save_batch_sizes
+from bins import Bins, save_batch_sizes
 
 log = logging.getLogger("oom")
 

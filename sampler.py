@@ -32,9 +32,15 @@ prompt included). A batch is padded along both, so we group examples that are si
 
 Batch size per bucket: `batch_size` (fixed), `max_duration` (`n * d <= max_duration` with d the
 bucket's duration bound, or `d + d^2 / quadratic_duration`), or `batch_sizes` per bucket (oom.py,
-see `save_batch_sizes` / `load_batch_sizes`). A batch never exceeds its bucket's size.
+see `bins.save_batch_sizes` / `bins.load_batch_sizes`). A batch never exceeds its bucket's size.
+An example that no batch can hold is dropped and counted as `over_batch_limit`, as Lhotse's
+duration filter drops them: under max_duration, one longer than the limit allows alone (a bucket
+that reaches past it still takes a batch of 1 of its shorter examples); under batch_sizes, one in
+a bucket of size 0. One warning names the limit (for a list: how many were dropped and the
+longest; for a stream: the first one each rank meets). Only a limit that gives every bucket size 0
+is an error.
 
-    bins = Bins.load("bins.json")       # python tools/estimate_bins.py --manifest train.jsonl ...
+    bins = Bins.load("bins.json")       # from bins import Bins; made by tools/estimate_bins.py
     sampler = BucketingSampler(examples, bins, max_duration=360, yield_indices=True)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)   # list[int] batches
     sampler = BucketingSampler(JsonlSource("train.jsonl"), bins, batch_sizes=sizes, infinite=True)
@@ -50,7 +56,7 @@ import random
 import sys
 import threading
 from bisect import bisect_right
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
@@ -58,9 +64,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from bins import Allocator, Bins, estimate_bins, load_batch_sizes, save_batch_sizes  # noqa: F401 - re-exported
+from bins import Allocator, Bins
 
 log = logging.getLogger("sampler")
+
+OVER_LIMIT = "over_batch_limit"  # drop reason: no batch can hold the example
 
 
 def _seed(*parts: int) -> int:
@@ -219,25 +227,74 @@ class _Producer:
 # --- sampler ------------------------------------------------------------------------------------
 
 
+def _rng(state) -> random.Random:
+    r = random.Random()
+    r.setstate((state[0], tuple(state[1]), state[2]))  # JSON turns the middle tuple into a list
+    return r
+
+
 @dataclass
 class _State:
-    """Everything that determines the remaining batches of an epoch (or of an infinite run)."""
+    """Everything that determines the remaining batches of an epoch (or of an infinite run), and
+    the one place that knows its saved form (`to_dict` / `from_dict`, the checkpoint format)."""
 
     epoch: int
     data_rng: random.Random  # per rank: which examples of a bucket form a batch
     select_rng: random.Random  # shared by all ranks when sync_buckets: which bucket
-    stats: dict
+    stats: dict  # the sampler's running totals (`BucketingSampler.stats`); drops are counted here only
     target: int | None = None  # batches every rank yields this epoch (finite in-memory lists)
     pass_idx: int = 0  # source pass; infinite mode starts a reshuffled pass when one ends
     cursor: object = None  # source position after the last example taken (None: pass start)
     queues: list = field(default_factory=list)  # per bucket: a list of Entry
     occupancy: int = 0
     ready: int = 0  # buckets holding at least one full batch
-    batches: int = 0
+    batches: int = 0  # batches yielded so far in this epoch
     exhausted: bool = False
     drain: list | None = None  # per bucket: the remaining batches once the source is exhausted
-    drops: Counter = field(default_factory=Counter)
+    drops_before: dict = field(default_factory=dict)  # stats["drops"] when this epoch began
     skip: tuple | None = None  # (pass, packed bitmask of examples) used in that pass before a world-size change
+
+    def epoch_drops(self) -> dict:
+        """Drops of this epoch by reason: the running counts less those of earlier epochs."""
+        before = self.drops_before
+        return {r: n - before.get(r, 0) for r, n in self.stats["drops"].items() if n > before.get(r, 0)}
+
+    def to_dict(self, fingerprint: dict) -> dict:
+        """Plain data (lists, numbers, the skip mask's bytes). Queued examples are saved as
+        [key, duration, num_tokens]; `from_dict` re-reads the example itself by its key."""
+
+        def pack(entries):
+            return [[e.key, e.duration, e.num_tokens] for e in entries]
+
+        return {
+            "fingerprint": fingerprint,
+            "epoch": self.epoch, "target": self.target, "pass_idx": self.pass_idx, "cursor": self.cursor,
+            "batches": self.batches, "exhausted": self.exhausted,
+            "queues": [pack(q) for q in self.queues],
+            "drain": None if self.drain is None else [[pack(x) for x in bb] for bb in self.drain],
+            "data_rng": self.data_rng.getstate(), "select_rng": self.select_rng.getstate(),
+            "stats": copy.deepcopy(self.stats), "drops": self.epoch_drops(), "skip": self.skip,
+        }
+
+    @classmethod
+    def from_dict(cls, sd: dict, sizes: list, entry) -> "_State":
+        """The state `to_dict` saved (its fingerprint is the caller's to check). entry(key, duration,
+        num_tokens) -> Entry rebuilds a queued example; sizes are the buckets' batch sizes."""
+
+        def unpack(es):
+            return [entry(key, d, n) for key, d, n in es]
+
+        stats = copy.deepcopy(sd["stats"])
+        epoch_drops = sd["drops"]
+        st = cls(epoch=sd["epoch"], data_rng=_rng(sd["data_rng"]), select_rng=_rng(sd["select_rng"]), stats=stats,
+                 target=sd["target"], pass_idx=sd["pass_idx"], cursor=sd["cursor"], batches=sd["batches"],
+                 exhausted=sd["exhausted"], queues=[unpack(q) for q in sd["queues"]],
+                 drain=None if sd["drain"] is None else [[unpack(x) for x in bb] for bb in sd["drain"]],
+                 drops_before={r: n - epoch_drops.get(r, 0) for r, n in stats["drops"].items()},
+                 skip=sd.get("skip"))  # states saved before world-size changes were supported have none
+        st.occupancy = sum(map(len, st.queues))
+        st.ready = sum(0 < k <= len(q) for q, k in zip(st.queues, sizes))
+        return st
 
 
 class BucketingSampler:
@@ -301,7 +358,11 @@ class BucketingSampler:
         self.overfill = overfill
         self.allocate = Allocator(bins, allocation, min_tps, max_tps)
         self.bucket_bounds = bins.buckets()
-        self.sizes = self._batch_sizes(batch_size, max_duration, quadratic_duration, batch_sizes)
+        self.sizes, self._limit = self._batch_sizes(batch_size, max_duration, quadratic_duration, batch_sizes)
+        # max_duration: the longest example a batch of one may hold (its cost d + d^2 / q solved for d).
+        self._longest_alone = None if max_duration is None else (
+            max_duration if not quadratic_duration
+            else quadratic_duration / 2 * (math.sqrt(1 + 4 * max_duration / quadratic_duration) - 1))
         self.epoch = 0
         self._reset()
         if not self.is_list and not infinite and self.world_size > 1:
@@ -309,19 +370,31 @@ class BucketingSampler:
                         "use infinite=True for DDP training (see the module docstring, point 5)")
         self._targets = {}
         self._warned_overflow = False
+        self._warned_limit = self.is_list  # lists warn here, once for all examples; streams at the first drop
 
         if self.is_list:
             # Measure and allocate once: every rank then knows every example's bucket, which gives
             # exact selection weights and the per-rank batch counts needed for equal epoch lengths.
             meas = [self._measure(ex, f"examples[{i}]") for i, ex in enumerate(source)]
-            self.where = [self.allocate(d, n) for d, n in meas]  # bucket, or why it is dropped
+            self.where = [self._bucket(d, n) for d, n in meas]  # bucket, or why it is dropped
             self.entries = [Entry(i, d, n, None) for i, (d, n) in enumerate(meas)]
             self.alloc = np.array([a if isinstance(a, int) else -1 for a in self.where], dtype=np.int64)
             counts = np.bincount(self.alloc[self.alloc >= 0], minlength=len(self.sizes)).astype(np.float64)
+            over = [d for (d, _), a in zip(meas, self.where) if a == OVER_LIMIT]
+            if over and not (self.alloc >= 0).any():
+                raise ValueError(f"no example fits a batch: {self._over_limit()}, and the shortest of the "
+                                 f"{len(over)} that fit a bucket lasts {min(over):.2f} s: raise the limit")
+            if over and self.rank == 0:
+                log.warning("sampler: dropping %d of %d examples (the longest %.2f s) because no batch can hold "
+                            "them: %s; raise it to train on them", len(over), len(meas), max(over),
+                            self._over_limit())
         else:
             counts = np.array([c for row in bins.counts for c in row], np.float64) + 1 if bins.counts else None
+        usable = np.array(self.sizes) > 0
+        if counts is not None:
+            counts[~usable] = 0  # buckets of size 0 get no batch, hence no weight
         # Weight = expected batches per bucket, so draws follow how fast each bucket fills up.
-        w = counts / np.array(self.sizes) if counts is not None and counts.sum() > 0 else np.ones(len(self.sizes))
+        w = counts / np.maximum(self.sizes, 1) if counts is not None and counts.sum() > 0 else usable.astype(float)
         self.cum_weights = list(accumulate((w / w.sum()).tolist()))
         # Examples to read for one full batch of each bucket at its share of the data.
         n = len(self.sizes)
@@ -342,12 +415,15 @@ class BucketingSampler:
         other._reset()
         return other
 
-    def _batch_sizes(self, batch_size, max_duration, quadratic_duration, batch_sizes) -> list:
+    def _batch_sizes(self, batch_size, max_duration, quadratic_duration, batch_sizes) -> tuple:
+        """(batch size per bucket, the limit that set them, for messages)."""
         if sum(x is not None for x in (batch_size, max_duration, batch_sizes)) != 1:
             raise ValueError("give exactly one of batch_size, max_duration, batch_sizes")
         if batch_size is not None:
             sizes = [int(batch_size)] * len(self.bucket_bounds)
+            limit = f"batch_size={batch_size} (train.batch_size)"
         elif batch_sizes is not None:
+            limit = "batch_sizes (train.batch_sizes)"
             nested = isinstance(batch_sizes[0], (list, tuple))
             sizes = [int(s) for row in batch_sizes for s in row] if nested else [int(s) for s in batch_sizes]
             if len(sizes) != len(self.bucket_bounds):
@@ -359,12 +435,34 @@ class BucketingSampler:
                 n = int(max_duration // eff)
                 while n * eff > max_duration:  # guard against float rounding in //
                     n -= 1
-                sizes.append(n)
+                lower = max((d2 for d2, _ in self.bucket_bounds if d2 < d), default=0.0)
+                lower_eff = lower + lower * lower / quadratic_duration if quadratic_duration else lower
+                sizes.append(n if n or lower_eff >= max_duration else 1)  # 1: its examples up to the limit, alone
+            limit = f"max_duration={max_duration:g} (train.max_duration)"
         for b, s in enumerate(sizes):
-            if s < 1:
+            if s < 0:
                 d, t = self.bucket_bounds[b]
-                raise ValueError(f"bucket {b} (<= {d} s, <= {t} tokens) gets batch size {s}: raise the limit")
-        return sizes
+                raise ValueError(f"bucket {b} (<= {d} s, <= {t} tokens) gets batch size {s} from {limit}")
+        if not any(sizes):
+            raise ValueError(f"{limit} gives every bucket batch size 0, so no example fits a batch (the shortest "
+                             f"bucket holds up to {self.bucket_bounds[0][0]:g} s): raise the limit")
+        return sizes, limit
+
+    def _over_limit(self) -> str:
+        """What no batch can hold, and why, for the over-limit warnings."""
+        if self._longest_alone is not None:
+            return f"{self._limit} holds examples of up to {self._longest_alone:.2f} s"
+        bounds = [self.bucket_bounds[b][0] for b, k in enumerate(self.sizes) if not k]
+        span = f"bound {bounds[0]:g} s" if bounds[0] == bounds[-1] else f"bounds {bounds[0]:g}-{bounds[-1]:g} s"
+        return f"{self._limit} gives {len(bounds)} of {len(self.sizes)} buckets (duration {span}) batch size 0"
+
+    def _bucket(self, d: float, n: int):
+        """The example's bucket, or why it is dropped: longer than a batch may hold, or in a bucket
+        of batch size 0."""
+        a = self.allocate(d, n)
+        if a.__class__ is int and (not self.sizes[a] or (self._longest_alone is not None and d > self._longest_alone)):
+            return OVER_LIMIT
+        return a
 
     def _measure(self, ex, where: str) -> tuple:
         if not isinstance(ex, dict):
@@ -400,7 +498,7 @@ class BucketingSampler:
             ok = self.alloc >= 0
             nb = len(self.sizes)
             cells = np.bincount(rank_of[ok] * nb + self.alloc[ok], minlength=self.world_size * nb)
-            per_rank = -(-cells.reshape(self.world_size, nb) // np.array(self.sizes))  # ceil(n / batch size)
+            per_rank = -(-cells.reshape(self.world_size, nb) // np.maximum(self.sizes, 1))  # ceil(n / batch size)
             self._targets = {epoch: int(per_rank.sum(axis=1).max())}
         return self._targets[epoch]
 
@@ -442,6 +540,7 @@ class BucketingSampler:
             stats=self._stats,
             target=self._epoch_target(e) if self.is_list and not self.infinite else None,
             queues=[[] for _ in self.sizes],
+            drops_before=dict(self._stats["drops"]),
         )
 
     def _stream(self, epoch: int, pass_idx: int, cursor, skip=None):
@@ -458,7 +557,7 @@ class BucketingSampler:
                 pass_seed = _seed(self.seed, epoch, pass_idx, 3)
                 for key, cur, ex in self.source.read(pass_seed, self.rank, self.world_size, cursor):
                     d, n = self._measure(ex, self.source.describe(key))
-                    a = self.allocate(d, n)
+                    a = self._bucket(d, n)
                     used += isinstance(a, int)
                     yield pass_idx, cur, a, Entry(key, d, n, ex)
             if not self.infinite:
@@ -482,8 +581,12 @@ class BucketingSampler:
         for item in reader:
             st.pass_idx, st.cursor, b, entry = item
             if b.__class__ is str:
-                st.drops[b] += 1
                 st.stats["drops"][b] = st.stats["drops"].get(b, 0) + 1
+                if b == OVER_LIMIT and not self._warned_limit:
+                    self._warned_limit = True
+                    log.warning("sampler: rank %d dropped %s (%.2f s) because no batch can hold it: %s; raise it "
+                                "to train on such examples (later ones are only counted, in stats['drops'])",
+                                self.rank, self.source.describe(entry.key), entry.duration, self._over_limit())
                 continue
             q = queues[b]
             q.append(entry)
@@ -551,7 +654,7 @@ class BucketingSampler:
             b = self._nearest(drawn, lambda c: len(st.drain[c]) > 0)
             batch = st.drain[b].pop()
         else:
-            b = self._nearest(drawn, lambda c: len(st.queues[c]) >= self.sizes[c])
+            b = self._nearest(drawn, lambda c: 0 < self.sizes[c] <= len(st.queues[c]))
             if self.start + st.batches * self.ramp >= self.buffer_size:  # past the ramp: misses are the buffer's
                 self._track_agreement(b == drawn, st.occupancy)
             q, k, rand = st.queues[b], self.sizes[b], st.data_rng.random
@@ -570,7 +673,7 @@ class BucketingSampler:
         drain = []
         for q, k in zip(st.queues, self.sizes):
             st.data_rng.shuffle(q)
-            drain.append([q[i : i + k] for i in range(0, len(q), k)])
+            drain.append([q[i : i + k] for i in range(0, len(q), k)] if k else [])  # size 0: always empty
         st.queues, st.occupancy, st.ready = [[] for _ in self.sizes], 0, 0
         have = st.batches + sum(map(len, drain))
         if st.target is not None:
@@ -614,8 +717,8 @@ class BucketingSampler:
                 yield self._output(batch)
         finally:
             reader.close()
-        if st.drops:
-            log.warning("sampler: rank %d epoch %d dropped %s", self.rank, st.epoch, dict(st.drops))
+        if drops := st.epoch_drops():
+            log.warning("sampler: rank %d epoch %d dropped %s", self.rank, st.epoch, drops)
 
     # --- checkpointing
 
@@ -626,7 +729,7 @@ class BucketingSampler:
         c.data_rng, c.select_rng = random.Random(), random.Random()
         c.data_rng.setstate(st.data_rng.getstate())
         c.select_rng.setstate(st.select_rng.getstate())
-        c.stats, c.drops = copy.deepcopy(st.stats), Counter(st.drops)
+        c.stats = copy.deepcopy(st.stats)  # drops_before is replaced, never modified: shared
         return c
 
     def _fingerprint(self) -> dict:
@@ -648,19 +751,7 @@ class BucketingSampler:
             while st.batches < goal:
                 self._record(st.stats, *self._next_batch(st, reader))
             reader.close()
-
-        def pack(entries):  # the example itself is re-read on load
-            return [[e.key, e.duration, e.num_tokens] for e in entries]
-
-        return {
-            "fingerprint": self._fingerprint(),
-            "epoch": st.epoch, "target": st.target, "pass_idx": st.pass_idx, "cursor": st.cursor,
-            "batches": st.batches, "exhausted": st.exhausted,
-            "queues": [pack(q) for q in st.queues],
-            "drain": None if st.drain is None else [[pack(x) for x in bb] for bb in st.drain],
-            "data_rng": st.data_rng.getstate(), "select_rng": st.select_rng.getstate(),
-            "stats": copy.deepcopy(st.stats), "drops": dict(st.drops), "skip": st.skip,
-        }
+        return st.to_dict(self._fingerprint())
 
     def _rank_order(self, epoch: int, pass_idx: int, skip, rank: int, world_size: int) -> np.ndarray:
         """The examples `rank` reads in this pass, in order: its share of the pass's permutation,
@@ -682,24 +773,20 @@ class BucketingSampler:
         afresh, the shared bucket-selection RNG and the fill schedule continue."""
         if not (self.is_list and self.infinite):
             raise ValueError("only an in-memory infinite sampler can continue a run with another world size")
-        first = states[0]
-        pass_idx = max(sd["pass_idx"] for sd in states)
+        old = [_State.from_dict(sd, self.sizes, self._entry) for sd in states]
+        pass_idx = max(o.pass_idx for o in old)
         used = np.zeros(len(self.entries), dtype=bool)
-        for old_rank, sd in enumerate(states):
-            if sd["pass_idx"] != pass_idx or sd["cursor"] is None:
+        for old_rank, o in enumerate(old):
+            if o.pass_idx != pass_idx or o.cursor is None:
                 continue
-            used[self._rank_order(sd["epoch"], pass_idx, sd.get("skip"), old_rank, len(states))[: sd["cursor"]]] = True
-            queued = [e[0] for q in sd["queues"] for e in q]
-            used[queued] = False
-        self.epoch = first["epoch"]
-        fresh = self._fresh_state()
-        return {
-            "fingerprint": self._fingerprint(), "epoch": first["epoch"], "target": None, "pass_idx": pass_idx,
-            "cursor": None, "batches": first["batches"], "exhausted": False, "queues": [[] for _ in self.sizes],
-            "drain": None, "data_rng": fresh.data_rng.getstate(), "select_rng": first["select_rng"],
-            "stats": copy.deepcopy(states[min(self.rank, len(states) - 1)]["stats"]), "drops": {},
-            "skip": (pass_idx, np.packbits(used).tobytes()),
-        }
+            used[self._rank_order(o.epoch, pass_idx, o.skip, old_rank, len(old))[: o.cursor]] = True
+            used[[e.key for q in o.queues for e in q]] = False
+        self.epoch = old[0].epoch
+        stats = old[min(self.rank, len(old) - 1)].stats
+        st = _State(epoch=self.epoch, data_rng=self._fresh_state().data_rng, select_rng=old[0].select_rng,
+                    stats=stats, pass_idx=pass_idx, batches=old[0].batches, queues=[[] for _ in self.sizes],
+                    drops_before=dict(stats["drops"]), skip=(pass_idx, np.packbits(used).tobytes()))
+        return st.to_dict(self._fingerprint())
 
     def load_state_dict(self, sd: dict) -> None:
         """Restores a state; the next iteration continues exactly where it was taken."""
@@ -707,28 +794,16 @@ class BucketingSampler:
         for k, v in sd["fingerprint"].items():
             if json.loads(json.dumps(v)) != json.loads(json.dumps(mine[k])):
                 raise ValueError(f"sampler state was saved with {k}={v!r}, this sampler has {mine[k]!r}")
-
-        def unpack(es):
-            out = []
-            for key, d, n in es:
-                key = key if self.is_list else tuple(key)
-                out.append(Entry(key, d, n, None if self.is_list else self.source.get(key)))
-            return out
-
-        def rng(state):
-            r = random.Random()
-            r.setstate((state[0], tuple(state[1]), state[2]))
-            return r
-
-        self.epoch, self._stats = sd["epoch"], copy.deepcopy(sd["stats"])
-        st = _State(epoch=sd["epoch"], data_rng=rng(sd["data_rng"]), select_rng=rng(sd["select_rng"]),
-                    stats=self._stats, target=sd["target"], pass_idx=sd["pass_idx"], cursor=sd["cursor"],
-                    batches=sd["batches"], exhausted=sd["exhausted"], queues=[unpack(q) for q in sd["queues"]],
-                    drops=Counter(sd["drops"]), skip=sd.get("skip"))
-        st.drain = None if sd["drain"] is None else [[unpack(x) for x in bb] for bb in sd["drain"]]
-        st.occupancy = sum(map(len, st.queues))
-        st.ready = sum(len(q) >= k for q, k in zip(st.queues, self.sizes))
+        st = _State.from_dict(sd, self.sizes, self._entry)
+        self.epoch, self._stats = st.epoch, st.stats
         self._pending, self._live = st, None
+
+    def _entry(self, key, duration: float, num_tokens: int) -> Entry:
+        """A queued example from its saved form: list sources index it, streamed ones re-read it."""
+        if self.is_list:
+            return Entry(key, duration, num_tokens, None)
+        key = tuple(key)  # JSON turns tuples into lists
+        return Entry(key, duration, num_tokens, self.source.get(key))
 
 
 def _dist_info(rank, world_size) -> tuple:

@@ -248,8 +248,9 @@ def preflight(step: TrainingStep, shapes: list, batch_sizes: list, budget: int) 
     """train.py's check before step 0: one step at every bucket's bounds (`bucket_shapes`) and
     batch size.
 
-    batch_sizes: flat or nested like bins.tokens (e.g. `sampler.sizes`). Returns each bucket's
-    peak bytes; raises MemoryBudgetError naming every bucket whose step needs more than `budget`.
+    batch_sizes: flat or nested like bins.tokens (e.g. `sampler.sizes`). Returns the peak bytes of
+    each bucket that takes batches (size 0: the sampler drops what falls there); raises
+    MemoryBudgetError naming every bucket whose step needs more than `budget`.
     Weights, optimizer state, RNG states and train/eval mode are restored afterwards, so training
     continues as if this never ran. On CPU a step is stopped at 2x the budget (not to exhaust RAM).
     """
@@ -266,6 +267,8 @@ def preflight(step: TrainingStep, shapes: list, batch_sizes: list, budget: int) 
         model.train()
         step.warm_up(*shapes[0][1:])
         for b, ((d, frames, tokens), n) in enumerate(zip(shapes, sizes)):
+            if n == 0:
+                continue
             try:
                 peak = step.peak(n, frames, tokens, limit=2 * budget if step.device.type == "cpu" else None)
                 need = format_bytes(peak)
@@ -284,7 +287,7 @@ def preflight(step: TrainingStep, shapes: list, batch_sizes: list, budget: int) 
         m.train(training)
     if failures:
         raise MemoryBudgetError(
-            f"{len(failures)} of {len(shapes)} buckets do not fit the memory budget:\n  " + "\n  ".join(failures)
+            f"{len(failures)} of {len(peaks)} buckets do not fit the memory budget:\n  " + "\n  ".join(failures)
             + "\nrerun oom.py for this model, precision and budget, or lower these buckets' batch sizes "
             "(train.batch_sizes / train.max_duration), or use precision=bf16 / activation_checkpointing")
     return peaks

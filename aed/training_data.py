@@ -21,8 +21,8 @@ from aed.dataclass_config import ConfigError
 from aed.distributed import all_gather_objects
 from aed.objectives import OBJECTIVES
 from aed.shards import MixedSource, ShardDataset, ShardSource
-from bins import Bins
-from sampler import BucketingSampler, estimate_bins, load_batch_sizes
+from bins import Bins, estimate_bins, load_batch_sizes
+from sampler import BucketingSampler
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,9 @@ import torch
 from aed.data import encode_utterance, read_manifest
 from aed.shards import ShardSource, decode_audio
 from aed.tokenizer import Tokenizer
+from bins import estimate_bins
 from common import MINI_TOKENIZER, ROOT, print_json, print_table
-from sampler import BucketingSampler, JsonlSource, estimate_bins
+from sampler import BucketingSampler, JsonlSource
 from tools import make_shards
 
 

@@ -30,10 +30,10 @@ from aed.config import load_train_config
 from aed.data import read_manifest
 from aed.oomptimizer import TrainingStep, preflight
 from aed.training_setup import load_training_setup
+from bins import load_batch_sizes
 from common import ROOT, epoch_batch, load_avg, log, max_duration_sizes, print_json, print_table, run_script
 from oom import manifest_bins
 from report import train_run
-from sampler import load_batch_sizes
 
 
 def memory_bound(config: str, bins, sizes: list) -> int:

@@ -63,10 +63,11 @@ from aed.config import load_train_config
 from aed.memory import format_bytes, parse_bytes
 from aed.memory_model import MemoryModel
 from aed.model import AEDConfig, count_parameters
-from aed.simulated_memory import SimulatedDevice, allocated_limit
-from common import add_width_args, epoch_batch, log, print_json, print_table, random_aed, show_library_logs
 from aed.oomptimizer import TrainingStep, bucket_shapes, make_monotone, optimize, optimize_with_model, preflight
-from sampler import BucketingSampler, estimate_bins
+from aed.simulated_memory import SimulatedDevice, allocated_limit
+from bins import estimate_bins
+from common import add_width_args, epoch_batch, log, print_json, print_table, random_aed, show_library_logs
+from sampler import BucketingSampler
 from sampler_bench import paper_corpus, synthetic_corpus
 
 PAPER = {"C/A": 3.4, "D/A": 5.0, "tps_peak_reduction": 0.20}  # sec. 4, E2

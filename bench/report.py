@@ -57,9 +57,9 @@ from aed.model import AED, AEDConfig, count_parameters
 from aed.oomptimizer import TrainingStep, preflight
 from aed.tokenizer import Tokenizer
 from aed.training_setup import load_training_setup
+from bins import Bins, estimate_bins, load_batch_sizes
 from common import (MINI_TOKENIZER, ROOT, cores, epoch_batch, last_json, load_avg, log, max_duration_sizes,
                     read_metrics, run_script, script_failed, step_totals, write_config)
-from sampler import Bins, estimate_bins, load_batch_sizes
 
 PAPER = {"sync": {2: 7, 16: 13, 128: 20}, "b/a": 3.4, "c/a": 5.0,
          "rtfx": {"canary-1b (24+24)": 345, "24+4": 1097, "canary-1b-flash (32+4)": 992}}

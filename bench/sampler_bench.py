@@ -41,7 +41,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sampler import BucketingSampler, Bins, JsonlSource, estimate_bins, load_batch_sizes, save_batch_sizes  # noqa: E402
+from bins import Bins, estimate_bins, load_batch_sizes, save_batch_sizes  # noqa: E402
+from sampler import BucketingSampler, JsonlSource  # noqa: E402
 
 
 def synthetic_corpus(n: int, seed: int = 0) -> list:

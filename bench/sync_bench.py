@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sampler_bench import model_batch_sizes, synthetic_corpus  # noqa: E402
 
-from sampler import BucketingSampler, estimate_bins  # noqa: E402
+from bins import estimate_bins  # noqa: E402
+from sampler import BucketingSampler  # noqa: E402
 
 
 def flop_cost(args):

@@ -39,7 +39,8 @@ from sampler_bench import synthetic_corpus  # noqa: E402
 
 from aed.distributed import cleanup, init_distributed  # noqa: E402
 from aed.model import AED, AEDConfig  # noqa: E402
-from sampler import BucketingSampler, estimate_bins  # noqa: E402
+from bins import estimate_bins  # noqa: E402
+from sampler import BucketingSampler  # noqa: E402
 
 PROMPT_TOKENS = 6  # synthetic_corpus adds a 6-token prompt to every example
 

@@ -51,10 +51,10 @@ import yaml
 from aed.model import AED, AEDConfig, count_parameters
 from aed.oomptimizer import TrainingStep, preflight
 from aed.training_setup import load_training_setup
+from bins import Bins, load_batch_sizes
 from common import (ROOT, cores, epoch_batch, load_avg, log, max_duration_sizes, print_json, print_table,
                     read_metrics, run_script, step_totals, write_config)
 from oom import device_memory
-from sampler import Bins, load_batch_sizes
 
 # name -> (model overrides of configs/tiny.yaml, default steps). 30m: Canary-1B-Flash's shape
 # (deep encoder, 4-layer decoder) at 256 wide: 30.0M parameters with the mini vocabulary.

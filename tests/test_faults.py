@@ -19,7 +19,8 @@ from aed.checkpoint import (CheckpointError, TRAINING_KEYS, begin_checkpoint, li
 from aed.data import Utterance, check_audio
 from aed.inference import load_asr
 from aed.model import AED, AEDConfig
-from sampler import BucketingSampler, JsonlSource, estimate_bins
+from bins import estimate_bins
+from sampler import BucketingSampler, JsonlSource
 from test_train import ROOT, SMALL, run_train
 
 MINI_TOKENIZER = os.path.join(ROOT, "data", "mini", "tokenizer")

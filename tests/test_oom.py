@@ -15,12 +15,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 from aed.memory import LiveTensorMemory, OutOfMemory, is_out_of_memory, parse_bytes
 from aed.memory_model import MemoryModel
 from aed.model import AED, AEDConfig
-from aed.transducer import TransducerASR
-from aed.simulated_memory import CUBLAS_WORKSPACE, CUDA_CONTEXT, SimulatedDevice, allocated_limit
 from aed.oomptimizer import (MemoryBudgetError, TrainingStep, bucket_shapes, make_monotone, optimize, preflight,
                              search_batch_size)
+from aed.simulated_memory import CUBLAS_WORKSPACE, CUDA_CONTEXT, SimulatedDevice, allocated_limit
+from aed.transducer import TransducerASR
+from bins import Bins, load_batch_sizes
 from oom import main
-from sampler import Bins, load_batch_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(n_mels=24, vocab_size=40, pad_id=1, enc_d_model=32, enc_layers=2, enc_heads=4, subsampling_channels=8,

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bins import Allocator
-from sampler import BucketingSampler, Bins, JsonlSource, estimate_bins, load_batch_sizes, save_batch_sizes
+from bins import Allocator, Bins, estimate_bins, load_batch_sizes, save_batch_sizes
+from sampler import BucketingSampler, JsonlSource
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -382,6 +382,88 @@ def test_resume_through_the_usual_epoch_loop():
     assert head + [list(b) for b in s2] == ref
 
 
+def over_limit(examples, bins, max_duration):
+    """(kept, dropped) example indices under max_duration: an example longer than it fits no batch,
+    whatever its bucket; a shorter one in a bucket that reaches past the limit still trains."""
+    allocate = Allocator(bins)
+    usable = [i for i, e in enumerate(examples) if isinstance(allocate(e["duration"], e["num_tokens"]), int)]
+    return ([i for i in usable if examples[i]["duration"] <= max_duration],
+            [i for i in usable if examples[i]["duration"] > max_duration])
+
+
+def limit_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if "no batch can hold" in r.getMessage()]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_over_long_examples_are_dropped_counted_and_named_once(world_size, caplog):
+    kept, over = over_limit(EX, BINS, 12.0)
+    assert kept and over  # BINS reach 30 s: the longer buckets get batch size 0
+    kw = dict(max_duration=12.0, buffer_size=300, yield_indices=True, world_size=world_size, seed=2)
+    seen, counts, drops = [], [], 0
+    with caplog.at_level("WARNING", logger="sampler"):
+        for rank in range(world_size):
+            s = BucketingSampler(EX, BINS, rank=rank, **kw)
+            batches = list(s)
+            assert len(batches) == len(s)
+            counts.append(len(batches))
+            seen += [i for b in batches for i in b]
+            drops += s.stats["drops"]["over_batch_limit"]
+    assert sorted(seen) == kept  # the rest, each exactly once
+    assert len(set(counts)) == 1, counts
+    assert drops == len(over)
+    warned = limit_warnings(caplog)
+    longest = max(EX[i]["duration"] for i in over)
+    assert len(warned) == 1, warned  # one per run: rank 0 speaks for the list every rank holds
+    assert f"dropping {len(over)} of {len(EX)} examples (the longest {longest:.2f} s)" in warned[0]
+    assert "max_duration=12 (train.max_duration)" in warned[0]
+    resume_check(lambda: BucketingSampler(EX, BINS, rank=world_size - 1, **kw), cut=20, rewind=3)
+
+
+def test_over_long_examples_are_dropped_from_a_stream(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "m.jsonl", EX[:1500])
+    kept, over = over_limit(EX[:1500], BINS, 12.0)
+    kw = dict(max_duration=12.0, buffer_size=300, seed=7)
+    s = BucketingSampler(JsonlSource(path), BINS, concurrent=True, **kw)
+    with caplog.at_level("WARNING", logger="sampler"):
+        ref = run(s)
+    warned, first = limit_warnings(caplog), min(over)  # one shard, one rank: read in file order
+    assert len(warned) == 1 and f"m.jsonl:{first + 1} ({EX[first]['duration']:.2f} s)" in warned[0], warned
+    assert "max_duration=12 (train.max_duration)" in warned[0]
+    assert sorted(i for _, b in ref for i in b) == kept
+    assert s.stats["drops"]["over_batch_limit"] == len(over)
+    never = [b for b, k in enumerate(s.sizes) if not k]  # a stream's weights come from BINS.counts
+    assert np.all(np.diff(s.cum_weights, prepend=0.0)[never] == 0)
+    assert run(BucketingSampler(JsonlSource(path), BINS, concurrent=False, **kw)) == ref
+
+    kw = dict(kw, infinite=True, world_size=2, rank=1)
+    ref = run(BucketingSampler(JsonlSource(path), BINS, concurrent=False, **kw), limit=300)
+    s = BucketingSampler(JsonlSource(path), BINS, concurrent=True, **kw)
+    head = run(s, limit=120)
+    s2 = BucketingSampler(JsonlSource(path), BINS, concurrent=True, **kw)
+    s2.load_state_dict(json.loads(json.dumps(s.state_dict(rewind=5))))
+    assert head[:115] + run(s2, limit=185) == ref
+
+
+def test_zero_batch_sizes_drop_their_buckets_and_all_zero_is_an_error():
+    sizes = [[4, 0] if i % 2 else [0, 3] for i in range(len(BINS.durations))]  # zeros between usable buckets
+    # overfill=1: falls back to the nearest bucket with a batch often, and that is never one of size 0
+    s = BucketingSampler(EX, BINS, batch_sizes=sizes, buffer_size=100, overfill=1.0, yield_indices=True)
+    flat = [k for row in sizes for k in row]
+    where = [Allocator(BINS)(e["duration"], e["num_tokens"]) for e in EX]
+    assert sorted(i for b in s for i in b) == [i for i, a in enumerate(where) if isinstance(a, int) and flat[a]]
+    assert s.stats["drops"]["over_batch_limit"] == sum(isinstance(a, int) and not flat[a] for a in where)
+    make = lambda: BucketingSampler(EX, BINS, batch_sizes=sizes, buffer_size=20, yield_indices=True)  # noqa: E731
+    s = make()
+    s.load_state_dict(make().state_dict())  # saved before the first batch: no bucket is full yet
+    assert run(s) == run(make())
+    with pytest.raises(ValueError, match=r"no example fits a batch: max_duration=0.2 \(train.max_duration\) holds "
+                                         r"examples of up to 0.20 s"):
+        BucketingSampler(EX, BINS, max_duration=0.2)
+    with pytest.raises(ValueError, match=r"batch_sizes \(train.batch_sizes\) gives every bucket batch size 0"):
+        BucketingSampler(EX, BINS, batch_sizes=[0] * BINS.num_buckets)
+
+
 def test_resume_rejects_a_different_configuration():
     sd = BucketingSampler(EX, BINS, batch_size=4).state_dict()
     with pytest.raises(ValueError, match="batch_sizes"):
@@ -422,7 +504,8 @@ def test_clean_shutdown_on_early_exit(tmp_path):
     code = f"""
 import sys, threading, time
 sys.path.insert(0, {str(ROOT)!r})
-from sampler import BucketingSampler, JsonlSource, Bins
+from bins import Bins
+from sampler import BucketingSampler, JsonlSource
 bins = Bins.load("bins.json")
 for k, batch in enumerate(BucketingSampler(JsonlSource({str(path)!r}), bins, max_duration=60.0, buffer_size=200)):
     if k == 3:

@@ -14,7 +14,8 @@ from aed.audio import LogMel, load_audio
 from aed.data import Collate, UtteranceDataset, encode_utterance, read_manifest
 from aed.shards import INDEX_NAME, MixedSource, ShardDataset, ShardSource, decode_audio
 from aed.tokenizer import Tokenizer
-from sampler import Bins, BucketingSampler
+from bins import Bins
+from sampler import BucketingSampler
 from tools import make_shards
 
 MINI = Path(__file__).resolve().parents[1] / "data" / "mini"
@@ -83,6 +84,37 @@ def test_each_example_once_across_ranks_and_workers(shards):
            for batch in BucketingSampler(src, bins, batch_size=3, buffer_size=16, rank=r, world_size=2)
            for ex in batch]
     assert sorted(got) == sorted(seen)
+
+
+def test_examples_no_batch_can_hold_are_dropped_counted_and_resume_exactly(shards, caplog):
+    _, out, _ = shards
+    src, bins = ShardSource(out), Bins([2.0, 4.0, 30.0])  # max_duration=3: sizes 1, 1 (up to 3 s alone), 0
+    every = read_all(src)
+    short = sorted(ex["where"] for ex in every if ex["duration"] <= 3.0)
+    assert 0 < len(short) < len(every)
+    got, dropped = [], 0
+    with caplog.at_level(logging.WARNING, logger="sampler"):
+        for r in range(2):
+            s = BucketingSampler(src, bins, max_duration=3.0, buffer_size=16, rank=r, world_size=2)
+            got += [ex["where"] for batch in s for ex in batch]
+            dropped += s.stats["drops"]["over_batch_limit"]
+    assert sorted(got) == short and dropped == len(every) - len(short)
+    warned = [m for m in caplog.messages if "no batch can hold" in m]  # at most one per rank
+    assert 1 <= len(warned) <= 2 and all("tar#" in m and "max_duration=3 (train.max_duration)" in m for m in warned)
+
+    def make():
+        return BucketingSampler(ShardSource(out), bins, max_duration=3.0, buffer_size=8, seed=5, infinite=True)
+
+    it = iter(make())
+    ref = [[ex["where"] for ex in next(it)] for _ in range(30)]  # batches of 1: more than one pass
+    run = make()
+    it = iter(run)
+    for _ in range(9):
+        next(it)
+    resumed = make()
+    resumed.load_state_dict(json.loads(json.dumps(run.state_dict())))
+    it = iter(resumed)
+    assert [[ex["where"] for ex in next(it)] for _ in range(21)] == ref[9:]
 
 
 def test_epochs_reshuffle_shard_order(shards):

@@ -273,7 +273,7 @@ def test_rnnt_pretraining_then_its_encoder_into_an_aed(tmp_path):
 def test_sharded_training_resumes_exactly(tmp_path):
     from aed.data import encode_utterance, read_manifest
     from aed.tokenizer import Tokenizer
-    from sampler import estimate_bins
+    from bins import estimate_bins
 
     manifest = os.path.join(MINI, "train.jsonl")
     shards = tmp_path / "shards"
@@ -334,3 +334,27 @@ def test_ssl_pretraining_on_audio_alone_stops_at_a_flop_budget_and_resumes_exact
     ckpt = read_checkpoint(b / "ckpt-00000006", TRAINING_KEYS)
     assert any(k.startswith("heads.") for k in ckpt["model"]) and "quantizer.codebook" in ckpt["model"]
     assert ckpt["flops"] == read_checkpoint(a / "ckpt-00000006", TRAINING_KEYS)["flops"] == flops[6]  # continued
+
+
+def test_utterances_longer_than_the_batch_limit_are_dropped_not_fatal(tmp_path, caplog):
+    """The README's first run with a small max_duration used to stop at start-up ("bucket 11 gets
+    batch size 0"); the two utterances over 3.5 s are now dropped with one message that names the
+    limit, and every shorter one still trains."""
+    from aed.config import load_train_config
+    from aed.data import read_manifest
+    from aed.tokenizer import Tokenizer
+    from aed.training_data import build_training_data
+
+    cfg = load_train_config(os.path.join(ROOT, "configs/tiny.yaml"),
+                            ["train.manifests=[data/mini/train.jsonl]", "train.max_duration=3.5", f"run_dir={tmp_path}"])
+    with caplog.at_level(logging.WARNING, logger="sampler"):
+        data = build_training_data(cfg, Tokenizer.load(os.path.join(MINI, "tokenizer")), 0, 1)
+    durations = [u.duration for u in read_manifest(os.path.join(MINI, "train.jsonl"))]
+    over = [d for d in durations if d > 3.5]
+    assert over, "data/mini/train.jsonl no longer has an utterance over 3.5 s: pick a smaller limit"
+    warned = [m for m in caplog.messages if "no batch can hold" in m]
+    assert len(warned) == 1 and "max_duration=3.5 (train.max_duration)" in warned[0], warned
+    assert f"dropping {len(over)} of {len(durations)} examples (the longest {max(over):.2f} s)" in warned[0]
+    batches = iter(data.sampler)
+    drawn = [data.dataset.utterances[i].duration for _ in range(100) for i in next(batches)]
+    assert drawn and max(drawn) <= 3.5
