@@ -30,17 +30,17 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from aed.checkpoint import (Checkpoint, CheckpointError, begin_checkpoint, checkpoint_dir, init_from_checkpoint,
-                            load_latest, pack_dir, publish_checkpoint, rng_state, set_rng_state, write_shard)
+from aed.checkpoint import (Checkpoint, CheckpointError, CheckpointWriter, init_from_checkpoint, load_latest,
+                            load_training_state, pack_dir, rng_state, set_rng_state, training_tensors)
 from aed.config import help_text, load_train_config
 from aed.data import ManifestError, UnreadableAudio
 from aed.dataclass_config import ConfigError, to_dict
-from aed.distributed import all_reduce, barrier, cleanup, gather_objects, init_distributed, peer_lost
+from aed.distributed import all_reduce, cleanup, gather_objects, init_distributed, peer_lost
 from aed.flops import StepFlops, matmul_peak
 from aed.memory import format_bytes, parse_bytes
 from aed.oomptimizer import MemoryBudgetError, TrainingStep, preflight
+from aed.parallel import full_copy, share_rank0_buffers, wrap
 from aed.progress import Progress, RunLog
 from aed.training import count_targets, train_step
 from aed.training_data import TrainingData, build_training_data
@@ -135,10 +135,11 @@ def build(cfg, proc: Process) -> tuple[TrainingSetup, TrainingData]:
 
 def check_memory(setup: TrainingSetup, data: TrainingData, proc: Process) -> None:
     """memory_budget: the worst batch of every bucket runs once before step 0 (aed/oomptimizer.py).
-    Before the DDP wrap, whose gradient hooks must not fire during the check."""
+    Before the DDP wrap, whose gradient hooks must not fire during the check; an FSDP model runs
+    its real, sharded step."""
     cfg = setup.cfg
     try:
-        peaks = preflight(TrainingStep.of(setup, ddp=proc.world_size > 1),
+        peaks = preflight(TrainingStep.of(setup, ddp=proc.world_size > 1 and setup.cfg.train.strategy == "ddp"),
                           setup.bucket_shapes(data.bins, cfg.train.max_tps), data.sampler.sizes,
                           parse_bytes(cfg.memory_budget))
     except MemoryBudgetError as e:
@@ -158,7 +159,7 @@ def resume(setup: TrainingSetup, data: TrainingData, proc: Process) -> tuple[int
     init_from. A checkpoint of another world size continues its interrupted pass in other batches."""
     cfg = setup.cfg
     try:
-        path, saved = load_latest(cfg.run_dir)
+        path, saved = load_latest(cfg.run_dir, with_tensors=False)
     except CheckpointError as e:
         sys.exit(f"cannot resume: {e}")
     if saved is None:
@@ -169,9 +170,8 @@ def resume(setup: TrainingSetup, data: TrainingData, proc: Process) -> tuple[int
             except ValueError as e:
                 sys.exit(str(e))
         return 0, 0.0
-    ckpt = Checkpoint.from_dict(saved)
-    setup.model.load_state_dict(ckpt.model)
-    setup.optimizer.load_state_dict(ckpt.optimizer)
+    load_training_state(setup.model, setup.optimizer, path, saved)
+    ckpt = Checkpoint.from_dict(saved | {"model": None})  # meta.pt: the tensors are loaded
     setup.scheduler.load_state_dict(ckpt.scheduler)
     setup.scaler.load_state_dict(ckpt.scaler)
     saved_world = len(ckpt.sampler)
@@ -193,38 +193,34 @@ def resume(setup: TrainingSetup, data: TrainingData, proc: Process) -> tuple[int
     return ckpt.step, ckpt.flops
 
 
-def save(setup: TrainingSetup, data: TrainingData, step: int, flops: float, consumed: int, proc: Process) -> None:
-    """Every rank writes its share of the weights and optimizer state at once (aed/checkpoint.py);
-    rank 0 adds the gathered sampler and RNG states and publishes the checkpoint once every shard
-    is written. consumed: batches trained on, of those the DataLoader took (it prefetches): the
-    sampler rewinds by the difference. Also checks that DDP kept the ranks' parameters identical
-    (a desync would otherwise go unnoticed)."""
+def save(writer: CheckpointWriter, setup: TrainingSetup, data: TrainingData, step: int, flops: float, consumed: int,
+         proc: Process) -> None:
+    """Every rank writes its part of the weights and optimizer state (aed/checkpoint.py, DCP); rank
+    0 adds the gathered sampler and RNG states. consumed: batches trained on, of those the
+    DataLoader took (it prefetches): the sampler rewinds by the difference. Under DDP, also checks
+    that the ranks' parameters are identical (a desync would otherwise go unnoticed)."""
     cfg, model = setup.cfg, setup.model
     t0 = time.time()
-    checksum = sum(p.detach().double().sum().item() for p in model.parameters())
+    sharded = cfg.train.strategy == "fsdp" and proc.world_size > 1
+    checksum = None if sharded else sum(p.detach().double().sum().item() for p in model.parameters())
     states = gather_objects({"checksum": checksum, "rng": rng_state(proc.device),
                              "sampler": data.sampler.state_dict(rewind=data.counter.taken - consumed)})
-    ckpt = Checkpoint(model_config=dataclasses.asdict(cfg.model), model=model.state_dict(),
-                      features=dataclasses.asdict(cfg.features), tokenizer=pack_dir(cfg.train.tokenizer),
-                      max_train_duration=data.bins.durations[-1],  # infer.py's chunk length
-                      new_tokens=setup.added_tokens,  # a later run can still train only them
-                      step=step, flops=flops, optimizer=setup.optimizer.state_dict(),
-                      scheduler=setup.scheduler.state_dict(), scaler=setup.scaler.state_dict(),
-                      sampler=states and [s["sampler"] for s in states], rng=states and [s["rng"] for s in states],
-                      config=to_dict(cfg))
-    path = checkpoint_dir(cfg.run_dir, step)
+    share_rank0_buffers(model)
+    state = training_tensors(model, setup.optimizer)
     if proc.master:
         checksums = [s["checksum"] for s in states]
         if len(set(checksums)) > 1:
             raise RuntimeError(f"step {step}: ranks disagree on parameters (checksums {checksums})")
-        begin_checkpoint(path)
-    barrier()  # the directory exists before anyone writes into it
-    written = torch.tensor(float(write_shard(ckpt.to_dict(), path, proc.rank, proc.world_size)), device=proc.device)
-    written = all_reduce(written).item()  # returns once every rank has written its shard
-    if proc.master:
-        publish_checkpoint(path, cfg.run_dir, step, cfg.keep_last)
-    log.info("saved %s: %.2f GB in %.1f s (parameter checksum %.6e, equal on %d rank(s))",
-             path, written / 1e9, time.time() - t0, checksum, proc.world_size)
+        state = Checkpoint(model_config=dataclasses.asdict(cfg.model), features=dataclasses.asdict(cfg.features),
+                           tokenizer=pack_dir(cfg.train.tokenizer),
+                           max_train_duration=data.bins.durations[-1],  # infer.py's chunk length
+                           new_tokens=setup.added_tokens,  # a later run can still train only them
+                           step=step, flops=flops, scheduler=setup.scheduler.state_dict(),
+                           scaler=setup.scaler.state_dict(), sampler=[s["sampler"] for s in states],
+                           rng=[s["rng"] for s in states], config=to_dict(cfg), **state).to_dict()
+    path = writer.save(state, step)
+    log.info("%s %s in %.1f s%s", "saving" if writer.pending else "saved", path, time.time() - t0,
+             "" if sharded else f" (parameter checksum {checksum:.6e}, equal on {proc.world_size} rank(s))")
 
 
 # --- the loop's helpers -----------------------------------------------------------------------
@@ -248,8 +244,9 @@ def stop_requested(received: list, device: torch.device) -> bool:
 def validate(setup: TrainingSetup, val_names: dict, proc: Process, unreadable: UnreadableAudio,
              run_log: RunLog, step: int) -> None:
     t0 = time.time()
+    model = full_copy(setup.model, lambda: setup.objective.build(setup.cfg, setup.tokenizer.vocab_size))
     # train.skip_invalid is one switch for all of a run's manifests, validation's included
-    res = evaluate(setup, val_names, proc.rank, proc.world_size, setup.cfg.train.skip_invalid, unreadable)
+    res = evaluate(setup, model, val_names, proc.rank, proc.world_size, setup.cfg.train.skip_invalid, unreadable)
     run_log.write({f"val/{k}": v for k, v in res.items()} | {"val/seconds": time.time() - t0}, step)
     for k, v in res.items():
         if isinstance(v, list):
@@ -270,16 +267,16 @@ def main(argv: list[str] | None = None) -> None:
     setup, data = build(cfg, proc)
     cfg, model, device = setup.cfg, setup.model, proc.device
 
-    # --- resume (or initialise from init_from), check memory, wrap
+    # --- resume (or initialise from init_from), check memory, wrap for DDP (FSDP is built sharded)
     step, flops = resume(setup, data, proc)
     if cfg.memory_budget:
         check_memory(setup, data, proc)
-    ddp_model = DDP(model) if proc.world_size > 1 else model
-    fwd_model = torch.compile(ddp_model) if cfg.compile else ddp_model
-    no_sync = ddp_model.no_sync if proc.world_size > 1 else None
+    parallel_model, no_sync = wrap(model, proc.world_size)
+    fwd_model = torch.compile(parallel_model) if cfg.compile else parallel_model
 
     # --- training loop
     received = catch_stop_signals()
+    writer = CheckpointWriter(cfg.run_dir, cfg.keep_last, proc.rank, cfg.async_checkpoint, proc.world_size > 1)
     run_log = RunLog(cfg.run_dir, proc.master, resumed_step=step)
     unreadable = UnreadableAudio()
     peak = matmul_peak(device, setup.precision)  # per device: MFU is FLOP/s per rank over this
@@ -339,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
                 validate(setup, val_names, proc, unreadable, run_log, step)
             stop = stop_requested(received, device)
         if stop or step % cfg.ckpt_every == 0 or last:
-            save(setup, data, step, progress.total_flops, consumed, proc)
+            save(writer, setup, data, step, progress.total_flops, consumed, proc)
             stop = stop or stop_requested(received, device)
         if progress.budget_spent():
             log.info("FLOP budget spent at step %d: %.4g of %.4g FLOPs", step, progress.total_flops, cfg.budget_flops)
@@ -348,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
             break
 
     # --- clean up
+    writer.finish()  # the last checkpoint is complete before the process ends
     run_log.close()
     cleanup()
 

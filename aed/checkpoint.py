@@ -1,21 +1,21 @@
-"""Checkpoints: sharded per rank, published by a completion marker, newest-valid lookup, and
-loading a model for inference.
+"""Checkpoints: written through torch.distributed.checkpoint (DCP), published by a completion
+marker, newest-valid lookup, and loading a model for inference.
 
 A checkpoint holds a `Checkpoint`: self-contained, so `infer.py` needs nothing else, and for a
-training run everything resuming needs. On disk it is a plain dict of those fields.
-
-train.py writes it as a directory, so that no single process serialises a 1B model's ~12 GB of
-weights and AdamW moments (README, "Checkpoints at scale"):
+training run everything resuming needs. train.py writes it as a directory:
 
     ckpt-00001000/
-        shard-000-of-004.pt ... shard-003-of-004.pt   rank r: its share of the model and optimizer tensors
-        meta.pt                                       everything else (rank 0), tensors as their shard keys
-        COMPLETE                                      written last, once every shard is in place
+        .metadata, __0_0.distcp ...   DCP: the model and optimizer tensors, each rank writing its part
+        meta.pt                       everything else (rank 0): config, tokenizer, schedule, sampler and RNG states
+        COMPLETE                      written last, once every rank's part is in place
 
-Every rank holds the same (DDP) weights, so each writes a different 1/world_size of them, all
-at once. A directory without COMPLETE (a job killed mid-save) is not a checkpoint. Readers map
-the shards into memory (`torch.load(mmap=True)`), so loading costs no private copy per rank and
-works for any world size. A single `torch.save` file (tools/convert_nemo.py, older runs) reads too.
+Under DDP every rank holds the same weights and DCP spreads their writing over the ranks; under
+FSDP each rank writes its own shards. Either way the tensors are saved under their parameter
+names, so a checkpoint resumes on any world size and under either strategy, and `read_checkpoint`
+reads one in a single process with no distributed world (inference, init_from). `async_save`
+lets training continue while the files are written. A directory without COMPLETE (a job killed
+mid-save) is not a checkpoint. Also read: the per-rank `shard-*.pt` directories of earlier aed
+versions, and single `torch.save` files (tools/convert_nemo.py, older runs).
 """
 
 import glob
@@ -25,12 +25,21 @@ import random
 import re
 import shutil
 import tempfile
+import warnings
+from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, field, fields
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+# What torch's own dcp_to_torch_save uses to read a checkpoint whole without knowing its tensors first.
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from aed.audio import FeatureConfig
+from aed.distributed import barrier, is_distributed
 from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
 
@@ -98,41 +107,12 @@ class CheckpointError(RuntimeError):
 
 # --- writing --------------------------------------------------------------------------------------
 
-
-def sharded_tensors(state: dict) -> dict[str, torch.Tensor]:
-    """The tensors that are split over the shards, by key: the model's and the optimizer's
-    per-parameter state (the bulk of a checkpoint); the rest stays in meta.pt."""
-    out = {f"model/{k}": v for k, v in state.get("model", {}).items()}
-    for pid, param_state in state.get("optimizer", {}).get("state", {}).items():
-        out |= {f"optimizer/{pid}/{k}": v for k, v in param_state.items() if isinstance(v, torch.Tensor)}
-    return out
-
-
-def shard_of(tensors: dict[str, torch.Tensor], world_size: int) -> dict[str, int]:
-    """Key -> writing rank: largest tensors first, each to the rank with the fewest bytes so far.
-    A function of names and sizes only, so every rank computes the same split on its own."""
-    load, owner = [0] * world_size, {}
-    for key in sorted(tensors, key=lambda k: (-tensors[k].nbytes, k)):
-        r = min(range(world_size), key=load.__getitem__)
-        owner[key] = r
-        load[r] += tensors[key].nbytes
-    return owner
-
-
-def shard_name(rank: int, world_size: int) -> str:
-    return f"shard-{rank:03d}-of-{world_size:03d}.pt"
+TENSORS = ("model", "optimizer")  # the Checkpoint fields written through DCP; the rest goes to meta.pt
 
 
 def atomic_save(obj, path: str) -> None:
-    """torch.save through a temp file + rename: `path` is either absent or complete. Without the
-    zip records' CRC32s: computing them cut the speed of a CPU-bound write 3-5x on our 2-core
-    machine (0.2-0.5 vs 1.3-1.5 GB/s into the page cache); a truncated file still fails to load."""
-    crc = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        torch.save(obj, path + ".tmp")
-    finally:
-        torch.serialization.set_crc32_options(crc)
+    """torch.save through a temp file + rename: `path` is either absent or complete."""
+    torch.save(obj, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
@@ -142,7 +122,7 @@ def checkpoint_dir(run_dir: str, step: int) -> str:
 
 def begin_checkpoint(path: str) -> None:
     """Rank 0, before any rank writes: an empty directory. One left at this step by an earlier,
-    rolled-back attempt is removed first, so its marker or shards cannot mix with the new ones."""
+    rolled-back attempt is removed first, so its marker or files cannot mix with the new ones."""
     if os.path.lexists(path):
         remove(path)
     os.makedirs(path)
@@ -156,26 +136,37 @@ def remove(path: str) -> None:
         os.remove(path)
 
 
-def write_shard(state: dict, path: str, rank: int, world_size: int) -> int:
-    """Every rank: write its shard of `state`'s model and optimizer tensors into the checkpoint
-    directory `path`; rank 0 also writes meta.pt, `state` without those tensors (which only rank
-    0 needs to hold in full: the gathered sampler and RNG states). Returns the bytes written."""
-    tensors = sharded_tensors(state)
-    owner = shard_of(tensors, world_size)
-    mine = {k: v.detach().cpu() for k, v in tensors.items() if owner[k] == rank}
-    atomic_save(mine, os.path.join(path, shard_name(rank, world_size)))
-    if rank == 0:
-        meta = dict(state, shards=world_size, model=list(state.get("model", {})))  # model: its key order
-        if "state" in state.get("optimizer", {}):
-            per_param = state["optimizer"]["state"]
-            meta["optimizer"] = dict(state["optimizer"], state={
-                pid: {k: v for k, v in ps.items() if not isinstance(v, torch.Tensor)} for pid, ps in per_param.items()})
-        atomic_save(meta, os.path.join(path, "meta.pt"))
-    return sum(v.nbytes for v in mine.values())
+def write_meta(state: dict, path: str) -> None:
+    """Rank 0: everything of `state` but its tensors (TENSORS), into meta.pt."""
+    atomic_save({k: v for k, v in state.items() if k not in TENSORS}, os.path.join(path, "meta.pt"))
+
+
+def write_tensors(state: dict, path: str, asynchronous: bool = False, process_group=None):
+    """Every rank: the TENSORS entries of `state` (model and optimizer state dicts, plain tensors
+    or FSDP's DTensors) into the directory `path`, through DCP. Returns None once written, or with
+    `asynchronous` a future that completes when they are: the call returns once the tensors are
+    copied, and a background thread writes them (over `process_group`, which must not be the
+    training's: the loop keeps using that one meanwhile)."""
+    tensors = {k: state[k] for k in TENSORS if k in state}
+    single = not is_distributed()
+    with quiet_single_process():
+        if not asynchronous:
+            dcp.save(tensors, checkpoint_id=path, process_group=process_group, no_dist=single)
+            return None
+        return dcp.async_save(tensors, checkpoint_id=path, process_group=process_group, no_dist=single)
+
+
+@contextmanager
+def quiet_single_process():
+    """DCP warns that it assumes a single process whenever no process group exists, even when told
+    so (no_dist): for tools, tests and inference that is the normal case, not news."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def publish_checkpoint(path: str, run_dir: str, step: int, keep_last: int) -> None:
-    """Rank 0, after every rank's write_shard returned: the completion marker, then the cleanup.
+    """Rank 0, once every rank's part is written: the completion marker, then the cleanup.
     Older checkpoints beyond the newest `keep_last` complete ones are deleted, and older
     incomplete ones; those numbered above `step` (left by a run rolled back past an unreadable
     checkpoint) are neither deleted nor counted, so the one just written always survives."""
@@ -189,12 +180,80 @@ def publish_checkpoint(path: str, run_dir: str, step: int, keep_last: int) -> No
 
 
 def save_checkpoint(state: dict, run_dir: str, step: int, keep_last: int) -> str:
-    """A checkpoint written by one process (a world of one): begin, write, publish."""
+    """A checkpoint written by one process (tools, tests): begin, write, publish."""
     path = checkpoint_dir(run_dir, step)
     begin_checkpoint(path)
-    write_shard(state, path, 0, 1)
+    write_meta(state, path)
+    write_tensors(state, path)
     publish_checkpoint(path, run_dir, step, keep_last)
     return path
+
+
+class CheckpointWriter:
+    """A training run's checkpoints, written on every rank at once and, with `asynchronous`, in
+    the background: `save` returns once the tensors are copied, and the checkpoint is published
+    (COMPLETE) at the next `save` or at `finish`, after its files are all written. Only rank 0
+    publishes; DCP's coordinator (rank 0) returns only once every rank's part is in place."""
+
+    def __init__(self, run_dir: str, keep_last: int, rank: int, asynchronous: bool, distributed: bool):
+        self.run_dir, self.keep_last, self.rank, self.asynchronous = run_dir, keep_last, rank, asynchronous
+        self.pending = None  # (future, path, step) of a checkpoint still being written
+        # Background writes talk over their own process group: the training's is busy with steps.
+        self.group = dist.new_group(backend="gloo") if asynchronous and distributed else None
+
+    def save(self, state: dict, step: int) -> str:
+        """`state`: a Checkpoint's dict on rank 0; on the other ranks only its TENSORS entries."""
+        self.finish()
+        path = checkpoint_dir(self.run_dir, step)
+        if self.rank == 0:
+            begin_checkpoint(path)
+            write_meta(state, path)
+        barrier()  # the directory exists before anyone writes into it
+        future = write_tensors(state, path, self.asynchronous, self.group)
+        if future is None:
+            self._publish(path, step)
+        else:
+            self.pending = (future, path, step)
+        return path
+
+    def finish(self) -> None:
+        """Wait for the checkpoint being written, then publish it."""
+        if self.pending is not None:
+            future, path, step = self.pending
+            self.pending = None
+            future.result()
+            self._publish(path, step)
+
+    def _publish(self, path: str, step: int) -> None:
+        if self.rank == 0:
+            publish_checkpoint(path, self.run_dir, step, self.keep_last)
+
+
+def training_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """{"model", "optimizer"} keyed by parameter name, as DCP saves them: whole tensors under DDP,
+    this rank's shards (DTensors) under FSDP. The same keys under both strategies, so either one
+    resumes the other. A fresh optimizer gets its (zero) state first, as DCP's loader needs it."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str, ckpt: dict) -> None:
+    """The weights and optimizer state of the checkpoint at `path` into this run's `model` and
+    `optimizer`, resharded to its world size and strategy. ckpt: the checkpoint as
+    `read_checkpoint(path, with_tensors=False)` gave it."""
+    if "model" in ckpt:  # written before DCP: whole tensors, the optimizer's state by parameter index
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        old = ckpt["optimizer"]
+        by_name = {"state": {order[i]: state for i, state in old["state"].items()},
+                   "param_groups": [dict(g, params=[order[i] for i in g["params"]]) for g in old["param_groups"]]}
+        set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=by_name,
+                       options=StateDictOptions(full_state_dict=True))
+        return
+    state = training_tensors(model, optimizer)
+    with quiet_single_process():
+        dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 # --- reading --------------------------------------------------------------------------------------
@@ -220,32 +279,78 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(path) or os.path.isfile(os.path.join(path, COMPLETE))
 
 
-def read_checkpoint(path: str, required=INFERENCE_KEYS) -> dict:
+def read_checkpoint(path: str, required=INFERENCE_KEYS, with_tensors: bool = True) -> dict:
     """The checkpoint at `path` as one dict, with the `required` entries checked; CheckpointError
-    names the file at fault. Shard tensors are memory-mapped: pages are read when first used,
-    and shared with every other process that maps them."""
+    names the file at fault. Of a DCP directory, the TENSORS entries in `required` are read into
+    this process, whole (inference, init_from); with_tensors=False reads meta.pt alone (a training
+    run loads its tensors itself, sharded: `load_training_state`). Earlier aed directories
+    (`shard-*.pt`) come whole and memory-mapped either way: pages are read when first used."""
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, COMPLETE)):
             raise CheckpointError(f"{path}: incomplete (no {COMPLETE} marker: the job stopped while saving it)")
         ckpt = load_file(os.path.join(path, "meta.pt"), mmap=False)
-        if not isinstance(ckpt, dict) or not isinstance(ckpt.get("shards"), int):
+        if not isinstance(ckpt, dict):
             raise CheckpointError(f"{path}/meta.pt: not an aed checkpoint's meta.pt")
-        tensors = {}
-        for rank in range(ckpt["shards"]):
-            tensors |= load_file(os.path.join(path, shard_name(rank, ckpt["shards"])), mmap=True)
-        try:
-            ckpt["model"] = {k: tensors.pop(f"model/{k}") for k in ckpt.get("model", [])}
-        except KeyError as e:
-            raise CheckpointError(f"{path}: no shard holds {e.args[0]}") from None
-        for key, value in tensors.items():  # "optimizer/{param id}/{name}"
-            _, pid, name = key.split("/")
-            ckpt["optimizer"]["state"][int(pid)][name] = value
+        if isinstance(ckpt.get("shards"), int):
+            ckpt = with_rank_shards(ckpt, path)
+        else:
+            check_dcp_files(path)
+            if with_tensors:
+                ckpt |= read_dcp(path, [k for k in TENSORS if k in required])
+            else:
+                required = [k for k in required if k not in TENSORS]
     else:
         ckpt = load_file(path, mmap=False)
     missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"{path}: not a complete aed checkpoint (no {', '.join(missing)})")
     return ckpt
+
+
+def check_dcp_files(path: str) -> None:
+    """CheckpointError unless DCP's index is readable and every file it points into is there, at
+    least as long as the index says (a disk that filled up, a copy cut short)."""
+    try:
+        index = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - missing, truncated, not a DCP index
+        raise CheckpointError(f"{path}/.metadata: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+    ends = {}
+    for item in index.storage_data.values():
+        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+    for name, end in sorted(ends.items()):
+        size = os.path.getsize(os.path.join(path, name)) if os.path.isfile(os.path.join(path, name)) else None
+        if size is None or size < end:
+            raise CheckpointError(f"{path}/{name}: {'missing' if size is None else f'truncated ({size} of {end} bytes)'}")
+
+
+def read_dcp(path: str, keys: list[str]) -> dict:
+    """The `keys` entries of a DCP directory, whole, in this process (no distributed world needed):
+    tensors are allocated from DCP's own index."""
+    if not keys:
+        return {}
+    state = {}
+    try:
+        with quiet_single_process():
+            _load_state_dict(state, storage_reader=dcp.FileSystemReader(path),
+                             planner=_EmptyStateDictLoadPlanner(keys=set(keys)), no_dist=True)
+    except Exception as e:  # noqa: BLE001 - a missing or truncated .distcp file, a corrupt index
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+    return state
+
+
+def with_rank_shards(meta: dict, path: str) -> dict:
+    """An earlier aed directory: meta.pt names the tensors each `shard-<rank>-of-<n>.pt` holds."""
+    tensors = {}
+    for rank in range(meta["shards"]):
+        tensors |= load_file(os.path.join(path, f"shard-{rank:03d}-of-{meta['shards']:03d}.pt"), mmap=True)
+    try:
+        meta["model"] = {k: tensors.pop(f"model/{k}") for k in meta.get("model", [])}
+    except KeyError as e:
+        raise CheckpointError(f"{path}: no shard holds {e.args[0]}") from None
+    for key, value in tensors.items():  # "optimizer/{param id}/{name}"
+        _, pid, name = key.split("/")
+        meta["optimizer"]["state"][int(pid)][name] = value
+    return meta
 
 
 def load_file(path: str, mmap: bool):
@@ -255,8 +360,8 @@ def load_file(path: str, mmap: bool):
         raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
 
 
-def load_latest(run_dir: str, required=TRAINING_KEYS) -> tuple[str, dict] | tuple[None, None]:
-    """The newest valid checkpoint of `run_dir`, or (None, None) when it has none. An invalid one
+def load_latest(run_dir: str, required=TRAINING_KEYS, with_tensors: bool = True) -> tuple[str, dict] | tuple[None, None]:
+    """The newest valid checkpoint of `run_dir` (`read_checkpoint`), or (None, None) when it has none. An invalid one
     (interrupted, truncated by a full disk, written by something else) is logged by name and the
     next older one tried; when checkpoints exist but none is valid, CheckpointError: starting from
     scratch silently would throw a run away."""
@@ -264,7 +369,7 @@ def load_latest(run_dir: str, required=TRAINING_KEYS) -> tuple[str, dict] | tupl
     problems = []
     for path in reversed(paths):
         try:
-            ckpt = read_checkpoint(path, required)
+            ckpt = read_checkpoint(path, required, with_tensors)
         except CheckpointError as e:
             log.warning("skipping invalid checkpoint %s; trying an older one", e)
             problems.append(str(e))

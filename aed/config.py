@@ -22,6 +22,7 @@ from aed.decoding import DecodingOptions
 from aed.model import AEDConfig
 from aed.normalize import NORMALIZERS
 from aed.objectives import OBJECTIVES
+from aed.parallel import STRATEGIES
 from aed.ssl import SSLConfig
 
 
@@ -52,8 +53,12 @@ class DataConfig:
     buffer_overfill: float = 4.0  # read on up to this x the buffer for the bucket all ranks drew (1: the paper's)
     sync_buckets: bool = True  # same bucket on every rank each step (removes the tail-worker effect)
     num_workers: int = 2  # DataLoader workers decoding audio and computing features
+    strategy: str = "ddp"  # ddp: every rank holds the whole model and optimizer | fsdp: FSDP2 shards parameters, gradients and AdamW state over the ranks (aed/parallel.py)
+    reshard_after_forward: bool = True  # fsdp: free each layer's gathered parameters after its forward (less memory; false: one all-gather less per layer)
 
     def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"train.strategy: expected one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if self.allocation not in ("flexible", "strict"):
             raise ConfigError(f"train.allocation: expected flexible or strict, got {self.allocation!r}")
         if self.bin_method not in ("optimised", "equal"):
@@ -104,6 +109,7 @@ class TrainConfig:
     log_every: int = 10  # steps between progress lines
     ckpt_every: int = 1000  # steps between checkpoints (and at the end, and on SIGTERM/SIGUSR1)
     keep_last: int = 3  # checkpoints kept in run_dir
+    async_checkpoint: bool = True  # write checkpoints in the background: the loop waits only for the copy of the state (torch.distributed.checkpoint.async_save)
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
     compile: bool = False  # torch.compile the model (checkpoints still save the raw module)
     activation_checkpointing: bool = False  # recompute encoder layers in backward: less memory, ~30% slower
@@ -126,6 +132,10 @@ class TrainConfig:
             raise ConfigError(f"objective: expected one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.freeze not in FREEZE:
             raise ConfigError(f"freeze: expected one of {FREEZE}, got {self.freeze!r}")
+        if self.freeze == "all_but_new_tokens" and self.train.strategy == "fsdp":
+            raise ConfigError("freeze=all_but_new_tokens trains a few rows of three tensors through gradient hooks, "
+                              "which FSDP's sharded parameters do not run: use train.strategy=ddp (the frozen "
+                              "model needs no optimizer state for the rest)")
         if self.freeze == "all_but_new_tokens" and (self.objective != "aed" or not self.init_from
                                                     or self.init_encoder_only):
             raise ConfigError("freeze=all_but_new_tokens needs objective=aed, init_from=<the checkpoint "

@@ -127,9 +127,13 @@ class DecoderBlock(nn.Module):
         self.ffn = PositionWiseFF(d_model, ff_mult * d_model)
         self.dropout = nn.Dropout(dropout)  # NeMo: attn_layer_dropout and ffn_dropout, on each sublayer output
 
-    def forward(self, x, cross_k, cross_v, memory_mask, cache: KVCache | None = None, layer: int = 0):
+    def forward(self, x, cross_k, cross_v, memory_mask, cache: KVCache | None = None, layer: int = 0, memory=None):
         """x (B, U, D) -> (B, U, D). With a cache, x holds the positions after the cached ones and this
-        block's self-attention keys/values go to the cache as `layer`."""
+        block's self-attention keys/values go to the cache as `layer`. With `memory` (B, T', D) instead
+        of cross_k and cross_v, they are projected here: inside the block's own forward, where FSDP
+        has gathered its weights (training)."""
+        if memory is not None:
+            cross_k, cross_v = self.cross_attn.project_kv(memory)
         u = x.size(1)
         h = self.norm_self_attn(x)
         k, v = self.self_attn.project_kv(h)
@@ -220,7 +224,7 @@ class TransformerDecoder(nn.Module):
         memory_mask = self.memory_mask(memory_lens, memory.size(1))
         x = self.embedding(tokens)
         for layer in self.layers:
-            x = layer(x, *layer.cross_attn.project_kv(memory), memory_mask)
+            x = layer(x, None, None, memory_mask, memory=memory)
         return self.final_layer_norm(x)
 
     def forward_cached(self, tokens, cache: KVCache):

@@ -28,6 +28,10 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
 def peer_lost(e: BaseException) -> bool:
     """Whether `e` is a collective failing because another rank is gone (exited, killed, unreachable)
     rather than a fault of this rank: c10d's typed errors (NCCL), and gloo's TCP transport errors,

@@ -18,6 +18,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from aed.checkpoint import Checkpoint, CheckpointError, read_checkpoint
 from aed.config import OptimConfig, TrainConfig
@@ -175,7 +176,8 @@ def train_step(model: nn.Module, batches: list, optimizer, scaler, spec_augment,
     Each micro-batch's summed loss is scaled by world_size / num_targets, with num_targets the
     step's target count over all ranks and micro-batches: ranks and micro-batches of different
     2D shapes then weigh every token equally (DDP averages gradients over ranks, hence the
-    world_size). `no_sync` (DDP's) skips the gradient all-reduce of all but the last micro-batch.
+    world_size). `no_sync` (aed.parallel.wrap's) skips the gradient reduction of all but the last
+    micro-batch.
     A non-finite gradient norm skips the update; the caller counts such steps and steps the
     learning-rate schedule.
     """
@@ -203,7 +205,9 @@ def train_step(model: nn.Module, batches: list, optimizer, scaler, spec_augment,
         count += n
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-    updated = bool(torch.isfinite(grad_norm))  # DDP averaged the gradients: every rank agrees
+    if isinstance(grad_norm, DTensor):  # FSDP: the norm over every rank's shard, the same on all ranks
+        grad_norm = grad_norm.full_tensor()
+    updated = bool(torch.isfinite(grad_norm))  # gradients were averaged over the ranks: every rank agrees
     if updated:
         scaler.step(optimizer)
     scaler.update()

@@ -17,8 +17,10 @@ from torch import nn
 from aed.audio import SpecAugment
 from aed.config import TrainConfig, load_train_config, resolve_model
 from aed.dataclass_config import ConfigError
+from aed.distributed import world_size
 from aed.objectives import OBJECTIVES, Objective
 from aed.oomptimizer import bucket_shapes
+from aed.parallel import shard
 from aed.tokenizer import Tokenizer
 from aed.training import build_model, build_optimizer, lr_factor, new_tokens, resolve_precision, train_mode
 from bins import Bins
@@ -64,6 +66,8 @@ def build_training_setup(cfg: TrainConfig, device: torch.device, precision: str 
     model = build_model(cfg, tokenizer.vocab_size, added_tokens)
     if not simulated:
         model = model.to(device)
+    if cfg.train.strategy == "fsdp" and world_size() > 1:  # sharded before the optimizer sees the parameters
+        model = shard(model, torch.device(device), world_size(), precision, cfg.train.reshard_after_forward)
     train_mode(model, cfg.freeze)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.optim, cfg.max_steps))

@@ -1,7 +1,7 @@
 """Validation during training: the loss on every validation manifest, and for objectives that
 transcribe, WER per language and BLEU per translation pair.
 
-    results = evaluate(setup, {"dev": "data/mini/dev.jsonl"}, rank, world_size, skip_invalid, unreadable)
+    results = evaluate(setup, model, {"dev": "data/mini/dev.jsonl"}, rank, world_size, skip_invalid, unreadable)
 
 Each rank scores a slice of every manifest; losses are all-reduced and hypotheses gathered, so
 every metric is a corpus metric over the whole manifest.
@@ -23,14 +23,15 @@ log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def evaluate(setup, manifests: dict[str, str], rank: int, world_size: int, skip_invalid: bool,
+def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int, skip_invalid: bool,
              unreadable: UnreadableAudio) -> dict:
     """{name: path} -> {"name/loss": ..., "name/wer": ..., "name/examples": [lines], ...}.
 
-    setup: the run's aed.training_setup.TrainingSetup. Random draws in the model's forward (BEST-RQ's
+    setup: the run's aed.training_setup.TrainingSetup; model: its model, whole on every rank
+    (aed.parallel.full_copy: each rank decodes its own slice, for its own number of steps). Random draws in the model's forward (BEST-RQ's
     masks) come from a generator reseeded for every validation, so each one masks the same frames
     (losses of different steps compare) and training's random stream is left alone."""
-    cfg, model, objective, tokenizer = setup.cfg, setup.model, setup.objective, setup.tokenizer
+    cfg, objective, tokenizer = setup.cfg, setup.objective, setup.tokenizer
     device = next(model.parameters()).device
     model.eval()
     logmel, collate = LogMel(cfg.features).eval(), Collate(tokenizer.pad)

@@ -1,17 +1,22 @@
-"""Checkpoint save and load time at canary-1b scale: weights + AdamW moments, ~12 GB.
+"""Checkpoint save and load time at canary-1b scale: weights + AdamW moments, ~12 GB, through
+torch.distributed.checkpoint (DCP), as train.py writes them.
 
     python bench/checkpoint_bench.py --dir /tmp/ckpt_bench              # canary-1b, ~10 min, ~13 GB RAM
-    python bench/checkpoint_bench.py --dir /tmp/ckpt_bench --config configs/tiny.yaml   # a dry run
+    python bench/checkpoint_bench.py --dir /tmp/ckpt_bench --config configs/canary-180m-flash.yaml
 
 The model is built on the meta device, then materialised with random fp32 values, and AdamW's
 exp_avg / exp_avg_sq are built as its state dict (a real step would need 4 GB more for gradients).
 Measured, each from a fresh directory:
 
-  single     one torch.save of everything (the format before sharding): what rank 0 alone did
-  shards/W   aed.checkpoint.write_shard for W ranks, run in W threads, as W ranks on one node do
-  load       read_checkpoint (shards memory-mapped) + load_state_dict into the model, cold page cache
+  single      one torch.save of everything by one process: what a rank-0-only format costs
+  dcp/T       aed.checkpoint.write_tensors (DCP's save) with T writer threads: what the training
+              loop waits for with train.async_checkpoint=false (T=2: two ranks on one node write at once)
+  async       the same through DCP's async_save: "blocked" is when the training loop may go on
+              (the state is copied, which needs as much free RAM again), "written" when the
+              background thread has finished; skipped, and said so, when that copy does not fit
+  load        read_checkpoint's model (what infer.py loads) into the model, cold page cache
 
-"written" is when torch.save returned (the data is in the page cache: it survives the job being
+"written" is when the call returned (the data is in the page cache: it survives the job being
 killed, not the machine crashing), "on disk" adds os.sync(). Disk and CPU are shared with other
 jobs: timings are noisy. The last line is a JSON object.
 """
@@ -21,20 +26,22 @@ import json
 import os
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from aed.checkpoint import begin_checkpoint, publish_checkpoint, read_checkpoint, write_shard  # noqa: E402
+from aed.checkpoint import (begin_checkpoint, publish_checkpoint, quiet_single_process, read_checkpoint,  # noqa: E402
+                            training_tensors, write_meta)
 from aed.config import OptimConfig  # noqa: E402
 from aed.model import AED, AEDConfig  # noqa: E402
 from aed.training import build_optimizer  # noqa: E402
 
+
 def training_state(config: str) -> tuple[AED, dict]:
-    """A model with random weights and an AdamW state dict of the right shapes (after one step)."""
+    """A model with random weights and {"model", "optimizer"} state dicts of the right shapes (AdamW after one step)."""
     cfg = AEDConfig.from_yaml(config)  # with Canary's vocabulary: 1,017,825,408 parameters for canary-1b
     with torch.device("meta"):
         model = AED(cfg)
@@ -43,12 +50,10 @@ def training_state(config: str) -> tuple[AED, dict]:
         for p in model.parameters():
             p.uniform_(-0.05, 0.05)
     optimizer = build_optimizer(model, OptimConfig())
-    ids = {id(p): i for i, p in enumerate(q for g in optimizer.param_groups for q in g["params"])}
-    moments = {ids[id(p)]: {"step": torch.tensor(1.0), "exp_avg": torch.rand_like(p) * 1e-3,
-                            "exp_avg_sq": torch.rand_like(p) * 1e-6} for p in model.parameters()}
-    state = optimizer.state_dict()
-    state["state"] = moments
-    return model, {"model": model.state_dict(), "optimizer": state, "step": 1}
+    for p in model.parameters():
+        optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.rand_like(p) * 1e-3,
+                              "exp_avg_sq": torch.rand_like(p) * 1e-6}
+    return model, training_tensors(model, optimizer)  # what train.py hands to DCP
 
 
 def timed(fn) -> tuple[float, float]:
@@ -59,14 +64,18 @@ def timed(fn) -> tuple[float, float]:
     return written, time.perf_counter() - t0
 
 
-def save_sharded(state: dict, path: str, world_size: int) -> None:
+def save_dcp(state: dict, path: str, threads: int) -> None:
+    """write_tensors' DCP save, with `threads` writer threads in this one process."""
     begin_checkpoint(path)
-    threads = [threading.Thread(target=write_shard, args=(state, path, r, world_size)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    write_meta({"step": 1}, path)
+    with quiet_single_process():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=threads), no_dist=True)
     publish_checkpoint(path, os.path.dirname(path), 1, keep_last=1)
+
+
+def available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
 
 
 def drop_page_cache() -> bool:
@@ -83,14 +92,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/canary-1b.yaml")
     p.add_argument("--dir", required=True, help="scratch directory on the disk to measure (emptied)")
-    p.add_argument("--world-sizes", default="1,2", help="shard writer counts to time")
+    p.add_argument("--threads", default="1,2", help="DCP writer thread counts to time")
     args = p.parse_args()
     torch.set_num_threads(1)
 
     t0 = time.perf_counter()
     model, state = training_state(args.config)
     gb = sum(v.nbytes for v in state["model"].values()) / 1e9
-    gb += sum(t.nbytes for s in state["optimizer"]["state"].values() for t in s.values()) / 1e9
+    gb += sum(t.nbytes for s in state["optimizer"]["state"].values() for t in s.values() if t.dim()) / 1e9
     n = sum(p.numel() for p in model.parameters())
     print(f"{args.config}: {n:,} parameters, {gb:.2f} GB with AdamW state (built in {time.perf_counter() - t0:.0f} s)")
     results = {"config": args.config, "parameters": n, "gb": round(gb, 2)}
@@ -103,22 +112,36 @@ def main() -> None:
     print(f"single torch.save: written {written:.1f} s, on disk {synced:.1f} s ({gb / synced:.2f} GB/s)")
     results["single"] = {"written_s": round(written, 1), "on_disk_s": round(synced, 1)}
 
-    for w in map(int, args.world_sizes.split(",")):
+    for w in map(int, args.threads.split(",")):
         path = os.path.join(args.dir, f"ckpt-{w:08d}")
-        written, synced = timed(lambda: save_sharded(state, path, w))
-        print(f"shards/{w}: written {written:.1f} s, on disk {synced:.1f} s ({gb / synced:.2f} GB/s)")
-        results[f"shards/{w}"] = {"written_s": round(written, 1), "on_disk_s": round(synced, 1)}
+        written, synced = timed(lambda: save_dcp(state, path, w))
+        print(f"dcp/{w}: written {written:.1f} s, on disk {synced:.1f} s ({gb / synced:.2f} GB/s)")
+        results[f"dcp/{w}"] = {"written_s": round(written, 1), "on_disk_s": round(synced, 1)}
+
+    if available_bytes() > 1.2 * gb * 1e9:  # async_save copies the whole state first
+        path = os.path.join(args.dir, "ckpt-async")
+        begin_checkpoint(path)
+        t0 = time.perf_counter()
+        with quiet_single_process():
+            future = dcp.async_save(state, checkpoint_id=path, no_dist=True)
+        blocked = time.perf_counter() - t0
+        future.result()
+        written = time.perf_counter() - t0
+        print(f"async: training blocked {blocked:.1f} s, written after {written:.1f} s")
+        results["async"] = {"blocked_s": round(blocked, 1), "written_s": round(written, 1)}
+    else:
+        print(f"async: skipped, its copy of the {gb:.1f} GB state does not fit the {available_bytes() / 1e9:.1f} GB "
+              f"of RAM left")
+        results["async"] = None
 
     cold = drop_page_cache()
     t0 = time.perf_counter()
-    ckpt = read_checkpoint(path, ("model", "optimizer"))
-    mapped = time.perf_counter() - t0
+    ckpt = read_checkpoint(os.path.join(args.dir, f"ckpt-{w:08d}"), ("model",))
+    read = time.perf_counter() - t0
     model.load_state_dict(ckpt["model"])
     loaded = time.perf_counter() - t0
-    touched = sum(float(s["exp_avg"][0].sum()) for s in ckpt["optimizer"]["state"].values())  # one page each
-    print(f"load ({'cold' if cold else 'warm'} page cache): shards mapped in {mapped:.1f} s, weights copied into "
-          f"the model after {loaded:.1f} s; optimizer moments stay mapped until used ({touched:.1f})")
-    results["load"] = {"mapped_s": round(mapped, 1), "weights_loaded_s": round(loaded, 1), "cold_cache": cold}
+    print(f"load ({'cold' if cold else 'warm'} page cache): weights read in {read:.1f} s, in the model after {loaded:.1f} s")
+    results["load"] = {"read_s": round(read, 1), "weights_loaded_s": round(loaded, 1), "cold_cache": cold}
     with open("/proc/self/status") as f:
         peak = next(line.split()[1] for line in f if line.startswith("VmHWM"))
     results["peak_rss_gb"] = round(int(peak) / 1e6, 2)

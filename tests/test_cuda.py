@@ -1,7 +1,7 @@
 """The CUDA paths, for the first machine with a GPU: `make gpu-check` (skipped without one).
 
 Each test runs one path end to end that the CPU suite cannot: a bf16 training step, DDP over
-NCCL, an OOM search against real out-of-memory errors, bf16 batched inference, a checkpoint
+NCCL, FSDP in bf16, an OOM search against real out-of-memory errors, bf16 batched inference, a checkpoint
 written on the GPU read on the CPU, and a converted NeMo model giving the same answers on both.
 """
 
@@ -85,6 +85,46 @@ def test_ddp_over_nccl_all_reduces_gradients(tmp_path):
         "dist.destroy_process_group()\n")
     p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script)])
     assert "nccl ok nccl" in p.stdout
+
+
+def test_fsdp_over_nccl_computes_in_bf16_and_keeps_fp32_shards(tmp_path):
+    """aed.parallel.shard's CUDA policy: bf16 parameters and compute, fp32 gradient reduction and
+    fp32 sharded master weights that the step updates (a world of one: one GPU is enough)."""
+    script = tmp_path / "fsdp.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "from torch.distributed.tensor import DTensor\n"
+        "from aed.model import AED, AEDConfig\n"
+        "from aed.parallel import shard\n"
+        "dist.init_process_group('nccl')\n"
+        "torch.cuda.set_device(0)\n"
+        f"model = shard(AED(AEDConfig(**{dataclasses.asdict(CFG)!r})).cuda(), torch.device('cuda', 0), 1, 'bf16')\n"
+        "assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in model.parameters())\n"
+        "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)\n"
+        "before = [p.detach().full_tensor().clone() for p in model.parameters()]\n"
+        "feats, lens = torch.randn(2, 200, 80, device='cuda'), torch.tensor([200, 150], device='cuda')\n"
+        "enc, _ = model.encoder(feats, lens)\n"
+        "assert enc.dtype == torch.bfloat16, enc.dtype\n"
+        "tokens = torch.randint(2, 528, (2, 8), device='cuda')\n"
+        "loss, n = model(feats, lens, tokens, torch.tensor([8, 6], device='cuda'), torch.tensor([2, 2], device='cuda'))\n"
+        "loss.backward()\n"
+        "assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)\n"
+        "optimizer.step()\n"
+        "assert any(not torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters()))\n"
+        "print('fsdp ok')\n"
+        "dist.destroy_process_group()\n")
+    p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script)])
+    assert "fsdp ok" in p.stdout
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: FSDP shards over the ranks")
+def test_train_py_fsdp_over_nccl_in_bf16_then_infer_reads_it_on_cpu(tmp_path):
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+         "configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=3", "ckpt_every=3", "precision=bf16",
+         "train.strategy=fsdp"])
+    asr = load_asr(str(tmp_path), device="cpu")
+    results, _ = transcribe(asr, [str(MINI / "examples" / "en_asr_16k.wav")], DecodingOptions(max_new_tokens=5))
+    assert results[0].error is None
 
 
 def test_oom_search_bisects_on_real_out_of_memory_errors(caplog):

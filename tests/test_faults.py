@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from aed.audio import FeatureConfig
-from aed.checkpoint import (CheckpointError, TRAINING_KEYS, begin_checkpoint, list_checkpoints, load_latest, pack_dir,
-                            read_checkpoint, save_checkpoint, write_shard)
+from aed.checkpoint import (CheckpointError, TRAINING_KEYS, begin_checkpoint, list_checkpoints, load_latest,
+                            load_training_state, pack_dir, read_checkpoint, save_checkpoint, write_meta)
 from aed.data import Utterance, check_audio
 from aed.inference import load_asr
 from aed.model import AED, AEDConfig
@@ -27,7 +27,9 @@ MINI_TOKENIZER = os.path.join(ROOT, "data", "mini", "tokenizer")
 
 
 def fake_state(step: int) -> dict:
-    return {k: {} for k in TRAINING_KEYS} | {"step": step}
+    return {k: {} for k in TRAINING_KEYS} | {"step": step, "model": {"w": torch.full((4,), float(step))},
+                                              "optimizer": {"state": {"w": {"exp_avg": torch.zeros(4)}},
+                                                            "param_groups": [{"lr": 0.1, "params": ["w"]}]}}
 
 
 def truncate(path) -> None:
@@ -36,8 +38,9 @@ def truncate(path) -> None:
         f.write(data[: len(data) // 2])
 
 
-def shard(run_dir, step: int, rank: int = 0, world_size: int = 1):
-    return run_dir / f"ckpt-{step:08d}" / f"shard-{rank:03d}-of-{world_size:03d}.pt"
+def tensors_file(run_dir, step: int, rank: int = 0):
+    """Where rank `rank` of a DCP checkpoint writes its tensors."""
+    return run_dir / f"ckpt-{step:08d}" / f"__{rank}_0.distcp"
 
 
 def test_cleanup_keeps_the_checkpoint_it_just_saved_beside_a_corrupt_newer_one(tmp_path):
@@ -54,28 +57,30 @@ def test_cleanup_keeps_the_checkpoint_it_just_saved_beside_a_corrupt_newer_one(t
 def test_newest_valid_checkpoint_is_found_and_the_bad_ones_named(tmp_path, caplog):
     for step in (1, 2):
         save_checkpoint(fake_state(step), tmp_path, step, keep_last=5)
-    truncate(shard(tmp_path, 2))
+    truncate(tensors_file(tmp_path, 2))
     torch.save({"step": 3}, tmp_path / "ckpt-00000003.pt")  # loads, but is not a training checkpoint
-    begin_checkpoint(tmp_path / "ckpt-00000004")  # killed while rank 1 of 2 was still writing
-    write_shard(fake_state(4), tmp_path / "ckpt-00000004", 0, 2)
-    path, ckpt = load_latest(tmp_path)
-    assert ckpt["step"] == 1
-    assert "ckpt-00000004: incomplete (no COMPLETE marker" in caplog.text
-    assert "ckpt-00000003.pt: not a complete aed checkpoint" in caplog.text
-    assert "ckpt-00000002/shard-000-of-001.pt: unreadable" in caplog.text
+    begin_checkpoint(tmp_path / "ckpt-00000004")  # killed while the ranks were still writing their tensors
+    write_meta(fake_state(4), tmp_path / "ckpt-00000004")
+    for with_tensors in (True, False):  # inference reads the tensors; training checks them, then loads its shards
+        caplog.clear()
+        path, ckpt = load_latest(tmp_path, with_tensors=with_tensors)
+        assert ckpt["step"] == 1
+        assert "ckpt-00000004: incomplete (no COMPLETE marker" in caplog.text
+        assert "ckpt-00000003.pt: not a complete aed checkpoint" in caplog.text
+        assert "ckpt-00000002/__0_0.distcp: truncated" in caplog.text
 
 
 def test_run_dir_whose_only_checkpoint_is_corrupt_has_none_to_resume_from(tmp_path):
     save_checkpoint(fake_state(5), tmp_path, 5, keep_last=1)
-    truncate(shard(tmp_path, 5))
-    with pytest.raises(CheckpointError, match="(?s)ckpt-00000005/shard-000-of-001.pt: unreadable.*move them away"):
+    truncate(tensors_file(tmp_path, 5))
+    with pytest.raises(CheckpointError, match="(?s)ckpt-00000005/__0_0.distcp: truncated.*move them away"):
         load_latest(tmp_path)
 
 
 @pytest.mark.slow
 def test_train_py_does_not_restart_a_run_whose_checkpoints_are_all_corrupt(tmp_path):
     save_checkpoint(fake_state(5), tmp_path, 5, keep_last=1)
-    truncate(shard(tmp_path, 5))
+    truncate(tensors_file(tmp_path, 5))
     p = run_train(tmp_path, "max_steps=2", check=False)
     assert p.returncode != 0 and "cannot resume" in p.stderr and "ckpt-00000005" in p.stderr
     assert not os.path.exists(tmp_path / "metrics.jsonl")  # no step was trained
@@ -103,10 +108,10 @@ def test_inference_on_a_run_dir_falls_back_past_a_truncated_newest_checkpoint(tm
     state = tiny_inference_state()
     save_checkpoint(state, tmp_path, 1, keep_last=2)
     save_checkpoint(state, tmp_path, 2, keep_last=2)
-    truncate(shard(tmp_path, 2))
+    truncate(tensors_file(tmp_path, 2))
     asr = load_asr(str(tmp_path))
-    assert asr.path.endswith("ckpt-00000001") and "ckpt-00000002/shard-000-of-001.pt: unreadable" in caplog.text
-    with pytest.raises(CheckpointError, match="ckpt-00000002/shard-000-of-001.pt: unreadable"):
+    assert asr.path.endswith("ckpt-00000001") and "ckpt-00000002/__0_0.distcp: truncated" in caplog.text
+    with pytest.raises(CheckpointError, match="ckpt-00000002/__0_0.distcp: truncated"):
         load_asr(str(tmp_path / "ckpt-00000002"))  # a checkpoint named explicitly: no substitute
 
 
@@ -279,27 +284,53 @@ def test_a_streamed_source_cannot_be_regrouped_and_says_so(tmp_path):
         new.regroup_state([old.state_dict()])
 
 
-def test_sharded_checkpoint_round_trip_is_exact_for_any_writer_count(tmp_path):
+def trained_model_and_optimizer(seed: int = 0):
+    """A tiny AED and its AdamW after one step: every moment and step count is set."""
+    torch.manual_seed(seed)
     model = AED(AEDConfig(**tiny_inference_state()["model_config"]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     feats, tokens = torch.randn(2, 40, 80), torch.randint(0, 500, (2, 6))
     loss, n = model(feats, torch.tensor([40, 31]), tokens, torch.tensor([6, 4]), torch.tensor([2, 2]))
     loss.backward()
     optimizer.step()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 1}
-    for writers in (1, 3):
-        path = tmp_path / f"ckpt-0000000{writers}"
-        begin_checkpoint(path)
-        for rank in range(writers):  # what each DDP rank writes: a different share of the same tensors
-            write_shard(state, path, rank, writers)
-        assert len(list(path.glob("shard-*"))) == writers
-        (path / "COMPLETE").write_text("1\n")
-        back = read_checkpoint(path, ("model", "optimizer", "step"))
-        assert list(back["model"]) == list(state["model"])
-        assert all(torch.equal(back["model"][k], v) for k, v in state["model"].items())
-        saved, loaded = state["optimizer"], back["optimizer"]
-        assert loaded["param_groups"] == saved["param_groups"]
-        assert all(torch.equal(loaded["state"][p][k], v) for p, s in saved["state"].items() for k, v in s.items())
+    return model, optimizer
+
+
+def write_earlier_format(state: dict, path) -> None:
+    """A checkpoint as aed wrote it before DCP (one writer): meta.pt lists the model's keys and keeps
+    the optimizer's state without its tensors; shard-000-of-001.pt holds every tensor by key."""
+    tensors = {f"model/{k}": v for k, v in state["model"].items()}
+    tensors |= {f"optimizer/{pid}/{k}": v for pid, ps in state["optimizer"]["state"].items() for k, v in ps.items()}
+    meta = dict(state, shards=1, model=list(state["model"]), optimizer=dict(state["optimizer"], state={
+        pid: {} for pid in state["optimizer"]["state"]}))
+    path.mkdir()
+    torch.save(tensors, path / "shard-000-of-001.pt")
+    torch.save(meta, path / "meta.pt")
+    (path / "COMPLETE").write_text("1\n")
+
+
+@pytest.mark.parametrize("written", ["dcp", "before dcp"])
+def test_a_checkpoint_restores_weights_and_optimizer_exactly(tmp_path, written):
+    """What train.py resumes from, in today's format and in the one aed wrote before (which must
+    still load): weights and AdamW moments come back bit for bit, and inference reads the model."""
+    from aed.checkpoint import training_tensors
+    model, optimizer = trained_model_and_optimizer()
+    state = tiny_inference_state() | {"model": model.state_dict(), "step": 1}
+    if written == "dcp":
+        path = save_checkpoint(state | training_tensors(model, optimizer), tmp_path, 1, keep_last=1)
+    else:
+        path = tmp_path / "ckpt-00000001"
+        write_earlier_format(state | {"optimizer": optimizer.state_dict()}, path)
+    fresh, fresh_optimizer = trained_model_and_optimizer(seed=1)  # other weights and moments
+    load_training_state(fresh, fresh_optimizer, str(path), read_checkpoint(str(path), with_tensors=False))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        a, b = optimizer.state[p], fresh_optimizer.state[q]
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+        assert int(a["step"]) == int(b["step"]) == 1
+    assert fresh_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+    asr = load_asr(str(path))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), asr.model.state_dict().values()))
 
 
 @pytest.mark.slow
@@ -308,7 +339,7 @@ def test_resume_on_fewer_ranks_continues_weights_optimizer_schedule_and_data(tmp
     (the round trip above), and the data pass continues without repeating what was trained in it
     (the sampler test above); not guaranteed: the same batches as an uninterrupted run."""
     run_train(tmp_path, "max_steps=3", "ckpt_every=3", nproc=2)
-    assert len(list((tmp_path / "ckpt-00000003").glob("shard-*-of-002.pt"))) == 2
+    assert len(list((tmp_path / "ckpt-00000003").glob("__*_0.distcp"))) == 2  # both ranks wrote a part
     p = run_train(tmp_path, "max_steps=5", "ckpt_every=5")
     assert "written by 2 ranks, this run has 1" in p.stderr and "at step 3" in p.stderr
     two, one = read_checkpoint(tmp_path / "ckpt-00000003", TRAINING_KEYS), read_checkpoint(

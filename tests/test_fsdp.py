@@ -1,0 +1,94 @@
+"""train.strategy=fsdp (FSDP2) against DDP at 2 ranks on CPU (gloo), and checkpoints through
+torch.distributed.checkpoint: exact resume, another world size, another strategy, asynchronous
+saves, and inference from a sharded checkpoint."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from aed.checkpoint import CheckpointWriter, TRAINING_KEYS, load_latest, read_checkpoint
+from aed.inference import load_asr, read_requests, transcribe
+from test_train import MINI, losses, run_train
+
+pytestmark = pytest.mark.slow
+# FSDP reduce-scatters where DDP all-reduces, and sums in another order: not bitwise, but close.
+LOSS_TOLERANCE = 1e-4
+
+
+def copy_until(src, dst, step: int) -> None:
+    """dst: the run dir of `src` as it was right after its checkpoint at `step`."""
+    shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("ckpt-")
+                                                       and n != f"ckpt-{step:08d}"])
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """6 steps under FSDP at 2 ranks, with a checkpoint at step 3 (and 6)."""
+    run = tmp_path_factory.mktemp("fsdp") / "run"
+    run_train(run, "train.strategy=fsdp", "max_steps=6", "ckpt_every=3", "keep_last=2", nproc=2)
+    return run
+
+
+def test_fsdp_trains_like_ddp_and_its_checkpoint_decodes_like_ddps(fsdp_run, tmp_path):
+    ddp = tmp_path / "ddp"
+    run_train(ddp, "train.strategy=ddp", "max_steps=6", "ckpt_every=3", "keep_last=2", nproc=2)
+    la, lb = losses(ddp), losses(fsdp_run)
+    assert sorted(la) == sorted(lb) == [1, 2, 3, 4, 5, 6]
+    assert all(abs(la[s] - lb[s]) <= LOSS_TOLERANCE * abs(la[s]) for s in la), (la, lb)
+
+    # infer.py's loader, one process, no distributed world: the sharded checkpoint reads whole.
+    # Weights are compared through what they compute: a bias that cancels out (keys' before the
+    # softmax, a convolution's before BatchNorm) has no gradient but noise, which AdamW scales up.
+    a, b = load_asr(str(ddp)), load_asr(str(fsdp_run))
+    assert a.path.endswith("ckpt-00000006") and b.path.endswith("ckpt-00000006")
+    assert a.model.state_dict().keys() == b.model.state_dict().keys()
+    feats, feat_lens = torch.randn(3, 300, a.features.n_mels), torch.tensor([300, 250, 120])
+    with torch.no_grad():
+        (x, _), (y, _) = a.model.encode(feats, feat_lens), b.model.encode(feats, feat_lens)
+    torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)
+    requests = read_requests(os.path.join(MINI, "dev.jsonl"))[:8]
+    texts = [[r.pred_text for r in transcribe(asr, requests)[0]] for asr in (a, b)]
+    assert texts[0] == texts[1]
+
+
+def test_fsdp_resumes_exactly_mid_epoch(fsdp_run, tmp_path):
+    run = tmp_path / "run"
+    copy_until(fsdp_run, run, 3)
+    p = run_train(run, "train.strategy=fsdp", "max_steps=6", "ckpt_every=3", "keep_last=2", nproc=2)
+    assert "resumed from" in p.stderr and "at step 3" in p.stderr
+    la, lb = losses(fsdp_run), losses(run)
+    assert all(la[s] == lb[s] for s in (4, 5, 6)), (la, lb)  # bitwise: same batches, shards and dropout
+
+
+def test_a_sharded_checkpoint_resumes_on_one_rank_and_under_ddp(fsdp_run, tmp_path):
+    ckpt3 = read_checkpoint(str(fsdp_run / "ckpt-00000003"), TRAINING_KEYS)
+    for name, extra in (("one", dict(nproc=1)), ("ddp", dict(nproc=2))):
+        run = tmp_path / name
+        copy_until(fsdp_run, run, 3)
+        p = run_train(run, "train.strategy=ddp", "max_steps=5", "ckpt_every=5", **extra)
+        assert "at step 3" in p.stderr
+        assert ("written by 2 ranks, this run has 1" in p.stderr) == (name == "one")
+        ckpt5 = read_checkpoint(str(run / "ckpt-00000005"), TRAINING_KEYS)
+        assert ckpt5["scheduler"]["last_epoch"] == 5 and len(ckpt5["sampler"]) == extra["nproc"]
+        steps = {int(s["step"]) for s in ckpt5["optimizer"]["state"].values()}
+        assert steps == {5}, steps  # the sharded AdamW state continued: 3 + 2 updates
+        assert ckpt5["model"].keys() == ckpt3["model"].keys()
+
+
+def test_an_async_checkpoint_counts_only_once_written_and_published(tmp_path):
+    """While a checkpoint is being written in the background (or if the job is killed then), the
+    run directory's newest valid checkpoint is the previous one."""
+    from test_faults import fake_state
+    writer = CheckpointWriter(str(tmp_path), keep_last=1, rank=0, asynchronous=True, distributed=False)
+    writer.save(fake_state(1), 1)
+    writer.finish()
+    writer.save(fake_state(2), 2)  # returns once the tensors are copied
+    assert not (tmp_path / "ckpt-00000002" / "COMPLETE").exists()
+    path, ckpt = load_latest(str(tmp_path))
+    assert path.endswith("ckpt-00000001") and ckpt["step"] == 1
+    writer.finish()
+    path, ckpt = load_latest(str(tmp_path))
+    assert path.endswith("ckpt-00000002") and torch.equal(ckpt["model"]["w"], torch.full((4,), 2.0))
+    assert not (tmp_path / "ckpt-00000001").exists()  # keep_last=1: removed once its successor counted
