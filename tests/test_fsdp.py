@@ -2,6 +2,7 @@
 torch.distributed.checkpoint: exact resume, another world size, another strategy, asynchronous
 saves, and inference from a sharded checkpoint."""
 
+import json
 import os
 import shutil
 
@@ -15,6 +16,12 @@ from test_train import MINI, losses, run_train
 pytestmark = pytest.mark.slow
 # FSDP reduce-scatters where DDP all-reduces, and sums in another order: not bitwise, but close.
 LOSS_TOLERANCE = 1e-4
+
+
+def metric(run_dir, key: str):
+    """The last value of `key` in the run's metrics.jsonl."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [row[key] for row in map(json.loads, f) if key in row][-1]
 
 
 def copy_until(src, dst, step: int) -> None:
@@ -37,6 +44,8 @@ def test_fsdp_trains_like_ddp_and_its_checkpoint_decodes_like_ddps(fsdp_run, tmp
     la, lb = losses(ddp), losses(fsdp_run)
     assert sorted(la) == sorted(lb) == [1, 2, 3, 4, 5, 6]
     assert all(abs(la[s] - lb[s]) <= LOSS_TOLERANCE * abs(la[s]) for s in la), (la, lb)
+    flops = [metric(run, "train/flops") for run in (ddp, fsdp_run)]
+    assert flops[0] == flops[1] > 0  # the same matmuls: FSDP's gathers and reductions are no FLOPs
 
     # infer.py's loader, one process, no distributed world: the sharded checkpoint reads whole.
     # Weights are compared through what they compute: a bias that cancels out (keys' before the
