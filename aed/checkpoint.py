@@ -318,9 +318,11 @@ def check_dcp_files(path: str) -> None:
     for item in index.storage_data.values():
         ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
     for name, end in sorted(ends.items()):
-        size = os.path.getsize(os.path.join(path, name)) if os.path.isfile(os.path.join(path, name)) else None
-        if size is None or size < end:
-            raise CheckpointError(f"{path}/{name}: {'missing' if size is None else f'truncated ({size} of {end} bytes)'}")
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: missing")
+        if os.path.getsize(file) < end:
+            raise CheckpointError(f"{file}: truncated ({os.path.getsize(file)} of {end} bytes)")
 
 
 def read_dcp(path: str, keys: list[str]) -> dict:
@@ -360,7 +362,8 @@ def load_file(path: str, mmap: bool):
         raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
 
 
-def load_latest(run_dir: str, required=TRAINING_KEYS, with_tensors: bool = True) -> tuple[str, dict] | tuple[None, None]:
+def load_latest(run_dir: str, required=TRAINING_KEYS,
+                with_tensors: bool = True) -> tuple[str, dict] | tuple[None, None]:
     """The newest valid checkpoint of `run_dir` (`read_checkpoint`), or (None, None) when it has none. An invalid one
     (interrupted, truncated by a full disk, written by something else) is logged by name and the
     next older one tried; when checkpoints exist but none is valid, CheckpointError: starting from

@@ -1,6 +1,6 @@
 """What a training run reports: the progress line, metrics.jsonl and TensorBoard.
 
-    progress = Progress(device, world_size, cfg, frame_s, peak_flops, step, flops)
+    progress = Progress(device, world_size, cfg, feature_frame_s, peak_flops, step, flops)
     progress.add(model, micro, result, flops)             # every step: sums stay on the device
     with progress.paused():                               # validation: not training time
         ...
@@ -32,9 +32,10 @@ class Progress:
     line (rates, padding, loss) or the whole run (FLOPs, skipped audio, the ETA). Time spent
     `paused()` (validation) is kept out of step times, rates and the ETA."""
 
-    def __init__(self, device: torch.device, world_size: int, cfg, frame_s: float, peak_flops: float,
+    def __init__(self, device: torch.device, world_size: int, cfg, feature_frame_s: float, peak_flops: float,
                  step: int, total_flops: float):
-        self.device, self.world_size, self.frame_s, self.peak_flops = device, world_size, frame_s, peak_flops
+        self.device, self.world_size, self.peak_flops = device, world_size, peak_flops
+        self.feature_frame_s = feature_frame_s  # seconds per 10 ms feature frame: audio seconds from lengths
         self.max_steps, self.budget_flops = cfg.max_steps, cfg.budget_flops
         self.totals = torch.zeros(len(TOTALS), device=device)
         self.total_flops = total_flops  # all ranks, the whole run including what it resumed from
@@ -57,7 +58,7 @@ class Progress:
     def add(self, model, batches: list, result, flops: float) -> None:
         """One optimizer step over `batches` (host-side), its StepResult and its FLOPs on all ranks."""
         self.totals += torch.tensor([0.0, 0.0,
-                                     sum(float(b.feat_lens.sum()) * self.frame_s for b in batches),
+                                     sum(float(b.feat_lens.sum()) * self.feature_frame_s for b in batches),
                                      sum(b.feats.shape[0] * b.feats.shape[1] for b in batches),
                                      sum(int(b.feat_lens.sum()) for b in batches),
                                      sum(b.tokens.numel() for b in batches),

@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader
 
 from aed.audio import LogMel
 from aed.config import TrainConfig
-from aed.data import Collate, ManifestError, UtteranceDataset, check_audio, encodable, ignore_stop_signals, read_manifest
+from aed.data import (Collate, ManifestError, UtteranceDataset, check_audio, encodable, ignore_stop_signals,
+                      read_manifest)
 from aed.dataclass_config import ConfigError
 from aed.distributed import all_gather_objects
 from aed.objectives import OBJECTIVES

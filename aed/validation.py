@@ -28,9 +28,10 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
     """{name: path} -> {"name/loss": ..., "name/wer": ..., "name/examples": [lines], ...}.
 
     setup: the run's aed.training_setup.TrainingSetup; model: its model, whole on every rank
-    (aed.parallel.full_copy: each rank decodes its own slice, for its own number of steps). Random draws in the model's forward (BEST-RQ's
-    masks) come from a generator reseeded for every validation, so each one masks the same frames
-    (losses of different steps compare) and training's random stream is left alone."""
+    (aed.parallel.full_copy: each rank decodes its own slice, for its own number of steps).
+    Random draws in the model's forward (BEST-RQ's masks) come from a generator reseeded for
+    every validation, so each one masks the same frames (losses of different steps compare) and
+    training's random stream is left alone."""
     cfg, objective, tokenizer = setup.cfg, setup.objective, setup.tokenizer
     device = next(model.parameters()).device
     model.eval()
