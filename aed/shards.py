@@ -235,14 +235,22 @@ class MixedSource:
 
 
 def decode_audio(example: dict, sample_rate: int = 16000) -> torch.Tensor:
-    """An example's audio bytes -> mono float32 (S,) at `sample_rate`: `duration` seconds from the
-    start, the same samples `aed.audio.load_audio` gives for the original file (it needs a path)."""
+    """An example's audio bytes -> mono float32 (S,) at `sample_rate`: `duration` seconds from
+    `offset` (default 0; a NeMo member shared by the segments of one file), the same samples
+    `aed.audio.load_audio` gives for the original file (it needs a path)."""
     where = example.get("where", "example")
     try:
         with sf.SoundFile(io.BytesIO(example["audio"])) as f:
+            start = round(example.get("offset", 0.0) * f.samplerate)
+            if start >= f.frames > 0:
+                raise AudioError(where, f"offset {example['offset']}s is beyond the end ({f.frames / f.samplerate:.3f}s)")
+            if start:
+                f.seek(start)
             data = f.read(round(example["duration"] * f.samplerate), dtype="float32", always_2d=True)
             file_rate = f.samplerate
-    except (RuntimeError, ValueError) as e:  # sf.LibsndfileError is a RuntimeError
+    except AudioError:
+        raise
+    except (RuntimeError, ValueError, TypeError) as e:  # sf.LibsndfileError is a RuntimeError; TypeError: no bytes
         raise AudioError(where, f"cannot decode ({e})") from e
     if data.shape[0] == 0:
         raise AudioError(where, "no samples")
@@ -269,9 +277,14 @@ class ShardDataset(Dataset):
             wav = decode_audio(ex, self.logmel.cfg.sample_rate)
         except AudioError as e:
             return {"error": str(e), "audio_filepath": where}
-        # The shard location names the example in batches and messages: its original file may
-        # not exist where training runs. Fields were validated when the shard was made.
-        utt = Utterance(where, ex["duration"], ex["text"], ex["source_lang"], ex["target_lang"], ex["pnc"],
-                        ex["taskname"], where=where)
         index = zlib.crc32(where.encode())  # stable across processes, unlike hash()
-        return make_item(wav, utt, index, self.tokenizer, self.logmel, self.seed)
+        return make_item(wav, as_utterance(ex), index, self.tokenizer, self.logmel, self.seed)
+
+
+def as_utterance(ex: dict) -> Utterance:
+    """A streamed example as the Utterance that tokenizing and `make_item` read. Its location
+    (`where`) names it in batches and messages: its original file may not exist where training
+    runs. Fields were validated by the reader (or when the shard was made)."""
+    where = ex["where"]
+    return Utterance(where, ex["duration"], ex["text"], ex["source_lang"], ex["target_lang"], ex["pnc"],
+                     ex["taskname"], ex.get("offset", 0.0), where=where)

@@ -1,0 +1,286 @@
+"""NeMo tarred sets, Lhotse Shar and Hugging Face parquet read in place (aed/nemo_tarred.py,
+aed/shar.py, aed/hf_parquet.py), checked against the JSONL manifest they were written from.
+
+Fixtures come from tools/write_formats.py, whose writers follow the layouts the formats' own
+writers produce: NeMo's scripts/speech_recognition/convert_to_tarred_audio_dataset.py, lhotse's
+lhotse/shar/writers/ and `datasets`' to_parquet (src/datasets/features/audio.py); the facts are
+gathered in /work/shared/notes/data-formats.md.
+"""
+
+import gzip
+import io
+import json
+import logging
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+
+pa = pytest.importorskip("pyarrow")  # optional dependency; the parquet tests need it
+pq = pytest.importorskip("pyarrow.parquet")
+import torch
+
+from aed.audio import AudioError, load_audio
+from aed.manifest_bins import bins_from_manifests
+from aed.nemo_tarred import expand_paths, pair_shards
+from aed.shards import decode_audio
+from aed.sources import open_source
+from aed.streaming import example_fields
+from aed.tokenizer import Tokenizer
+from bins import Bins
+from sampler import BucketingSampler
+from tools.write_formats import read_rows, write_nemo_tarred, write_parquet, write_shar
+
+MINI = Path(__file__).resolve().parents[1] / "data" / "mini"
+FORMATS = ["nemo", "shar", "parquet"]
+NEMO_SHARDS, SHAR_SIZE, ROW_GROUP = 4, 10, 8
+
+
+def fixture_rows() -> list[dict]:
+    """44 rows: 40 mini utterances (every language and AST), NeMo's `answer`/`lang` aliases on one,
+    and 4 segments (`offset`): three of one file, which NeMo stores once per shard (-sub<N>)."""
+    rows = read_rows(str(MINI / "train.jsonl"))[::7][:40]
+    asr = next(i for i, r in enumerate(rows) if r["taskname"] == "asr")
+    r = rows[asr]
+    rows[asr] = {"audio_filepath": r["audio_filepath"], "duration": r["duration"], "answer": r["text"],
+                 "lang": r["source_lang"], "pnc": "no"}
+    whole = rows[1]
+    segs = [dict(whole, offset=o, duration=0.6) for o in (0.2, 0.9)] + [dict(rows[2], offset=0.3, duration=0.5)]
+    # NeMo shards take consecutive rows: put the segments next to their file, inside one shard.
+    return rows[:2] + segs[:2] + rows[2:3] + segs[2:] + rows[3:] + [dict(whole, offset=0.0, duration=0.4)]
+
+
+def spec_of(fmt: str, root: Path) -> dict:
+    return {"nemo": {"manifest_filepath": str(root / "sharded_manifests" / "manifest__OP_0..3_CL_.json"),
+                     "tarred_audio_filepaths": str(root / "audio__OP_0..3_CL_.tar")},
+            "shar": {"shar": str(root)},
+            "parquet": {"parquet": str(root / "data" / "*.parquet"), "text_column": "sentence"}}[fmt]
+
+
+def write(fmt: str, rows: list, root: Path) -> None:
+    if fmt == "nemo":
+        assert write_nemo_tarred(rows, root, NEMO_SHARDS) == len(rows)  # 44 = 4 x 11: nothing left over
+    elif fmt == "shar":
+        write_shar(rows, root, SHAR_SIZE)
+    else:
+        write_parquet(rows, root, num_files=2, row_group_size=ROW_GROUP, rename={"text": "sentence"})
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory):
+    rows = fixture_rows()
+    out = {}
+    for fmt in FORMATS:
+        root = tmp_path_factory.mktemp(fmt)
+        write(fmt, rows, root)
+        out[fmt] = root
+    return rows, out
+
+
+def row_index(fmt: str, where: str) -> int:
+    """The fixture row an example came from, by its stable id."""
+    path, _, tail = where.rpartition(":")
+    if fmt == "nemo":
+        return int(Path(path).stem.split("_")[1]) * 11 + int(tail) - 1
+    if fmt == "shar":
+        return int(tail.rsplit("-", 1)[1])
+    return int(Path(path).name.split("-")[1]) * 22 + int(tail)
+
+
+def read_all(source, seed=0, rank=0, world_size=1):
+    return [ex for _, _, ex in source.read(seed, rank, world_size)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_trip_every_field_and_sample(sets, fmt):
+    rows, roots = sets
+    src = open_source(spec_of(fmt, roots[fmt]))
+    got = {row_index(fmt, ex["where"]): ex for ex in read_all(src)}
+    assert sorted(got) == list(range(len(rows))) and not src.faults.counts
+    for i, row in enumerate(rows):
+        ex, want = got[i], example_fields(row, f"row {i}")
+        fields = {k: ex[k] for k in want}
+        if fmt != "nemo":  # shar and parquet store the segment itself
+            want["offset"] = 0.0
+        assert fields == want, (fmt, i)
+        expected = load_audio(row["audio_filepath"], row.get("offset", 0.0), row["duration"])
+        assert torch.equal(decode_audio(ex), expected), (fmt, i)
+
+
+def test_nemo_segments_share_one_member_and_force_codec_is_matched_by_stem(tmp_path):
+    wav = tmp_path / "src" / "long.take.wav"  # a dot in the name: NeMo writes it as _
+    wav.parent.mkdir()
+    data, rate = sf.read(MINI / "audio" / "train_de_000001.flac", dtype="int16")
+    sf.write(wav, data, rate, subtype="PCM_16")
+    rows = [{"audio_filepath": str(wav), "duration": 0.5, "offset": o, "text": f"t{o}", "source_lang": "de",
+             "target_lang": "de"} for o in (0.0, 1.0, 2.0)]
+    write_nemo_tarred(rows, tmp_path / "set", 1, force_codec="flac")
+    members = tarfile.open(tmp_path / "set" / "audio_0.tar").getnames()
+    manifest = [json.loads(x) for x in (tmp_path / "set" / "sharded_manifests" / "manifest_0.json").open()]
+    assert members == [str(wav.with_suffix("")).replace("/", "_").replace(".", "_") + ".flac"]
+    assert [m["audio_filepath"].rpartition("_")[2] for m in manifest] == ["take.wav", "take-sub1.wav", "take-sub2.wav"]
+    src = open_source({"manifest_filepath": str(tmp_path / "set/sharded_manifests/manifest_0.json"),
+                       "tarred_audio_filepaths": str(tmp_path / "set/audio_0.tar")})
+    got = read_all(src)
+    assert len(got) == 3 and len({id(ex["audio"]) for ex in got}) == 1  # one member in memory
+    for ex, row in zip(got, rows):
+        assert torch.equal(decode_audio(ex), load_audio(wav, row["offset"], row["duration"]))
+
+
+def test_nemo_path_syntax_and_shard_pairing():
+    assert expand_paths("a/audio__OP_0..2_CL_.tar") == ["a/audio_0.tar", "a/audio_1.tar", "a/audio_2.tar"]
+    assert expand_paths(["b/x_(08..10).tar", "c/{p,q}_[1..2].tar"]) == [
+        "b/x_08.tar", "b/x_09.tar", "b/x_10.tar", "c/p_1.tar", "c/p_2.tar", "c/q_1.tar", "c/q_2.tar"]
+    # Two buckets that both have shard 0 and 1; tars listed in another order than the manifests.
+    manifests = ["b1/manifest_0.json", "b1/manifest_1.json", "b2/manifest_0.json", "b2/manifest_1.json"]
+    tars = ["b1/audio_1.tar", "b1/audio_0.tar", "b2/audio_0.tar", "b2/audio_1.tar"]
+    assert pair_shards(manifests, tars) == [("b1/manifest_0.json", "b1/audio_0.tar"),
+                                            ("b1/manifest_1.json", "b1/audio_1.tar"),
+                                            ("b2/manifest_0.json", "b2/audio_0.tar"),
+                                            ("b2/manifest_1.json", "b2/audio_1.tar")]
+    with pytest.raises(ValueError, match="different shards"):
+        pair_shards(["manifest_0.json", "manifest_1.json"], ["audio_0.tar", "audio_2.tar"])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_four_ranks_read_every_example_exactly_once(sets, fmt):
+    rows, roots = sets
+    src = open_source(spec_of(fmt, roots[fmt]))
+    per_rank = [[ex["where"] for ex in read_all(src, seed=5, rank=r, world_size=4)] for r in range(4)]
+    seen = [w for part in per_rank for w in part]
+    assert len(seen) == len(set(seen)) == len(rows) and all(per_rank)
+    # Through the sampler too: a finite epoch of 4 ranks uses every example once.
+    bins = Bins([1.0, 2.0, 30.0])
+    got = [ex["where"] for r in range(4)
+           for batch in BucketingSampler(src, bins, batch_size=3, buffer_size=8, rank=r, world_size=4,
+                                         num_tokens_fn=lambda ex: len(ex["text"]))
+           for ex in batch]
+    assert sorted(got) == sorted(seen)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_resume_mid_shard_equals_an_uninterrupted_pass(sets, fmt):
+    _, roots = sets
+
+    def make():
+        return BucketingSampler(open_source(spec_of(fmt, roots[fmt])), Bins([1.0, 2.0, 30.0]), batch_size=2,
+                                buffer_size=6, seed=3, infinite=True, num_tokens_fn=lambda ex: len(ex["text"]))
+
+    it = iter(make())
+    ref = [[ex["where"] for ex in next(it)] for _ in range(50)]  # > 2 passes: crosses shards and passes
+    run = make()
+    it = iter(run)
+    for _ in range(7):
+        next(it)
+    state = json.loads(json.dumps(run.state_dict()))  # the cursor survives JSON (the checkpoint)
+    cursor = state["cursor"]  # tars: (position, shard, member offset, row); parquet: (position, shard, row)
+    assert (cursor[-1] if fmt == "parquet" else cursor[2]) > 0, f"the test should stop inside a shard: {cursor}"
+    resumed = make()
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    assert [[ex["where"] for ex in next(it)] for _ in range(43)] == ref[7:]
+
+
+# --- faults: each skipped, counted and logged once with its path ---------------------------------
+
+
+def truncate_in_last_member(tar: Path) -> None:
+    last = tarfile.open(tar).getmembers()[-1]
+    with open(tar, "r+b") as f:
+        f.truncate(last.offset_data + 10)
+
+
+def add_garbage_member(tar: Path, name: str) -> None:
+    with tarfile.open(tar, "a") as tf:
+        info = tarfile.TarInfo(name)
+        info.size = 100
+        tf.addfile(info, io.BytesIO(os.urandom(100)))
+
+
+def damage_nemo(root: Path) -> tuple[dict, str]:
+    os.remove(root / "audio_3.tar")  # missing shard
+    truncate_in_last_member(root / "audio_1.tar")
+    manifest0 = root / "sharded_manifests" / "manifest_0.json"
+    lines = manifest0.read_text().splitlines()
+    extra = json.loads(lines[-1]) | {"audio_filepath": "_not_in_the_tar.flac"}  # a row with no member
+    manifest0.write_text("\n".join(lines[1:] + [json.dumps(extra), "{broken"]) + "\n")  # row 1 gone: member alone
+    add_garbage_member(root / "audio_2.tar", "_zz_garbage.flac")  # undecodable, with a row
+    manifest2 = root / "sharded_manifests" / "manifest_2.json"
+    with open(manifest2, "a") as f:
+        f.write(json.dumps({"audio_filepath": "_zz_garbage.flac", "duration": 1.0, "text": "x", "lang": "en"}) + "\n")
+    return {"bad_shard": 2, "member_without_row": 1, "row_without_member": 1, "invalid_row": 1}, "_zz_garbage.flac"
+
+
+def damage_shar(root: Path) -> tuple[dict, str]:
+    os.remove(root / "recording.000003.tar")  # missing shard
+    (root / "cuts.000004.jsonl.gz").write_bytes(gzip.compress(b"x" * 100)[:-8])  # truncated cuts file
+    with gzip.open(root / "cuts.000000.jsonl.gz", "rt") as f:
+        cuts = [json.loads(x) for x in f]
+    extra = dict(cuts[0], id="no-such-recording")  # a cut with no audio member
+    with gzip.open(root / "cuts.000000.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(c) + "\n" for c in cuts[1:] + [extra])  # cut 0 gone: its member alone
+    with tarfile.open(root / "recording.000001.tar") as tf:  # an undecodable member for cut 0 of shard 1
+        members = [(m, tf.extractfile(m).read()) for m in tf.getmembers()]
+    with tarfile.open(root / "recording.000001.tar", "w") as tf:
+        for m, data in members:
+            tf.addfile(m, io.BytesIO(os.urandom(len(data)) if m is members[0][0] else data))
+    return {"bad_shard": 2, "member_without_row": 1, "row_without_member": 1}, members[0][0].name.rpartition(".")[0]
+
+
+def damage_parquet(root: Path) -> tuple[dict, None]:
+    files = sorted((root / "data").glob("*.parquet"))
+    files[1].write_bytes(files[1].read_bytes()[:-100])  # truncated: its footer is gone
+    return {"bad_shard": 1}, None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_faults_are_skipped_counted_and_logged_once(sets, fmt, tmp_path, caplog):
+    rows, roots = sets
+    root = tmp_path / fmt
+    shutil.copytree(roots[fmt], root)
+    want, undecodable = {"nemo": damage_nemo, "shar": damage_shar, "parquet": damage_parquet}[fmt](root)
+    with caplog.at_level(logging.WARNING, logger="aed"):
+        src = open_source(spec_of(fmt, root))
+        first = read_all(src)
+        again = read_all(src, seed=1)  # another pass meets the same faults: no new count or message
+    assert dict(src.faults.counts) == want
+    assert sorted(ex["where"] for ex in first) == sorted(ex["where"] for ex in again)
+    assert 0 < len(first) < len(rows)
+    assert len(caplog.records) == sum(want.values())
+    for (kind, where), _ in src.faults.seen.items():
+        assert where in caplog.text
+    if undecodable:  # durations come from the metadata: the decoder meets it, and names it
+        bad = next(ex for ex in first if ex["audio_filepath"] == undecodable)
+        with pytest.raises(AudioError, match=f"{bad['where']}: cannot decode"):
+            decode_audio(bad)
+
+
+def test_parquet_rows_without_audio_or_header_and_constants(tmp_path):
+    rows = [{k: v for k, v in r.items() if k not in ("source_lang", "target_lang", "taskname")}
+            for r in read_rows(str(MINI / "train.jsonl"))[:6]]
+    write_parquet(rows, tmp_path, row_group_size=3, duration=False)
+    path = next((tmp_path / "data").glob("*.parquet"))
+    table = pq.read_table(path).to_pylist()
+    table[1]["audio"] = {"bytes": None, "path": "x"}
+    table[4]["audio"] = {"bytes": b"not audio", "path": "y"}
+    pq.write_table(pa.Table.from_pylist(table, schema=pq.read_schema(path)), path, row_group_size=3)
+    src = open_source({"parquet": str(path), "source_lang": "de", "target_lang": "de"})
+    got = read_all(src)
+    assert len(got) == 4 and dict(src.faults.counts) == {"undecodable": 2}
+    for ex in got:
+        i = int(ex["where"].rpartition(":")[2])
+        assert abs(ex["duration"] - rows[i]["duration"]) < 0.01 and ex["source_lang"] == "de"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bins_from_a_streamed_entry_equal_those_of_its_manifest(sets, fmt, tmp_path):
+    rows, roots = sets
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = Tokenizer.load(MINI / "tokenizer")
+    want, _ = bins_from_manifests([str(manifest)], tok, 4, 2, method="equal")
+    got, meta = bins_from_manifests([spec_of(fmt, roots[fmt])], tok, 4, 2, method="equal")
+    assert got == want and meta["used"] == len(rows)
