@@ -284,3 +284,27 @@ def test_bins_from_a_streamed_entry_equal_those_of_its_manifest(sets, fmt, tmp_p
     want, _ = bins_from_manifests([str(manifest)], tok, 4, 2, method="equal")
     got, meta = bins_from_manifests([spec_of(fmt, roots[fmt])], tok, 4, 2, method="equal")
     assert got == want and meta["used"] == len(rows)
+
+
+def test_inspect_data_lists_examples_and_everything_skipped(sets, tmp_path, capsys):
+    rows, roots = sets
+    from tools.inspect_data import main
+
+    out = tmp_path / "parquet.jsonl"
+    main([json.dumps(spec_of("parquet", roots["parquet"])), "--jsonl", str(out)])
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == len(rows) and f"utterances  {len(rows)}" in capsys.readouterr().out
+    for line in lines:
+        row = rows[row_index("parquet", line["id"])]
+        assert line["text"] == row.get("text", row.get("answer")) and line["duration"] == row["duration"]
+        assert line["num_samples"] == load_audio(row["audio_filepath"], row.get("offset", 0.0), row["duration"]).numel()
+
+    root = tmp_path / "nemo"
+    shutil.copytree(roots["nemo"], root)
+    want, undecodable = damage_nemo(root)
+    main([json.dumps(spec_of("nemo", root)), "--jsonl", str(tmp_path / "nemo.jsonl")])
+    report = capsys.readouterr().out
+    assert f"skipped     {sum(want.values()) + 1}" in report
+    for kind in [*want, "undecodable"]:
+        assert kind in report
+    assert undecodable in report
