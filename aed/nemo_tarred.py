@@ -35,7 +35,7 @@ OPEN, CLOSE = ("_OP_", "(", "[", "<"), ("_CL_", ")", "]", ">")
 
 
 def expand_braces(s: str) -> list[str]:
-    """Brace expansion, innermost group first: `a{0..2}` -> a0 a1 a2 (`{00..10}` keeps the width),
+    """Brace expansion, innermost group first: `a{0..2}` -> a0 a1 a2 (`{00..10}` keeps the width, `{0..10}` not),
     `{x,y}` -> x y."""
     m = re.search(r"\{([^{}]*)\}", s)
     if m is None:
@@ -43,7 +43,8 @@ def expand_braces(s: str) -> list[str]:
     body, head, tail = m.group(1), s[: m.start()], s[m.end() :]
     if r := re.fullmatch(r"(\d+)\.\.(\d+)", body):
         lo, hi = r.groups()
-        width = max(len(lo), len(hi)) if lo.startswith("0") or hi.startswith("0") else 0
+        padded = any(len(b) > 1 and b.startswith("0") for b in (lo, hi))  # bash's rule: {00..10}, not {0..10}
+        width = max(len(lo), len(hi)) if padded else 0
         step = 1 if int(hi) >= int(lo) else -1
         items = [str(i).zfill(width) for i in range(int(lo), int(hi) + step, step)]
     elif "," in body:

@@ -23,13 +23,15 @@ pa = pytest.importorskip("pyarrow")  # optional dependency; the parquet tests ne
 pq = pytest.importorskip("pyarrow.parquet")
 import torch
 
-from aed.audio import AudioError, load_audio
+from aed.audio import AudioError, LogMel, load_audio
 from aed.manifest_bins import bins_from_manifests
 from aed.nemo_tarred import expand_paths, pair_shards
 from aed.shards import decode_audio
 from aed.sources import open_source
 from aed.streaming import example_fields
+from aed.tar_source import tar_members
 from aed.tokenizer import Tokenizer
+from aed.validation import val_dataset
 from bins import Bins
 from sampler import BucketingSampler
 from tools.write_formats import read_rows, write_nemo_tarred, write_parquet, write_shar
@@ -132,6 +134,7 @@ def test_nemo_segments_share_one_member_and_force_codec_is_matched_by_stem(tmp_p
 
 def test_nemo_path_syntax_and_shard_pairing():
     assert expand_paths("a/audio__OP_0..2_CL_.tar") == ["a/audio_0.tar", "a/audio_1.tar", "a/audio_2.tar"]
+    assert expand_paths("audio_{0..10}.tar")[-2:] == ["audio_9.tar", "audio_10.tar"]  # not padded: 0 is one digit
     assert expand_paths(["b/x_(08..10).tar", "c/{p,q}_[1..2].tar"]) == [
         "b/x_08.tar", "b/x_09.tar", "b/x_10.tar", "c/p_1.tar", "c/p_2.tar", "c/q_1.tar", "c/q_2.tar"]
     # Two buckets that both have shard 0 and 1; tars listed in another order than the manifests.
@@ -308,3 +311,45 @@ def test_inspect_data_lists_examples_and_everything_skipped(sets, tmp_path, caps
     for kind in [*want, "undecodable"]:
         assert kind in report
     assert undecodable in report
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
+def test_tar_members_read_what_tarfile_reads(tmp_path, fmt):
+    path = tmp_path / "t.tar"
+    names = ["a.flac", "d" * 120 + ".flac" if fmt != tarfile.USTAR_FORMAT else "p" * 90 + "/" + "n" * 90,
+             "é.wav", "empty.json"]
+    with tarfile.open(path, "w", format=fmt) as tf:
+        folder = tarfile.TarInfo("a_dir")
+        folder.type = tarfile.DIRTYPE
+        tf.addfile(folder)  # not a regular member: skipped
+        for i, name in enumerate(names):
+            info = tarfile.TarInfo(name)
+            info.size = 700 * i
+            tf.addfile(info, io.BytesIO(bytes([i]) * info.size))
+    with open(path, "rb", buffering=0) as f:
+        got = list(tar_members(f, chunk=1000))  # chunks smaller than members
+        assert [(n, d) for _, n, d, _ in got] == [(n, bytes([i]) * 700 * i) for i, n in enumerate(names)]
+        assert [next(tar_members(f, at, chunk=0))[1] for at, _, _, _ in got] == names  # seek to any member
+        assert [end for _, _, _, end in got[:-1]] == [at for at, _, _, _ in got[1:]]
+    with open(path, "r+b") as f:
+        f.seek(got[2][0] + 10)
+        f.write(b"x")
+    with open(path, "rb", buffering=0) as f, pytest.raises(tarfile.ReadError, match="wrong checksum"):
+        list(tar_members(f))
+
+
+def test_validation_reads_a_streamed_entry_as_its_manifest(sets, tmp_path):
+    rows, roots = sets
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok, logmel = Tokenizer.load(MINI / "tokenizer"), LogMel().eval()
+
+    def items(spec, rank, world_size):
+        ds = val_dataset(spec, None, tok, logmel, False, rank, world_size)
+        return {(u.text, u.duration, u.offset): ds[i] for i, u in enumerate(ds.utterances)}
+
+    want = items(str(manifest), 0, 1)
+    got = [items(spec_of("nemo", roots["nemo"]), r, 2) for r in range(2)]
+    assert len(got[0]) + len(got[1]) == len(want) and got[0].keys() | got[1].keys() == want.keys()
+    for key, item in (got[0] | got[1]).items():
+        assert torch.equal(item["feats"], want[key]["feats"]) and item["tokens"] == want[key]["tokens"], key
