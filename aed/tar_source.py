@@ -48,20 +48,24 @@ def tar_members(f, offset: int = 0, chunk: int = CHUNK):
     (`get`). Raises tarfile.ReadError on a header with a wrong checksum or data cut short; a tar
     cut before a header ends silently (tarfile's rule too), which callers detect by what is missing."""
     f.seek(offset)
-    buf, base = b"", offset  # buf holds the file's bytes from `base` on
+    buf, base = memoryview(b""), offset  # the file's bytes from `base` on
 
     def need(pos: int, n: int) -> bytes:
+        """n bytes from `pos` (fewer at the end of the file). Each byte is copied twice, from the
+        kernel into a chunk and from the chunk into the member's own bytes."""
         nonlocal buf, base
-        if pos + n > base + len(buf):
-            if pos > base + len(buf):  # past what was read (data of a member not needed): skip it
+        end = base + len(buf)
+        if pos + n > end:
+            if pos > end:  # past what was read (the data of a member not needed): skip it
                 f.seek(pos)
-                buf = b""
-            else:
-                buf = buf[pos - base :]
-            base = pos
-            while len(buf) < n and (more := f.read(max(chunk, n - len(buf)))):
-                buf += more
-        return buf[pos - base : pos - base + n]
+            kept = buf[pos - base :] if pos < end else b""
+            fresh = bytearray(max(chunk, n))
+            fresh[: len(kept)] = kept
+            got, view = len(kept), memoryview(fresh)
+            while got < n and (k := f.readinto(view[got:])):
+                got += k
+            buf, base = view[:got], pos
+        return bytes(buf[pos - base : pos - base + n])
 
     pos = first = offset
     long_name = None
