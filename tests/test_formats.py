@@ -13,19 +13,18 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 import soundfile as sf
-
-pa = pytest.importorskip("pyarrow")  # optional dependency; the parquet tests need it
-pq = pytest.importorskip("pyarrow.parquet")
 import torch
 
 from aed.audio import AudioError, LogMel, load_audio
 from aed.manifest_bins import bins_from_manifests
 from aed.nemo_tarred import expand_paths, pair_shards
+from aed.shar import cut_row
 from aed.shards import decode_audio
 from aed.sources import open_source
 from aed.streaming import example_fields
@@ -34,10 +33,17 @@ from aed.tokenizer import Tokenizer
 from aed.validation import val_dataset
 from bins import Bins
 from sampler import BucketingSampler
-from tools.write_formats import read_rows, write_nemo_tarred, write_parquet, write_shar
+from tools.make_shards import add_member
+from tools.write_formats import read_rows, shar_cut, write_nemo_tarred, write_parquet, write_shar
 
 MINI = Path(__file__).resolve().parents[1] / "data" / "mini"
-FORMATS = ["nemo", "shar", "parquet"]
+try:
+    import pyarrow  # noqa: F401 - optional: `make test` runs without it
+    HAS_PYARROW = True
+except ImportError:
+    HAS_PYARROW = False
+needs_pyarrow = pytest.mark.skipif(not HAS_PYARROW, reason="pyarrow is optional: pip install pyarrow")
+FORMATS = ["nemo", "shar", pytest.param("parquet", marks=needs_pyarrow)]
 NEMO_SHARDS, SHAR_SIZE, ROW_GROUP = 4, 10, 8
 
 
@@ -75,7 +81,7 @@ def write(fmt: str, rows: list, root: Path) -> None:
 def sets(tmp_path_factory):
     rows = fixture_rows()
     out = {}
-    for fmt in FORMATS:
+    for fmt in ["nemo", "shar"] + ["parquet"] * HAS_PYARROW:
         root = tmp_path_factory.mktemp(fmt)
         write(fmt, rows, root)
         out[fmt] = root
@@ -261,7 +267,11 @@ def test_faults_are_skipped_counted_and_logged_once(sets, fmt, tmp_path, caplog)
             decode_audio(bad)
 
 
+@needs_pyarrow
 def test_parquet_rows_without_audio_or_header_and_constants(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     rows = [{k: v for k, v in r.items() if k not in ("source_lang", "target_lang", "taskname")}
             for r in read_rows(str(MINI / "train.jsonl"))[:6]]
     write_parquet(rows, tmp_path, row_group_size=3, duration=False)
@@ -293,12 +303,12 @@ def test_inspect_data_lists_examples_and_everything_skipped(sets, tmp_path, caps
     rows, roots = sets
     from tools.inspect_data import main
 
-    out = tmp_path / "parquet.jsonl"
-    main([json.dumps(spec_of("parquet", roots["parquet"])), "--jsonl", str(out)])
+    out = tmp_path / "shar.jsonl"
+    main([json.dumps(spec_of("shar", roots["shar"])), "--jsonl", str(out)])
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(lines) == len(rows) and f"utterances  {len(rows)}" in capsys.readouterr().out
     for line in lines:
-        row = rows[row_index("parquet", line["id"])]
+        row = rows[row_index("shar", line["id"])]
         assert line["text"] == row.get("text", row.get("answer")) and line["duration"] == row["duration"]
         assert line["num_samples"] == load_audio(row["audio_filepath"], row.get("offset", 0.0), row["duration"]).numel()
 
@@ -353,3 +363,42 @@ def test_validation_reads_a_streamed_entry_as_its_manifest(sets, tmp_path):
     assert len(got[0]) + len(got[1]) == len(want) and got[0].keys() | got[1].keys() == want.keys()
     for key, item in (got[0] | got[1]).items():
         assert torch.equal(item["feats"], want[key]["feats"]) and item["tokens"] == want[key]["tokens"], key
+
+
+def test_shar_fields_from_supervision_and_cut_custom():
+    cut = {"id": "c1", "duration": 2.0, "custom": {"target_lang": "de", "taskname": "ast"},
+           "supervisions": [{"text": "hello", "language": "en", "custom": {"pnc": "no"}},
+                            {"text": "there", "language": "en"}]}
+    assert example_fields(cut_row(cut), "c1") == {"duration": 2.0, "offset": 0.0, "text": "hello there",
+                                                  "source_lang": "en", "target_lang": "de", "pnc": False,
+                                                  "taskname": "ast"}
+    nemo_style = {"id": "c2", "duration": 1.0, "supervisions": [], "custom": {"answer": "hallo", "lang": "de"}}
+    assert example_fields(cut_row(nemo_style), "c2")["text"] == "hallo"
+
+
+@pytest.mark.parametrize("fmt, subtype", [("WAV", "PCM_16"), ("OGG", "OPUS"), ("MP3", "MPEG_LAYER_III")])
+def test_shar_members_in_any_format_soundfile_decodes(tmp_path, fmt, subtype):
+    row = read_rows(str(MINI / "train.jsonl"))[0]
+    wav, rate = sf.read(row["audio_filepath"], dtype="float32")
+    data = io.BytesIO()
+    sf.write(data, wav, rate, format=fmt, subtype=subtype)
+    cut, recording = shar_cut("c0", row, rate, len(wav))
+    with gzip.open(tmp_path / "cuts.000000.jsonl.gz", "wt") as f:
+        f.write(json.dumps(cut) + "\n")
+    ext = {"WAV": "wav", "OGG": "opus", "MP3": "mp3"}[fmt]
+    with tarfile.open(tmp_path / "recording.000000.tar", "w") as tf:
+        add_member(tf, f"c0.{ext}", data.getvalue())
+        add_member(tf, "c0.json", json.dumps(recording).encode())
+    (ex,) = read_all(open_source({"shar": str(tmp_path)}))
+    got, want = decode_audio(ex), load_audio(row["audio_filepath"], 0.0, row["duration"])
+    if fmt == "WAV":
+        assert torch.equal(got, want)
+    else:  # lossy: the length, within a codec frame
+        assert abs(got.numel() - want.numel()) < 0.05 * rate, (got.numel(), want.numel())
+
+
+def test_parquet_without_pyarrow_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # what an environment without it gives
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ImportError, match="pip install pyarrow"):
+        open_source({"parquet": "data/*.parquet"})
