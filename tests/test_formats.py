@@ -402,3 +402,24 @@ def test_parquet_without_pyarrow_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(ImportError, match="pip install pyarrow"):
         open_source({"parquet": "data/*.parquet"})
+
+
+@pytest.mark.slow
+def test_training_on_a_nemo_and_a_shar_entry_mixed_resumes_exactly(sets, tmp_path):
+    from tests.test_train import losses, run_train
+
+    rows, roots = sets
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bins, _ = bins_from_manifests([str(manifest)], Tokenizer.load(MINI / "tokenizer"), 4, 2)
+    bins.save(tmp_path / "bins.json")
+    entries = json.dumps([spec_of("nemo", roots["nemo"]) | {"weight": 2}, spec_of("shar", roots["shar"])])
+    args = [f"train.manifests={entries}", f"train.bins={tmp_path / 'bins.json'}", "ckpt_every=100",
+            "train.max_duration=8"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_train(a, "max_steps=4", *args)
+    run_train(b, "max_steps=2", *args)
+    p = run_train(b, "max_steps=4", *args)
+    assert "resumed from" in p.stderr
+    la, lb = losses(a), losses(b)
+    assert sorted(la) == sorted(lb) == [1, 2, 3, 4] and all(la[s] == lb[s] for s in la), (la, lb)
