@@ -64,8 +64,9 @@ def measure(lines: list, tokenizer, max_tokens: int | None) -> tuple:
     last = time.time()
     for k, (where, base, row) in enumerate(lines, 1):
         try:
-            utt = parse_line(row, where, base) if isinstance(row, str) else Utterance(
-                where, row["duration"], row["text"], row["source_lang"], row["target_lang"], row["pnc"], row["taskname"])
+            utt = parse_line(row, where, base) if isinstance(row, str) else Utterance(  # fields checked by the reader
+                where, row["duration"], row["text"], row["source_lang"], row["target_lang"], row["pnc"],
+                row["taskname"])
             n = len(encode_utterance(tokenizer, utt)[0])
         except ManifestError as e:
             skipped["bad_line"] += 1
@@ -104,6 +105,6 @@ def bins_from_manifests(specs: list, tokenizer, num_buckets: int = 30, sub_bucke
         raise ValueError(f"estimate_bins: no usable line in {len(lines):,} sampled lines of {specs}")
     bins = estimate_bins(durations, num_tokens, num_buckets, sub_buckets, outlier_z, method, audio_weight)
     meta = {"manifests": list(specs), "lines": total, "sampled": len(lines), "used": len(durations),
-            "skipped": dict(skipped) | {f"reader_{r}": n for r, n in faults.items()}, "method": method, "audio_weight": audio_weight, "seed": seed,
-            "outlier_z": outlier_z, "max_tokens": max_tokens}
+            "skipped": dict(skipped) | {f"reader_{r}": n for r, n in faults.items()}, "method": method,
+            "audio_weight": audio_weight, "seed": seed, "outlier_z": outlier_z, "max_tokens": max_tokens}
     return bins, meta

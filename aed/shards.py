@@ -242,7 +242,8 @@ def decode_audio(example: dict, sample_rate: int = 16000) -> torch.Tensor:
         with sf.SoundFile(io.BytesIO(example["audio"])) as f:
             start = round(example.get("offset", 0.0) * f.samplerate)
             if start >= f.frames > 0:
-                raise AudioError(where, f"offset {example['offset']}s is beyond the end ({f.frames / f.samplerate:.3f}s)")
+                raise AudioError(where, f"offset {example['offset']}s is beyond the end "
+                                        f"({f.frames / f.samplerate:.3f}s)")
             if start:
                 f.seek(start)
             data = f.read(round(example["duration"] * f.samplerate), dtype="float32", always_2d=True)

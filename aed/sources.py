@@ -71,7 +71,8 @@ def open_source(spec, shuffle_shards: bool = True):
     if kind == "shar":
         return SharSource(spec["shar"], shuffle_shards)
     if kind == "parquet":
-        columns = {k.removesuffix("_column"): v for k, v in spec.items() if k.endswith("_column") and k != "audio_column"}
+        columns = {k.removesuffix("_column"): v for k, v in spec.items()
+                   if k.endswith("_column") and k != "audio_column"}
         constants = {k: v for k, v in spec.items() if k in FIELDS}
         return ParquetSource(spec["parquet"], spec.get("audio_column", "audio"), columns, constants, shuffle_shards)
     raise ConfigError(f"train.manifests entry {spec!r} is a manifest, read into memory, not streamed")

@@ -146,8 +146,10 @@ def timed(fn) -> tuple[float, int]:
 def sampler_rate(work: Path, fmt: str, tok, bins, repeat: int) -> float:
     args = dict(max_duration=200.0, buffer_size=2000, seed=0)
     if fmt == "files":
-        source, extra = JsonlSource(work / "train.jsonl"), {  # the line's fields checked as the readers do
-            "num_tokens_fn": lambda ex: len(encode_utterance(tok, Utterance("", ex["duration"], *text_and_task(ex, "")))[0])}
+        def num_tokens(ex):  # the line's fields checked as the readers check theirs
+            return len(encode_utterance(tok, Utterance("", ex["duration"], *text_and_task(ex, "")))[0])
+
+        source, extra = JsonlSource(work / "train.jsonl"), {"num_tokens_fn": num_tokens}
     else:
         source, extra = CountTokens(aed_reader(work, fmt), tok), {}
     best = 0.0
