@@ -13,7 +13,8 @@ manifest `sharded_manifests/manifest_k.json` whose rows keep their fields (Canar
   (`{0..127}`, `{a,b}`); a list of such strings is expanded item by item.
 - Shards are paired by the id in their names (`manifest*_<k>*.json`, `audio*_<k>*.tar`), the
   n-th manifest with id k going with the n-th tar with id k, so several buckets' `audio_0.tar`
-  do not collide; names without ids pair by position.
+  do not collide; names without ids pair by position. One manifest for many tars (NeMo's
+  `shard_manifests: false`, e.g. `tarred_audio_manifest.json`) sends each row to its `shard_id`.
 - A file several rows name (segments, with `offset`) is stored once per shard; later rows name it
   `<base>-sub<N><ext>`: the stem without `-sub<N>` finds the member. Members are matched by stem,
   as the converter's --force_codec changes the extension but not the rows.
@@ -104,10 +105,22 @@ def member_stem(name: str) -> str:
 
 
 class NemoTarredSource(StemMatchedTarSource):
-    """Examples streamed from one NeMo tarred set (one bucket); see the module docstring."""
+    """Examples streamed from one NeMo tarred set (one bucket); see the module docstring. One
+    manifest for many tars (NeMo's `shard_manifests: false`, e.g. `tarred_audio_manifest.json`) is
+    read once, its rows going to the tar named by their `shard_id`."""
 
     def __init__(self, manifest_filepath, tarred_audio_filepaths, shuffle_shards: bool = True):
-        shards = pair_shards(expand_paths(manifest_filepath), expand_paths(tarred_audio_filepaths))
+        manifests, tars = expand_paths(manifest_filepath), expand_paths(tarred_audio_filepaths)
+        self._one_manifest = None  # shard_id -> rows grouped by stem, when one manifest serves every tar
+        if len(manifests) == 1 and len(tars) > 1:
+            ids = [TAR_ID.search(Path(t).name) for t in tars]
+            if None in ids:
+                raise ValueError(f"NeMo tarred set: one manifest for {len(tars)} tars, but a tar name carries no "
+                                 f"shard id (audio_<k>.tar) to match the rows' shard_id: {tars[ids.index(None)]}")
+            self._tar_ids = [int(m.group(1)) for m in ids]
+            shards = [(manifests[0], t) for t in tars]
+        else:
+            shards = pair_shards(manifests, tars)
         super().__init__(shards, f"NeMo tarred set {tarred_audio_filepaths}", shuffle_shards)
 
     def _member(self, name: str) -> tuple[str, str]:
@@ -115,7 +128,15 @@ class NemoTarredSource(StemMatchedTarSource):
 
     def _load_rows(self, shard: int) -> dict:
         path = self.shards[shard][0]
-        groups = defaultdict(list)
+        if not hasattr(self, "_tar_ids"):
+            return self._parse(path)
+        if self._one_manifest is None:
+            self._one_manifest = self._parse(path, by_shard_id=True)
+        return self._one_manifest.get(self._tar_ids[shard], {})
+
+    def _parse(self, path: str, by_shard_id: bool = False) -> dict:
+        """A manifest's rows grouped by member stem; by_shard_id: {shard_id: such groups}."""
+        out = defaultdict(lambda: defaultdict(list)) if by_shard_id else defaultdict(list)
         with open(path, "rb") as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
@@ -126,9 +147,11 @@ class NemoTarredSource(StemMatchedTarSource):
                     name = d["audio_filepath"]
                     if not isinstance(name, str):
                         raise TypeError(f"audio_filepath is {type(name).__name__}")
+                    groups = out[int(d["shard_id"])] if by_shard_id else out
                 except (ValueError, KeyError, TypeError) as e:
-                    self.faults.skip("invalid_row", where, f"not a JSON object with an audio_filepath ({e!r})")
+                    self.faults.skip("invalid_row", where, f"not a JSON object with an audio_filepath"
+                                     f"{' and a shard_id' if by_shard_id else ''} ({e!r})")
                     continue
                 ex = self.faults.fields(d, where)
                 groups[member_stem(name)].append((where, ex and {**ex, "audio_filepath": name}))
-        return groups
+        return out

@@ -423,3 +423,16 @@ def test_training_on_a_nemo_and_a_shar_entry_mixed_resumes_exactly(sets, tmp_pat
     assert "resumed from" in p.stderr
     la, lb = losses(a), losses(b)
     assert sorted(la) == sorted(lb) == [1, 2, 3, 4] and all(la[s] == lb[s] for s in la), (la, lb)
+
+
+def test_nemo_one_manifest_for_every_tar_by_shard_id(sets):
+    rows, roots = sets
+    root = roots["nemo"]
+    one = open_source({"manifest_filepath": str(root / "tarred_audio_manifest.json"),
+                       "tarred_audio_filepaths": str(root / "audio__OP_0..3_CL_.tar")})
+    sharded = open_source(spec_of("nemo", root))
+    def by_fields(source):
+        return {(ex["audio_filepath"], ex["offset"], ex["duration"], ex["text"]): ex["audio"] for ex in read_all(source)}
+
+    got, want = by_fields(one), by_fields(sharded)
+    assert got == want and len(got) == len(rows) and not one.faults.counts
