@@ -42,6 +42,7 @@ import yaml
 from aed.config import load_train_config
 from aed.dataclass_config import ConfigError
 from aed.manifest_bins import bins_from_manifests
+from aed.sources import parse_spec
 from aed.memory import format_bytes, parse_bytes
 from aed.oomptimizer import (MemoryBudgetError, TrainingStep, fit_memory_model, make_monotone, optimize,
                              optimize_with_model)
@@ -81,17 +82,14 @@ def manifest_bins(config: str, manifests: list | None, sample: int | None) -> tu
     train.manifests."""
     try:
         cfg = load_train_config(config)
-        if not manifests:
-            manifests = [m if isinstance(m, str) else m.get("path") for m in cfg.train.manifests]
-            if None in manifests:
-                raise ConfigError("train.manifests has tar shards: give their source manifests with --manifest")
+        manifests = [parse_spec(m) for m in manifests] if manifests else list(cfg.train.manifests)
         bins, meta = bins_from_manifests(manifests, Tokenizer.load(cfg.train.tokenizer), cfg.train.num_buckets,
                                          cfg.train.sub_buckets, cfg.train.bin_method, sample, cfg.seed,
                                          max_tokens=cfg.model.dec_max_len)
     except (ConfigError, OSError, ValueError) as e:
         raise SystemExit(f"oom.py: {config}: {e}") from None
     log.info("bins: %d buckets from %d of %d lines of %s (skipped: %s)", bins.num_buckets, meta["used"],
-             meta["lines"], ", ".join(manifests), meta["skipped"] or "none")
+             meta["lines"], ", ".join(map(str, manifests)), meta["skipped"] or "none")
     return bins, manifests
 
 
@@ -112,7 +110,8 @@ def main(argv=None) -> None:
     p.add_argument("--config", required=True, help="train.py YAML (model, features, optim, precision sections)")
     p.add_argument("--bins", help="bins.json from tools/estimate_bins.py (or a run dir's bins.json); default: "
                    "estimated from --manifest or the config's train.manifests")
-    p.add_argument("--manifest", action="append", help="without --bins: estimate bins from this manifest (repeat)")
+    p.add_argument("--manifest", action="append", help="without --bins: estimate bins from this train.manifests "
+                   "entry (repeat): a path or a YAML mapping such as '{shar: DIR}'")
     p.add_argument("--sample", type=int, default=None, help="without --bins: estimate from this many lines")
     p.add_argument("-o", "--output", help="batch sizes JSON for train.batch_sizes (default: next to --out)")
     p.add_argument("--out", help="YAML fragment for train.py (train.batch_sizes, train.max_tps, train.manifests)")

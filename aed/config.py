@@ -34,7 +34,7 @@ FREEZE = ("none", "encoder", "all_but_new_tokens")  # TrainConfig.freeze (aed/tr
 
 @dataclass
 class DataConfig:
-    manifests: list[dict | str] = field(default_factory=lambda: ["data/mini/train.jsonl"])  # paths, {path, weight} or {shards: DIR, weight}
+    manifests: list[dict | str] = field(default_factory=lambda: ["data/mini/train.jsonl"])  # paths, {path, weight}, or streamed: {shards: DIR}, {shar: DIR}, a NeMo tarred set, {parquet: GLOB} (aed/sources.py)
     tokenizer: str = "data/mini/tokenizer"  # directory written by tools/train_tokenizer.py; sets the model's vocabulary
     skip_invalid: bool = True  # bad manifest lines are skipped with a warning and counted, not fatal
     check_audio: bool = True  # read every audio header at start (~2-4k files/s per rank, cold cache): unreadable files and wrong durations are skipped

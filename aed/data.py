@@ -148,13 +148,19 @@ def parse_line(line: str, where: str, base_dir: str, needs_text: bool = True) ->
     offset = seconds(d, "offset", where, positive=False)
     if not needs_text:
         return Utterance(path, duration, "", "", "", True, "asr", offset or 0.0, where, segment=offset is not None)
+    text, *task = text_and_task(d, where)
+    return Utterance(path, duration, text, *task, offset or 0.0, where, segment=offset is not None)
+
+
+def text_and_task(d: dict, where: str) -> tuple[str, str, str, bool, str]:
+    """(text, source_lang, target_lang, pnc, taskname) of a line, checked; shared with the readers
+    of other formats (aed/streaming.py), so every format follows the manifest's rules."""
     text = reference_text(d)
     if not isinstance(text, str):
         fail(where, "text", "missing (neither 'text' nor 'answer') or not a string")
     if not text.strip():
         fail(where, "text", "empty transcript")
-    task = check_task(where, *languages(d), d.get("pnc", "yes"), d.get("taskname"))
-    return Utterance(path, duration, text, *task, offset or 0.0, where, segment=offset is not None)
+    return (text, *check_task(where, *languages(d), d.get("pnc", "yes"), d.get("taskname")))
 
 
 def iter_manifest(path: str, skip_invalid: bool = False, needs_text: bool = True) -> Iterator[Utterance]:

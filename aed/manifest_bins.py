@@ -1,6 +1,10 @@
 """Bucket bins estimated from training manifests, counting tokens exactly as training does.
 
     bins, meta = bins_from_manifests(["train.jsonl"], tokenizer, num_buckets=30, sub_buckets=2)
+    bins, meta = bins_from_manifests([{"shar": "data/shar"}], tokenizer)   # any train.manifests entry
+
+Streamed entries (aed/sources.py) give their rows' metadata: NeMo manifests, Shar cuts and parquet
+columns hold the durations, so no audio is read (parquet without a duration column: headers only).
 
 An example's token count is the length of what the decoder is trained on: prompt + text + EOS,
 from `aed.data.encode_utterance` with the training tokenizer (train.tokenizer), after the line is
@@ -16,37 +20,53 @@ import sys
 import time
 from collections import Counter
 
-from aed.data import ManifestError, encode_utterance, parse_line
+from aed.data import ManifestError, Utterance, encode_utterance, parse_line
+from aed.sources import metadata, open_source, spec_kind
 from bins import estimate_bins
 
 
-def sample_lines(paths: list, n: int | None, seed: int) -> tuple:
-    """Uniform random sample of n non-empty lines over all manifests: ([(path, line_no, line)], total)."""
-    rng, sample, seen, last = random.Random(seed), [], 0, time.time()
-    for path in paths:
+def spec_rows(spec, faults: Counter):
+    """(where, base dir, row) of a train.manifests entry: a manifest's raw lines (parsed only when
+    sampled), or a streamed source's checked example fields; what the source skips goes to `faults`."""
+    if spec_kind(spec) == "manifest":
+        path = spec if isinstance(spec, str) else spec["path"]
+        base = os.path.dirname(os.path.abspath(path))
         with open(path, encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                if n is None or seen < n:
-                    sample.append((path, line_no, line))
-                elif (j := rng.randrange(seen + 1)) < n:
-                    sample[j] = (path, line_no, line)
-                seen += 1
-                if seen % 100_000 == 0 and time.time() - last > 2:
-                    last = time.time()
-                    print(f"estimate_bins: scanned {seen:,} lines ({path})", file=sys.stderr)
-    return sample, seen
+                if line.strip():
+                    yield f"{path}:{line_no}", base, line
+        return
+    source = open_source(spec, shuffle_shards=False)
+    for where, fields in metadata(source):
+        yield where, None, fields
+    faults.update(source.faults.counts if hasattr(source, "faults") else {})
+
+
+def sample_lines(specs: list, n: int | None, seed: int) -> tuple:
+    """Uniform random sample of n rows over all entries: ([(where, base dir, row)], total, skipped by the sources)."""
+    rng, sample, seen, last, faults = random.Random(seed), [], 0, time.time(), Counter()
+    for spec in specs:
+        for item in spec_rows(spec, faults):
+            if n is None or seen < n:
+                sample.append(item)
+            elif (j := rng.randrange(seen + 1)) < n:
+                sample[j] = item
+            seen += 1
+            if seen % 100_000 == 0 and time.time() - last > 2:
+                last = time.time()
+                print(f"estimate_bins: scanned {seen:,} rows ({spec})", file=sys.stderr)
+    return sample, seen, faults
 
 
 def measure(lines: list, tokenizer, max_tokens: int | None) -> tuple:
     """(durations, num_tokens, skipped by reason, first skipped line per reason)."""
     durations, num_tokens, skipped, example = [], [], Counter(), {}
     last = time.time()
-    for k, (path, line_no, line) in enumerate(lines, 1):
-        where = f"{path}:{line_no}"
+    for k, (where, base, row) in enumerate(lines, 1):
         try:
-            utt = parse_line(line, where, os.path.dirname(os.path.abspath(path)))
+            utt = parse_line(row, where, base) if isinstance(row, str) else Utterance(  # fields checked by the reader
+                where, row["duration"], row["text"], row["source_lang"], row["target_lang"], row["pnc"],
+                row["taskname"])
             n = len(encode_utterance(tokenizer, utt)[0])
         except ManifestError as e:
             skipped["bad_line"] += 1
@@ -68,21 +88,23 @@ def measure(lines: list, tokenizer, max_tokens: int | None) -> tuple:
     return durations, num_tokens, skipped, example
 
 
-def bins_from_manifests(paths: list, tokenizer, num_buckets: int = 30, sub_buckets: int = 2,
+def bins_from_manifests(specs: list, tokenizer, num_buckets: int = 30, sub_buckets: int = 2,
                         method: str = "optimised", sample: int | None = None, seed: int = 0,
                         outlier_z: float = 4.0, max_tokens: int | None = None,
                         audio_weight: float | None = None) -> tuple:
     """(Bins, meta): bins estimated (bins.estimate_bins) from `sample` lines of the manifests (all
     by default), leaving out examples over max_tokens (train.py drops those: model.dec_max_len).
     meta records what they were estimated from. Raises ValueError if no line is usable."""
-    lines, total = sample_lines(paths, sample, seed)
+    lines, total, faults = sample_lines(specs, sample, seed)
     durations, num_tokens, skipped, example = measure(lines, tokenizer, max_tokens)
     for reason, n in skipped.items():
         print(f"estimate_bins: skipped {n:,} sampled lines ({reason}), e.g. {example[reason]}", file=sys.stderr)
+    for reason, n in faults.items():
+        print(f"estimate_bins: the readers skipped {n:,} {reason.replace('_', ' ')} (logged above)", file=sys.stderr)
     if not durations:
-        raise ValueError(f"estimate_bins: no usable line in {len(lines):,} sampled lines of {', '.join(paths)}")
+        raise ValueError(f"estimate_bins: no usable line in {len(lines):,} sampled lines of {specs}")
     bins = estimate_bins(durations, num_tokens, num_buckets, sub_buckets, outlier_z, method, audio_weight)
-    meta = {"manifests": list(paths), "lines": total, "sampled": len(lines), "used": len(durations),
-            "skipped": dict(skipped), "method": method, "audio_weight": audio_weight, "seed": seed,
-            "outlier_z": outlier_z, "max_tokens": max_tokens}
+    meta = {"manifests": list(specs), "lines": total, "sampled": len(lines), "used": len(durations),
+            "skipped": dict(skipped) | {f"reader_{r}": n for r, n in faults.items()}, "method": method,
+            "audio_weight": audio_weight, "seed": seed, "outlier_z": outlier_z, "max_tokens": max_tokens}
     return bins, meta

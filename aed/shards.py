@@ -24,8 +24,9 @@ Layout of a sharded set (a folder):
   member, byte offset of the next example): `get` seeks straight to an example and a restored
   cursor continues inside the open shard, so resuming re-reads neither epochs nor shards.
 - A missing, corrupt or truncated shard is logged with its path and skipped (the rest of that
-  shard is lost); `stats` counts them. tarfile stops silently at a truncated header, so the
-  number of examples read is checked against the index.
+  shard is lost); `stats` counts them. A tar cut before a header ends silently (tarfile's rule,
+  kept by the shared member reader `aed.tar_source.tar_members`), so the number of examples read
+  is checked against the index.
 
 Examples are dicts with the JSON fields plus `audio` (the encoded bytes) and `where`
 ("shard-000003.tar#17", for messages). Compressed audio is small, so the sampler's buffer holds
@@ -56,6 +57,7 @@ from torch.utils.data import Dataset
 
 from aed.audio import AudioError
 from aed.data import Utterance, make_item
+from aed.tar_source import CHUNK, tar_members
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +133,7 @@ class ShardSource:
         if shard not in self._handles:
             self._handles[shard] = self._open(self.paths[shard])
         try:
-            ex = next(self._examples(shard, self._handles[shard], member, offset))[2]
+            ex = next(self._examples(shard, self._handles[shard], member, offset, chunk=0))[2]
         except (StopIteration, OSError, EOFError, tarfile.TarError) as e:
             raise ValueError(f"{self.describe(key)}: cannot re-read this example ({e!r})") from None
         if ex is None:
@@ -141,41 +143,38 @@ class ShardSource:
     def describe(self, key) -> str:
         return f"{self.paths[key[0]]}#{key[1]}"
 
-    def _examples(self, shard: int, f, member: int, offset: int):
+    def _examples(self, shard: int, f, member: int, offset: int, chunk: int = CHUNK):
         """Yields (key, (next member, next offset), example) from the example whose header is at
         `offset`; example is None for a bad one (logged and counted). Raises tarfile/OS errors on
-        a corrupt shard."""
-        f.seek(offset)
-        tf = tarfile.open(fileobj=f, mode="r:")
-        pending = None  # (key, tar member) of a .json waiting for its audio
-        while (m := tf.next()) is not None:
-            tf.members.clear()  # tarfile keeps every header it read; a stream needs none of them
-            stem, _, ext = m.name.rpartition(".")
+        a corrupt shard. Members are read by `aed.tar_source.tar_members` (chunk=0: one example)."""
+        pending = None  # (key, name, bytes) of a .json waiting for its audio
+        for at, name, data, end in tar_members(f, offset, chunk):
+            stem, _, ext = name.rpartition(".")
             if pending is None:
                 if ext == "json":
-                    pending = ((shard, member, m.offset), m)
+                    pending = ((shard, member, at), name, data)
                 else:
-                    self._bad(shard, member, f"audio member {m.name} without its .json")
+                    self._bad(shard, member, f"audio member {name} without its .json")
                 continue
-            key, meta = pending
+            key, meta_name, meta = pending
             pending = None
             member += 1
-            if meta.name.rpartition(".")[0] != stem:
-                self._bad(*key[:2], f"{meta.name} is followed by {m.name}, not its audio")
+            if meta_name.rpartition(".")[0] != stem:
+                self._bad(*key[:2], f"{meta_name} is followed by {name}, not its audio")
                 if ext == "json":  # the audio went missing: this json may start the next pair
-                    pending = ((shard, member, m.offset), m)
-                yield key, (member, m.offset if pending else tf.offset), None
+                    pending = ((shard, member, at), name, data)
+                yield key, (member, at if pending else end), None
                 continue
             try:
-                ex = json.loads(tf.extractfile(meta).read())
+                ex = json.loads(meta)
                 ex["duration"] = float(ex["duration"])
             except (ValueError, KeyError, TypeError) as e:
-                self._bad(*key[:2], f"bad JSON in {meta.name} ({e!r})")
-                yield key, (member, tf.offset), None
+                self._bad(*key[:2], f"bad JSON in {meta_name} ({e!r})")
+                yield key, (member, end), None
                 continue
-            ex["audio"] = tf.extractfile(m).read()
+            ex["audio"] = data
             ex["where"] = self.describe(key)
-            yield key, (member, tf.offset), ex
+            yield key, (member, end), ex
 
     def _bad(self, shard: int, member: int, why: str) -> None:
         self.stats["bad_examples"] += 1
@@ -235,14 +234,23 @@ class MixedSource:
 
 
 def decode_audio(example: dict, sample_rate: int = 16000) -> torch.Tensor:
-    """An example's audio bytes -> mono float32 (S,) at `sample_rate`: `duration` seconds from the
-    start, the same samples `aed.audio.load_audio` gives for the original file (it needs a path)."""
+    """An example's audio bytes -> mono float32 (S,) at `sample_rate`: `duration` seconds from
+    `offset` (default 0; a NeMo member shared by the segments of one file), the same samples
+    `aed.audio.load_audio` gives for the original file (it needs a path)."""
     where = example.get("where", "example")
     try:
         with sf.SoundFile(io.BytesIO(example["audio"])) as f:
+            start = round(example.get("offset", 0.0) * f.samplerate)
+            if start >= f.frames > 0:
+                raise AudioError(where, f"offset {example['offset']}s is beyond the end "
+                                        f"({f.frames / f.samplerate:.3f}s)")
+            if start:
+                f.seek(start)
             data = f.read(round(example["duration"] * f.samplerate), dtype="float32", always_2d=True)
             file_rate = f.samplerate
-    except (RuntimeError, ValueError) as e:  # sf.LibsndfileError is a RuntimeError
+    except AudioError:
+        raise
+    except (RuntimeError, ValueError, TypeError) as e:  # sf.LibsndfileError is a RuntimeError; TypeError: no bytes
         raise AudioError(where, f"cannot decode ({e})") from e
     if data.shape[0] == 0:
         raise AudioError(where, "no samples")
@@ -269,9 +277,14 @@ class ShardDataset(Dataset):
             wav = decode_audio(ex, self.logmel.cfg.sample_rate)
         except AudioError as e:
             return {"error": str(e), "audio_filepath": where}
-        # The shard location names the example in batches and messages: its original file may
-        # not exist where training runs. Fields were validated when the shard was made.
-        utt = Utterance(where, ex["duration"], ex["text"], ex["source_lang"], ex["target_lang"], ex["pnc"],
-                        ex["taskname"], where=where)
         index = zlib.crc32(where.encode())  # stable across processes, unlike hash()
-        return make_item(wav, utt, index, self.tokenizer, self.logmel, self.seed)
+        return make_item(wav, as_utterance(ex), index, self.tokenizer, self.logmel, self.seed)
+
+
+def as_utterance(ex: dict) -> Utterance:
+    """A streamed example as the Utterance that tokenizing and `make_item` read. Its location
+    (`where`) names it in batches and messages: its original file may not exist where training
+    runs. Fields were validated by the reader (or when the shard was made)."""
+    where = ex["where"]
+    return Utterance(where, ex["duration"], ex["text"], ex["source_lang"], ex["target_lang"], ex["pnc"],
+                     ex["taskname"], ex.get("offset", 0.0), where=where)

@@ -21,7 +21,8 @@ from aed.data import (Collate, ManifestError, UtteranceDataset, check_audio, enc
 from aed.dataclass_config import ConfigError
 from aed.distributed import all_gather_objects
 from aed.objectives import OBJECTIVES
-from aed.shards import MixedSource, ShardDataset, ShardSource
+from aed.shards import MixedSource, ShardDataset
+from aed.sources import CountTokens, is_streamed, open_source, spec_kind
 from bins import Bins, estimate_bins, load_batch_sizes
 from sampler import BucketingSampler
 
@@ -37,9 +38,9 @@ def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_
     rng = random.Random(seed)
     out, out_tokens = [], []
     for spec in specs:
+        if spec_kind(spec) != "manifest":
+            raise ConfigError(f"train.manifests entry {spec!r} is streamed: every entry must then be streamed")
         spec = {"path": spec} if isinstance(spec, str) else spec
-        if set(spec) - {"path", "weight"} or "path" not in spec:
-            raise ConfigError(f"train.manifests entry {spec!r}: expected a path or {{path, weight}}")
         utts = read_manifest(spec["path"], skip_invalid=data_cfg.skip_invalid, needs_text=tokenizer is not None)
         if tokenizer is not None:
             utts, num_tokens = encodable(utts, tokenizer, data_cfg.skip_invalid)
@@ -84,8 +85,9 @@ def with_valid_audio(path: str, utts: list, num_tokens: list, data_cfg, rank: in
 
 def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
                         bins_out: str | None = None) -> "TrainingData":
-    """The sampler and dataset of cfg.train: manifests in memory, or tar shards streamed through
-    the sampler's producer thread (then bins come from the source manifests). An objective that
+    """The sampler and dataset of cfg.train: manifests in memory, or streamed sources (aed's tar
+    shards, NeMo tarred sets, Lhotse Shar, parquet: aed/sources.py) read through the sampler's
+    producer thread, token counts computed as they stream by (then bins must be given). An objective that
     reads no text (ssl) reads audio alone: no text, 1D (duration) buckets. Bins estimated from the
     manifests are saved to `bins_out` when given. ConfigError / ManifestError name what is wrong."""
     reads_text = OBJECTIVES[cfg.objective].reads_text
@@ -104,20 +106,22 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
         sampler_args["max_duration"] = cfg.train.max_duration
     data = dict(pad_id=tokenizer.pad, num_workers=cfg.train.num_workers, seed=cfg.seed)
 
-    shard_specs = [s for s in cfg.train.manifests if isinstance(s, dict) and "shards" in s]
-    if shard_specs:
+    streamed = [s for s in cfg.train.manifests if is_streamed(s)]
+    if streamed:
         if not reads_text:
-            raise ConfigError(f"objective={cfg.objective} reads manifests (audio-only lines are fine), not tar shards")
-        if len(shard_specs) != len(cfg.train.manifests) or bins is None:
-            raise ConfigError("sharded training needs every train.manifests entry as {shards: DIR} "
-                              "(convert manifests with tools/make_shards.py) and train.bins or train.batch_sizes")
+            raise ConfigError(f"objective={cfg.objective} reads manifests (audio-only lines are fine), not "
+                              "streamed sources")
+        if len(streamed) != len(cfg.train.manifests) or bins is None:
+            raise ConfigError("streamed training needs every train.manifests entry streamed ({shards: DIR}, "
+                              "{shar: DIR}, a NeMo tarred set or {parquet: GLOB}; README: Your data as it is) and "
+                              "train.bins or train.batch_sizes (tools/estimate_bins.py reads the same entries)")
         longest = max(max(row) for row in bins.tokens) if bins.tokens else None
         if longest is None or longest > cfg.model.dec_max_len:
-            raise ConfigError(f"sharded training needs 2D bins whose token bounds fit "
+            raise ConfigError(f"streamed training needs 2D bins whose token bounds fit "
                               f"model.dec_max_len={cfg.model.dec_max_len} (the sampler drops longer examples)")
-        sources = [ShardSource(s["shards"]) for s in shard_specs]
+        sources = [CountTokens(open_source(s), tokenizer) for s in streamed]
         source = sources[0] if len(sources) == 1 else MixedSource(
-            sources, [float(s.get("weight", 1.0)) for s in shard_specs])
+            sources, [float(s.get("weight", 1.0)) for s in streamed])
         sampler = BucketingSampler(source, bins, **sampler_args)
         return TrainingData(sampler, ShardDataset(tokenizer, logmel, seed=cfg.seed), bins, BatchCounter(sampler),
                             **data)

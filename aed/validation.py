@@ -2,20 +2,26 @@
 transcribe, WER per language and BLEU per translation pair.
 
     results = evaluate(setup, model, {"dev": "data/mini/dev.jsonl"}, rank, world_size, skip_invalid, unreadable)
+    results = evaluate(setup, model, {"dev": {"shar": "data/dev_shar"}}, ...)   # any train.manifests entry
 
 Each rank scores a slice of every manifest; losses are all-reduced and hypotheses gathered, so
 every metric is a corpus metric over the whole manifest.
 """
 
 import logging
+from itertools import islice
 
 import torch
+from torch.utils.data import Dataset
 
-from aed.audio import LogMel
-from aed.data import Collate, UnreadableAudio, UtteranceDataset, duration_batches, encodable, read_manifest
+from aed.audio import AudioError, LogMel
+from aed.data import (Collate, UnreadableAudio, UtteranceDataset, duration_batches, encodable, make_item,
+                      read_manifest)
 from aed.decoding import DecodingOptions
 from aed.distributed import all_gather_objects, all_reduce
 from aed.metrics import corpus_scores
+from aed.shards import as_utterance, decode_audio
+from aed.sources import metadata, open_source, spec_kind
 from aed.timestamps import frame_seconds
 from aed.training import autocast, count_ctc_skipped, train_mode
 
@@ -41,12 +47,9 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
     results = {}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(cfg.seed + rank)
-        for name, path in manifests.items():
-            utts = read_manifest(path, skip_invalid, needs_text=objective.reads_text)[: cfg.val.max_utterances]
-            if objective.reads_text:
-                utts, _ = encodable(utts, tokenizer, skip_invalid)
-            order = sorted(range(len(utts)), key=lambda i: utts[i].duration)[rank::world_size]
-            ds = UtteranceDataset([utts[i] for i in order], tokenizer if objective.reads_text else None, logmel)
+        for name, spec in manifests.items():
+            ds = val_dataset(spec, cfg.val.max_utterances, tokenizer if objective.reads_text else None, logmel,
+                             skip_invalid, rank, world_size)
             sums = torch.zeros(3, device=device)  # loss, targets, transcriptions too short for CTC
             rows = []  # (task, source language, target language, reference, hypothesis)
             for group in duration_batches([u.duration for u in ds.utterances], cfg.val.batch_duration):
@@ -69,6 +72,48 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
                 results |= scores(name, [r for part in all_gather_objects(rows) for r in part], int(sums[2]), cfg.val)
     train_mode(model, cfg.freeze)
     return results
+
+
+def val_dataset(spec, max_utterances: int | None, tokenizer, logmel: LogMel, skip_invalid: bool, rank: int,
+                world_size: int):
+    """This rank's share of a validation set, the shortest first: every world_size-th utterance in
+    order of duration. spec: a manifest path, or a streamed train.manifests entry (aed/sources.py),
+    whose examples are held in memory (a validation set is small) and decoded when scored; the
+    first `max_utterances` in file order are used. tokenizer None: audio only (objective=ssl)."""
+    if spec_kind(spec) == "manifest":
+        path = spec if isinstance(spec, str) else spec["path"]
+        utts = read_manifest(path, skip_invalid, needs_text=tokenizer is not None)[:max_utterances]
+        if tokenizer is not None:
+            utts, _ = encodable(utts, tokenizer, skip_invalid)
+        order = sorted(range(len(utts)), key=lambda i: utts[i].duration)[rank::world_size]
+        return UtteranceDataset([utts[i] for i in order], tokenizer, logmel)
+    source = open_source(spec, shuffle_shards=False)
+    rows = [(fields["duration"], where) for where, fields in islice(metadata(source), max_utterances)]
+    mine = {where for _, where in sorted(rows)[rank::world_size]}  # durations from metadata: no audio read
+    examples = sorted((ex for _, _, ex in source.read(0, 0, 1) if ex["where"] in mine), key=lambda ex: ex["duration"])
+    if tokenizer is not None:
+        kept = {u.where for u in encodable([as_utterance(ex) for ex in examples], tokenizer, skip_invalid)[0]}
+        examples = [ex for ex in examples if ex["where"] in kept]
+    return ExampleDataset(examples, tokenizer, logmel)
+
+
+class ExampleDataset(Dataset):
+    """Streamed examples held in memory, indexed as `UtteranceDataset` (items of `make_item`;
+    `utterances[i]` for the metrics); audio that does not decode comes back as {"error": ...}."""
+
+    def __init__(self, examples: list[dict], tokenizer, logmel: LogMel):
+        self.examples, self.tokenizer, self.logmel = examples, tokenizer, logmel
+        self.utterances = [as_utterance(ex) for ex in examples]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict:
+        try:
+            wav = decode_audio(self.examples[i], self.logmel.cfg.sample_rate)
+        except AudioError as e:
+            return {"error": str(e), "audio_filepath": self.utterances[i].audio_filepath}
+        return make_item(wav, self.utterances[i], i, self.tokenizer, self.logmel)
 
 
 def scores(name: str, rows: list, ctc_skipped: int, val_cfg) -> dict:

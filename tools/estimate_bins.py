@@ -1,6 +1,7 @@
 """Estimate bucket bins from training manifests, counting tokens exactly as training does.
 
     python tools/estimate_bins.py --manifest train.jsonl --tokenizer data/mini/tokenizer -o bins.json
+    python tools/estimate_bins.py --manifest '{shar: data/shar}' --tokenizer data/mini/tokenizer -o bins.json
     python tools/estimate_bins.py --manifest a.jsonl --manifest b.jsonl --tokenizer TOK_DIR \\
         --buckets 30 --sub-buckets 2 --method equal --sample 100000 --max-tokens 512 -o bins.json
 
@@ -23,12 +24,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
 
 from aed.manifest_bins import bins_from_manifests  # noqa: E402
+from aed.sources import parse_spec  # noqa: E402
 from aed.tokenizer import Tokenizer  # noqa: E402
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--manifest", action="append", required=True, help="NeMo-style JSONL (repeat for several)")
+    p.add_argument("--manifest", action="append", required=True, type=parse_spec,
+                   help="a train.manifests entry (repeat for several): a JSONL path, or a YAML mapping such as "
+                        "'{shar: data/shar}' (README: Your data as it is)")
     p.add_argument("--tokenizer", required=True, help="the training tokenizer directory (train.tokenizer)")
     p.add_argument("--buckets", type=int, default=30, help="duration bins")
     p.add_argument("--sub-buckets", type=int, default=2, help="token sub-bins per duration bin (1 = 1D bucketing)")
