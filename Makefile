@@ -23,6 +23,8 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@if [ -n "$(TORCH_PINS)$(CPU)" ]; then $(VENV)/bin/pip install -q $(TORCH_SOURCE) $(or $(TORCH_PINS),torch torchaudio); fi
 	$(VENV)/bin/pip install -q -e .
+	# Optional at run time (parquet sources name it when missing); the suite tests that reader too.
+	$(VENV)/bin/pip install -q pyarrow
 	touch $@
 
 # Two workers: the suite is mostly single-threaded subprocesses. Slow tests are collected first

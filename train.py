@@ -42,6 +42,7 @@ from aed.memory import format_bytes, parse_bytes
 from aed.oomptimizer import MemoryBudgetError, TrainingStep, preflight
 from aed.parallel import full_copy, share_rank0_buffers, wrap
 from aed.progress import Progress, RunLog
+from aed.sources import KINDS, spec_kind
 from aed.training import count_targets, train_step
 from aed.training_data import TrainingData, build_training_data
 from aed.training_setup import TrainingSetup, build_training_setup
@@ -69,15 +70,25 @@ def parse_config(argv: list[str]):
         sys.exit(f"config error: {e}")
 
 
-def val_set_names(paths: list[str]) -> dict[str, str]:
-    """Metric prefix per validation manifest: its file stem, or folder_stem when stems repeat
-    (data/mini/dev.jsonl and data/mini/digits/dev.jsonl -> mini_dev, digits_dev)."""
+def val_set_names(specs: list) -> dict:
+    """Metric prefix per validation set: its file stem, or folder_stem when stems repeat
+    (data/mini/dev.jsonl and data/mini/digits/dev.jsonl -> mini_dev, digits_dev). A Shar or shard
+    directory is named by the directory, a NeMo set or parquet files by the folder that holds them."""
+    paths = [spec if isinstance(spec, str) else named_path(spec) for spec in specs]
     stems = [os.path.splitext(os.path.basename(p))[0] for p in paths]
     names = [f"{os.path.basename(os.path.dirname(os.path.abspath(p)))}_{s}" if stems.count(s) > 1 else s
              for p, s in zip(paths, stems)]
     if len(set(names)) < len(names):
         raise ConfigError(f"val.manifests need distinct file or folder names, got {paths}")
-    return dict(zip(names, paths))
+    return dict(zip(names, specs))
+
+
+def named_path(spec: dict) -> str:
+    """The path that names a streamed validation entry (aed/sources.py)."""
+    kind = spec_kind(spec)
+    if kind in ("shar", "shards", "manifest"):
+        return os.path.normpath(spec[KINDS[kind][0]])
+    return os.path.dirname(os.path.abspath(spec["tarred_audio_filepaths" if kind == "nemo" else "parquet"]))
 
 
 # --- processes -------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ class DataConfig:
 
 @dataclass
 class ValConfig:
-    manifests: list[str] = field(default_factory=lambda: ["data/mini/dev.jsonl"])  # validation manifests, scored separately
+    manifests: list[dict | str] = field(default_factory=lambda: ["data/mini/dev.jsonl"])  # validation sets, scored separately: manifest paths or any train.manifests entry ({shar: DIR}, a NeMo tarred set, {parquet: GLOB}, ...)
     every: int = 500  # validate every N steps (and before step 1 and at the end); 0: never
     batch_duration: float = 300.0  # padded seconds of audio per decoding batch (batch size x longest)
     max_utterances: int | None = None  # validate on the first N utterances of each manifest only

@@ -417,12 +417,17 @@ def test_training_on_a_nemo_and_a_shar_entry_mixed_resumes_exactly(sets, tmp_pat
     args = [f"train.manifests={entries}", f"train.bins={tmp_path / 'bins.json'}", "ckpt_every=100",
             "train.max_duration=8"]
     a, b = tmp_path / "a", tmp_path / "b"
-    run_train(a, "max_steps=4", *args)
+    # Run a also validates on the Shar set and on its JSONL twin: the same utterances, the same loss.
+    val = json.dumps([spec_of("shar", roots["shar"]), str(manifest)])
+    run_train(a, "max_steps=4", *args, f"val.manifests={val}", "val.every=4")
     run_train(b, "max_steps=2", *args)
     p = run_train(b, "max_steps=4", *args)
     assert "resumed from" in p.stderr
     la, lb = losses(a), losses(b)
     assert sorted(la) == sorted(lb) == [1, 2, 3, 4] and all(la[s] == lb[s] for s in la), (la, lb)
+    with open(a / "metrics.jsonl") as f:
+        last = [row for row in map(json.loads, f) if row["step"] == 4 and f"val/{roots['shar'].name}/loss" in row][0]
+    assert last[f"val/{roots['shar'].name}/loss"] == pytest.approx(last["val/m/loss"], rel=1e-5)
 
 
 def test_nemo_one_manifest_for_every_tar_by_shard_id(sets):
