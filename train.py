@@ -26,6 +26,7 @@ import random
 import signal
 import sys
 import time
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -108,6 +109,8 @@ def start_process(cfg) -> Process:
     """Joins the torchrun world (if any), sets up logging (rank 0 at INFO, others warnings only),
     CPU threads and seeds: dropout and SpecAugment differ per rank; data order is the sampler's."""
     rank, _, world_size, device = init_distributed()
+    if world_size == 1:  # DCP's background writes would say, once, that they assume one process
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank {rank}] %(message)s", datefmt="%H:%M:%S")
     os.makedirs(cfg.run_dir, exist_ok=True)
