@@ -5,6 +5,8 @@
     python train.py configs/canary-1b-flash.yaml train.bins=bins.json train.batch_sizes=batch_sizes.json
     python oom.py --config configs/canary-1b.yaml --bins bins.json --simulate-memory 80GiB --memory-model -o bs.json
     python oom.py --config run.yaml --manifest train.jsonl --out buckets.yaml [--simulate-memory 80GiB --memory-model]
+    python oom.py --config configs/canary-1b.yaml --bins bins.json --strategy fsdp --world-size 8 \
+        --simulate-memory 24GiB --memory-model -o bs.json      # one rank of FSDP over 8 GPUs
     python train.py run.yaml buckets.yaml
 
 One command from manifests to a training config (--out): without --bins, bins are estimated from
@@ -25,8 +27,15 @@ The search itself is aed/oomptimizer.py: every bucket's largest batch, found by 
 own training step (built by aed/training_setup.py from the same config) on an artificial batch at
 the bucket's bounds, doubling and bisecting. Steps must fit the budget minus a safety margin (10%)
 for what an artificial step does not see: allocator fragmentation, pinned loader buffers,
-validation decoding. --ddp adds DDP's gradient buckets (one more copy of the gradients). Writes
-`bins.save_batch_sizes`'s format and prints a table.
+validation decoding. Writes `bins.save_batch_sizes`'s format and prints a table.
+
+--strategy says how the ranks of the training share the work (train.strategy), and so what one
+device holds: without it, one process on one device; ddp (or --ddp) adds DDP's gradient buckets,
+one more copy of the gradients; fsdp shards the model as train.py would (aed/parallel.py) over a
+fake process group of --world-size ranks (aed/simulated_memory.py `fake_world`: collectives move
+no data) and measures rank 0: parameters, gradients and AdamW state divided by the world size, plus
+whatever FSDP gathers and reduces a layer or two at a time, by running its real step, not a
+formula. On a real device that too is one process: one GPU sizes a rank of an 8-GPU FSDP run.
 """
 
 import argparse
@@ -46,7 +55,7 @@ from aed.sources import parse_spec
 from aed.memory import format_bytes, parse_bytes
 from aed.oomptimizer import (MemoryBudgetError, TrainingStep, fit_memory_model, make_monotone, optimize,
                              optimize_with_model)
-from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice, allocated_limit
+from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice, allocated_limit, fake_world
 from aed.tokenizer import Tokenizer
 from aed.training import AMP_DTYPES
 from aed.training_setup import load_training_setup
@@ -129,13 +138,19 @@ def main(argv=None) -> None:
     p.add_argument("--fit-steps", type=int, default=12, help="--memory-model: steps to fit on")
     p.add_argument("--verify", type=int, default=4, help="--memory-model: buckets measured at their answer")
     p.add_argument("--dtype", choices=list(AMP_DTYPES), default=None, help="precision (default: the config's)")
-    p.add_argument("--ddp", action="store_true", help="add DDP's gradient bucket memory (multi-GPU training)")
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], default=None,
+                   help="multi-GPU training's train.strategy: ddp adds its gradient buckets; fsdp measures one rank "
+                   "of a model sharded over --world-size ranks (default: one device, no data parallelism)")
+    p.add_argument("--ddp", action="store_const", const="ddp", dest="strategy", help="same as --strategy ddp")
+    p.add_argument("--world-size", type=int, default=8, help="--strategy fsdp: ranks the model is sharded over")
     p.add_argument("--threshold", type=float, default=0.05, help="stop when fit and failure are this close")
     p.add_argument("--start-batch-size", type=int, default=16, help="first trial of the largest bucket")
     p.add_argument("--max-tps", type=float, default=None,
                    help="1D bins: tokens/s that bound each bucket's tokens (default: bins.max_tps)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
+    if args.strategy == "fsdp" and args.world_size < 2:
+        p.error("--strategy fsdp needs --world-size of 2 or more (one rank shards nothing)")
     if not (args.output or args.out):
         p.error("give -o (batch sizes JSON) or --out (a YAML fragment for train.py), or both")
     if args.bins and args.manifest:
@@ -148,8 +163,11 @@ def main(argv=None) -> None:
     device = torch.device("cpu" if simulated else args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    with SimulatedDevice() if simulated else nullcontext():  # the model must be built on fake tensors
-        setup = load_training_setup(args.config, device, args.dtype, simulated=simulated)
+    fsdp = args.strategy == "fsdp"
+    strategy = [f"train.strategy={args.strategy}"] if args.strategy else []  # fsdp: training_setup shards
+    # The fake world first: FSDP's mesh is built from the process group, and the model on fake tensors.
+    with fake_world(args.world_size) if fsdp else nullcontext(), SimulatedDevice() if simulated else nullcontext():
+        setup = load_training_setup(args.config, device, args.dtype, strategy, simulated=simulated)
         model, precision = setup.model, setup.precision
         try:
             bins = bins or Bins.load(args.bins)
@@ -164,13 +182,13 @@ def main(argv=None) -> None:
             limit = int(budget_bytes * (1 - args.margin))
         if device.type == "cuda":  # real OOMs at the limit, like a GPU that is this size
             torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+        parallel = {"ddp": " + DDP buckets", "fsdp": f", FSDP rank 0 of {args.world_size}", None: ""}[args.strategy]
         log.info("model %.1fM parameters, %s%s, %s%s; budget %s -> limit %s (margin %.0f%%); %d buckets",
                  sum(p.numel() for p in model.parameters()) / 1e6, device, " (simulated CUDA)" if simulated else "",
-                 precision, " + DDP buckets" if args.ddp else "", format_bytes(budget_bytes), format_bytes(limit),
-                 100 * args.margin, len(shapes))
+                 precision, parallel, format_bytes(budget_bytes), format_bytes(limit), 100 * args.margin, len(shapes))
 
         t0 = time.time()
-        step = TrainingStep.of(setup, args.ddp, granularity=CUDA_BLOCK if simulated else 1)
+        step = TrainingStep.of(setup, args.strategy == "ddp", granularity=CUDA_BLOCK if simulated else 1)
         try:
             if args.memory_model:
                 chunk = getattr(model, "chunk_size", 0)  # a transducer computes its joint this many samples at a time
@@ -189,7 +207,8 @@ def main(argv=None) -> None:
         rows[b]["batch_size"] = new
     it = iter(sizes)
     save_batch_sizes(output, bins, [[next(it) for _ in range(k)] for k in bins.shape])
-    where = (f"limit {format_bytes(limit)} ({precision}{', DDP' if args.ddp else ''}"
+    where = (f"limit {format_bytes(limit)} ({precision}"
+             f"{', DDP' if args.strategy == 'ddp' else f', FSDP over {args.world_size}' if fsdp else ''}"
              f"{', simulated CUDA' if simulated else ''})")
     if args.out:
         write_fragment(args.out, output, args.max_tps if args.max_tps is not None else bins.max_tps,

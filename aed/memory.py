@@ -22,7 +22,7 @@ import re
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
@@ -69,6 +69,12 @@ class LiveTensorMemory(TorchDispatchMode):
     With `limit`, the op whose output takes the total past it raises OutOfMemory, as a device
     would: the failed step stops early instead of growing into the machine's real memory.
     `granularity` rounds every storage up as an allocator would (CUDA's caching allocator: 512).
+
+    Two things an op's outputs do not show are followed too. A tensor subclass (FSDP's DTensor
+    parameters, gradients and AdamW state) is counted by the plain tensors it wraps (its local
+    shard). A storage resized in place (`UntypedStorage.resize_`, not an aten op: FSDP2 frees a
+    layer's gathered parameters with resize_(0) and reallocates them with resize_(n)) is counted
+    at its new size: `resize_` is wrapped while the mode is active.
     """
 
     def __init__(self, limit=None, granularity: int = 1):
@@ -80,7 +86,9 @@ class LiveTensorMemory(TorchDispatchMode):
 
     def add(self, tensors) -> None:
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            if is_traceable_wrapper_subclass(t):  # DTensor: what it wraps
+                self.add(getattr(t, name) for name in t.__tensor_flatten__()[0])
+            elif isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 self._add(t.untyped_storage())
 
     def _add(self, storage) -> None:
@@ -104,7 +112,19 @@ class LiveTensorMemory(TorchDispatchMode):
         self.add(tree_leaves(out))
         return out
 
+    def __enter__(self):
+        self._resize = resize = torch.UntypedStorage.resize_
+
+        def counted_resize(storage, size):
+            out = resize(storage, size)
+            self._add(storage)  # may raise OutOfMemory, after the resize, as an allocation would
+            return out
+
+        torch.UntypedStorage.resize_ = counted_resize
+        return super().__enter__()
+
     def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
         for f in self._finalizers:  # storages that outlive the measurement must not call back
             f.detach()
         return super().__exit__(*exc)

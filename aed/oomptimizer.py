@@ -34,6 +34,7 @@ import math
 import time
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_map
 
 from aed.audio import FeatureConfig, SpecAugment, num_frames
@@ -120,6 +121,15 @@ class TrainingStep:
         self.optimizer.zero_grad(set_to_none=True)
         state = [v for s in self.optimizer.state.values() for v in s.values()]
         existing = [*self.model.parameters(), *self.model.buffers(), *state, self.ddp_buckets]
+        if isinstance(self.model, FSDPModule) and self.device.type != "cuda":
+            # A step stopped halfway leaves FSDP's layers gathered and its gradients unreduced, and
+            # the next step fails: run it whole, then compare (the search overshoots 2x at most).
+            # On CUDA a real OOM does the same: size FSDP on simulated memory (oom.py --simulate-memory).
+            peak = peak_memory(lambda: self.run(batch_size, frames, tokens), self.device, None, existing,
+                               self.granularity)
+            if limit is not None and peak > limit:
+                raise OutOfMemory(peak, limit)
+            return peak
         return peak_memory(lambda: self.run(batch_size, frames, tokens), self.device, limit, existing,
                            self.granularity)
 

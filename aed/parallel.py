@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import _disable_current_modes
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -36,17 +37,19 @@ def layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard(model: nn.Module, device: torch.device, world_size: int, precision: str,
-          reshard_after_forward: bool = True) -> nn.Module:
+          reshard_after_forward: bool = True, bf16_params: bool | None = None) -> nn.Module:
     """FSDP2 on each layer, then on the root (embeddings, heads, subsampling: the rest), starting
     from rank 0's weights. On CUDA
     with bf16, parameters are gathered and computed in bf16 while gradients are reduced in fp32;
-    elsewhere everything stays fp32. reshard_after_forward=False keeps each layer's gathered
+    elsewhere everything stays fp32 (bf16_params: True or False overrides this, for a simulated
+    CUDA device on the CPU). reshard_after_forward=False keeps each layer's gathered
     parameters from forward to backward: one all-gather less per layer, more memory."""
     with torch.no_grad():  # rank 0's initial weights everywhere, as DDP's constructor does: ranks seed apart
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor, src=0)
-    mesh = init_device_mesh(device.type, (world_size,))
-    bf16 = device.type == "cuda" and precision == "bf16"
+    with _disable_current_modes():  # the mesh's rank table is real, also inside a simulation (fake tensors)
+        mesh = init_device_mesh(device.type, (world_size,))
+    bf16 = device.type == "cuda" and precision == "bf16" if bf16_params is None else bf16_params
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     for layer in layers(model):

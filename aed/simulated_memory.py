@@ -37,7 +37,10 @@ What a CUDA device adds on top of the tensors, and how each term is treated:
   go through the allocator but depend on the algorithm cuDNN picks at run time).
 """
 
+from contextlib import contextmanager
+
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
@@ -165,3 +168,22 @@ class SimulatedDevice:
     def __exit__(self, *exc):
         self.host.__exit__(*exc)
         return self.fake.__exit__(*exc)
+
+
+@contextmanager
+def fake_world(world_size: int):
+    """A fake process group of `world_size` ranks in this process, this process its rank 0: FSDP
+    shards, all-gathers and reduce-scatters as it would on rank 0 of such a world, and every
+    collective moves no data (torch's FakeProcessGroup). For simulating a sharded step; destroyed
+    on exit. Refused inside a real distributed run (train.py's preflight measures with the real
+    group instead), so a real run never talks to a fake group."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend (private)
+    from torch._C._distributed_c10d import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world: a process group already exists in this process (a real distributed run?)")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -67,7 +67,8 @@ def build_training_setup(cfg: TrainConfig, device: torch.device, precision: str 
     if not simulated:
         model = model.to(device)
     if cfg.train.strategy == "fsdp" and world_size() > 1:  # sharded before the optimizer sees the parameters
-        model = shard(model, torch.device(device), world_size(), precision, cfg.train.reshard_after_forward)
+        model = shard(model, torch.device(device), world_size(), precision, cfg.train.reshard_after_forward,
+                      bf16_params=precision == "bf16" if simulated else None)  # simulated: as on CUDA
     train_mode(model, cfg.freeze)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.optim, cfg.max_steps))

@@ -46,6 +46,15 @@ simulated). The paper's schemes:
   C: B with oom.py's per-bucket batch sizes (from the memory model at every bucket's bounds);
   D: C with 2D 30x2 equal-count buckets (the paper's), sizes re-estimated.
 Prints a per-bucket table, a per-scheme table next to the paper's numbers, then the JSON line.
+
+`--scale PRESET --memory-model FIT.json --fsdp-memory-model FSDP.json --device-memory 24GiB,48GiB,80GiB`:
+the same schemes per device size, DDP against FSDP (one rank of each): DDP is FIT.json's model
+plus DDP's gradient buckets (a constant 4 bytes x parameters, exactly what oom.py --ddp adds)
+unless FIT.json was fitted with --strategy ddp; FSDP's model is fitted to simulated steps of the
+sharded model (bench/oom_scale_bench.py fit --strategy fsdp --world-size 8). A scheme "does not
+fit" a device when one utterance of its largest bucket is over the limit (A's, without the TPS
+filter, holds the long-transcript outliers; B-D's hold the filtered data); `fits` says all four
+do. JSON line: {preset: {GB: {ddp: {mean_batch, ratios, fits, fits_scheme, ...}, fsdp: {...}}}}.
 """
 
 import argparse
@@ -62,8 +71,9 @@ from aed.audio import FeatureConfig, num_frames
 from aed.config import load_train_config
 from aed.memory import format_bytes, parse_bytes
 from aed.memory_model import MemoryModel
-from aed.model import AEDConfig, count_parameters
-from aed.oomptimizer import TrainingStep, bucket_shapes, make_monotone, optimize, optimize_with_model, preflight
+from aed.model import AED, AEDConfig, count_parameters
+from aed.oomptimizer import (MemoryBudgetError, TrainingStep, bucket_shapes, make_monotone, optimize,
+                             optimize_with_model, preflight)
 from aed.simulated_memory import SimulatedDevice, allocated_limit
 from bins import estimate_bins
 from common import add_width_args, epoch_batch, log, print_json, print_table, random_aed, show_library_logs
@@ -110,7 +120,8 @@ def largest_batch_duration(examples: list, bins, peak, limit: float, seed: int =
     lo = bins.durations[-1]
     over, *best = attempt(lo)
     if over:
-        raise ValueError(f"a batch of one {lo:.2f} s example is over the limit: nothing to tune")
+        raise ValueError(f"at batch_duration {lo:.2f} s (one utterance of the longest bucket) a batch of the epoch is "
+                         "over the limit: no batch_duration fits")
     hi = 2 * lo
     while not (result := attempt(hi))[0]:
         lo, best, hi = hi, result[1:], 2 * hi
@@ -143,6 +154,80 @@ def model_sizes(memory_model: MemoryModel, shapes: list, limit: float) -> list:
     """oom.py --memory-model's per-bucket batch sizes (largest that fits at the bucket's bounds), monotone."""
     rows = optimize_with_model(None, memory_model, shapes, limit, verify=0)
     return make_monotone(shapes, [r["batch_size"] for r in rows])[0]
+
+
+def strategy_grid(args) -> None:
+    """E2's schemes per device size, DDP vs FSDP: {preset: {GB: {ddp: ..., fsdp: ...}}} (module doc)."""
+    t_start = time.time()
+    cfg = load_train_config(args.scale)
+    features, dec_max_len = cfg.features, cfg.model.dec_max_len
+    with torch.device("meta"):  # the parameter count, without allocating 1B parameters
+        grad_bytes = 4 * count_parameters(AED(AEDConfig.from_yaml(args.scale)))
+    fits = {}
+    for strategy, path in (("ddp", args.memory_model), ("fsdp", args.fsdp_memory_model)):
+        fitted = json.loads(Path(path).read_text())
+        model = MemoryModel.from_dict(fitted["model"], where=f"{path}: model")
+        buckets = 0 if strategy == "fsdp" or fitted.get("strategy") == "ddp" else grad_bytes
+        model.coef[0] += buckets  # DDP's gradient buckets: alive for the whole run (oomptimizer.TrainingStep)
+        fits[strategy] = (model, max(0.0, -min(fitted["errors"]["held_out"])), fitted.get("world_size"), buckets)
+
+    def frames(d):
+        return num_frames(round(d * features.sample_rate), features.hop_length)
+
+    corpus = paper_corpus(args.synthetic, args.seed)
+    examples = [e for e in corpus if e["num_tokens"] <= dec_max_len]
+    durs, toks = [e["duration"] for e in examples], [e["num_tokens"] for e in examples]
+    bins_1d = estimate_bins(durs, toks, args.buckets, 1)
+    bins_2d = estimate_bins(durs, toks, args.buckets, 2, method="equal")
+    longest = max(examples, key=lambda e: (e["duration"], e["num_tokens"]))
+    d_max, _, u_max = bucket_shapes(bins_2d, features, dec_max_len)[-1]  # the largest bucket's bounds
+    result, rows = {}, []
+    for gb in args.device_memory.split(","):
+        device = parse_bytes(gb)
+        limit = allocated_limit(device, args.margin)
+        for strategy, (memory_model, under, world, buckets) in fits.items():
+            sized = limit * (1 - under)
+
+            def peak(n, d, t):
+                return memory_model.predict(n, frames(d), t)
+
+            one = max(peak(1, d_max, u_max), peak(1, longest["duration"], longest["num_tokens"]))
+            entry = {"one_utterance_of_largest_bucket": one, "limit_bytes": limit, "sized_bytes": sized,
+                     "constant_bytes": memory_model.coef[0], "ddp_buckets_bytes": buckets,
+                     "world_size": world if strategy == "fsdp" else None}
+            schemes = {  # each scheme on its own: A (no TPS filter) can fail where B-D hold the filtered data
+                "A": lambda: largest_batch_duration(examples, bins_1d, peak, sized, args.seed),
+                "B": lambda: largest_batch_duration(examples, bins_1d, peak, sized, args.seed, max_tps=bins_1d.max_tps),
+                "C": lambda: run_epoch(examples, bins_1d, args.seed, max_tps=bins_1d.max_tps, batch_sizes=model_sizes(
+                    memory_model, bucket_shapes(bins_1d, features, dec_max_len), sized)),
+                "D": lambda: run_epoch(examples, bins_2d, args.seed, max_tps=bins_2d.max_tps, batch_sizes=model_sizes(
+                    memory_model, bucket_shapes(bins_2d, features, dec_max_len), sized))}
+            summary, reasons = {}, {}
+            for k, scheme in schemes.items():
+                try:
+                    run = scheme()
+                except (ValueError, MemoryBudgetError) as e:  # one utterance of its largest bucket is over the limit
+                    reasons[k] = str(e)
+                    continue
+                run = (run["batches"], run["stats"]) if isinstance(run, dict) else run
+                summary[k] = scheme_summary(*run, peak, limit, sized)
+            mean = {k: summary[k]["mean_batch"] if k in summary else None for k in schemes}
+            entry.update(fits=not reasons, fits_scheme={k: k in summary for k in schemes}, not_fit_reasons=reasons,
+                         mean_batch=mean,
+                         ratios={f"{k}/A": mean[k] / mean["A"] if mean[k] and mean["A"] else None for k in "BCD"},
+                         max_memory={k: v["max_memory"] for k, v in summary.items()},
+                         over_limit={k: v["over_limit"] for k, v in summary.items()})
+            result.setdefault(gb, {})[strategy] = entry
+            log(f"{gb} {strategy}: mean batch {mean}")
+            ratio = entry["ratios"]
+            rows.append([gb, strategy if strategy == "ddp" else f"fsdp/{world}", format_bytes(memory_model.coef[0]),
+                         format_bytes(one)] + [f"{mean[k]:.1f}" if mean[k] else "no fit" for k in "ABCD"]
+                        + [f"{ratio[k]:.2f}x" if ratio[k] else "-" for k in ("C/A", "D/A")])
+    print(f"\n{args.scale}: mean batch size per rank, schemes A-D (bf16, simulated CUDA, margin {args.margin:.0%})")
+    print_table([("device", ">7"), ("strategy", "<8"), ("constant", ">9"), ("B=1 largest", ">11"), ("A", ">6"),
+                 ("B", ">6"), ("C", ">6"), ("D", ">6"), ("C/A", ">6"), ("D/A", ">6")], rows)
+    log(f"{time.time() - t_start:.0f} s")
+    print_json({Path(args.scale).stem: result})
 
 
 def confirm(preset: AEDConfig, worst: dict, frames) -> list:
@@ -349,7 +434,10 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scale", metavar="PRESET", help="E2 at the paper's scale for this preset (configs/canary-1b.yaml)")
     p.add_argument("--memory-model", help="--scale: the preset's fit (bench/oom_scale_bench.py fit --out)")
-    p.add_argument("--device-memory", default="80GiB", help="--scale: the simulated CUDA device")
+    p.add_argument("--device-memory", default="80GiB", help="--scale: the simulated CUDA device (with "
+                   "--fsdp-memory-model: a comma-separated list, e.g. 24GiB,48GiB,80GiB)")
+    p.add_argument("--fsdp-memory-model", help="--scale: FSDP's fit (oom_scale_bench.py fit --strategy fsdp): "
+                   "the schemes per --device-memory, DDP (--memory-model) vs FSDP")
     p.add_argument("--confirm", type=int, default=0, help="--scale: run every scheme's K worst batches as simulated "
                    "steps (tens of seconds to minutes each)")
     p.add_argument("--budget", default="220MB", help="small scale: memory budget; steps must fit it minus --margin")
@@ -365,7 +453,7 @@ def main():
         if not args.memory_model:
             p.error("--scale needs --memory-model (bench/oom_scale_bench.py fit PRESET --out FIT.json)")
         torch.set_num_threads(args.threads or 1)
-        scale(args)
+        strategy_grid(args) if args.fsdp_memory_model else scale(args)
     else:
         small(args)
 

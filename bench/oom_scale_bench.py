@@ -2,6 +2,8 @@
 
     python bench/oom_scale_bench.py fit configs/canary-1b.yaml --out canary-1b.model.json     # 18 steps
     python bench/oom_scale_bench.py validate --out validation.json                             # real vs simulated
+    python bench/oom_scale_bench.py validate-fsdp --out fsdp.json          # real 2-rank FSDP vs simulated, ~1 min
+    python bench/oom_scale_bench.py fit configs/canary-1b.yaml --strategy fsdp --world-size 8 --out 1b.fsdp8.json
 
 `fit`: simulated training steps (aed/simulated_memory.py: the real train_step on fake CPU tensors,
 bf16 autocast, AdamW, SpecAugment, CUDA's 512-byte allocation rounding) of a preset at FIT shapes,
@@ -14,12 +16,25 @@ of live tensor storages, exact to the byte against the c10 allocator) for small 
 objectives, fp32 and bf16, long transcripts included. Both run on the CPU, so this checks the
 fake-tensor execution and the host values; what a CUDA device adds is checked by
 tests/test_cuda_oom.py on a GPU.
+
+`fit --strategy fsdp --world-size W`: the same steps on one rank of FSDP over W ranks: the model
+sharded as train.py shards it (aed/parallel.py, bf16 parameters as on CUDA) over a fake process
+group (aed/simulated_memory.py `fake_world`). `--strategy ddp` adds DDP's gradient buckets.
+
+`validate-fsdp`: a real FSDP step at world size 2 (torchrun, gloo, fp32: the CPU's kernels refuse
+bf16 parameters) measured on rank 0 with LiveTensorMemory, against the simulated step on a fake
+world of 2 for the same shapes; rank 0's process RSS growth over one larger step checks that the
+tracker sees FSDP's memory (DTensor shards, storages resized in place) at all.
 """
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -27,7 +42,9 @@ import torch
 from aed.config import OptimConfig
 from aed.memory_model import MemoryModel
 from aed.model import AED, AEDConfig
-from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice
+from aed.memory import LiveTensorMemory
+from aed.parallel import shard
+from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice, fake_world
 from aed.transducer import TransducerASR
 from aed.training import build_optimizer
 from aed.oomptimizer import TrainingStep
@@ -45,11 +62,16 @@ def shape(d, tps, seconds, max_tokens):
     return max(1, int(seconds // d)), d * FRAMES_PER_SECOND + 1, max(2, min(max_tokens, round(d * tps)))
 
 
-def simulated_step(cfg: AEDConfig) -> TrainingStep:
-    """The step the fit measures, built inside SimulatedDevice(): the preset's AED, AdamW with
-    train.py's defaults, bf16 autocast, CUDA's 512-byte rounding, optimizer state created."""
+def simulated_step(cfg: AEDConfig, strategy: str | None = None, world_size: int = 1) -> TrainingStep:
+    """The step the fit measures, built inside SimulatedDevice() (and for fsdp inside
+    fake_world(world_size)): the preset's AED, AdamW with train.py's defaults, bf16 autocast,
+    CUDA's 512-byte rounding, optimizer state created. ddp adds its gradient buckets; fsdp shards
+    the model as train.py does on CUDA (bf16 parameters, fp32 reductions)."""
     model = AED(cfg).train()
-    step = TrainingStep(model, build_optimizer(model, OptimConfig()), "bf16", granularity=CUDA_BLOCK)
+    if strategy == "fsdp":
+        shard(model, torch.device("cpu"), world_size, "bf16", bf16_params=True)
+    step = TrainingStep(model, build_optimizer(model, OptimConfig()), "bf16", ddp=strategy == "ddp",
+                        granularity=CUDA_BLOCK)
     step.warm_up(101, 10)
     return step
 
@@ -58,8 +80,8 @@ def fit(args):
     cfg = AEDConfig.from_yaml(args.config)
     steps = []
     t0 = time.time()
-    with SimulatedDevice():
-        step = simulated_step(cfg)
+    with fake_world(args.world_size) if args.strategy == "fsdp" else nullcontext(), SimulatedDevice():
+        step = simulated_step(cfg, args.strategy, args.world_size)
         for name, shapes in (("fit", FIT), ("held_out", HELD_OUT)):
             for d, tps, seconds in shapes:
                 B, T, U = shape(d, tps, seconds, cfg.dec_max_len)
@@ -70,7 +92,8 @@ def fit(args):
     samples = {s: [(x["B"], x["T"], x["U"], x["peak"]) for x in steps if x["set"] == s] for s in ("fit", "held_out")}
     mm = MemoryModel.fit(samples["fit"])
     errors = {s: mm.relative_errors(samples[s]) for s in samples}
-    out = {"config": args.config, "model": mm.to_dict(), "steps": steps, "errors": errors,
+    out = {"config": args.config, "strategy": args.strategy, "world_size": args.world_size if args.strategy == "fsdp"
+           else None, "model": mm.to_dict(), "steps": steps, "errors": errors,
            "held_out_max_abs_error": max(map(abs, errors["held_out"])), "seconds": time.time() - t0}
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(mm)
@@ -125,14 +148,75 @@ def validate(args):
     print(json.dumps(summary))
 
 
+FSDP_SHAPES = [(8, 201, 10), (4, 1001, 40), (4, 401, 200)]  # (B, T, U): short, long, long-transcript
+RSS_SHAPE = (8, 2001, 40)  # a step large enough (~0.1 GB) for the process RSS to resolve
+
+
+def fsdp_step(world_size: int) -> TrainingStep:
+    """The tiny AED sharded over `world_size` ranks (a real or a fake process group), fp32."""
+    model = build(TINY, "aed")
+    shard(model, torch.device("cpu"), world_size, "fp32")
+    step = TrainingStep(model, build_optimizer(model, OptimConfig()), "fp32", text_vocab_size=TINY["vocab_size"] - 2)
+    step.warm_up(101, 5)
+    return step
+
+
+def fsdp_rank(args):
+    """Under torchrun (gloo): FSDP_SHAPES measured on a real world; rank 0 writes them, and its
+    RSS growth over one RSS_SHAPE step next to the tracker's count of it."""
+    import torch.distributed as dist
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    dist.init_process_group("gloo")
+    step = fsdp_step(dist.get_world_size())
+    measured = [step.peak(*s) for s in FSDP_SHAPES]
+    step.optimizer.zero_grad(set_to_none=True)
+    before = status("VmRSS:")  # the step's peak is the process's highest yet: VmHWM after it
+    with LiveTensorMemory() as mem:  # counts what the step allocates, as RSS growth does
+        step.run(*RSS_SHAPE)
+    rss = {"tracked": mem.peak, "rss_growth": status("VmHWM:") - before}
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps({"world_size": dist.get_world_size(), "measured": measured, "rss": rss}))
+    dist.destroy_process_group()
+
+
+def validate_fsdp(args):
+    real = Path(args.out).with_suffix(".real.json")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}  # RSS: see aed/memory.py
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                    str(args.world_size), __file__, "fsdp-rank", "--out", str(real)], env=env, check=True)
+    measured = json.loads(real.read_text())
+    with fake_world(args.world_size), SimulatedDevice():
+        simulated = [fsdp_step(args.world_size).peak(*s) for s in FSDP_SHAPES]
+    rows = [{"B": B, "T": T, "U": U, "measured": m, "simulated": p, "error": p / m - 1}
+            for (B, T, U), m, p in zip(FSDP_SHAPES, measured["measured"], simulated)]
+    out = {"world_size": args.world_size, "rows": rows, "rss": measured["rss"],
+           "max_abs_error": max(abs(r["error"]) for r in rows)}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    for r in rows:
+        print(f"FSDP rank 0 of {args.world_size}: B {r['B']} T {r['T']} U {r['U']}: measured {r['measured']} B, "
+              f"simulated {r['simulated']} B ({100 * r['error']:+.2f}%)")
+    print(json.dumps(out))
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fit", help="fit a memory model to simulated steps of a preset")
     f.add_argument("config")
     f.add_argument("--out", required=True)
+    f.add_argument("--strategy", choices=["ddp", "fsdp"], default=None, help="default: one device, no data parallelism")
+    f.add_argument("--world-size", type=int, default=8, help="--strategy fsdp: ranks the model is sharded over")
     v = sub.add_parser("validate", help="simulated vs measured peaks of real CPU steps")
     v.add_argument("--out", required=True)
+    vf = sub.add_parser("validate-fsdp", help="simulated vs measured peaks of a real 2-rank FSDP step (gloo)")
+    vf.add_argument("--out", required=True)
+    vf.add_argument("--world-size", type=int, default=2)
+    r = sub.add_parser("fsdp-rank", help="(validate-fsdp's torchrun worker)")
+    r.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
-    {"fit": fit, "validate": validate}[args.command](args)
+    {"fit": fit, "validate": validate, "validate-fsdp": validate_fsdp, "fsdp-rank": fsdp_rank}[args.command](args)

@@ -69,6 +69,36 @@ def test_tracker_limit_raises_like_a_device_out_of_memory():
     del a
 
 
+def test_tracker_counts_storages_resized_in_place():
+    # FSDP2 frees a layer's gathered parameters with storage.resize_(0) and regathers into the same
+    # storage with resize_(n): no aten op shows either.
+    x = torch.zeros(1000)
+    with LiveTensorMemory() as mem:
+        mem.add([x])
+        x.untyped_storage().resize_(0)
+        assert mem.current == 0
+        x.untyped_storage().resize_(4000)
+        y = torch.empty(0)
+        y.untyped_storage().resize_(800)  # a storage first seen when resized
+        assert mem.current == 4800 and mem.peak == 4800
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_, "resize_ is restored on exit"
+
+
+@pytest.mark.slow
+def test_simulated_fsdp_step_matches_a_real_two_rank_step(tmp_path):
+    # A real FSDP2 step at world size 2 (torchrun, gloo, fp32) measured on rank 0, against the same
+    # step on fake tensors sharded over a fake world of 2: exact, as the fp32 simulation of one
+    # device is (test_simulated_step_on_fake_tensors_matches_the_real_step). ~1 min.
+    out = tmp_path / "fsdp.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "oom_scale_bench.py"), "validate-fsdp", "--out", str(out)],
+                   cwd=ROOT, check=True, capture_output=True, text=True)
+    r = json.loads(out.read_text())
+    assert r["world_size"] == 2 and len(r["rows"]) == 3
+    assert all(row["simulated"] == row["measured"] for row in r["rows"]), r["rows"]
+    # The tracker sees what rank 0's process holds (DTensor shards, regathered layers): its RSS growth.
+    assert 0.9 < r["rss"]["rss_growth"] / r["rss"]["tracked"] < 1.2, r["rss"]
+
+
 @pytest.mark.slow
 def test_tracker_matches_process_rss_growth():
     # glibc keeps freed heap memory, which RSS would count; a fixed mmap threshold makes it
@@ -395,6 +425,20 @@ def test_cli_simulates_a_cuda_device_and_sizes_from_a_fitted_memory_model(tmp_pa
     half_digit = {"MB": 0.05e6, "GB": 0.005e9}
     assert len(peaks) == 2 and all(float(p) * {"MB": 1e6, "GB": 1e9}[u] - half_digit[u] <= limit for p, u in peaks), table
     assert min(s for row in sizes for s in row) > 100
+
+
+@pytest.mark.slow
+def test_cli_sizes_one_rank_of_fsdp_over_a_fake_world(tmp_path, capsys):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(json.dumps({"model": {k: v for k, v in TINY.items() if k not in ("n_mels", "vocab_size", "pad_id")},
+                                  "features": {"n_mels": 24}, "precision": "auto"}))
+    Bins([1.0, 3.0], tokens=[[8, 14], [20, 30]]).save(tmp_path / "bins.json")
+    out = tmp_path / "batch_sizes.json"
+    main(["--config", str(config), "--bins", str(tmp_path / "bins.json"), "--simulate-memory", "1GB",
+          "--strategy", "fsdp", "--world-size", "8", "--memory-model", "--fit-steps", "3", "--verify", "2", "-o", str(out)])
+    assert "(bf16, FSDP over 8, simulated CUDA)" in capsys.readouterr().out
+    assert min(s for row in load_batch_sizes(out)[1] for s in row) > 100
+    assert not torch.distributed.is_initialized(), "the fake world is gone"
 
 
 @pytest.mark.slow
