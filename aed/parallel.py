@@ -39,11 +39,10 @@ def layers(model: nn.Module) -> list[nn.Module]:
 def shard(model: nn.Module, device: torch.device, world_size: int, precision: str,
           reshard_after_forward: bool = True, bf16_params: bool | None = None) -> nn.Module:
     """FSDP2 on each layer, then on the root (embeddings, heads, subsampling: the rest), starting
-    from rank 0's weights. On CUDA
-    with bf16, parameters are gathered and computed in bf16 while gradients are reduced in fp32;
-    elsewhere everything stays fp32 (bf16_params: True or False overrides this, for a simulated
-    CUDA device on the CPU). reshard_after_forward=False keeps each layer's gathered
-    parameters from forward to backward: one all-gather less per layer, more memory."""
+    from rank 0's weights. On CUDA with bf16, parameters are gathered and computed in bf16 while
+    gradients are reduced in fp32; elsewhere everything stays fp32 (bf16_params: True or False
+    overrides this, for a simulated CUDA device on the CPU). reshard_after_forward=False keeps each
+    layer's gathered parameters from forward to backward: one all-gather less per layer, more memory."""
     with torch.no_grad():  # rank 0's initial weights everywhere, as DDP's constructor does: ranks seed apart
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor, src=0)
