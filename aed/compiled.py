@@ -74,16 +74,18 @@ class CompiledAED:
         key = (bucket_rows(rows), positions, round_up(t, FRAME_BUCKET), cross_kv.dtype, cross_kv.device)
         if key not in self._caches:
             r, u, frames, dtype, device = key
-            buffers = (torch.zeros(n_layers, 2, r, heads, u, d_k, dtype=dtype, device=device),
-                       torch.zeros(n_layers, 2, r, heads, frames, d_k, dtype=dtype, device=device),
-                       torch.zeros(r, 1, 1, frames, dtype=torch.bool, device=device),
-                       torch.zeros((), dtype=torch.long, device=device))
+            keys, values = ([torch.zeros(r, heads, u, d_k, dtype=dtype, device=device) for _ in range(n_layers)]
+                            for _ in range(2))
+            cross = torch.zeros(n_layers, 2, r, heads, frames, d_k, dtype=dtype, device=device)
+            mask = torch.zeros(r, 1, 1, frames, dtype=torch.bool, device=device)
+            position = torch.zeros((), dtype=torch.long, device=device)
             if self.mode == "reduce-overhead":
-                for buffer in buffers:  # inputs at fixed addresses: the graph reads and writes them in place
+                for buffer in keys + values + [cross, mask, position]:  # fixed addresses, read and written in place
                     torch._dynamo.mark_static_address(buffer)
-            self._caches[key] = StaticKVCache(*buffers)
+            self._caches[key] = StaticKVCache(keys, values, cross, mask, position)
         cache = self._caches[key]
-        cache.self_kv.zero_()
+        for buffer in cache.keys + cache.values:
+            buffer.zero_()
         cache.cross_kv.zero_()
         cache.cross_kv[:, :, :rows, :, :t] = cross_kv
         cache.memory_mask.zero_()
@@ -95,7 +97,7 @@ class CompiledAED:
     def decode_step(self, tokens, cache: StaticKVCache):
         """AED.decode_step on the cache's bucket: tokens (R, U) -> fp32 logits (R, V)."""
         r = tokens.size(0)
-        padded = F.pad(tokens, (0, 0, 0, cache.self_kv.size(2) - r))  # (R_bucket, U): padding rows feed token 0
+        padded = F.pad(tokens, (0, 0, 0, cache.rows - r))  # (R_bucket, U): padding rows feed token 0
         if self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # each step is a new replay of the graph
             return self._step(padded, cache)[:r].clone()  # the graph's output memory is reused by the next replay

@@ -81,38 +81,45 @@ class KVCache:
 class StaticKVCache:
     """`KVCache` with shapes that never change, for a compiled decoder step (aed/compiled.py).
 
-    self_kv, cross_kv, memory_mask: as in KVCache, R and T' possibly padded past the real rows and
-    frames (a padded frame is False in memory_mask).
-    position: () long tensor on the device, the next position to write (gpt-fast's `input_pos`).
+    keys, values: L tensors (R, H, U_max, d_k) each, the self-attention keys and values of each layer.
+    Separate tensors, not views of one: torch.compile writes a whole input tensor in place, while its
+    writes into views of one stacked (L, 2, ...) input became a copy of that input at every step.
+    cross_kv, memory_mask: as in KVCache. R and T' may be padded past the real rows and frames (a
+    padded frame is False in memory_mask). position: () long tensor on the device, the next position
+    to write (gpt-fast's `input_pos`).
 
-    A step writes its keys and values at `position` with index_copy_ and attends to all U_max
-    positions, masked to those written: no shape and no Python value changes from one step to the
-    next, so the step compiles whole (fullgraph) and a CUDA graph replays it, on the same buffers.
-    Rows past those `reorder` is given (the padding of a shape bucket) keep their own history.
+    A step writes its keys and values at `position` (index_put_) and attends to all U_max positions,
+    masked to those written: no shape and no Python value changes from one step to the next, so the
+    step compiles whole (fullgraph) and a CUDA graph replays it, on the same buffers. Rows past those
+    `reorder` is given (the padding of a shape bucket) keep their own history.
     """
 
-    def __init__(self, self_kv, cross_kv, memory_mask, position):
-        self.self_kv, self.cross_kv, self.memory_mask, self.position = self_kv, cross_kv, memory_mask, position
+    def __init__(self, keys: list, values: list, cross_kv, memory_mask, position):
+        self.keys, self.values, self.cross_kv, self.memory_mask, self.position = keys, values, cross_kv, memory_mask, position
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].size(0)
 
     @property
     def max_len(self) -> int:
-        return self.self_kv.size(4)
+        return self.keys[0].size(2)
 
     def cross(self, layer: int):
         return self.cross_kv[layer, 0], self.cross_kv[layer, 1]
 
     def positions(self, u: int):
         """(U,) long: the next u positions (no bound check: that would read the device; the search sizes
-        the cache, and index_copy_ rejects a position past U_max)."""
+        the cache, and indexing rejects a position past U_max)."""
         return self.position + torch.arange(u, device=self.position.device)
 
     def update(self, layer: int, k, v):
         """Write `layer`'s keys and values (R, H, U, d_k) at the next U positions; return its whole
         buffers (R, H, U_max, d_k), to be read through `self_attn_mask`."""
         index = self.positions(k.size(2))
-        self.self_kv[layer, 0].index_copy_(2, index, k)
-        self.self_kv[layer, 1].index_copy_(2, index, v)
-        return self.self_kv[layer, 0], self.self_kv[layer, 1]
+        self.keys[layer][:, :, index] = k  # indexed assignment, as gpt-fast writes its cache
+        self.values[layer][:, :, index] = v
+        return self.keys[layer], self.values[layer]
 
     def self_attn_mask(self, u: int):
         """(1, 1, U, U_max): the new position j sees positions up to position + j (causal within a chunk)."""
@@ -123,10 +130,10 @@ class StaticKVCache:
         self.position.add_(n)  # in place: a compiled step mutates this buffer, never rebinds the attribute
 
     def reorder(self, index) -> None:
-        """As KVCache.reorder for the first index.numel() rows, over the whole buffer (a fixed shape)."""
-        rows = self.self_kv.size(2)
-        index = torch.cat([index, torch.arange(index.numel(), rows, device=index.device)])  # (R_bucket,)
-        self.self_kv.copy_(self.self_kv.index_select(2, index))
+        """As KVCache.reorder for the first index.numel() rows, over whole buffers (fixed shapes)."""
+        index = torch.cat([index, torch.arange(index.numel(), self.rows, device=index.device)])  # (R_bucket,)
+        for buffer in self.keys + self.values:
+            buffer.copy_(buffer.index_select(0, index))
 
 
 class DecoderAttention(nn.Module):

@@ -43,11 +43,13 @@ def word_files(directory, n: int, seed: int) -> tuple[list[str], list[str]]:
 
 def test_static_cache_writes_at_the_position_and_masks_what_is_not_written():
     layers, rows, heads, max_len, d_k = 2, 3, 2, 6, 4
-    cache = StaticKVCache(torch.zeros(layers, 2, rows, heads, max_len, d_k), torch.randn(layers, 2, rows, heads, 7, d_k),
+    keys, values = ([torch.zeros(rows, heads, max_len, d_k) for _ in range(layers)] for _ in range(2))
+    cache = StaticKVCache(keys, values, torch.randn(layers, 2, rows, heads, 7, d_k),
                           torch.ones(rows, 1, 1, 7, dtype=torch.bool), torch.tensor(0))
     prompt_k = torch.randn(rows, heads, 2, d_k)
     k, _ = cache.update(0, prompt_k, -prompt_k)
     assert k.shape == (rows, heads, max_len, d_k) and torch.equal(k[:, :, :2], prompt_k) and k[:, :, 2:].abs().sum() == 0
+    assert keys[1].abs().sum() == 0, "a layer's update writes only that layer"
     assert cache.self_attn_mask(2).tolist() == [[[[True, False, False, False, False, False],
                                                   [True, True, False, False, False, False]]]]  # causal in the chunk
     cache.advance(2)
@@ -56,7 +58,7 @@ def test_static_cache_writes_at_the_position_and_masks_what_is_not_written():
     assert torch.equal(k[:, :, 2], step_k[:, :, 0]) and torch.equal(v[:, :, 2], step_k[:, :, 0])
     assert cache.self_attn_mask(1).tolist() == [[[[True, True, True, False, False, False]]]]
     cache.reorder(torch.tensor([1, 0]))  # the third row is padding: it keeps its own history
-    assert torch.equal(cache.self_kv[0, 0, :, :, :2], prompt_k[[1, 0, 2]])
+    assert torch.equal(keys[0][:, :, :2], prompt_k[[1, 0, 2]]) and torch.equal(values[0][:, :, :2], -prompt_k[[1, 0, 2]])
 
 
 @pytest.mark.parametrize("name", list(SEARCHES))
