@@ -5,6 +5,8 @@
     python infer.py --ckpt runs/tiny --source-lang es --target-lang en x.wav    # speech translation
     python infer.py --ckpt runs/flash --beam-size 4 --device cuda --dtype bf16 --batch-duration 1200 ...
     python infer.py --ckpt runs/tiny --ctc-weight 0 ...     # attention decoder alone (default: joint with CTC)
+    python infer.py --ckpt runs/flash --int8 ...             # CPU: int8 Linear weights (bench/infer_speed_bench.py)
+    python infer.py --ckpt runs/flash --device cuda --compile ...   # compiled decoder step, a CUDA graph
     python infer.py --ckpt runs/tiny --timestamps word --out hyp.jsonl --subtitles subs/ talk.wav  # .srt + .vtt
 
 Inputs: files in any format, rate and channel count soundfile reads (resampled to the model's rate,
@@ -72,6 +74,14 @@ def parse_args():
     run = p.add_argument_group("execution")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
+    run.add_argument("--compile", action="store_true",
+                     help="compile the decoder step (fixed-shape KV cache; on CUDA also a CUDA graph), once per "
+                          "shape bucket (rows, positions, frames rounded up), reused by every batch of that bucket; "
+                          "the tokens are those of eager decoding. Pays on GPUs at small batches, where eager steps "
+                          "are bound by kernel launches; each first batch of a bucket waits for its compilation")
+    run.add_argument("--int8", action="store_true",
+                     help="int8 weights for every Linear layer (torch's dynamic quantization), CPU only: a "
+                          "batch-1 decoder step on a CPU is bound by reading its weights. Not with --compile")
     run.add_argument("--batch-duration", type=float, default=300.0,
                      help="padded seconds of audio per batch (batch size x longest); inputs are sorted by "
                           "duration so padding stays small")
@@ -105,6 +115,8 @@ def parse_args():
         p.error("--batch-duration and --chunk-seconds must be positive")
     if args.chunk_overlap < 0:
         p.error("--chunk-overlap must be >= 0")
+    if args.int8 and (args.compile or args.device.startswith("cuda")):
+        p.error("--int8 runs on the CPU (--device cpu) and without --compile (torch cannot compile its int8 Linear)")
     return args
 
 
@@ -162,7 +174,7 @@ def main() -> None:
     device = torch.device(args.device)
     t_load = time.perf_counter()
     try:
-        asr = load_asr(args.ckpt, device)
+        asr = load_asr(args.ckpt, device, compile=args.compile, int8=args.int8)
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:  # missing, not ours, or corrupt
         sys.exit(f"error: cannot load --ckpt {args.ckpt}: {e}")
     t_load = time.perf_counter() - t_load
@@ -176,8 +188,11 @@ def main() -> None:
                               max_repeats=args.max_repeats, max_tokens_per_second=args.max_tokens_per_second or None)
     joint = f" + CTC {options.ctc_weight:g}" if asr.model.ctc is not None and options.ctc_weight > 0 else ""
     search = "greedy" if options.beam_size == 1 else f"beam {options.beam_size}"
-    print(f"model {asr.path} ({sum(p.numel() for p in asr.model.parameters()) / 1e6:.1f}M parameters) on {device}, "
-          f"{'bf16' if dtype else 'fp32'}, {search}{joint}; {len(requests)} input(s)", file=sys.stderr)
+    # (int8 Linear weights are packed, not parameters: counting parameters() would leave them out)
+    size = "int8 Linear weights" if args.int8 else f"{sum(p.numel() for p in asr.model.parameters()) / 1e6:.1f}M parameters"
+    print(f"model {asr.path} ({size}) on {device}, {'bf16' if dtype else 'fp32'}"
+          f"{', compiled decoder step' if args.compile else ''}, {search}{joint}; {len(requests)} input(s)",
+          file=sys.stderr)
 
     # --- transcription
 

@@ -28,7 +28,8 @@ class KVCache:
     length: positions written so far; a Python int shared by all rows, so the loop never syncs with the device.
 
     A decoder step calls `update` once per layer with the new positions' keys and values, then
-    `advance` once: every layer of a step writes at the same positions.
+    `advance` once: every layer of a step writes at the same positions. Attention reads the filled
+    slice only, so the shapes grow every step: the eager path. `StaticKVCache` is the fixed-shape one.
     """
 
     def __init__(self, self_kv, cross_kv, memory_mask, length: int = 0):
@@ -43,6 +44,11 @@ class KVCache:
         """Cross-attention keys, values of `layer`: (R, H, T', d_k) each."""
         return self.cross_kv[layer, 0], self.cross_kv[layer, 1]
 
+    def positions(self, u: int) -> slice:
+        """Rows of the positional table for the next u positions."""
+        assert self.length + u <= self.max_len, f"cache holds {self.max_len} positions, need {self.length + u}"
+        return slice(self.length, self.length + u)
+
     def update(self, layer: int, k, v):
         """Write `layer`'s keys and values (R, H, U, d_k) of positions [length, length + U) and return
         its keys and values of positions [0, length + U): (R, H, length + U, d_k) each."""
@@ -52,19 +58,15 @@ class KVCache:
         self.self_kv[layer, 1, :, :, self.length : end] = v
         return self.self_kv[layer, 0, :, :, :end], self.self_kv[layer, 1, :, :, :end]
 
+    def self_attn_mask(self, u: int):
+        """None: `update` returns only the filled positions, so a single token may see all of them and a
+        prompt chunk (which starts at 0) needs just the causal mask."""
+        return None
+
     def advance(self, n: int) -> None:
         """Commit the n positions every layer has just written with `update`."""
         assert self.length + n <= self.max_len, f"cache holds {self.max_len} positions, need {self.length + n}"
         self.length += n
-
-    def repeat_interleave(self, repeats: int) -> "KVCache":
-        """A new cache with each row repeated `repeats` times, copies adjacent (B -> B*repeats rows): starts a beam search."""
-        return KVCache(
-            self.self_kv.repeat_interleave(repeats, dim=2),
-            self.cross_kv.repeat_interleave(repeats, dim=2),
-            self.memory_mask.repeat_interleave(repeats, dim=0),
-            self.length,
-        )
 
     def reorder(self, index) -> None:
         """Row r takes the self-attention history of row index[r] (beam search survivors).
@@ -74,6 +76,64 @@ class KVCache:
         """
         filled = self.self_kv[:, :, :, :, : self.length]
         filled.copy_(filled.index_select(2, index))  # only the filled prefix, not the whole buffer
+
+
+class StaticKVCache:
+    """`KVCache` with shapes that never change, for a compiled decoder step (aed/compiled.py).
+
+    keys, values: L tensors (R, H, U_max, d_k) each, the self-attention keys and values of each layer.
+    Separate tensors, not views of one: torch.compile writes a whole input tensor in place, while its
+    writes into views of one stacked (L, 2, ...) input became a copy of that input at every step.
+    cross_kv, memory_mask: as in KVCache. R and T' may be padded past the real rows and frames (a
+    padded frame is False in memory_mask). position: () long tensor on the device, the next position
+    to write (gpt-fast's `input_pos`).
+
+    A step writes its keys and values at `position` (index_put_) and attends to all U_max positions,
+    masked to those written: no shape and no Python value changes from one step to the next, so the
+    step compiles whole (fullgraph) and a CUDA graph replays it, on the same buffers. Rows past those
+    `reorder` is given (the padding of a shape bucket) keep their own history.
+    """
+
+    def __init__(self, keys: list, values: list, cross_kv, memory_mask, position):
+        self.keys, self.values, self.cross_kv, self.memory_mask, self.position = keys, values, cross_kv, memory_mask, position
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].size(0)
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].size(2)
+
+    def cross(self, layer: int):
+        return self.cross_kv[layer, 0], self.cross_kv[layer, 1]
+
+    def positions(self, u: int):
+        """(U,) long: the next u positions (no bound check: that would read the device; the search sizes
+        the cache, and indexing rejects a position past U_max)."""
+        return self.position + torch.arange(u, device=self.position.device)
+
+    def update(self, layer: int, k, v):
+        """Write `layer`'s keys and values (R, H, U, d_k) at the next U positions; return its whole
+        buffers (R, H, U_max, d_k), to be read through `self_attn_mask`."""
+        index = self.positions(k.size(2))
+        self.keys[layer][:, :, index] = k  # indexed assignment, as gpt-fast writes its cache
+        self.values[layer][:, :, index] = v
+        return self.keys[layer], self.values[layer]
+
+    def self_attn_mask(self, u: int):
+        """(1, 1, U, U_max): the new position j sees positions up to position + j (causal within a chunk)."""
+        filled = torch.arange(self.max_len, device=self.position.device)[None, :] <= self.positions(u)[:, None]
+        return filled[None, None]
+
+    def advance(self, n: int) -> None:
+        self.position.add_(n)  # in place: a compiled step mutates this buffer, never rebinds the attribute
+
+    def reorder(self, index) -> None:
+        """As KVCache.reorder for the first index.numel() rows, over whole buffers (fixed shapes)."""
+        index = torch.cat([index, torch.arange(index.numel(), self.rows, device=index.device)])  # (R_bucket,)
+        for buffer in self.keys + self.values:
+            buffer.copy_(buffer.index_select(0, index))
 
 
 class DecoderAttention(nn.Module):
@@ -127,7 +187,8 @@ class DecoderBlock(nn.Module):
         self.ffn = PositionWiseFF(d_model, ff_mult * d_model)
         self.dropout = nn.Dropout(dropout)  # NeMo: attn_layer_dropout and ffn_dropout, on each sublayer output
 
-    def forward(self, x, cross_k, cross_v, memory_mask, cache: KVCache | None = None, layer: int = 0, memory=None):
+    def forward(self, x, cross_k, cross_v, memory_mask, cache: KVCache | StaticKVCache | None = None, layer: int = 0,
+                memory=None):
         """x (B, U, D) -> (B, U, D). With a cache, x holds the positions after the cached ones and this
         block's self-attention keys/values go to the cache as `layer`. With `memory` (B, T', D) instead
         of cross_k and cross_v, they are projected here: inside the block's own forward, where FSDP
@@ -137,10 +198,11 @@ class DecoderBlock(nn.Module):
         u = x.size(1)
         h = self.norm_self_attn(x)
         k, v = self.self_attn.project_kv(h)
+        mask = None
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        # A single new token may see every cached position; a chunk starting at 0 needs the causal mask.
-        x = x + self.dropout(self.self_attn(h, k, v, is_causal=u > 1))
+            mask = cache.self_attn_mask(u)
+        x = x + self.dropout(self.self_attn(h, k, v, attn_mask=mask, is_causal=mask is None and u > 1))
         return self._cross_attn_and_ffn(x, cross_k, cross_v, memory_mask)
 
     def step(self, x, keys, values, position, visible, cross_k, cross_v, memory_mask):
@@ -178,16 +240,11 @@ class TransformerEmbedding(nn.Module):
         self.layer_norm = nn.LayerNorm(d_model)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, tokens, offset=0):
+    def forward(self, tokens, positions=None):
+        """tokens (B, U) at `positions`: a slice (KVCache), a (U,) long tensor (StaticKVCache), or None for 0..U-1."""
         u = tokens.size(1)
-        assert offset + u <= self.pos_enc.size(0), f"positions up to {offset + u} exceed decoder max length {self.pos_enc.size(0)}"
-        return self._finish(self.token_embedding(tokens) + self.pos_enc[offset : offset + u])  # (B, U, D)
-
-    def at(self, tokens, position):
-        """tokens (R, 1) at `position`, a () long tensor (an input of an exported step, not a constant)."""
-        return self._finish(self.token_embedding(tokens) + self.pos_enc.index_select(0, position.view(1)))
-
-    def _finish(self, x):
+        assert u <= self.pos_enc.size(0), f"{u} positions exceed decoder max length {self.pos_enc.size(0)}"
+        x = self.token_embedding(tokens) + self.pos_enc[slice(0, u) if positions is None else positions]  # (B, U, D)
         return self.dropout(self.layer_norm(x))
 
 
@@ -227,14 +284,15 @@ class TransformerDecoder(nn.Module):
             x = layer(x, None, None, memory_mask, memory=memory)
         return self.final_layer_norm(x)
 
-    def forward_cached(self, tokens, cache: KVCache):
+    def forward_cached(self, tokens, cache: KVCache | StaticKVCache):
         """Continue the cached positions: a prompt chunk into an empty cache, then one token per step.
 
         tokens (R, U) -> hidden states (R, U, D); the cache advances by U positions.
         """
-        offset, u = cache.length, tokens.size(1)
-        assert offset == 0 or u == 1, f"after the prompt, feed one token per step (got {u} at position {offset})"
-        x = self.embedding(tokens, offset)
+        u = tokens.size(1)
+        if isinstance(cache, KVCache):  # a StaticKVCache's position is on the device: not checked, not read
+            assert cache.length == 0 or u == 1, f"after the prompt, feed one token per step (got {u} at {cache.length})"
+        x = self.embedding(tokens, cache.positions(u))
         for i, layer in enumerate(self.layers):
             x = layer(x, *cache.cross(i), cache.memory_mask, cache, i)
         cache.advance(u)
@@ -251,7 +309,7 @@ class TransformerDecoder(nn.Module):
         holding positions [0, position); cross_kv (L, 2, R, H, T', d_k) and memory_mask (R, 1, 1, T')
         as in `new_cache` -> hidden states (R, 1, D) and self_kv with `position` filled.
         """
-        x = self.embedding.at(tokens, position)
+        x = self.embedding(tokens, position.view(1))  # a tensor, so an exported step reads it as an input
         visible = (torch.arange(self_kv.size(4), device=tokens.device) <= position)[None, None, None]  # (1, 1, 1, U_max)
         layers_kv = []
         for i, layer in enumerate(self.layers):
@@ -264,10 +322,16 @@ class TransformerDecoder(nn.Module):
     def memory_mask(memory_lens, max_len):
         return (torch.arange(max_len, device=memory_lens.device)[None, :] < memory_lens[:, None])[:, None, None, :]  # (B, 1, 1, T')
 
-    def new_cache(self, memory, memory_lens, max_len: int) -> KVCache:
-        """Empty self-attention buffers for `max_len` positions and the projected cross-attention K/V."""
+    def cross_kv(self, memory):
+        """Every layer's cross-attention keys and values of memory (B, T', D): (L, 2, B, H, T', d_k)."""
+        return torch.stack([torch.stack(layer.cross_attn.project_kv(memory)) for layer in self.layers])
+
+    def new_cache(self, memory, memory_lens, max_len: int, rows_per_utterance: int = 1) -> KVCache:
+        """Empty self-attention buffers for `max_len` positions and the projected cross-attention K/V,
+        for rows_per_utterance adjacent rows per utterance (beams): R = B * rows_per_utterance."""
         b, t, _ = memory.shape
         d_k = self.d_model // self.n_heads
-        self_kv = memory.new_zeros(len(self.layers), 2, b, self.n_heads, max_len, d_k)
-        cross_kv = torch.stack([torch.stack(layer.cross_attn.project_kv(memory)) for layer in self.layers])  # (L, 2, B, H, T', d_k)
-        return KVCache(self_kv, cross_kv, self.memory_mask(memory_lens, t))
+        self_kv = memory.new_zeros(len(self.layers), 2, b * rows_per_utterance, self.n_heads, max_len, d_k)
+        cross_kv = self.cross_kv(memory).repeat_interleave(rows_per_utterance, dim=2)  # projected once per utterance
+        memory_mask = self.memory_mask(memory_lens, t).repeat_interleave(rows_per_utterance, dim=0)
+        return KVCache(self_kv, cross_kv, memory_mask)

@@ -8,7 +8,9 @@
 `prompt` (B, P) holds the same-length Canary prompt per utterance (`<|startoftranscript|><|src|><|task|>
 <|tgt|><|pnc|>`); the result is, per utterance, the generated ids after the prompt, without EOS.
 Both searches run one batched decoder step per token for the whole batch, keep finished rows at EOS,
-and look at the device (to stop early) only every SYNC_EVERY steps.
+and look at the device (to stop early) only every SYNC_EVERY steps. `model` is an AED, or an
+aed.compiled.CompiledAED of one: the same steps (cfg, encode_with_ctc, new_cache, decode_step) on a
+fixed-shape cache, compiled; the searches cannot tell the two apart.
 
 An attention decoder trained on little data babbles: it repeats a word until the length limit. Three
 things stop that, all on by default: with a CTC head, hypotheses are ranked by joint CTC/attention
@@ -171,10 +173,10 @@ def beam_search(model, memory, memory_lens, prompt, eos_id: int, options: Decodi
     device = memory.device
     limits = token_budget(model, memory_lens, p, options).repeat_interleave(k)  # (R,)
     steps = int(limits.max())
-    cache = model.new_cache(memory, memory_lens, p + steps)
-    logits = model.decode_step(prompt, cache)  # (B, V): the prompt runs once per utterance, not once per beam
-    cache = cache.repeat_interleave(k)
-    logp = F.log_softmax(logits, dim=-1).repeat_interleave(k, dim=0)  # (R, V)
+    # Every beam runs the prompt (K x a few tokens, against ~K x 40 steps after it), so the cache has
+    # its final B * K rows from the start: a compiled decoder's buffers never change shape.
+    cache = model.new_cache(memory, memory_lens, p + steps, rows_per_utterance=k)
+    logp = F.log_softmax(model.decode_step(prompt.repeat_interleave(k, dim=0), cache), dim=-1)  # (R, V)
     v = logp.size(1)
     scorer = None
     if options.ctc_weight > 0 and ctc_log_probs is not None:

@@ -37,8 +37,7 @@ class EncoderProgram(nn.Module):
 
     def forward(self, feats, feat_lens):
         memory, memory_lens, ctc_log_probs = self.model.encode_with_ctc(feats, feat_lens)
-        cross_kv = torch.stack([torch.stack(layer.cross_attn.project_kv(memory)) for layer in self.model.decoder.layers])
-        out = (cross_kv, memory_lens)  # (L, 2, B, H, T', d_k), (B,)
+        out = (self.model.decoder.cross_kv(memory), memory_lens)  # (L, 2, B, H, T', d_k), (B,)
         return out + (ctc_log_probs,) if ctc_log_probs is not None else out
 
 

@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -45,11 +46,13 @@ from typing import NamedTuple
 import soundfile as sf
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from aed.audio import AudioError, FeatureConfig, LogMel, load_audio, num_frames
 from aed.checkpoint import INFERENCE_KEYS, Checkpoint, is_checkpoint, load_latest, model_from_checkpoint, read_checkpoint
 from aed.data import (PROMPT_TASKS, ManifestError, audio_path, check_task, duration_batches, json_object, languages,
                       manifest_lines, reference_text, seconds)
+from aed.compiled import CompiledAED
 from aed.decoding import DecodingOptions, search
 from aed.metrics import corpus_scores
 from aed.model import AED
@@ -77,15 +80,41 @@ class LoadedModel:
     features: FeatureConfig
     path: str  # the checkpoint file that was loaded
     max_train_duration: float | None = None  # longest utterance it was trained on (s); None: not recorded
+    compiled: CompiledAED | None = None  # the model with a compiled decoder step, which decoding then uses
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
 
-def load_asr(path: str, device="cpu") -> LoadedModel:
+def quantize_int8(model: AED) -> AED:
+    """The model with int8 weights in every nn.Linear of encoder and decoder (activations quantized per
+    call: torch's dynamic quantization), for CPUs: a batch-1 decoder step reads every weight once per
+    token, and int8 weights are a quarter of the bytes. One scale per output channel: with one per
+    matrix the tiny demo model's dev WER rose from 43.7% to 45.4%, with one per channel it stayed at
+    43.7%. Convolutions, norms and the embedding stay fp32 (the tied output projection gets its own
+    int8 copy). CPU only: the kernels are fbgemm/oneDNN."""
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("int8 weights run on CPUs only (torch's dynamic int8 Linear kernels); on a GPU use bf16")
+    # torch.ao.quantization warns that it is deprecated in favour of torchao; it is still in torch, and
+    # its eager int8 Linear is what the int8 speed-up in bench/infer_speed_bench.py was measured with.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
+        qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear: qconfig}, dtype=torch.qint8)
+
+
+def load_asr(path: str, device="cpu", *, compile: bool = False, int8: bool = False) -> LoadedModel:
     """A checkpoint (a train.py `ckpt-*` directory or a single file), or a run directory (its newest
-    valid checkpoint: a truncated newer one is skipped with a warning naming it), ready for inference."""
+    valid checkpoint: a truncated newer one is skipped with a warning naming it), ready for inference.
+
+    compile: decode with a compiled decoder step (aed/compiled.py), compiled on the first batch of each
+    shape bucket. int8: int8 Linear weights (`quantize_int8`), CPU only; the two do not combine (torch
+    cannot trace the int8 Linear into one graph)."""
+    if compile and int8:
+        raise ValueError("int8 and compile do not combine: torch.compile cannot trace torch's int8 Linear "
+                         "into one graph; on a CPU at batch 1, int8 is the faster of the two")
     if os.path.isdir(path) and not is_checkpoint(path):
         newest, ckpt = load_latest(path, INFERENCE_KEYS)
         if ckpt is None:
@@ -96,7 +125,10 @@ def load_asr(path: str, device="cpu") -> LoadedModel:
     else:
         raise FileNotFoundError(f"{path}: no such checkpoint file or run directory")
     model, tokenizer, features = model_from_checkpoint(ckpt, device)
-    return LoadedModel(model, tokenizer, features, path, Checkpoint.from_dict(ckpt).max_train_duration)
+    if int8:
+        model = quantize_int8(model)
+    return LoadedModel(model, tokenizer, features, path, Checkpoint.from_dict(ckpt).max_train_duration,
+                       CompiledAED(model) if compile else None)
 
 
 def chunk_length(asr: LoadedModel, chunk_seconds: float | None) -> float:
@@ -410,7 +442,7 @@ def decode_batch(asr: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], pro
         memory, memory_lens, ctc_log_probs = asr.model.encode_with_ctc(feats, feat_lens)  # ..., (B, T', V+1) or None
     t1 = _synced_time(device)
     with amp:
-        hyps = search(asr.model, memory, memory_lens, prompt, asr.tokenizer.eos, options, ctc_log_probs)
+        hyps = search(asr.compiled or asr.model, memory, memory_lens, prompt, asr.tokenizer.eos, options, ctc_log_probs)
     t2 = _synced_time(device)
     return hyps, (ctc_log_probs, memory_lens) if with_ctc else None, t1 - t0, t2 - t1
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from aed.ctc import CTCHead
 from aed.dataclass_config import from_dict
-from aed.decoder import KVCache, TransformerDecoder
+from aed.decoder import KVCache, StaticKVCache, TransformerDecoder
 from aed.encoder import SUBSAMPLING_FACTORS, ConformerEncoder
 
 
@@ -164,10 +164,10 @@ class AED(nn.Module):
         """Per-row number of scored tokens, as `forward` counts them (for global normalisation)."""
         return batch.token_lens - 1 if self.cfg.loss_on_prompt else batch.token_lens - batch.prompt_lens
 
-    def new_cache(self, memory, memory_lens, max_len: int) -> KVCache:
-        return self.decoder.new_cache(memory, memory_lens, max_len)
+    def new_cache(self, memory, memory_lens, max_len: int, rows_per_utterance: int = 1) -> KVCache:
+        return self.decoder.new_cache(memory, memory_lens, max_len, rows_per_utterance)
 
-    def decode_step(self, tokens, cache: KVCache):
+    def decode_step(self, tokens, cache: KVCache | StaticKVCache):
         """Feed tokens (R, U) after the cached positions; fp32 logits (R, V) of the last position."""
         hidden = self.decoder.forward_cached(tokens, cache)
         return self.decoder.output_proj(hidden[:, -1]).float()

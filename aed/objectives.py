@@ -42,12 +42,13 @@ class Objective:
     reads_text: bool  # False: audio-only manifests, 1D (duration) buckets, no token bound in oom.py
     spec_augment: bool  # False: the objective masks its input itself (BEST-RQ)
     head: Callable[..., str]  # TrainConfig -> what sits on the encoder, for the start-up log line
+    compiles: bool = False  # its validation decoding steps a KV cache that val.compile can compile (aed/compiled.py)
 
 
 OBJECTIVES = {
     "aed": Objective(
         "aed", build=lambda cfg, vocab: AED(cfg.model), transcribe=_decode_aed, reads_text=True, spec_augment=True,
-        head=lambda cfg: f"decoder {cfg.model.dec_layers} x {cfg.model.dec_d_model}"),
+        head=lambda cfg: f"decoder {cfg.model.dec_layers} x {cfg.model.dec_d_model}", compiles=True),
     "rnnt": Objective(
         "rnnt", build=lambda cfg, vocab: TransducerASR(cfg.model, vocab, cfg.rnnt_chunk_size,
                                                        pred_dim=cfg.rnnt_pred_dim, joint_dim=cfg.rnnt_joint_dim),

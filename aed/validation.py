@@ -9,12 +9,14 @@ every metric is a corpus metric over the whole manifest.
 """
 
 import logging
+import weakref
 from itertools import islice
 
 import torch
 from torch.utils.data import Dataset
 
 from aed.audio import AudioError, LogMel
+from aed.compiled import CompiledAED
 from aed.data import (Collate, UnreadableAudio, UtteranceDataset, duration_batches, encodable, make_item,
                       read_manifest)
 from aed.decoding import DecodingOptions
@@ -26,6 +28,10 @@ from aed.timestamps import frame_seconds
 from aed.training import autocast, count_ctc_skipped, train_mode
 
 log = logging.getLogger(__name__)
+
+# val.compile: each model's compiled decoder, made at its first validation and reused by the later ones
+# (the graphs read the parameters the optimizer updates in place).
+COMPILED = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()
@@ -44,6 +50,11 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
     logmel, collate = LogMel(cfg.features).eval(), Collate(tokenizer.pad)
     options = DecodingOptions(ctc_weight=cfg.val.ctc_weight,
                               frame_seconds=frame_seconds(cfg.features, cfg.model.subsampling_factor))
+    decoder = model
+    if cfg.val.compile and objective.compiles:
+        if model not in COMPILED:
+            COMPILED[model] = CompiledAED(model)
+        decoder = COMPILED[model]
     results = {}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(cfg.seed + rank)
@@ -59,7 +70,7 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
                     continue
                 with autocast(device, setup.precision):
                     loss, n = model(b.feats, b.feat_lens, b.tokens, b.token_lens, b.prompt_lens, b.transcribed)
-                    hyps = objective.transcribe(model, b, tokenizer.eos, options) if objective.transcribe else []
+                    hyps = objective.transcribe(decoder, b, tokenizer.eos, options) if objective.transcribe else []
                 sums += torch.stack([loss.float(), n.float(), torch.tensor(float(count_ctc_skipped(model, [b])),
                                                                            device=device)])
                 for k, hyp in enumerate(hyps):

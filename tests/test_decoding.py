@@ -94,9 +94,6 @@ def test_kv_cache_update_writes_at_the_position_and_advance_commits_it():
     cache.advance(1)
     assert cache.length == 3
     assert [t.shape for t in cache.cross(1)] == [(rows, heads, 7, d_k)] * 2
-    beams = cache.repeat_interleave(2)
-    assert beams.length == 3 and beams.self_kv.shape[2] == 2 * rows
-    assert all(torch.equal(beams.self_kv[:, :, r], cache.self_kv[:, :, 2]) for r in (4, 5))  # copies adjacent
     with pytest.raises(AssertionError, match="cache holds 5 positions, need 6"):
         cache.update(0, torch.randn(rows, heads, 3, d_k), torch.randn(rows, heads, 3, d_k))
     with pytest.raises(AssertionError, match="cache holds 5 positions, need 6"):
@@ -107,7 +104,8 @@ def test_cache_reorder_moves_histories_within_an_utterance():
     model = random_model()
     feats, lens, prompt = batch(lens=(50, 80))
     memory, memory_lens = model.encode(feats, lens)
-    cache = model.new_cache(memory, memory_lens, 8).repeat_interleave(2)  # rows: u0b0, u0b1, u1b0, u1b1
+    cache = model.new_cache(memory, memory_lens, 8, rows_per_utterance=2)  # rows: u0b0, u0b1, u1b0, u1b1
+    assert torch.equal(cache.cross_kv[:, :, 2], cache.cross_kv[:, :, 3]) and torch.equal(*cache.memory_mask[:2])
     hist = torch.cat([prompt.repeat_interleave(2, dim=0), torch.tensor([[5, 6], [7, 8], [9, 10], [11, 12]])], dim=1)
     with torch.no_grad():
         model.decode_step(hist[:, :3], cache)
