@@ -98,7 +98,7 @@ def full_copy(model: nn.Module, build) -> nn.Module:
     share_rank0_buffers(model)
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     device = next(iter(weights.values())).device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        copy = build().to(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
+        copy = build()  # made on the device: a 1B model's initialisation on the host would take seconds
     copy.load_state_dict(weights)
     return copy

@@ -179,11 +179,11 @@ def test_a_checkpoint_saved_from_gpu_tensors_loads_on_cpu(tmp_path):
     assert all(torch.equal(a.cpu(), b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
 
 
-def test_compiled_step_as_a_cuda_graph_gives_eager_tokens_and_is_not_slower_at_batch_1(tmp_path):
+def test_compiled_step_as_a_cuda_graph_gives_eager_tokens(tmp_path):
     """The committed word model on the GPU: `load_asr(compile=True)` captures the step as a CUDA graph
     (mode reduce-overhead); greedy, beam and joint decoding give eager decoding's transcripts, in fp32
-    and under bf16 autocast, and at batch 1 the decoder is not slower (the target, >= 2x, is checked
-    by bench/infer_speed_bench.py --device cuda)."""
+    and under bf16 autocast. Its speed (target: >= 2x eager at batch 1) is the benchmark's to measure:
+    bench/infer_speed_bench.py --device cuda, which make gpu-check runs."""
     from test_compiled import SEARCHES, WORD_MODEL, word_files
     paths, _ = word_files(tmp_path, 6, seed=5)
     eager, compiled = load_asr(WORD_MODEL, "cuda"), load_asr(WORD_MODEL, "cuda", compile=True)
@@ -193,13 +193,6 @@ def test_compiled_step_as_a_cuda_graph_gives_eager_tokens_and_is_not_slower_at_b
             ref, _ = transcribe(eager, paths, options, pnc=False, dtype=dtype)
             got, _ = transcribe(compiled, paths, options, pnc=False, dtype=dtype)
             assert [r.pred_text for r in got] == [r.pred_text for r in ref], (name, dtype)
-    decoder_s = {}
-    for name, asr in (("eager", eager), ("compiled", compiled)):
-        transcribe(asr, paths[:1], SEARCHES["greedy"], pnc=False)  # warm-up: the batch-1 bucket's graph
-        decoder_s[name] = sum(transcribe(asr, [p], SEARCHES["greedy"], pnc=False)[1].decoder for p in paths * 3)
-    print(f"batch-1 decoder: eager {decoder_s['eager']:.3f} s, compiled {decoder_s['compiled']:.3f} s, "
-          f"{decoder_s['eager'] / decoder_s['compiled']:.2f}x")
-    assert decoder_s["compiled"] <= decoder_s["eager"], decoder_s
 
 
 def test_int8_weights_are_refused_on_cuda():

@@ -16,6 +16,7 @@ from test_train import MINI, losses, run_train
 pytestmark = pytest.mark.slow
 # FSDP reduce-scatters where DDP all-reduces, and sums in another order: not bitwise, but close.
 LOSS_TOLERANCE = 1e-4
+VALIDATE = ("val.every=6", "val.max_utterances=8")  # validation on a gathered copy of the sharded weights
 
 
 def metric(run_dir, key: str):
@@ -34,16 +35,18 @@ def copy_until(src, dst, step: int) -> None:
 def fsdp_run(tmp_path_factory):
     """6 steps under FSDP at 2 ranks, with a checkpoint at step 3 (and 6)."""
     run = tmp_path_factory.mktemp("fsdp") / "run"
-    run_train(run, "train.strategy=fsdp", "max_steps=6", "ckpt_every=3", "keep_last=2", nproc=2)
+    run_train(run, "train.strategy=fsdp", "max_steps=6", "ckpt_every=3", "keep_last=2", *VALIDATE, nproc=2)
     return run
 
 
 def test_fsdp_trains_like_ddp_and_its_checkpoint_decodes_like_ddps(fsdp_run, tmp_path):
     ddp = tmp_path / "ddp"
-    run_train(ddp, "train.strategy=ddp", "max_steps=6", "ckpt_every=3", "keep_last=2", nproc=2)
+    run_train(ddp, "train.strategy=ddp", "max_steps=6", "ckpt_every=3", "keep_last=2", *VALIDATE, nproc=2)
     la, lb = losses(ddp), losses(fsdp_run)
     assert sorted(la) == sorted(lb) == [1, 2, 3, 4, 5, 6]
     assert all(abs(la[s] - lb[s]) <= LOSS_TOLERANCE * abs(la[s]) for s in la), (la, lb)
+    val_losses = [metric(run, "val/dev/loss") for run in (ddp, fsdp_run)]
+    assert val_losses[0] == pytest.approx(val_losses[1], rel=LOSS_TOLERANCE)
     flops = [metric(run, "train/flops") for run in (ddp, fsdp_run)]
     assert flops[0] == flops[1] > 0  # the same matmuls: FSDP's gathers and reductions are no FLOPs
 
