@@ -79,6 +79,9 @@ def parse_args():
                           "shape bucket (rows, positions, frames rounded up), reused by every batch of that bucket; "
                           "the tokens are those of eager decoding. Pays on GPUs at small batches, where eager steps "
                           "are bound by kernel launches; each first batch of a bucket waits for its compilation")
+    run.add_argument("--average", type=int, default=1, metavar="N",
+                     help="with a run directory as --ckpt: decode with the mean weights of its newest N valid "
+                          "checkpoints (train.keep_last must keep them)")
     run.add_argument("--int8", action="store_true",
                      help="int8 weights for every Linear layer (torch's dynamic quantization), CPU only: a "
                           "batch-1 decoder step on a CPU is bound by reading its weights. Not with --compile")
@@ -174,7 +177,7 @@ def main() -> None:
     device = torch.device(args.device)
     t_load = time.perf_counter()
     try:
-        asr = load_asr(args.ckpt, device, compile=args.compile, int8=args.int8)
+        asr = load_asr(args.ckpt, device, compile=args.compile, int8=args.int8, average=args.average)
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:  # missing, not ours, or corrupt
         sys.exit(f"error: cannot load --ckpt {args.ckpt}: {e}")
     t_load = time.perf_counter() - t_load

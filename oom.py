@@ -94,7 +94,7 @@ def manifest_bins(config: str, manifests: list | None, sample: int | None) -> tu
         manifests = [parse_spec(m) for m in manifests] if manifests else list(cfg.train.manifests)
         bins, meta = bins_from_manifests(manifests, Tokenizer.load(cfg.train.tokenizer), cfg.train.num_buckets,
                                          cfg.train.sub_buckets, cfg.train.bin_method, sample, cfg.seed,
-                                         max_tokens=cfg.model.dec_max_len)
+                                         max_tokens=cfg.model.dec_max_len, speed_perturb=cfg.train.speed_perturb)
     except (ConfigError, OSError, ValueError) as e:
         raise SystemExit(f"oom.py: {config}: {e}") from None
     log.info("bins: %d buckets from %d of %d lines of %s (skipped: %s)", bins.num_buckets, meta["used"],

@@ -339,6 +339,7 @@ class BucketingSampler:
         concurrent: bool | None = None,  # producer thread; default: on for streamed sources
         infinite: bool = False,  # endless reshuffled passes, for step-based training
         yield_indices: bool = False,  # list sources: batches of indices, for DataLoader(batch_sampler=)
+        sortagrad: bool = False,  # epoch 0's first pass walks the buckets from shortest to longest
     ):
         self.source, self.bins = source, bins
         self.is_list = isinstance(source, (list, tuple))
@@ -396,6 +397,12 @@ class BucketingSampler:
         # Weight = expected batches per bucket, so draws follow how fast each bucket fills up.
         w = counts / np.maximum(self.sizes, 1) if counts is not None and counts.sum() > 0 else usable.astype(float)
         self.cum_weights = list(accumulate((w / w.sum()).tolist()))
+        self.sortagrad = sortagrad
+        if sortagrad and counts is None:
+            raise ValueError("sortagrad needs to know how many batches a pass makes: give a list source or "
+                             "bins with counts")
+        # Batches of one pass on one rank: the span over which sortagrad walks the buckets.
+        self._pass_batches = float(w.sum()) / self.world_size if counts is not None else None
         # Examples to read for one full batch of each bucket at its share of the data.
         n = len(self.sizes)
         share = counts / counts.sum() if counts is not None and counts.sum() > 0 else np.full(n, 1 / n)
@@ -643,7 +650,12 @@ class BucketingSampler:
         if st.drain is not None and not any(st.drain):
             return None
         # One draw per batch on every rank keeps the shared selection RNG aligned across ranks.
-        drawn = min(bisect_right(self.cum_weights, st.select_rng.random()), len(self.sizes) - 1)
+        u = st.select_rng.random()
+        if self.sortagrad and st.epoch == 0 and st.batches < self._pass_batches:
+            # Sortagrad (Amodei et al., 2016): the same quantile walk on every rank takes each bucket
+            # in turn, shortest first, for as many batches as its share of the data.
+            u = (st.batches + 0.5) / self._pass_batches
+        drawn = min(bisect_right(self.cum_weights, u), len(self.sizes) - 1)
         if not st.exhausted:
             self._fill(st, reader, drawn)
         if st.exhausted and st.drain is None:

@@ -384,6 +384,34 @@ def load_latest(run_dir: str, required=TRAINING_KEYS,
     return None, None
 
 
+def average_checkpoints(run_dir: str, count: int) -> tuple[list[str], dict]:
+    """(paths, checkpoint) of the newest `count` valid checkpoints of run_dir, the checkpoint being
+    the newest with its model weights replaced by their mean (ESPnet's and icefall's averaging:
+    the mean of the last weights of a run sits nearer a wide minimum than any one of them).
+    Integer buffers (BatchNorm's batch counter) keep the newest value."""
+    paths = []
+    for path in reversed(list_checkpoints(run_dir)):
+        if len(paths) == count:
+            break
+        try:
+            read_checkpoint(path, with_tensors=False)
+            paths.append(path)
+        except CheckpointError as e:
+            log.warning("not averaging invalid checkpoint %s", e)
+    if len(paths) < count:
+        raise CheckpointError(f"{run_dir}: {len(paths)} valid checkpoint(s), asked to average {count} "
+                              "(train.keep_last keeps that many; train.ckpt_every sets how far apart)")
+    newest = read_checkpoint(paths[0])
+    total = {k: v.double() if v.is_floating_point() else v for k, v in newest["model"].items()}
+    for path in paths[1:]:
+        for k, v in read_checkpoint(path)["model"].items():
+            if v.is_floating_point():
+                total[k] += v.double()
+    newest["model"] = {k: (v / count).to(newest["model"][k].dtype) if v.is_floating_point() else v
+                       for k, v in total.items()}
+    return paths[::-1], newest
+
+
 # Tensors with one row per token id. The CTC head has one more, its blank, which stays the last row.
 VOCAB_ROWS = ("decoder.embedding.token_embedding.weight", "decoder.output_proj.weight", "decoder.output_proj.bias")
 CTC_ROWS = ("ctc.proj.weight", "ctc.proj.bias")

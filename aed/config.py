@@ -52,6 +52,8 @@ class DataConfig:
     buffer_size: int = 20000  # examples held by the bucketing buffer
     buffer_overfill: float = 4.0  # read on up to this x the buffer for the bucket all ranks drew (1: the paper's)
     sync_buckets: bool = True  # same bucket on every rank each step (removes the tail-worker effect)
+    sortagrad: bool = False  # first pass over the data from the shortest bucket to the longest (curriculum)
+    speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]: every utterance once at each speed (Kaldi, ESPnet, icefall); in-memory manifests
     num_workers: int = 2  # DataLoader workers decoding audio and computing features
     strategy: str = "ddp"  # ddp: every rank holds the whole model and optimizer | fsdp: FSDP2 shards parameters, gradients and AdamW state over the ranks (aed/parallel.py)
     reshard_after_forward: bool = True  # fsdp: free each layer's gathered parameters after its forward (less memory; false: one all-gather less per layer)
@@ -63,6 +65,8 @@ class DataConfig:
             raise ConfigError(f"train.allocation: expected flexible or strict, got {self.allocation!r}")
         if self.bin_method not in ("optimised", "equal"):
             raise ConfigError(f"train.bin_method: expected optimised or equal, got {self.bin_method!r}")
+        if any(not 0.5 <= f <= 2.0 or abs(100 * f - round(100 * f)) > 1e-6 for f in self.speed_perturb):
+            raise ConfigError(f"train.speed_perturb: factors between 0.5 and 2 in steps of 0.01, got {self.speed_perturb}")
 
 
 @dataclass

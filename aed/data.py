@@ -30,6 +30,7 @@ from typing import Iterator, NoReturn
 
 import soundfile as sf
 import torch
+import torchaudio
 from torch.utils.data import Dataset
 
 from aed.audio import AudioError, LogMel, load_audio
@@ -58,6 +59,12 @@ class Utterance:
     offset: float = 0.0
     where: str = ""  # "manifest.jsonl:17", for error messages
     segment: bool = False  # the line gave an offset: a part of the file, so its duration may be shorter
+    speed: float = 1.0  # speed perturbation (training): played this many times faster, and shorter
+
+    @property
+    def perturbed_duration(self) -> float:
+        """Seconds of audio the model sees: what bucketing and batch sizes are measured on."""
+        return self.duration / self.speed
 
 
 # --- manifest fields: one set of rules for training (strict) and inference (lenient) ---------
@@ -313,7 +320,15 @@ class UtteranceDataset(Dataset):
                              sample_rate=self.logmel.cfg.sample_rate)
         except AudioError as e:
             return {"error": f"{utt.where}: {e}", "audio_filepath": utt.audio_filepath}
+        if utt.speed != 1.0:
+            wav = perturb_speed(wav, utt.speed)
         return make_item(wav, utt, i, self.tokenizer, self.logmel, self.seed)
+
+
+def perturb_speed(wav: torch.Tensor, factor: float) -> torch.Tensor:
+    """(S,) -> (~S / factor,): the recording played `factor` times faster, tempo and pitch together
+    (Ko et al., 2015), by resampling it as if it had been recorded at factor x the sample rate."""
+    return torchaudio.functional.resample(wav, round(100 * factor), 100)
 
 
 # --- batches ------------------------------------------------------------------------------------

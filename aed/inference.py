@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from aed.audio import AudioError, FeatureConfig, LogMel, load_audio, num_frames
-from aed.checkpoint import INFERENCE_KEYS, Checkpoint, is_checkpoint, load_latest, model_from_checkpoint, read_checkpoint
+from aed.checkpoint import (INFERENCE_KEYS, Checkpoint, average_checkpoints, is_checkpoint, load_latest,
+                            model_from_checkpoint, read_checkpoint)
 from aed.data import (PROMPT_TASKS, ManifestError, audio_path, check_task, duration_batches, json_object, languages,
                       manifest_lines, reference_text, seconds)
 from aed.compiled import CompiledAED
@@ -105,9 +106,10 @@ def quantize_int8(model: AED) -> AED:
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear: qconfig}, dtype=torch.qint8)
 
 
-def load_asr(path: str, device="cpu", *, compile: bool = False, int8: bool = False) -> LoadedModel:
+def load_asr(path: str, device="cpu", *, compile: bool = False, int8: bool = False, average: int = 1) -> LoadedModel:
     """A checkpoint (a train.py `ckpt-*` directory or a single file), or a run directory (its newest
     valid checkpoint: a truncated newer one is skipped with a warning naming it), ready for inference.
+    average > 1: the mean weights of a run directory's newest `average` valid checkpoints.
 
     compile: decode with a compiled decoder step (aed/compiled.py), compiled on the first batch of each
     shape bucket. int8: int8 Linear weights (`quantize_int8`), CPU only; the two do not combine (torch
@@ -115,7 +117,13 @@ def load_asr(path: str, device="cpu", *, compile: bool = False, int8: bool = Fal
     if compile and int8:
         raise ValueError("int8 and compile do not combine: torch.compile cannot trace torch's int8 Linear "
                          "into one graph; on a CPU at batch 1, int8 is the faster of the two")
-    if os.path.isdir(path) and not is_checkpoint(path):
+    if average > 1:
+        if not os.path.isdir(path) or is_checkpoint(path):
+            raise ValueError(f"{path}: averaging needs a run directory (its newest checkpoints are averaged)")
+        averaged, ckpt = average_checkpoints(path, average)
+        log.info("averaged the weights of %s", ", ".join(map(os.path.basename, averaged)))
+        path = averaged[-1]
+    elif os.path.isdir(path) and not is_checkpoint(path):
         newest, ckpt = load_latest(path, INFERENCE_KEYS)
         if ckpt is None:
             raise FileNotFoundError(f"{path}: a directory without ckpt-* checkpoints")

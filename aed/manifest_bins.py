@@ -91,9 +91,10 @@ def measure(lines: list, tokenizer, max_tokens: int | None) -> tuple:
 def bins_from_manifests(specs: list, tokenizer, num_buckets: int = 30, sub_buckets: int = 2,
                         method: str = "optimised", sample: int | None = None, seed: int = 0,
                         outlier_z: float = 4.0, max_tokens: int | None = None,
-                        audio_weight: float | None = None) -> tuple:
+                        audio_weight: float | None = None, speed_perturb: list = ()) -> tuple:
     """(Bins, meta): bins estimated (bins.estimate_bins) from `sample` lines of the manifests (all
-    by default), leaving out examples over max_tokens (train.py drops those: model.dec_max_len).
+    by default), leaving out examples over max_tokens (train.py drops those: model.dec_max_len),
+    each line once per speed_perturb factor at its perturbed duration, as train.py sees it.
     meta records what they were estimated from. Raises ValueError if no line is usable."""
     lines, total, faults = sample_lines(specs, sample, seed)
     durations, num_tokens, skipped, example = measure(lines, tokenizer, max_tokens)
@@ -103,8 +104,12 @@ def bins_from_manifests(specs: list, tokenizer, num_buckets: int = 30, sub_bucke
         print(f"estimate_bins: the readers skipped {n:,} {reason.replace('_', ' ')} (logged above)", file=sys.stderr)
     if not durations:
         raise ValueError(f"estimate_bins: no usable line in {len(lines):,} sampled lines of {specs}")
+    if speed_perturb:
+        durations = [d / f for f in speed_perturb for d in durations]
+        num_tokens = list(num_tokens) * len(speed_perturb)
     bins = estimate_bins(durations, num_tokens, num_buckets, sub_buckets, outlier_z, method, audio_weight)
     meta = {"manifests": list(specs), "lines": total, "sampled": len(lines), "used": len(durations),
             "skipped": dict(skipped) | {f"reader_{r}": n for r, n in faults.items()}, "method": method,
-            "audio_weight": audio_weight, "seed": seed, "outlier_z": outlier_z, "max_tokens": max_tokens}
+            "audio_weight": audio_weight, "seed": seed, "outlier_z": outlier_z, "max_tokens": max_tokens,
+            "speed_perturb": list(speed_perturb)}
     return bins, meta

@@ -9,6 +9,7 @@
 import logging
 import random
 import time
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -55,6 +56,11 @@ def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_
         out_tokens += [num_tokens[i] for i in picked]
         log.info("%s: %d utterances, %.2f h, weight %g", spec["path"], len(utts),
                  sum(u.duration for u in utts) / 3600, weight)
+    if data_cfg.speed_perturb:
+        out = [replace(u, speed=f) for f in data_cfg.speed_perturb for u in out]
+        out_tokens = out_tokens * len(data_cfg.speed_perturb)
+        log.info("speed perturbation %s: %d utterances, %.2f h", data_cfg.speed_perturb, len(out),
+                 sum(u.perturbed_duration for u in out) / 3600)
     return out, out_tokens
 
 
@@ -95,7 +101,7 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
     sampler_args = dict(allocation=cfg.train.allocation, min_tps=cfg.train.min_tps,
                         max_tps=cfg.train.max_tps, buffer_size=cfg.train.buffer_size, seed=cfg.seed,
                         rank=rank, world_size=world_size, sync_buckets=cfg.train.sync_buckets,
-                        overfill=cfg.train.buffer_overfill, infinite=True)
+                        overfill=cfg.train.buffer_overfill, sortagrad=cfg.train.sortagrad, infinite=True)
     bins = Bins.load(cfg.train.bins) if cfg.train.bins else None  # None: estimated from the manifests
     if cfg.train.batch_sizes:
         bins, sizes = load_batch_sizes(cfg.train.batch_sizes)  # the bins the sizes were searched for
@@ -111,6 +117,8 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
         if not reads_text:
             raise ConfigError(f"objective={cfg.objective} reads manifests (audio-only lines are fine), not "
                               "streamed sources")
+        if cfg.train.speed_perturb:
+            raise ConfigError("train.speed_perturb copies in-memory manifests; streamed sources are read as they are")
         if len(streamed) != len(cfg.train.manifests) or bins is None:
             raise ConfigError("streamed training needs every train.manifests entry streamed ({shards: DIR}, "
                               "{shar: DIR}, a NeMo tarred set or {parquet: GLOB}; README: Your data as it is) and "
@@ -135,11 +143,11 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
         keep = sorted(set(range(len(utts))) - set(too_long))
         utts, num_tokens = [utts[i] for i in keep], [num_tokens[i] for i in keep]
     if bins is None:
-        bins = estimate_bins([u.duration for u in utts], num_tokens, cfg.train.num_buckets,
+        bins = estimate_bins([u.perturbed_duration for u in utts], num_tokens, cfg.train.num_buckets,
                              cfg.train.sub_buckets if reads_text else 1, method=cfg.train.bin_method)
         if bins_out:
             bins.save(bins_out)
-    examples = [{"duration": u.duration, "num_tokens": n} for u, n in zip(utts, num_tokens)]
+    examples = [{"duration": u.perturbed_duration, "num_tokens": n} for u, n in zip(utts, num_tokens)]
     sampler = BucketingSampler(examples, bins, **sampler_args, yield_indices=True)
     return TrainingData(sampler, UtteranceDataset(utts, text_tokenizer, logmel, seed=cfg.seed), bins,
                         BatchCounter(sampler), **data)

@@ -172,3 +172,31 @@ def test_sampler_token_counts_are_the_batch_lengths_and_count_targets_is_what_th
     assert count_targets(model, [batch]) == int(n)
     expected = [u - 1 if loss_on_prompt else u - p for u, p in zip(num_tokens, batch.prompt_lens.tolist())]
     assert int(n) == sum(expected)
+
+
+def test_speed_perturbation_copies_each_utterance_at_each_speed_with_its_perturbed_duration(tmp_path):
+    from dataclasses import replace
+
+    from aed.config import DataConfig, load_train_config
+    from aed.dataclass_config import ConfigError
+    from aed.training_data import load_examples
+
+    tokenizer = Tokenizer.load(os.path.join(MINI, "tokenizer"))
+    manifest = os.path.join(MINI, "dev.jsonl")
+    cfg = DataConfig(manifests=[manifest], speed_perturb=[0.9, 1.0, 1.1], check_audio=False)
+    utts, num_tokens = load_examples(cfg.manifests, cfg, tokenizer, seed=0, rank=0, world_size=1)
+    plain = read_manifest(manifest)
+    assert [u.speed for u in utts] == [0.9] * len(plain) + [1.0] * len(plain) + [1.1] * len(plain)
+    assert [u.perturbed_duration for u in utts[-len(plain):]] == pytest.approx([u.duration / 1.1 for u in plain])
+    assert num_tokens[:len(plain)] == num_tokens[-len(plain):]
+
+    # The audio the model sees is the recording played faster: 1/1.1 of its samples, same spectrum shape.
+    logmel = LogMel(FeatureConfig(n_mels=80)).eval()
+    u = plain[0]
+    normal = UtteranceDataset([u], tokenizer, logmel)[0]["feats"]
+    fast = UtteranceDataset([replace(u, speed=1.1)], tokenizer, logmel)[0]["feats"]
+    assert len(fast) == pytest.approx(len(normal) / 1.1, abs=2)
+    assert len(fast) * 0.01 == pytest.approx(replace(u, speed=1.1).perturbed_duration, abs=0.03)
+
+    with pytest.raises(ConfigError, match="speed_perturb"):
+        load_train_config(None, ["train.speed_perturb=[0.9, 1.005]"])

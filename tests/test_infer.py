@@ -14,7 +14,7 @@ import soundfile as sf
 import torch
 
 from aed.audio import FeatureConfig, LogMel, load_audio
-from aed.checkpoint import pack_dir, save_checkpoint
+from aed.checkpoint import CheckpointError, pack_dir, save_checkpoint
 from aed.ctc import CTCHead
 from aed.data import ManifestError, encode_utterance, read_manifest
 from aed.decoding import DecodingOptions, decode
@@ -350,3 +350,26 @@ def test_quiet_point_is_the_middle_of_the_silent_stretch(tmp_path):
     chunks = plan_chunks(Request(str(path), "en", "en", True, "asr"), 1.6, 16000)
     assert len(chunks) == 2 and 1.2 <= chunks[0][1] <= 1.5  # the quiet part of the search window [1.2, 1.6]
     assert chunks[1][1] is None and chunks[1][0] + chunks[1][2] == pytest.approx(2.5)
+
+
+def test_average_of_the_newest_checkpoints(run_dir, tmp_path):
+    """--average N decodes with the mean weights of a run's newest N checkpoints; asking for more
+    than the run keeps is an error that says so."""
+    from aed.checkpoint import average_checkpoints, checkpoint_step, read_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    newest = read_checkpoint(str(run / os.listdir(run)[0]))
+    for step, scale in ((1, 0.5), (2, 1.5)):  # two older checkpoints whose weights average to the newest
+        older = dict(newest, model={k: v * scale if v.is_floating_point() else v for k, v in newest["model"].items()})
+        save_checkpoint(older, str(run), step, keep_last=3)
+    paths, averaged = average_checkpoints(str(run), 3)
+    assert [checkpoint_step(p) for p in paths] == [1, 2, checkpoint_step(os.listdir(run_dir)[0])]
+    for k, v in newest["model"].items():
+        assert torch.allclose(averaged["model"][k], v * (1 + 0.5 + 1.5) / 3 if v.is_floating_point() else v)
+    _, two = average_checkpoints(str(run), 2)  # the newest and ckpt-2: 1.25 x the weights
+    w = "decoder.output_proj.weight"
+    assert torch.allclose(two["model"][w], newest["model"][w] * 1.25)
+    assert load_asr(str(run), average=2).model.state_dict()[w].allclose(newest["model"][w] * 1.25)
+    with pytest.raises(CheckpointError, match="3 valid checkpoint.*asked to average 4"):
+        load_asr(str(run), average=4)

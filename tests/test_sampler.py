@@ -548,3 +548,31 @@ def test_no_threads_left_after_full_iteration(tmp_path):
     before = threading.active_count()
     list(BucketingSampler(JsonlSource(path), BINS, batch_size=4, buffer_size=100))
     assert threading.active_count() == before
+
+
+def test_sortagrad_first_pass_shortest_buckets_first_same_on_every_rank_and_resumes():
+    def make(sortagrad, rank=0):
+        return BucketingSampler(EX, BINS, max_duration=60.0, infinite=True, world_size=2, rank=rank,
+                                sortagrad=sortagrad)
+
+    one_pass = int(make(True)._pass_batches)
+    buckets = [b for b, _ in run(make(True), limit=one_pass)]
+    assert buckets == sorted(buckets)  # the whole first pass climbs the buckets
+    assert buckets[0] == 0 and buckets[-1] >= len(BINS.durations) * 2 - 2
+    assert [b for b, _ in run(make(True, rank=1), limit=one_pass)] == buckets  # ranks stay in step
+    later = [b for b, _ in run(make(True), limit=2 * one_pass)][one_pass:]
+    assert later != sorted(later)  # then random buckets again, as without sortagrad
+    assert [b for b, _ in run(make(False), limit=one_pass)] != buckets
+
+    ref = run(make(True), limit=one_pass + 50)
+    s = make(True)
+    head = run(s, limit=one_pass // 2)
+    s2 = make(True)
+    s2.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    assert head + run(s2, limit=len(ref) - len(head)) == ref
+
+
+def test_sortagrad_needs_bucket_counts_for_a_stream(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", EX[:100])
+    with pytest.raises(ValueError, match="sortagrad"):
+        BucketingSampler(JsonlSource(path), Bins(BINS.durations, BINS.tokens), max_duration=60.0, sortagrad=True)

@@ -47,6 +47,8 @@ def main(argv=None) -> None:
     p.add_argument("--outlier-z", type=float, default=4.0, help="drop TPS outliers above this z-score per duration bin")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="leave out longer examples, as train.py does with model.dec_max_len")
+    p.add_argument("--speed-perturb", type=lambda s: [float(f) for f in s.split(",")], default=[],
+                   help="comma-separated factors, as train.speed_perturb (e.g. 0.9,1.0,1.1): bins of the perturbed durations")
     p.add_argument("-o", "--output", required=True)
     args = p.parse_args(argv)
 
@@ -55,7 +57,7 @@ def main(argv=None) -> None:
     try:
         bins, meta = bins_from_manifests(args.manifest, tokenizer, args.buckets, args.sub_buckets, args.method,
                                          args.sample, args.seed, args.outlier_z, args.max_tokens,
-                                         args.audio_weight)
+                                         args.audio_weight, args.speed_perturb)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     meta["tokenizer"] = args.tokenizer

@@ -26,6 +26,10 @@ utterances; the test sentences are in neither train nor dev, and are spoken by v
 (TEST_VARIANTS) that no train or dev utterance uses:
     python tools/make_mini_data.py -o data/sentences --hours 9 --dev-per-lang 25 --test-per-lang 40
 
+The same with sentences of 3-30 words (mean ~11 words, ~4.5 s; up to ~17 s), nearer real users'
+utterances; a second seed draws other sentences, voices and splits:
+    python tools/make_mini_data.py -o data/long --hours 9 --dev-per-lang 25 --test-per-lang 40 --words 3-30
+
 Output (existing audio/ and examples/ sub-folders of the output folder are replaced):
     train.jsonl, dev.jsonl   one utterance per line: audio_filepath (relative to the manifest's
     (test.jsonl)             folder), duration, text, source_lang, target_lang, pnc, taskname
@@ -63,7 +67,7 @@ APT_PACKAGES = ("espeak-ng apertium apertium-eng-spa fortunes fortunes-de fortun
                 "libreoffice-help-fr")
 
 SAMPLE_RATE = 16000
-MIN_WORDS, MAX_WORDS = 3, 8  # short sentences: more utterances fit in the ~12 MB budget
+DEFAULT_WORDS = "3-8"  # short sentences: more utterances fit in data/mini's ~12 MB budget
 LEAD_SILENCE, TAIL_SILENCE = 0.10, 0.15  # seconds of silence kept around the speech
 MAX_UNKNOWN = 0  # an unknown word stays untranslated in the target text; candidates are plentiful
 AST_CANDIDATE_FACTOR = 3  # translate this many candidates per wanted pair; some are rejected
@@ -150,14 +154,15 @@ def split_sentences(paragraph):
     return re.split(r"(?<=[.!?])\s+", paragraph)
 
 
-def clean_sentence(s, lang):
-    """Normalise one candidate sentence; None when it is not a clean, speakable PnC sentence."""
+def clean_sentence(s, lang, words_range):
+    """Normalise one candidate sentence; None when it is not a clean, speakable PnC sentence of
+    words_range = (min, max) words."""
     s = unicodedata.normalize("NFC", s).replace("’", "'").replace("‘", "'")
     s = " ".join(s.split())  # also turns French non-breaking spaces before "?!;" into spaces
     letters = LETTERS[lang]
     opening = "¿¡" if lang == "es" else ""
     words = s.split()
-    if not MIN_WORDS <= len(words) <= MAX_WORDS:
+    if not words_range[0] <= len(words) <= words_range[1]:
         return None
     # Letters, apostrophes, intra-word hyphens and sentence punctuation only: no digits, quotes,
     # brackets, colons, dashes or ellipses, which a listener cannot hear.
@@ -183,7 +188,7 @@ def dedup_key(s):
     return " ".join(re.sub(r"[^\w\s]", " ", s.lower()).split())
 
 
-def load_sentences(lang, french_text):
+def load_sentences(lang, french_text, words_range):
     """All clean sentences of one language, deduplicated and sorted (the RNG shuffles later)."""
     if lang == "fr":
         paragraphs = [p for name in french_text for p in read_help_pages(FRENCH_HELP[name])]
@@ -192,7 +197,7 @@ def load_sentences(lang, french_text):
     by_key = {}
     for paragraph in paragraphs:
         for s in split_sentences(paragraph):
-            s = clean_sentence(s, lang)
+            s = clean_sentence(s, lang, words_range)
             if s is not None:
                 by_key.setdefault(dedup_key(s), s)
     return sorted(by_key.values())
@@ -286,7 +291,7 @@ def plan_texts(args, rng):
     """-> {split: [(source_lang, target_lang, spoken, text), ...]} with train, dev and test disjoint."""
     lists = {}
     for lang in LANGS:
-        sentences = load_sentences(lang, args.french_text)
+        sentences = load_sentences(lang, args.french_text, args.words)
         print(f"{lang}: {len(sentences)} clean sentences")
         for (split, tgt), items in split_pool(lang, sentences, rng, args).items():
             lists[(split, lang, tgt)] = items
@@ -458,6 +463,17 @@ def summarize(name, entries):
     print(f"  {name:<9} all  {'':<7} {len(entries):>6} utts {total / 60:>8.2f} min ({total / 3600:.3f} h)")
 
 
+def words_range(text):
+    """'3-30' -> (3, 30)."""
+    try:
+        low, high = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN-MAX, e.g. 3-30, got {text!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -479,6 +495,8 @@ def main():
                         help="parallel espeak-ng processes")
     parser.add_argument("--french-text", type=lambda s: s.split(","), default=list(FRENCH_HELP),
                         help=f"comma-separated French help sources, of {', '.join(FRENCH_HELP)} (default: all)")
+    parser.add_argument("--words", type=words_range, default=words_range(DEFAULT_WORDS),
+                        help=f"MIN-MAX words per sentence (default {DEFAULT_WORDS})")
     args = parser.parse_args()
     if unknown := set(args.french_text) - set(FRENCH_HELP):
         parser.error(f"--french-text: unknown source {', '.join(sorted(unknown))}; choose from {', '.join(FRENCH_HELP)}")
