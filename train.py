@@ -352,6 +352,7 @@ def main(argv: list[str] | None = None) -> None:
         if stop or step % cfg.ckpt_every == 0 or last:
             save(writer, setup, data, step, progress.total_flops, consumed, proc)
             stop = stop or stop_requested(received, device)
+        writer.poll()
         if progress.budget_spent():
             log.info("FLOP budget spent at step %d: %.4g of %.4g FLOPs", step, progress.total_flops, cfg.budget_flops)
         if stop:

@@ -192,7 +192,7 @@ def save_checkpoint(state: dict, run_dir: str, step: int, keep_last: int) -> str
 class CheckpointWriter:
     """A training run's checkpoints, written on every rank at once and, with `asynchronous`, in
     the background: `save` returns once the tensors are copied, and the checkpoint is published
-    (COMPLETE) at the next `save` or at `finish`, after its files are all written. Only rank 0
+    (COMPLETE) by the first `poll` (every step), `save` or `finish` after its files are all written. Only rank 0
     publishes; DCP's coordinator (rank 0) returns only once every rank's part is in place."""
 
     def __init__(self, run_dir: str, keep_last: int, rank: int, asynchronous: bool, distributed: bool):
@@ -223,6 +223,12 @@ class CheckpointWriter:
             self.pending = None
             future.result()
             self._publish(path, step)
+
+    def poll(self) -> None:
+        """Publish the checkpoint being written once it is complete, without waiting: it can then
+        be decoded or resumed from before the next save."""
+        if self.pending is not None and self.pending[0].done():
+            self.finish()
 
     def _publish(self, path: str, step: int) -> None:
         if self.rank == 0:

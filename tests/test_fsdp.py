@@ -5,6 +5,7 @@ saves, and inference from a sharded checkpoint."""
 import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -104,3 +105,16 @@ def test_an_async_checkpoint_counts_only_once_written_and_published(tmp_path):
     path, ckpt = load_latest(str(tmp_path))
     assert path.endswith("ckpt-00000002") and torch.equal(ckpt["model"]["w"], torch.full((4,), 2.0))
     assert not (tmp_path / "ckpt-00000001").exists()  # keep_last=1: removed once its successor counted
+
+
+
+def test_poll_publishes_a_finished_async_checkpoint_without_waiting_for_the_next_save(tmp_path):
+    from test_faults import fake_state
+    writer = CheckpointWriter(str(tmp_path), keep_last=2, rank=0, asynchronous=True, distributed=False)
+    writer.save(fake_state(1), 1)
+    deadline = time.time() + 60
+    while writer.pending is not None and time.time() < deadline:  # the loop calls poll every step
+        writer.poll()
+        time.sleep(0.01)
+    assert writer.pending is None and (tmp_path / "ckpt-00000001" / "COMPLETE").exists()
+    assert load_latest(str(tmp_path))[1]["step"] == 1
