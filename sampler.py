@@ -55,7 +55,7 @@ import math
 import random
 import sys
 import threading
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -253,6 +253,7 @@ class _State:
     drain: list | None = None  # per bucket: the remaining batches once the source is exhausted
     drops_before: dict = field(default_factory=dict)  # stats["drops"] when this epoch began
     skip: tuple | None = None  # (pass, packed bitmask of examples) used in that pass before a world-size change
+    full_from: int | None = None  # short_first: the first pass that reads every example (None: not yet)
 
     def epoch_drops(self) -> dict:
         """Drops of this epoch by reason: the running counts less those of earlier epochs."""
@@ -274,6 +275,7 @@ class _State:
             "drain": None if self.drain is None else [[pack(x) for x in bb] for bb in self.drain],
             "data_rng": self.data_rng.getstate(), "select_rng": self.select_rng.getstate(),
             "stats": copy.deepcopy(self.stats), "drops": self.epoch_drops(), "skip": self.skip,
+            "full_from": self.full_from,
         }
 
     @classmethod
@@ -291,7 +293,8 @@ class _State:
                  exhausted=sd["exhausted"], queues=[unpack(q) for q in sd["queues"]],
                  drain=None if sd["drain"] is None else [[unpack(x) for x in bb] for bb in sd["drain"]],
                  drops_before={r: n - epoch_drops.get(r, 0) for r, n in stats["drops"].items()},
-                 skip=sd.get("skip"))  # states saved before world-size changes were supported have none
+                 skip=sd.get("skip"),  # states saved before world-size changes were supported have none
+                 full_from=sd.get("full_from"))
         st.occupancy = sum(map(len, st.queues))
         st.ready = sum(0 < k <= len(q) for q, k in zip(st.queues, sizes))
         return st
@@ -340,6 +343,7 @@ class BucketingSampler:
         infinite: bool = False,  # endless reshuffled passes, for step-based training
         yield_indices: bool = False,  # list sources: batches of indices, for DataLoader(batch_sampler=)
         sortagrad: bool = False,  # epoch 0's first pass walks the buckets from shortest to longest
+        short_first: tuple | None = None,  # (seconds, batches): infinite lists' first batches hold only examples up to that long
     ):
         self.source, self.bins = source, bins
         self.is_list = isinstance(source, (list, tuple))
@@ -379,6 +383,7 @@ class BucketingSampler:
             meas = [self._measure(ex, f"examples[{i}]") for i, ex in enumerate(source)]
             self.where = [self._bucket(d, n) for d, n in meas]  # bucket, or why it is dropped
             self.entries = [Entry(i, d, n, None) for i, (d, n) in enumerate(meas)]
+            self._durations = np.array([d for d, _ in meas])
             self.alloc = np.array([a if isinstance(a, int) else -1 for a in self.where], dtype=np.int64)
             counts = np.bincount(self.alloc[self.alloc >= 0], minlength=len(self.sizes)).astype(np.float64)
             over = [d for (d, _), a in zip(meas, self.where) if a == OVER_LIMIT]
@@ -398,6 +403,14 @@ class BucketingSampler:
         w = counts / np.maximum(self.sizes, 1) if counts is not None and counts.sum() > 0 else usable.astype(float)
         self.cum_weights = list(accumulate((w / w.sum()).tolist()))
         self.sortagrad = sortagrad
+        self.short_first = short_first
+        if short_first is not None:
+            if not (self.is_list and infinite) or self.concurrent:
+                raise ValueError("short_first needs an in-memory list source in infinite, non-concurrent mode")
+            # The draws of the short passes go to the buckets that can hold their utterances.
+            holds = bins.durations[min(bisect_left(bins.durations, short_first[0]), len(bins.durations) - 1)]
+            open_buckets = sum(1 for d, _ in self.bucket_bounds if d <= holds)
+            self._short_share = self.cum_weights[min(open_buckets, len(self.cum_weights)) - 1]
         if sortagrad and counts is None:
             raise ValueError("sortagrad needs to know how many batches a pass makes: give a list source or "
                              "bins with counts")
@@ -550,15 +563,25 @@ class BucketingSampler:
             drops_before=dict(self._stats["drops"]),
         )
 
-    def _stream(self, epoch: int, pass_idx: int, cursor, skip=None):
-        """Yields (pass, cursor, bucket or drop reason, entry) in source order, for this rank."""
+    def _reads_short(self, st: _State, pass_idx: int) -> bool:
+        return self.short_first is not None and st.epoch == 0 and (st.full_from is None or pass_idx < st.full_from)
+
+    def _stream(self, st: _State):
+        """Yields (pass, cursor, bucket or drop reason, entry) in source order, for this rank, from
+        where `st` stands. short_first: passes over the short examples, until the short batches
+        are done; then the pass being read is left, and the next one reads everything."""
+        epoch, pass_idx, cursor, skip = st.epoch, st.pass_idx, st.cursor, st.skip
         while True:
             used = 0
             if self.is_list:
-                order = self._rank_order(epoch, pass_idx, skip, self.rank, self.world_size)
+                short = self._reads_short(st, pass_idx)
+                order = self._rank_order(epoch, pass_idx, skip, self.rank, self.world_size, short)
                 used = int((self.alloc[order] >= 0).sum())
                 where, entries = self.where, self.entries
                 for pos, i in enumerate(order[cursor or 0 :].tolist(), start=(cursor or 0) + 1):
+                    if short and st.batches >= self.short_first[1]:
+                        st.full_from = pass_idx + 1
+                        break
                     yield pass_idx, pos, where[i], entries[i]
             else:
                 pass_seed = _seed(self.seed, epoch, pass_idx, 3)
@@ -651,6 +674,8 @@ class BucketingSampler:
             return None
         # One draw per batch on every rank keeps the shared selection RNG aligned across ranks.
         u = st.select_rng.random()
+        if self.short_first is not None and st.epoch == 0 and st.batches < self.short_first[1]:
+            u *= self._short_share
         if self.sortagrad and st.epoch == 0 and st.batches < self._pass_batches:
             # Sortagrad (Amodei et al., 2016): the same quantile walk on every rank takes each bucket
             # in turn, shortest first, for as many batches as its share of the data.
@@ -709,7 +734,7 @@ class BucketingSampler:
         return [e.example for e in batch]
 
     def _reader(self, st: _State, threaded: bool):
-        items = self._stream(st.epoch, st.pass_idx, st.cursor, st.skip)
+        items = self._stream(st)
         return _Producer(items, self.buffer_size) if threaded else _Inline(items)
 
     def __iter__(self):
@@ -747,7 +772,8 @@ class BucketingSampler:
     def _fingerprint(self) -> dict:
         return {"durations": self.bins.durations, "tokens": self.bins.tokens, "batch_sizes": self.sizes,
                 "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
-                "sync_buckets": self.sync_buckets, "infinite": self.infinite}
+                "sync_buckets": self.sync_buckets, "infinite": self.infinite, "sortagrad": self.sortagrad,
+                "short_first": self.short_first}
 
     def state_dict(self, rewind: int = 0) -> dict:
         """State after the last yielded batch. rewind=k gives the state k batches earlier, for
@@ -765,10 +791,12 @@ class BucketingSampler:
             reader.close()
         return st.to_dict(self._fingerprint())
 
-    def _rank_order(self, epoch: int, pass_idx: int, skip, rank: int, world_size: int) -> np.ndarray:
+    def _rank_order(self, epoch: int, pass_idx: int, skip, rank: int, world_size: int, short: bool = False) -> np.ndarray:
         """The examples `rank` reads in this pass, in order: its share of the pass's permutation,
         after removing those that `skip` says were used before a change of world size."""
         perm = self._permutation(epoch, pass_idx)
+        if short:
+            perm = perm[self._durations[perm] <= self.short_first[0]]
         if skip is not None and skip[0] == pass_idx:
             used = np.unpackbits(np.frombuffer(skip[1], dtype=np.uint8), count=len(self.entries)).astype(bool)
             perm = perm[~used[perm]]
@@ -791,13 +819,14 @@ class BucketingSampler:
         for old_rank, o in enumerate(old):
             if o.pass_idx != pass_idx or o.cursor is None:
                 continue
-            used[self._rank_order(o.epoch, pass_idx, o.skip, old_rank, len(old))[: o.cursor]] = True
+            used[self._rank_order(o.epoch, pass_idx, o.skip, old_rank, len(old), self._reads_short(o, pass_idx))[: o.cursor]] = True
             used[[e.key for q in o.queues for e in q]] = False
         self.epoch = old[0].epoch
         stats = old[min(self.rank, len(old) - 1)].stats
         st = _State(epoch=self.epoch, data_rng=self._fresh_state().data_rng, select_rng=old[0].select_rng,
                     stats=stats, pass_idx=pass_idx, batches=old[0].batches, queues=[[] for _ in self.sizes],
-                    drops_before=dict(stats["drops"]), skip=(pass_idx, np.packbits(used).tobytes()))
+                    drops_before=dict(stats["drops"]), skip=(pass_idx, np.packbits(used).tobytes()),
+                    full_from=max((o.full_from for o in old if o.full_from is not None), default=None))
         return st.to_dict(self._fingerprint())
 
     def load_state_dict(self, sd: dict) -> None:

@@ -53,6 +53,7 @@ class DataConfig:
     buffer_overfill: float = 4.0  # read on up to this x the buffer for the bucket all ranks drew (1: the paper's)
     sync_buckets: bool = True  # same bucket on every rank each step (removes the tail-worker effect)
     sortagrad: bool = False  # first pass over the data from the shortest bucket to the longest (curriculum)
+    short_first: list[float] | None = None  # [seconds, steps]: the first steps train only on utterances up to that long, passing over them repeatedly (a curriculum; in-memory manifests)
     speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]: every utterance once at each speed (Kaldi, ESPnet, icefall); in-memory manifests
     num_workers: int = 2  # DataLoader workers decoding audio and computing features
     strategy: str = "ddp"  # ddp: every rank holds the whole model and optimizer | fsdp: FSDP2 shards parameters, gradients and AdamW state over the ranks (aed/parallel.py)
@@ -65,6 +66,9 @@ class DataConfig:
             raise ConfigError(f"train.allocation: expected flexible or strict, got {self.allocation!r}")
         if self.bin_method not in ("optimised", "equal"):
             raise ConfigError(f"train.bin_method: expected optimised or equal, got {self.bin_method!r}")
+        if self.short_first is not None and (len(self.short_first) != 2 or self.short_first[0] <= 0
+                                             or self.short_first[1] != int(self.short_first[1]) or self.short_first[1] < 1):
+            raise ConfigError(f"train.short_first: expected [seconds > 0, steps >= 1], got {self.short_first}")
         if any(not 0.5 <= f <= 2.0 or abs(100 * f - round(100 * f)) > 1e-6 for f in self.speed_perturb):
             raise ConfigError(f"train.speed_perturb: factors between 0.5 and 2 in steps of 0.01, got {self.speed_perturb}")
 

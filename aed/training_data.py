@@ -117,8 +117,9 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
         if not reads_text:
             raise ConfigError(f"objective={cfg.objective} reads manifests (audio-only lines are fine), not "
                               "streamed sources")
-        if cfg.train.speed_perturb:
-            raise ConfigError("train.speed_perturb copies in-memory manifests; streamed sources are read as they are")
+        if cfg.train.speed_perturb or cfg.train.short_first:
+            raise ConfigError("train.speed_perturb and train.short_first work on in-memory manifests; streamed "
+                              "sources are read as they come")
         if len(streamed) != len(cfg.train.manifests) or bins is None:
             raise ConfigError("streamed training needs every train.manifests entry streamed ({shards: DIR}, "
                               "{shar: DIR}, a NeMo tarred set or {parquet: GLOB}; README: Your data as it is) and "
@@ -148,7 +149,9 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
         if bins_out:
             bins.save(bins_out)
     examples = [{"duration": u.perturbed_duration, "num_tokens": n} for u, n in zip(utts, num_tokens)]
-    sampler = BucketingSampler(examples, bins, **sampler_args, yield_indices=True)
+    seconds, steps = cfg.train.short_first or (None, 0)
+    short_first = (seconds, int(steps) * cfg.optim.grad_accum) if seconds else None  # sampler batches
+    sampler = BucketingSampler(examples, bins, **sampler_args, short_first=short_first, yield_indices=True)
     return TrainingData(sampler, UtteranceDataset(utts, text_tokenizer, logmel, seed=cfg.seed), bins,
                         BatchCounter(sampler), **data)
 

@@ -576,3 +576,25 @@ def test_sortagrad_needs_bucket_counts_for_a_stream(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", EX[:100])
     with pytest.raises(ValueError, match="sortagrad"):
         BucketingSampler(JsonlSource(path), Bins(BINS.durations, BINS.tokens), max_duration=60.0, sortagrad=True)
+
+
+def test_short_first_batches_hold_only_short_examples_then_everything_and_resume_exactly():
+    def make(rank=0):
+        return BucketingSampler(EX, BINS, max_duration=60.0, infinite=True, world_size=2, rank=rank,
+                                short_first=(6.0, 150), yield_indices=True)
+
+    batches = [b for _, b in run(make(), limit=400)]
+    longest = [max(EX[i]["duration"] for i in b) for b in batches]
+    assert max(longest[:150]) <= 6.0  # more than one pass over the short examples: they repeat
+    assert len({i for b in batches[:150] for i in b}) < sum(len(b) for b in batches[:150])
+    assert max(longest[150:]) > 20.0  # then the whole data set, in its proportions
+    assert np.mean(longest[200:]) > 2 * np.mean(longest[:150])
+    assert [bk for bk, _ in run(make(rank=1), limit=150)] == [bk for bk, _ in run(make(), limit=150)]
+
+    for cut in (100, 170):  # inside the short batches and after them
+        ref = run(make(), limit=300)
+        s = make()
+        head = run(s, limit=cut)
+        s2 = make()
+        s2.load_state_dict(json.loads(json.dumps(s.state_dict(rewind=7))))
+        assert head[: cut - 7] + run(s2, limit=300 - cut + 7) == ref
