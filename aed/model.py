@@ -8,7 +8,6 @@ aed/decoder.py for the decoder renames.
 
 import argparse
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,7 @@ from torch import nn
 
 from aed.ctc import CTCHead
 from aed.dataclass_config import from_dict
-from aed.decoder import KVCache, StaticKVCache, TransformerDecoder, sinusoidal_positions
+from aed.decoder import KVCache, StaticKVCache, TransformerDecoder
 from aed.encoder import SUBSAMPLING_FACTORS, ConformerEncoder
 
 
@@ -53,8 +52,6 @@ class AEDConfig:
     dec_dropout_att: float = 0.1  # decoder attention probabilities
     # --- loss
     label_smoothing: float = 0.0  # Canary trains without smoothing
-    memory_positions: bool = False  # add each encoder frame's absolute position (unit sinusoids) to what the decoder attends to: the relative-position encoder gives it none, and a long utterance's frames cannot be told apart by content alone
-    token_dropout: float = 0.0  # training: this fraction of the decoder's input text tokens becomes padding (a zero embedding), so the next token must come from the audio (word dropout, Bowman et al. 2016)
     loss_on_prompt: bool = True  # NeMo also scores the prompt tokens after <|startoftranscript|>; False scores text + eos only
     ctc_weight: float = 0.0  # > 0 adds a CTC head on the encoder: loss = CE + ctc_weight * CTC (both summed)
 
@@ -120,19 +117,10 @@ class AED(nn.Module):
         # Auxiliary CTC on the encoder output over the text tokens (blank = the extra last id).
         self.ctc = CTCHead(cfg.enc_d_model, cfg.vocab_size + 1) if cfg.ctc_weight > 0 else None
 
-    def memory(self, enc):
-        """Encoder output (B, T', D_enc) -> what the decoder attends to (B, T', D_dec): projected to
-        the decoder's width, plus with cfg.memory_positions each frame's absolute position."""
-        memory = self.encoder_decoder_proj(enc)
-        if self.cfg.memory_positions:
-            d = memory.shape[-1]
-            memory = memory + math.sqrt(d) * sinusoidal_positions(memory.shape[1], d).to(memory)
-        return memory
-
     def encode(self, feats, feat_lens):
         """feats (B, T, F), feat_lens (B,) -> memory (B, T', D_dec), memory_lens (B,)."""
         x, x_lens = self.encoder(feats, feat_lens)
-        return self.memory(x), x_lens
+        return self.encoder_decoder_proj(x), x_lens
 
     def encode_with_ctc(self, feats, feat_lens):
         """`encode` plus the CTC head's log-probs (B, T', V + 1) of the same frames, or None without a
@@ -140,7 +128,7 @@ class AED(nn.Module):
         projection to the decoder's width, as in training."""
         x, x_lens = self.encoder(feats, feat_lens)
         ctc_log_probs = self.ctc(x) if self.ctc is not None else None
-        return self.memory(x), x_lens, ctc_log_probs
+        return self.encoder_decoder_proj(x), x_lens, ctc_log_probs
 
     def forward(self, feats, feat_lens, tokens, token_lens, prompt_lens, transcribed=None):
         """Summed next-token cross-entropy and its token count; the training script normalises.
@@ -155,10 +143,8 @@ class AED(nn.Module):
             f"token_lens {tuple(token_lens.shape)} / prompt_lens {tuple(prompt_lens.shape)} must be ({b},)"
         )
         enc, memory_lens = self.encoder(feats, feat_lens)  # (B, T', D_enc)
-        memory = self.memory(enc)
+        memory = self.encoder_decoder_proj(enc)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # position i predicts token i+1
-        if self.training and self.cfg.token_dropout > 0:
-            inputs = self.drop_tokens(inputs, prompt_lens)
         hidden = self.decoder(inputs, memory, memory_lens)  # (B, U-1, D)
         pos = torch.arange(u - 1, device=tokens.device)[None, :]
         is_target = pos < (token_lens - 1)[:, None]
@@ -173,13 +159,6 @@ class AED(nn.Module):
             ctc_sum, _ = self.ctc.loss(enc, memory_lens, *text_targets(tokens, token_lens, prompt_lens), transcribed)
             loss = loss + self.cfg.ctc_weight * ctc_sum
         return loss, is_target.sum()
-
-    def drop_tokens(self, inputs, prompt_lens):
-        """inputs (B, U) with each text token (not the prompt) replaced by padding with probability
-        cfg.token_dropout."""
-        pos = torch.arange(inputs.shape[1], device=inputs.device)[None, :]
-        drop = (pos >= prompt_lens[:, None]) & (torch.rand(inputs.shape, device=inputs.device) < self.cfg.token_dropout)
-        return inputs.masked_fill(drop, self.cfg.pad_id)
 
     def count_targets(self, batch):
         """Per-row number of scored tokens, as `forward` counts them (for global normalisation)."""

@@ -15,7 +15,6 @@ from aed.encoder import (
     subsampled_length,
 )
 from aed.config import load_train_config, resolve_model
-from aed.decoder import sinusoidal_positions
 from aed.model import AED, AEDConfig, count_parameters, text_targets
 from aed.tokenizer import Tokenizer
 
@@ -272,37 +271,3 @@ def test_ctc_auxiliary_loss_adds_a_head_and_a_term():
     ctc_first, count_first = with_ctc.ctc.loss(enc[:1], enc_lens[:1], *first_targets)
     assert count_first == 6 and ctc_first < ctc
     torch.testing.assert_close(only_first, ce + 0.3 * ctc_first)
-
-
-def test_token_dropout_pads_text_inputs_in_training_only():
-    torch.manual_seed(0)
-    no_other_dropout = dict(enc_dropout=0.0, enc_dropout_pre_encoder=0.0, enc_dropout_att=0.0, dec_dropout=0.0,
-                            dec_dropout_att=0.0)
-    model = AED(tiny_config(token_dropout=0.3, **no_other_dropout))
-    tokens = torch.randint(2, 40, (64, 30))
-    prompt_lens = torch.full((64,), 5)
-    dropped = model.drop_tokens(tokens, prompt_lens)
-    assert torch.equal(dropped[:, :5], tokens[:, :5])  # the task prompt is always seen
-    assert (dropped[:, 5:] == 1).float().mean().item() == pytest.approx(0.3, abs=0.03)
-    assert torch.equal(dropped[dropped != 1], tokens[dropped != 1])
-
-    feats, feat_lens = torch.randn(2, 50, 24), torch.tensor([50, 40])
-    batch = (feats, feat_lens, tokens[:2], torch.tensor([30, 20]), prompt_lens[:2])
-    model.eval()
-    with torch.no_grad():
-        assert torch.equal(model(*batch)[0], model(*batch)[0])  # no dropout at evaluation
-        model.train()
-        assert not torch.equal(model(*batch)[0], model(*batch)[0])
-        model.cfg.token_dropout = 0.0
-        assert torch.equal(model(*batch)[0], model(*batch)[0])  # the difference was the token dropout
-
-
-def test_memory_positions_tell_identical_frames_apart():
-    """The relative-position encoder maps identical frames to identical outputs; with
-    memory_positions the decoder sees where each one is."""
-    enc = torch.ones(1, 50, 32)  # 50 identical encoder frames
-    plain = AED(tiny_config(dec_d_model=32)).memory(enc)
-    assert torch.equal(plain[0, 0], plain[0, 49])
-    placed = AED(tiny_config(dec_d_model=32, memory_positions=True)).memory(enc)
-    assert (placed[0, 1:] - placed[0, :-1]).abs().amax(-1).min() > 0.01  # every frame differs from its neighbour
-    assert torch.allclose(placed - plain, math.sqrt(32) * sinusoidal_positions(50, 32)[None], atol=1e-5)
