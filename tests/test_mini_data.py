@@ -134,3 +134,17 @@ def test_help_pages_give_paragraphs_without_markup(tmp_path):
         '<p id="par_2" class="paragraph" dir="auto">Choisissez <emph>Format</emph>.</p>',
         encoding="utf-8")
     assert read_help_pages(tmp_path) == ["Ouvrez le dossier.", "Sélectionnez l'image."]
+
+
+def test_words_option_sets_the_sentence_length_range():
+    import argparse
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("make_mini_data", os.path.join(MINI, "..", "..", "tools", "make_mini_data.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    sentence = "The early bird gets the worm, but the second mouse gets the cheese."  # 13 words
+    assert tool.clean_sentence(sentence, "en", tool.words_range("3-8")) is None
+    assert tool.clean_sentence(sentence, "en", tool.words_range("3-30")) == sentence
+    for bad in ("30-3", "0-5", "five"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            tool.words_range(bad)
