@@ -343,7 +343,7 @@ class BucketingSampler:
         infinite: bool = False,  # endless reshuffled passes, for step-based training
         yield_indices: bool = False,  # list sources: batches of indices, for DataLoader(batch_sampler=)
         sortagrad: bool = False,  # epoch 0's first pass walks the buckets from shortest to longest
-        short_first: tuple | None = None,  # (seconds, batches): infinite lists' first batches hold only examples up to that long
+        short_first: tuple | None = None,  # (seconds, batches): the first batches hold only examples up to that long
     ):
         self.source, self.bins = source, bins
         self.is_list = isinstance(source, (list, tuple))
@@ -791,7 +791,8 @@ class BucketingSampler:
             reader.close()
         return st.to_dict(self._fingerprint())
 
-    def _rank_order(self, epoch: int, pass_idx: int, skip, rank: int, world_size: int, short: bool = False) -> np.ndarray:
+    def _rank_order(self, epoch: int, pass_idx: int, skip, rank: int, world_size: int,
+                    short: bool = False) -> np.ndarray:
         """The examples `rank` reads in this pass, in order: its share of the pass's permutation,
         after removing those that `skip` says were used before a change of world size."""
         perm = self._permutation(epoch, pass_idx)
@@ -819,7 +820,8 @@ class BucketingSampler:
         for old_rank, o in enumerate(old):
             if o.pass_idx != pass_idx or o.cursor is None:
                 continue
-            used[self._rank_order(o.epoch, pass_idx, o.skip, old_rank, len(old), self._reads_short(o, pass_idx))[: o.cursor]] = True
+            order = self._rank_order(o.epoch, pass_idx, o.skip, old_rank, len(old), self._reads_short(o, pass_idx))
+            used[order[: o.cursor]] = True
             used[[e.key for q in o.queues for e in q]] = False
         self.epoch = old[0].epoch
         stats = old[min(self.rank, len(old) - 1)].stats
