@@ -19,6 +19,7 @@ and `check_audio` (unreadable audio, a duration the file's header contradicts). 
 (aed/inference.py) reads the same fields with the same checks, but needs only `audio_filepath`.
 """
 
+import gzip
 import json
 import logging
 import os
@@ -90,9 +91,10 @@ def json_object(line: bytes | str, where: str) -> dict:
 
 
 def manifest_lines(path: str) -> Iterator[tuple[str, bytes]]:
-    """("path:lineno", line) per non-blank line, streamed: a manifest may be larger than memory.
-    Lines stay bytes until `json_object` decodes them, which names a line that is not UTF-8."""
-    with open(path, "rb") as f:
+    """("path:lineno", line) per non-blank line, streamed: a manifest may be larger than memory
+    (gzip-compressed when the name ends in .gz). Lines stay bytes until `json_object` decodes them,
+    which names a line that is not UTF-8."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 yield f"{path}:{lineno}", line

@@ -27,6 +27,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from aed.data import manifest_lines
 from aed.tar_source import StemMatchedTarSource
 
 MANIFEST_ID = re.compile(r"manifest[^/]*_(\d+)[^/]*\.json$")
@@ -137,21 +138,17 @@ class NemoTarredSource(StemMatchedTarSource):
     def _parse(self, path: str, by_shard_id: bool = False) -> dict:
         """A manifest's rows grouped by member stem; by_shard_id: {shard_id: such groups}."""
         out = defaultdict(lambda: defaultdict(list)) if by_shard_id else defaultdict(list)
-        with open(path, "rb") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{line_no}"
-                try:
-                    d = json.loads(line)
-                    name = d["audio_filepath"]
-                    if not isinstance(name, str):
-                        raise TypeError(f"audio_filepath is {type(name).__name__}")
-                    groups = out[int(d["shard_id"])] if by_shard_id else out
-                except (ValueError, KeyError, TypeError) as e:
-                    self.faults.skip("invalid_row", where, f"not a JSON object with an audio_filepath"
-                                     f"{' and a shard_id' if by_shard_id else ''} ({e!r})")
-                    continue
-                ex = self.faults.fields(d, where)
-                groups[member_stem(name)].append((where, ex and {**ex, "audio_filepath": name}))
+        for where, line in manifest_lines(path):
+            try:
+                d = json.loads(line)
+                name = d["audio_filepath"]
+                if not isinstance(name, str):
+                    raise TypeError(f"audio_filepath is {type(name).__name__}")
+                groups = out[int(d["shard_id"])] if by_shard_id else out
+            except (ValueError, KeyError, TypeError) as e:
+                self.faults.skip("invalid_row", where, f"not a JSON object with an audio_filepath"
+                                 f"{' and a shard_id' if by_shard_id else ''} ({e!r})")
+                continue
+            ex = self.faults.fields(d, where)
+            groups[member_stem(name)].append((where, ex and {**ex, "audio_filepath": name}))
         return out

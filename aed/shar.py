@@ -15,12 +15,12 @@ NeMo's converters put manifest keys). The stored audio is the cut itself, so it 
 Reading, resume and faults: aed/tar_source.py. Durations come from the cuts (`metadata()`).
 """
 
-import gzip
 import json
 import re
 from collections import defaultdict
 from pathlib import Path
 
+from aed.data import manifest_lines
 from aed.tar_source import StemMatchedTarSource
 
 CUTS_NAME = re.compile(r"cuts\.(\d+)\.jsonl(\.gz)?$")
@@ -59,18 +59,14 @@ class SharSource(StemMatchedTarSource):
     def _load_rows(self, shard: int) -> dict:
         path = self.shards[shard][0]
         groups = defaultdict(list)
-        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{line_no}"
-                try:
-                    cut = json.loads(line)
-                    cut_id = cut["id"]
-                except (ValueError, KeyError, TypeError) as e:
-                    self.faults.skip("invalid_row", where, f"not a cut ({e!r})")
-                    continue
-                where = f"{path}:{cut_id}"
-                ex = self.faults.fields(cut_row(cut), where)
-                groups[cut_id].append((where, ex and {**ex, "audio_filepath": cut_id}))
+        for where, line in manifest_lines(path):
+            try:
+                cut = json.loads(line)
+                cut_id = cut["id"]
+            except (ValueError, KeyError, TypeError) as e:
+                self.faults.skip("invalid_row", where, f"not a cut ({e!r})")
+                continue
+            where = f"{path}:{cut_id}"
+            ex = self.faults.fields(cut_row(cut), where)
+            groups[cut_id].append((where, ex and {**ex, "audio_filepath": cut_id}))
         return groups
