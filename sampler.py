@@ -407,6 +407,9 @@ class BucketingSampler:
         if short_first is not None:
             if not (self.is_list and infinite) or self.concurrent:
                 raise ValueError("short_first needs an in-memory list source in infinite, non-concurrent mode")
+            if not (self._durations[self.alloc >= 0] <= short_first[0]).any():
+                raise ValueError(f"short_first: no usable example lasts {short_first[0]} s or less (the shortest: "
+                                 f"{self._durations[self.alloc >= 0].min():.2f} s)")
             # The draws of the short passes go to the buckets that can hold their utterances.
             holds = bins.durations[min(bisect_left(bins.durations, short_first[0]), len(bins.durations) - 1)]
             open_buckets = sum(1 for d, _ in self.bucket_bounds if d <= holds)

@@ -591,6 +591,9 @@ def test_short_first_batches_hold_only_short_examples_then_everything_and_resume
     assert np.mean(longest[200:]) > 2 * np.mean(longest[:150])
     assert [bk for bk, _ in run(make(rank=1), limit=150)] == [bk for bk, _ in run(make(), limit=150)]
 
+    with pytest.raises(ValueError, match="no usable example lasts 0.1 s or less"):
+        BucketingSampler(EX, BINS, max_duration=60.0, infinite=True, short_first=(0.1, 10))
+
     for cut in (100, 170):  # inside the short batches and after them
         ref = run(make(), limit=300)
         s = make()
