@@ -151,7 +151,10 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
     examples = [{"duration": u.perturbed_duration, "num_tokens": n} for u, n in zip(utts, num_tokens)]
     seconds, steps = cfg.train.short_first or (None, 0)
     short_first = (seconds, int(steps) * cfg.optim.grad_accum) if seconds else None  # sampler batches
-    sampler = BucketingSampler(examples, bins, **sampler_args, short_first=short_first, yield_indices=True)
+    try:
+        sampler = BucketingSampler(examples, bins, **sampler_args, short_first=short_first, yield_indices=True)
+    except ValueError as e:  # settings the data cannot meet (short_first, a batch limit no example fits)
+        raise ConfigError(f"train: {e}") from None
     return TrainingData(sampler, UtteranceDataset(utts, text_tokenizer, logmel, seed=cfg.seed), bins,
                         BatchCounter(sampler), **data)
 
