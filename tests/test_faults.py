@@ -271,6 +271,33 @@ def test_sampler_regrouped_to_another_world_size_trains_each_example_of_the_pass
     assert set(trained) | set(drawn) | left == usable
 
 
+def test_regrouped_inside_the_short_phase_stays_short_until_it_ends_then_reads_everything():
+    """short_first, 4 ranks -> 3 at step 15 of 40 short steps: the new ranks finish the short
+    steps on short examples not yet trained in that pass, then the long examples come back."""
+    rng = random.Random(1)
+    examples = [{"duration": rng.uniform(1, 20), "num_tokens": rng.randint(3, 60)} for _ in range(6000)]
+    bins = estimate_bins([e["duration"] for e in examples], [e["num_tokens"] for e in examples], 4, 2)
+    kw = dict(batch_size=6, buffer_size=60, infinite=True, yield_indices=True, seed=3, short_first=(6.0, 40))
+    trained, states = [], []
+    for rank in range(4):
+        old = BucketingSampler(examples, bins, rank=rank, world_size=4, **kw)
+        it = iter(old)
+        trained += [i for _ in range(15) for i in next(it)]
+        states.append(old.state_dict())
+    assert max(examples[i]["duration"] for i in trained) <= 6.0
+
+    for rank in range(3):
+        new = BucketingSampler(examples, bins, rank=rank, world_size=3, **kw)
+        new.load_state_dict(new.regroup_state(states))
+        it = iter(new)
+        short_steps = [next(it) for _ in range(40 - 15)]
+        drawn = [i for b in short_steps for i in b]
+        assert max(examples[i]["duration"] for i in drawn) <= 6.0
+        assert not set(trained) & set(drawn) and len(drawn) == len(set(drawn))
+        later = [i for _ in range(60) for i in next(it)]
+        assert max(examples[i]["duration"] for i in later) > 12.0
+
+
 def test_a_streamed_source_cannot_be_regrouped_and_says_so(tmp_path):
     manifest = tmp_path / "m.jsonl"
     manifest.write_text("".join(json.dumps({"duration": 1 + i % 5, "num_tokens": 5 + i % 7}) + "\n" for i in range(50)))
