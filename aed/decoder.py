@@ -244,7 +244,9 @@ class TransformerEmbedding(nn.Module):
         """tokens (B, U) at `positions`: a slice (KVCache), a (U,) long tensor (StaticKVCache), or None for 0..U-1."""
         u = tokens.size(1)
         assert u <= self.pos_enc.size(0), f"{u} positions exceed decoder max length {self.pos_enc.size(0)}"
-        x = self.token_embedding(tokens) + self.pos_enc[slice(0, u) if positions is None else positions]  # (B, U, D)
+        x = self.token_embedding(tokens)  # (B, U, D)
+        # The buffer stays fp32 where FSDP's bf16 policy casts only the parameters: add it in x's dtype.
+        x = x + self.pos_enc[slice(0, u) if positions is None else positions].to(x.dtype)
         return self.dropout(self.layer_norm(x))
 
 

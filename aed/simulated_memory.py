@@ -25,7 +25,10 @@ What a CUDA device adds on top of the tensors, and how each term is treated:
   `torch.cuda.max_memory_allocated` counts the rounded sizes; `LiveTensorMemory(granularity=512)`
   rounds the same way.
 * modelled, cuBLAS workspaces: allocated through the caching allocator since PyTorch 1.11, so
-  counted in max_memory_allocated: `CUBLAS_WORKSPACE` per stream, one stream (train.py uses one).
+  counted in max_memory_allocated: one per thread that runs matrix products (its own cuBLAS
+  handle), and a training step has two, forward on the caller's thread and backward on autograd's
+  device thread: `CUBLAS_WORKSPACE` (measured on an H200, torch 2.11: +32 MiB at the first forward
+  product, +32 MiB more at the first backward).
 * modelled, CUDA context: the driver's and kernels' memory outside the allocator, never in
   max_memory_allocated but on the device: `CUDA_CONTEXT`, taken off the device's memory.
 * not modelled, attention kernels and autocast: the step runs the CPU's choice of SDPA kernel and
@@ -49,7 +52,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 aten = torch.ops.aten
 
 CUDA_BLOCK = 512  # bytes: the caching allocator rounds every allocation up to a multiple of this
-CUBLAS_WORKSPACE = 32 * 2**20  # cuBLAS + cuBLASLt workspace of one stream on Hopper (PyTorch's default sizes)
+CUBLAS_WORKSPACE = 2 * 32 * 2**20  # forward's and backward's thread, 32 MiB each on Hopper (PyTorch's default)
 CUDA_CONTEXT = 600 * 2**20  # driver context + loaded kernels on an H100 with lazy module loading (typical)
 
 # Ops whose output shape depends on their input's values; fake tensors cannot run them.
