@@ -141,10 +141,6 @@ class TrainConfig:
             raise ConfigError(f"objective: expected one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.freeze not in FREEZE:
             raise ConfigError(f"freeze: expected one of {FREEZE}, got {self.freeze!r}")
-        if self.freeze == "all_but_new_tokens" and self.train.strategy == "fsdp":
-            raise ConfigError("freeze=all_but_new_tokens trains a few rows of three tensors through gradient hooks, "
-                              "which FSDP's sharded parameters do not run: use train.strategy=ddp (the frozen "
-                              "model needs no optimizer state for the rest)")
         if self.freeze == "all_but_new_tokens" and (self.objective != "aed" or not self.init_from
                                                     or self.init_encoder_only):
             raise ConfigError("freeze=all_but_new_tokens needs objective=aed, init_from=<the checkpoint "

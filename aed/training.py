@@ -14,11 +14,10 @@ import logging
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from aed.checkpoint import Checkpoint, CheckpointError, read_checkpoint
 from aed.config import OptimConfig, TrainConfig
@@ -85,27 +84,36 @@ def build_model(cfg: TrainConfig, text_vocab_size: int, added_tokens: dict | Non
     return model
 
 
-def _zero_rows(trained: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    return grad * trained.to(grad.device, grad.dtype).view(-1, *[1] * (grad.dim() - 1))  # (rows, 1, ...)
-
-
 def train_only_rows(model: AED, added: dict) -> None:
     """Freeze every parameter but the vocabulary rows of the added tokens: the decoder embedding
     (which is also the output weight: tied), the output bias and the CTC head's rows (not its blank,
-    an old row). A gradient hook zeroes the other rows of these tensors, and `build_optimizer`
-    leaves them out of weight decay, so the old rows stay bit-identical. Sets
-    `model.row_trained_params`, the tensors of which only some rows train."""
+    an old row). `mask_frozen_rows` zeroes the other rows' gradients before each update, and
+    `build_optimizer` leaves these tensors out of weight decay, so the old rows stay bit-identical.
+    Sets `model.trained_rows`: {parameter name: (rows,) bool, True where the row trains}."""
     model.requires_grad_(False)
     ids = torch.arange(model.cfg.vocab_size)
     new = (ids >= added["first"]) | (ids == added["language_token"])  # (V,)
-    rows = [(model.decoder.embedding.token_embedding.weight, new), (model.decoder.output_proj.bias, new)]
+    rows = {"decoder.embedding.token_embedding.weight": new, "decoder.output_proj.bias": new}
     if model.ctc is not None:
         with_blank = torch.cat([new, torch.zeros(1, dtype=torch.bool)])  # (V + 1,): the blank stays fixed
-        rows += [(model.ctc.proj.weight, with_blank), (model.ctc.proj.bias, with_blank)]
-    for p, trained in rows:
-        p.requires_grad_(True)
-        p.register_hook(partial(_zero_rows, trained))
-    model.row_trained_params = [p for p, _ in rows]
+        rows |= {"ctc.proj.weight": with_blank, "ctc.proj.bias": with_blank}
+    for name in rows:
+        model.get_parameter(name).requires_grad_(True)
+    model.trained_rows = rows
+
+
+def mask_frozen_rows(model: nn.Module) -> None:
+    """Zero the gradient rows `train_only_rows` froze, once the gradients are reduced: plain ones
+    (one process, DDP) and FSDP's sharded ones alike. Nothing to do for other models."""
+    model = getattr(model, "module", model)  # under DDP
+    for name, trained in getattr(model, "trained_rows", {}).items():
+        grad = model.get_parameter(name).grad
+        if grad is None:
+            continue
+        keep = trained.to(grad.device, grad.dtype).view(-1, *[1] * (grad.dim() - 1))  # (rows, 1, ...)
+        if isinstance(grad, DTensor):  # this rank's rows of the mask, split as the gradient is: no communication
+            keep = distribute_tensor(keep, grad.device_mesh, grad.placements, src_data_rank=None)
+        grad.mul_(keep)
 
 
 def train_mode(model: nn.Module, freeze: str = "none") -> nn.Module:
@@ -121,11 +129,11 @@ def train_mode(model: nn.Module, freeze: str = "none") -> nn.Module:
 def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
     """AdamW over `param_groups`. Tensors of which only some rows train (`train_only_rows`) get no
     weight decay: AdamW's decay is decoupled from the gradient and would shrink their frozen rows."""
-    partly = {id(p) for p in getattr(model, "row_trained_params", ())}
-    groups = [{**g, "params": [p for p in g["params"] if id(p) not in partly]}
+    partly = [model.get_parameter(name) for name in getattr(model, "trained_rows", {})]
+    groups = [{**g, "params": [p for p in g["params"] if all(p is not q for q in partly)]}
               for g in param_groups(model, optim.weight_decay)]
     if partly:
-        groups.append({"params": list(model.row_trained_params), "weight_decay": 0.0})
+        groups.append({"params": partly, "weight_decay": 0.0})
     return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas)
 
 
@@ -203,6 +211,7 @@ def train_step(model: nn.Module, batches: list, optimizer, scaler, spec_augment,
             raise
         loss_sum += loss.detach().float()
         count += n
+    mask_frozen_rows(model)
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
     if isinstance(grad_norm, DTensor):  # FSDP: the norm over every rank's shard, the same on all ranks

@@ -3,6 +3,8 @@
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -118,34 +120,31 @@ def test_freeze_encoder_trains_only_the_decoder_and_ctc_head():
     assert any(k.startswith("decoder.") for k in changed) and any(k.startswith("ctc.") for k in changed)
 
 
-def test_freeze_all_but_new_tokens_trains_only_the_added_rows(grown):
-    old_dir, new_path = grown
-    old, new = load_asr(old_dir), load_asr(new_path)
-    tok_dir = os.path.splitext(new_path)[0] + ".tokenizer"
+def freeze_setup(new_path: str):
+    """(cfg, tokenizer, added tokens, model initialised from the grown checkpoint, a batch of Italian)."""
+    new = load_asr(new_path)
     cfg = dataclasses.replace(TrainConfig(), model=new.model.cfg, freeze="all_but_new_tokens", init_from=new_path,
                               optim=dataclasses.replace(TrainConfig().optim, lr=1e-2, weight_decay=0.1))
-    cfg.train.tokenizer = tok_dir
+    cfg.train.tokenizer = os.path.splitext(new_path)[0] + ".tokenizer"
     added = new_tokens(cfg, new.tokenizer.vocab_size)
-    assert added == {"language": "it", "first": old.tokenizer.vocab_size,
-                     "language_token": new.tokenizer.lang_id("it"), "vocab_size": new.tokenizer.vocab_size}
     model = build_model(cfg, new.tokenizer.vocab_size, added)
     init_from_checkpoint(model, new_path)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = build_optimizer(model, cfg.optim)
     tokens, prompt_len = new.tokenizer.encode_example(ITALIAN[1], "it", "it", True)
-    batch = Batch(torch.randn(2, 400, 32), torch.tensor([400, 360]), torch.tensor([tokens, tokens]),
-                  torch.tensor([len(tokens)] * 2), torch.tensor([prompt_len] * 2), ["a", "b"], [0, 1], [])
-    train_mode(model, cfg.freeze)
-    for _ in range(3):
-        train_step(model, [batch], optimizer, torch.amp.GradScaler("cpu", enabled=False), lambda f, lens: f, "fp32",
-                   clip_grad=1.0, num_targets=2 * len(tokens))
-    after = model.state_dict()
-    v = new.model.cfg.vocab_size
+    batch = Batch(torch.randn(2, 400, 32, generator=torch.Generator().manual_seed(0)), torch.tensor([400, 360]),
+                  torch.tensor([tokens, tokens]), torch.tensor([len(tokens)] * 2), torch.tensor([prompt_len] * 2),
+                  ["a", "b"], [0, 1], [])
+    return cfg, new.tokenizer, added, model, batch
+
+
+def assert_only_the_added_rows_trained(before: dict, after: dict, added: dict) -> None:
+    """Bit-identical: weights, BatchNorm statistics, the old rows (weight decay included)."""
+    v = before["decoder.output_proj.bias"].numel()
     new_rows = (torch.arange(v) >= added["first"]) | (torch.arange(v) == added["language_token"])  # (V,)
     rows = {"decoder.embedding.token_embedding.weight": new_rows, "decoder.output_proj.weight": new_rows,
             "decoder.output_proj.bias": new_rows, "ctc.proj.weight": torch.cat([new_rows, torch.tensor([False])]),
             "ctc.proj.bias": torch.cat([new_rows, torch.tensor([False])])}
-    for k in after:  # bit-identical: weights, BatchNorm statistics, the old rows (weight decay included)
+    assert before.keys() == after.keys()
+    for k in after:
         if k in rows:
             assert torch.equal(after[k][~rows[k]], before[k][~rows[k]]), f"{k}: an old row moved"
             assert not torch.equal(after[k][rows[k]], before[k][rows[k]]), f"{k}: no new row trained"
@@ -153,6 +152,54 @@ def test_freeze_all_but_new_tokens_trains_only_the_added_rows(grown):
             assert torch.equal(after[k], before[k]), f"{k} changed"
     assert not torch.equal(after["decoder.embedding.token_embedding.weight"][added["language_token"]],
                            before["decoder.embedding.token_embedding.weight"][added["language_token"]])
+
+
+def test_freeze_all_but_new_tokens_trains_only_the_added_rows(grown):
+    old_dir, new_path = grown
+    cfg, tokenizer, added, model, batch = freeze_setup(new_path)
+    assert added == {"language": "it", "first": load_asr(old_dir).tokenizer.vocab_size,
+                     "language_token": tokenizer.lang_id("it"), "vocab_size": tokenizer.vocab_size}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = build_optimizer(model, cfg.optim)
+    train_mode(model, cfg.freeze)
+    for _ in range(3):
+        train_step(model, [batch], optimizer, torch.amp.GradScaler("cpu", enabled=False), lambda f, lens: f, "fp32",
+                   clip_grad=1.0, num_targets=int(batch.token_lens.sum()))
+    assert_only_the_added_rows_trained(before, model.state_dict(), added)
+
+
+@pytest.mark.slow
+def test_freeze_all_but_new_tokens_under_fsdp_trains_only_the_added_rows(grown, tmp_path):
+    """The same three steps on 2 ranks (gloo) with every layer and the root sharded: the row masks
+    apply to the reduced, sharded gradients."""
+    _, new_path = grown
+    script = tmp_path / "fsdp_freeze.py"
+    script.write_text(
+        "import sys, torch, torch.distributed as dist\n"
+        "from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict\n"
+        "from aed.parallel import shard\n"
+        "from aed.training import build_optimizer, train_mode, train_step\n"
+        "from test_add_language import freeze_setup\n"
+        "dist.init_process_group('gloo')\n"
+        "cfg, tokenizer, added, model, batch = freeze_setup(sys.argv[1])\n"
+        "before = {k: v.clone() for k, v in model.state_dict().items()}\n"
+        "model = shard(model, torch.device('cpu'), 2, 'fp32')\n"
+        "optimizer = build_optimizer(model, cfg.optim)\n"
+        "train_mode(model, cfg.freeze)\n"
+        "for _ in range(3):\n"
+        "    train_step(model, [batch], optimizer, torch.amp.GradScaler('cpu', enabled=False), lambda f, lens: f,\n"
+        "               'fp32', clip_grad=1.0, num_targets=2 * int(batch.token_lens.sum()), world_size=2)\n"
+        "after = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))\n"
+        "if dist.get_rank() == 0:\n"
+        "    torch.save({'before': before, 'after': after, 'added': added}, sys.argv[2])\n"
+        "dist.destroy_process_group()\n")
+    out = tmp_path / "states.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(script), new_path, str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    states = torch.load(out)
+    assert_only_the_added_rows_trained(states["before"], states["after"], states["added"])
 
 
 def test_freeze_all_but_new_tokens_refuses_a_checkpoint_without_the_record(grown):
