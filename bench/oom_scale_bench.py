@@ -3,6 +3,7 @@
     python bench/oom_scale_bench.py fit configs/canary-1b.yaml --out canary-1b.model.json     # 18 steps
     python bench/oom_scale_bench.py validate --out validation.json                             # real vs simulated
     python bench/oom_scale_bench.py validate-fsdp --out fsdp.json          # real 2-rank FSDP vs simulated, ~1 min
+    python bench/oom_scale_bench.py validate-fsdp --precision bf16 --out fsdp.json    # bf16 parameters, as on CUDA
     python bench/oom_scale_bench.py fit configs/canary-1b.yaml --strategy fsdp --world-size 8 --out 1b.fsdp8.json
 
 `fit`: simulated training steps (aed/simulated_memory.py: the real train_step on fake CPU tensors,
@@ -21,8 +22,8 @@ tests/test_cuda_oom.py on a GPU.
 sharded as train.py shards it (aed/parallel.py, bf16 parameters as on CUDA) over a fake process
 group (aed/simulated_memory.py `fake_world`). `--strategy ddp` adds DDP's gradient buckets.
 
-`validate-fsdp`: a real FSDP step at world size 2 (torchrun, gloo, fp32: the CPU's kernels refuse
-bf16 parameters) measured on rank 0 with LiveTensorMemory, against the simulated step on a fake
+`validate-fsdp`: a real FSDP step at world size 2 (torchrun, gloo; fp32, or bf16 parameters and
+autocast as train.py runs FSDP on CUDA) measured on rank 0 with LiveTensorMemory, against the simulated step on a fake
 world of 2 for the same shapes; rank 0's process RSS growth over one larger step checks that the
 tracker sees FSDP's memory (DTensor shards, storages resized in place) at all.
 """
@@ -152,11 +153,12 @@ FSDP_SHAPES = [(8, 201, 10), (4, 1001, 40), (4, 401, 200)]  # (B, T, U): short, 
 RSS_SHAPE = (8, 2001, 40)  # a step large enough (~0.1 GB) for the process RSS to resolve
 
 
-def fsdp_step(world_size: int) -> TrainingStep:
-    """The tiny AED sharded over `world_size` ranks (a real or a fake process group), fp32."""
+def fsdp_step(world_size: int, precision: str) -> TrainingStep:
+    """The tiny AED sharded over `world_size` ranks (a real or a fake process group): fp32, or bf16
+    as on CUDA (bf16 parameters gathered, fp32 shards and reductions, bf16 autocast)."""
     model = build(TINY, "aed")
-    shard(model, torch.device("cpu"), world_size, "fp32")
-    step = TrainingStep(model, build_optimizer(model, OptimConfig()), "fp32", text_vocab_size=TINY["vocab_size"] - 2)
+    shard(model, torch.device("cpu"), world_size, precision, bf16_params=precision == "bf16")
+    step = TrainingStep(model, build_optimizer(model, OptimConfig()), precision, text_vocab_size=TINY["vocab_size"] - 2)
     step.warm_up(101, 5)
     return step
 
@@ -171,7 +173,7 @@ def fsdp_rank(args):
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
     dist.init_process_group("gloo")
-    step = fsdp_step(dist.get_world_size())
+    step = fsdp_step(dist.get_world_size(), args.precision)
     measured = [step.peak(*s) for s in FSDP_SHAPES]
     step.optimizer.zero_grad(set_to_none=True)
     before = status("VmRSS:")  # the step's peak is the process's highest yet: VmHWM after it
@@ -187,17 +189,18 @@ def validate_fsdp(args):
     real = Path(args.out).with_suffix(".real.json")
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}  # RSS: see aed/memory.py
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                    str(args.world_size), __file__, "fsdp-rank", "--out", str(real)], env=env, check=True)
+                    str(args.world_size), __file__, "fsdp-rank", "--out", str(real), "--precision", args.precision],
+                   env=env, check=True)
     measured = json.loads(real.read_text())
     with fake_world(args.world_size), SimulatedDevice():
-        simulated = [fsdp_step(args.world_size).peak(*s) for s in FSDP_SHAPES]
+        simulated = [fsdp_step(args.world_size, args.precision).peak(*s) for s in FSDP_SHAPES]
     rows = [{"B": B, "T": T, "U": U, "measured": m, "simulated": p, "error": p / m - 1}
             for (B, T, U), m, p in zip(FSDP_SHAPES, measured["measured"], simulated)]
-    out = {"world_size": args.world_size, "rows": rows, "rss": measured["rss"],
+    out = {"world_size": args.world_size, "precision": args.precision, "rows": rows, "rss": measured["rss"],
            "max_abs_error": max(abs(r["error"]) for r in rows)}
     Path(args.out).write_text(json.dumps(out, indent=1))
     for r in rows:
-        print(f"FSDP rank 0 of {args.world_size}: B {r['B']} T {r['T']} U {r['U']}: measured {r['measured']} B, "
+        print(f"FSDP {args.precision} rank 0 of {args.world_size}: B {r['B']} T {r['T']} U {r['U']}: measured {r['measured']} B, "
               f"simulated {r['simulated']} B ({100 * r['error']:+.2f}%)")
     print(json.dumps(out))
 
@@ -215,8 +218,10 @@ if __name__ == "__main__":
     vf = sub.add_parser("validate-fsdp", help="simulated vs measured peaks of a real 2-rank FSDP step (gloo)")
     vf.add_argument("--out", required=True)
     vf.add_argument("--world-size", type=int, default=2)
+    vf.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     r = sub.add_parser("fsdp-rank", help="(validate-fsdp's torchrun worker)")
     r.add_argument("--out", required=True)
+    r.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     args = p.parse_args()
     torch.set_num_threads(1)
     {"fit": fit, "validate": validate, "validate-fsdp": validate_fsdp, "fsdp-rank": fsdp_rank}[args.command](args)

@@ -85,13 +85,15 @@ def test_tracker_counts_storages_resized_in_place():
 
 
 @pytest.mark.slow
-def test_simulated_fsdp_step_matches_a_real_two_rank_step(tmp_path):
-    # A real FSDP2 step at world size 2 (torchrun, gloo, fp32) measured on rank 0, against the same
-    # step on fake tensors sharded over a fake world of 2: exact, as the fp32 simulation of one
-    # device is (test_simulated_step_on_fake_tensors_matches_the_real_step). ~1 min.
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_simulated_fsdp_step_matches_a_real_two_rank_step(tmp_path, precision):
+    # A real FSDP2 step at world size 2 (torchrun, gloo) measured on rank 0, against the same step on
+    # fake tensors sharded over a fake world of 2: exact, as the fp32 simulation of one device is
+    # (test_simulated_step_on_fake_tensors_matches_the_real_step). bf16: the parameters gathered in
+    # bf16 and autocast, as train.py runs FSDP on CUDA. ~1 min each.
     out = tmp_path / "fsdp.json"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "oom_scale_bench.py"), "validate-fsdp", "--out", str(out)],
-                   cwd=ROOT, check=True, capture_output=True, text=True)
+    subprocess.run([sys.executable, str(ROOT / "bench" / "oom_scale_bench.py"), "validate-fsdp", "--out", str(out),
+                    "--precision", precision], cwd=ROOT, check=True, capture_output=True, text=True)
     r = json.loads(out.read_text())
     assert r["world_size"] == 2 and len(r["rows"]) == 3
     assert all(row["simulated"] == row["measured"] for row in r["rows"]), r["rows"]
