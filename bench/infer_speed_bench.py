@@ -401,9 +401,10 @@ def main():
                  ("decoder s", "10.1f"), ("tokens", "7d"), ("peak GB", "8.2f")],
                 [[n, int(b[5:]), r["rtfx"], r["wall_s"], r["encoder_s"], r["decoder_s"], r["tokens"], r["peak_gb"]]
                  for n, by_batch in long_rows.items() for b, r in by_batch.items()])
-    print(f"\ndecoder step, ms ({args.step_frames} encoder frames)")
-    print_table([("system", "<38")] + [(f"batch {bs}", "9.2f") for bs in args.batch_sizes],
-                [[n] + [s[f"batch{bs}"] for bs in args.batch_sizes] for n, s in steps.items()])
+    if "step" in args.parts:
+        print(f"\ndecoder step, ms ({args.step_frames} encoder frames)")
+        print_table([("system", "<38")] + [(f"batch {bs}", "9.2f") for bs in args.batch_sizes],
+                    [[n] + [s[f"batch{bs}"] for bs in args.batch_sizes] for n, s in steps.items()])
     print(f"\nwarm-up and compilation seconds: {compile_s}")
 
     def ratio(a, b):

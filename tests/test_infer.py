@@ -373,3 +373,15 @@ def test_average_of_the_newest_checkpoints(run_dir, tmp_path):
     assert load_asr(str(run), average=2).model.state_dict()[w].allclose(newest["model"][w] * 1.25)
     with pytest.raises(CheckpointError, match="3 valid checkpoint.*asked to average 4"):
         load_asr(str(run), average=4)
+
+
+@pytest.mark.slow
+def test_the_speed_bench_runs_its_files_part_alone_and_ends_with_its_json():
+    """`--parts files` (no decoder-step timing): the long-file ratio is reported and the JSON is the last line."""
+    p = subprocess.run([sys.executable, "bench/infer_speed_bench.py", "--layouts", "canary-180m-flash", "--systems",
+                        "aed-eager", "--parts", "files", "--utterances", "2", "--tokens", "3", "--batch-sizes", "1",
+                        "--long-seconds", "30", "--no-peers"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert not any(summary["decoder_step_ms"].values()) and summary["long_file_vs_short_files"] > 0
+    assert summary["systems"]["aed-eager/canary-180m-flash"]["batch1"]["tokens"] == 2 * 3
