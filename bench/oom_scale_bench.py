@@ -23,9 +23,10 @@ sharded as train.py shards it (aed/parallel.py, bf16 parameters as on CUDA) over
 group (aed/simulated_memory.py `fake_world`). `--strategy ddp` adds DDP's gradient buckets.
 
 `validate-fsdp`: a real FSDP step at world size 2 (torchrun, gloo; fp32, or bf16 parameters and
-autocast as train.py runs FSDP on CUDA) measured on rank 0 with LiveTensorMemory, against the simulated step on a fake
-world of 2 for the same shapes; rank 0's process RSS growth over one larger step checks that the
-tracker sees FSDP's memory (DTensor shards, storages resized in place) at all.
+autocast as train.py runs FSDP on CUDA) measured on rank 0 with LiveTensorMemory, against the
+simulated step on a fake world of 2 for the same shapes; rank 0's process RSS growth over one
+larger step checks that the tracker sees FSDP's memory (DTensor shards, storages resized in place)
+at all.
 """
 
 import argparse
@@ -200,8 +201,8 @@ def validate_fsdp(args):
            "max_abs_error": max(abs(r["error"]) for r in rows)}
     Path(args.out).write_text(json.dumps(out, indent=1))
     for r in rows:
-        print(f"FSDP {args.precision} rank 0 of {args.world_size}: B {r['B']} T {r['T']} U {r['U']}: measured {r['measured']} B, "
-              f"simulated {r['simulated']} B ({100 * r['error']:+.2f}%)")
+        print(f"FSDP {args.precision} rank 0 of {args.world_size}: B {r['B']} T {r['T']} U {r['U']}: "
+              f"measured {r['measured']} B, simulated {r['simulated']} B ({100 * r['error']:+.2f}%)")
     print(json.dumps(out))
 
 

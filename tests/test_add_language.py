@@ -194,9 +194,11 @@ def test_freeze_all_but_new_tokens_under_fsdp_trains_only_the_added_rows(grown, 
         "    torch.save({'before': before, 'after': after, 'added': added}, sys.argv[2])\n"
         "dist.destroy_process_group()\n")
     out = tmp_path / "states.pt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests"),
+                                                        os.environ.get("PYTHONPATH", "")])}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(script), new_path, str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                        str(script), new_path, str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     states = torch.load(out)
     assert_only_the_added_rows_trained(states["before"], states["after"], states["added"])
