@@ -104,16 +104,20 @@ def train_only_rows(model: AED, added: dict) -> None:
 
 def mask_frozen_rows(model: nn.Module) -> None:
     """Zero the gradient rows `train_only_rows` froze, once the gradients are reduced: plain ones
-    (one process, DDP) and FSDP's sharded ones alike. Nothing to do for other models."""
+    (one process, DDP) and FSDP's sharded ones alike. Nothing to do for other models. Each mask is
+    made once, in the gradient's device, dtype and sharding, and kept (`model.grad_masks`)."""
     model = getattr(model, "module", model)  # under DDP
+    masks = model.__dict__.setdefault("grad_masks", {})
     for name, trained in getattr(model, "trained_rows", {}).items():
         grad = model.get_parameter(name).grad
         if grad is None:
             continue
-        keep = trained.to(grad.device, grad.dtype).view(-1, *[1] * (grad.dim() - 1))  # (rows, 1, ...)
-        if isinstance(grad, DTensor):  # this rank's rows of the mask, split as the gradient is: no communication
-            keep = distribute_tensor(keep, grad.device_mesh, grad.placements, src_data_rank=None)
-        grad.mul_(keep)
+        if name not in masks:
+            keep = trained.to(grad.device, grad.dtype).view(-1, *[1] * (grad.dim() - 1))  # (rows, 1, ...)
+            if isinstance(grad, DTensor):  # this rank's rows, split as the gradient is: no communication
+                keep = distribute_tensor(keep, grad.device_mesh, grad.placements, src_data_rank=None)
+            masks[name] = keep
+        grad.mul_(masks[name])
 
 
 def train_mode(model: nn.Module, freeze: str = "none") -> nn.Module:
