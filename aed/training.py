@@ -107,8 +107,10 @@ def mask_frozen_rows(model: nn.Module) -> None:
     (one process, DDP) and FSDP's sharded ones alike. Nothing to do for other models. Each mask is
     made once, in the gradient's device, dtype and sharding, and kept (`model.grad_masks`)."""
     model = getattr(model, "module", model)  # under DDP
+    if not hasattr(model, "trained_rows"):
+        return
     masks = model.__dict__.setdefault("grad_masks", {})
-    for name, trained in getattr(model, "trained_rows", {}).items():
+    for name, trained in model.trained_rows.items():
         grad = model.get_parameter(name).grad
         if grad is None:
             continue
