@@ -9,6 +9,8 @@ to build a random Whisper that CTranslate2's own converter turns into a faster-w
     .venv/bin/pip install --target /tmp/aed-peers --no-deps -r bench/requirements-infer-peers.txt
     PYTHONPATH=/tmp/aed-peers .venv/bin/python bench/infer_speed_bench.py
 Without them the aed rows are measured and the comparisons are left out (the JSON says why).
+NeMo's own Canary at the same shapes (optional, its own install; bench/nemo_canary.py says how):
+    PYTHONPATH=/tmp/nemo-peers .venv/bin/python bench/infer_speed_bench.py --nemo --no-peers --parts files
 
 Everything has random weights (speed does not depend on them), every system gets the same audio, the
 same number of decoded tokens (EOS suppressed, so every utterance decodes exactly --tokens) and the same
@@ -22,7 +24,8 @@ threads. Greedy search, fp32 activations. Three parts:
    pipeline (aed.inference.transcribe: files -> features -> encoder -> search), files sorted by length in
    groups of 1 and 16. faster-whisper: WhisperModel.transcribe per file (batch 1); batch 16 runs its own
    pieces the way its BatchedInferencePipeline does (features padded to 30 s, encode, generate), across
-   files. Whisper pads every input to 30 s: that is its cost on short utterances.
+   files. Whisper pads every input to 30 s: that is its cost on short utterances. NeMo (--nemo): the
+   same groups through NeMo's preprocessor, encoder and greedy search (bench/nemo_canary.py).
 3. Long form: one file of --long-seconds (the short files, repeated), 30 s windows, each window decoding
    as many tokens per second as the short utterances did. aed: transcribe(chunk_seconds=30), its chunks
    batched 16 at a time. faster-whisper: WhisperModel.transcribe (windows in sequence) and
@@ -290,6 +293,9 @@ def main():
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                    help="faster-whisper (needs bench/requirements-infer-peers.txt; CPU only here)")
     p.add_argument("--whisper", choices=list(WHISPER), help="peer size for every layout; default: the comparable one")
+    p.add_argument("--nemo", action=argparse.BooleanOptionalAction, default=False,
+                   help="NeMo's own Canary at each layout's shapes on the short files (bench/nemo_canary.py; needs "
+                        "bench/requirements-nemo-peers.txt, which clash with faster-whisper's: run with --no-peers)")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "aed-infer-bench"),
                    help="converted Whisper models are kept here between runs")
     p.add_argument("--threads", type=int, default=2, help="CPU threads, for every system")
@@ -309,6 +315,13 @@ def main():
             peers_missing = f"faster-whisper is not installed ({e}): see bench/requirements-infer-peers.txt"
             log(peers_missing)
     peers = args.peers and peers_missing is None and device.type == "cpu"
+    nemo_missing = None
+    if args.nemo:
+        try:
+            import nemo_canary
+        except ImportError as e:
+            nemo_missing = f"NeMo is not installed ({e}): see bench/requirements-nemo-peers.txt"
+            log(nemo_missing)
 
     audio_dir = Path(tempfile.mkdtemp(dir=work))
     paths = make_audio(audio_dir, args.utterances, args.min_seconds, args.max_seconds)
@@ -367,6 +380,19 @@ def main():
             long_rows[name] = {f"batch{long_batch}": run_aed(asr, [[long_path]], long_opts, device, **kwargs)}
             log(f"{name} long file: {long_rows[name]}")
             del asr  # an int8 copy of canary-1b-flash is another GB
+
+        if args.nemo and nemo_missing is None and "files" in args.parts:
+            model = nemo_canary.build(base.model.cfg, base.model.cfg.n_mels, work).to(device)
+            name = f"nemo-canary/{layout}"
+            nemo_canary.transcribe_groups(model, [groups[1][0], groups[1][-1]], 4)  # warm-up
+            rows[name] = {}
+            for bs in args.batch_sizes:
+                reset_peak_memory(device)
+                r = nemo_canary.transcribe_groups(model, groups[bs], args.tokens)
+                rows[name][f"batch{bs}"] = result(short_s, r["wall_s"], r["encoder_s"], r["decoder_s"], r["tokens"],
+                                                  peak_memory_gb(device))
+            log(f"{name}: {rows[name]}")
+            del model
 
         if peers and "files" in args.parts:
             size = args.whisper or COMPARABLE[layout]
@@ -444,6 +470,10 @@ def main():
             "long_form": ratio(max(best(long_rows, f"{s}/{first}") for s in systems), best(long_rows, "faster-whisper"))}
     else:
         summary["vs_faster_whisper"] = {"skipped": peers_missing or "--no-peers, --parts without files, or not on the CPU"}
+    if args.nemo and files and "aed-eager" in systems:  # aed's eager fp32 pipeline against NeMo's, same shapes
+        summary["vs_nemo"] = nemo_missing or {f"{layout}/batch{bs}": ratio(
+            rows[f"aed-eager/{layout}"][f"batch{bs}"]["rtfx"], rows[f"nemo-canary/{layout}"][f"batch{bs}"]["rtfx"])
+            for layout in args.layouts for bs in args.batch_sizes}
     if files and "aed-eager" in systems and long_batch in args.batch_sizes:
         summary["long_file_vs_short_files"] = ratio(long_rows[f"aed-eager/{first}"][f"batch{long_batch}"]["rtfx"],
                                                     rows[f"aed-eager/{first}"][f"batch{long_batch}"]["rtfx"])
