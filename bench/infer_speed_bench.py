@@ -19,7 +19,8 @@ threads. Greedy search, fp32 activations. Three parts:
 1. Decoder step: ms per step of the Canary layouts' decoders (both 4 x 1024; canary-180m-flash's encoder
    is 17 x 512, canary-1b-flash's 32 x 1024), 100 encoder frames, at batch 1 and 16: eager, compiled (the
    static cache, aed/compiled.py) and int8 weights (aed.inference.quantize_int8); the systems take turns,
-   the fastest of --repeats runs kept.
+   the fastest of --repeats runs kept. GB/s: the weight bytes a batch-1 step reads per second, beside the
+   CPU's read bandwidth (summing 512 MB), the rate a step bound by reading its weights cannot beat.
 2. Short utterances: --utterances generated files of --min-seconds to --max-seconds through the real
    pipeline (aed.inference.transcribe: files -> features -> encoder -> search), files sorted by length in
    groups of 1 and 16. faster-whisper: WhisperModel.transcribe per file (batch 1); batch 16 runs its own
@@ -137,6 +138,24 @@ def decoder_step_ms(model, batch: int, frames: int, steps: int, device) -> float
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     return 1000 * (time.perf_counter() - start) / steps
+
+
+def step_weight_bytes(model: AED, system: str) -> int:
+    """Weight bytes one decoder step reads: every decoder Linear but the cross-attention key and value
+    projections (made once per utterance); int8 keeps one byte per weight."""
+    weights = sum(m.weight.numel() for n, m in model.decoder.named_modules()
+                  if isinstance(m, torch.nn.Linear) and not re.search(r"cross_attn\.(key|value)_net", n))
+    return weights * (1 if system == "aed-int8" else model.decoder.output_proj.weight.element_size())
+
+
+def read_bandwidth_gbs() -> float:
+    """GB/s of summing a 512 MB tensor on the CPU: the rate at which a batch-1 step could read weights."""
+    x = torch.ones(2**27)
+    x.sum()
+    start = time.perf_counter()
+    for _ in range(5):
+        x.sum()
+    return 5 * x.numel() * x.element_size() / (time.perf_counter() - start) / 1e9
 
 
 # --- faster-whisper -------------------------------------------------------------------------------
@@ -342,7 +361,8 @@ def main():
     short_opts = DecodingOptions(max_new_tokens=args.tokens, max_repeats=0, max_tokens_per_second=None, ctc_weight=0.0)
     long_opts = DecodingOptions(max_repeats=0, max_tokens_per_second=rate, ctc_weight=0.0)  # tokens in proportion to a chunk's length
     long_batch = max(args.batch_sizes)
-    rows, steps, long_rows, compile_s = {}, {}, {}, {}
+    rows, steps, long_rows, compile_s, weight_gbs = {}, {}, {}, {}, {}
+    read_gbs = round(read_bandwidth_gbs(), 1) if device.type == "cpu" and "step" in args.parts else None
     for layout in args.layouts:
         base = random_asr(layout, tokenizer, device)
         params = sum(q.numel() for q in base.model.parameters()) / 1e6
@@ -361,6 +381,8 @@ def main():
                 for bs in args.batch_sizes:
                     ms = decoder_step_ms(asr.compiled or asr.model, bs, args.step_frames, args.steps, device)
                     steps[name][f"batch{bs}"] = round(min(ms, steps[name].get(f"batch{bs}", math.inf)), 2)
+        for name in variants if "step" in args.parts and 1 in args.batch_sizes else []:
+            weight_gbs[name] = round(step_weight_bytes(base.model, name.split("/")[0]) / steps[name]["batch1"] / 1e6, 1)
         log(f"{layout}: decoder step ms {steps}")
         for system in systems if "files" in args.parts else []:
             name = f"{system}/{layout}"
@@ -428,9 +450,11 @@ def main():
                 [[n, int(b[5:]), r["rtfx"], r["wall_s"], r["encoder_s"], r["decoder_s"], r["tokens"], r["peak_gb"]]
                  for n, by_batch in long_rows.items() for b, r in by_batch.items()])
     if "step" in args.parts:
-        print(f"\ndecoder step, ms ({args.step_frames} encoder frames)")
-        print_table([("system", "<38")] + [(f"batch {bs}", "9.2f") for bs in args.batch_sizes],
-                    [[n] + [s[f"batch{bs}"] for bs in args.batch_sizes] for n, s in steps.items()])
+        print(f"\ndecoder step, ms ({args.step_frames} encoder frames); weight GB/s at batch 1 (CPU read bandwidth "
+              f"{read_gbs} GB/s)")
+        print_table([("system", "<38")] + [(f"batch {bs}", "9.2f") for bs in args.batch_sizes] + [("GB/s", "6.1f")],
+                    [[n] + [s[f"batch{bs}"] for bs in args.batch_sizes] + [weight_gbs.get(n, math.nan)]
+                     for n, s in steps.items()])
     print(f"\nwarm-up and compilation seconds: {compile_s}")
 
     def ratio(a, b):
@@ -440,6 +464,7 @@ def main():
     summary = {"device": str(device), "threads": args.threads, "load": load_avg(), "utterances": len(paths),
                "short_audio_s": round(short_s, 1), "tokens": args.tokens, "long_file_s": args.long_seconds,
                "window_tokens": window_tokens, "systems": rows, "long_form": long_rows, "decoder_step_ms": steps,
+               "decoder_step_weight_gbs_batch1": weight_gbs, "cpu_read_gbs": read_gbs,
                "warmup_s": compile_s}
     files, stepped = "files" in args.parts, "step" in args.parts
     if "aed-compiled" in systems and "aed-eager" in systems and 1 in args.batch_sizes:

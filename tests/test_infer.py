@@ -385,3 +385,18 @@ def test_the_speed_bench_runs_its_files_part_alone_and_ends_with_its_json():
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert not any(summary["decoder_step_ms"].values()) and summary["long_file_vs_short_files"] > 0
     assert summary["systems"]["aed-eager/canary-180m-flash"]["batch1"]["tokens"] == 2 * 3
+
+
+def test_the_speed_bench_counts_the_weight_bytes_a_decoder_step_reads():
+    """Every decoder Linear but the cross-attention keys and values (projected once per utterance), the
+    output layer once (tied to the embedding); int8 reads a quarter of fp32's bytes."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from infer_speed_bench import step_weight_bytes
+
+    cfg = AEDConfig(vocab_size=48, enc_d_model=16, enc_layers=1, enc_heads=2, subsampling_channels=8, dec_d_model=24,
+                    dec_layers=2, dec_heads=2, dec_ff_mult=3)
+    d, ff = cfg.dec_d_model, cfg.dec_ff_mult * cfg.dec_d_model
+    weights = cfg.dec_layers * (4 * d * d + 2 * d * d + 2 * d * ff) + d * cfg.vocab_size  # self q,k,v,o; cross q,o
+    model = AED(cfg)
+    assert step_weight_bytes(model, "aed-eager") == 4 * weights
+    assert step_weight_bytes(model, "aed-int8") == weights
