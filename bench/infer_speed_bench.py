@@ -313,8 +313,8 @@ def main():
                    help="faster-whisper (needs bench/requirements-infer-peers.txt; CPU only here)")
     p.add_argument("--whisper", choices=list(WHISPER), help="peer size for every layout; default: the comparable one")
     p.add_argument("--nemo", action=argparse.BooleanOptionalAction, default=False,
-                   help="NeMo's own Canary at each layout's shapes on the short files (bench/nemo_canary.py; needs "
-                        "bench/requirements-nemo-peers.txt, which clash with faster-whisper's: run with --no-peers)")
+                   help="NeMo's own Canary at each layout's shapes on the short files, CPU only (bench/nemo_canary.py; "
+                        "needs bench/requirements-nemo-peers.txt, which clash with faster-whisper's: add --no-peers)")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "aed-infer-bench"),
                    help="converted Whisper models are kept here between runs")
     p.add_argument("--threads", type=int, default=2, help="CPU threads, for every system")
@@ -403,9 +403,10 @@ def main():
             log(f"{name} long file: {long_rows[name]}")
             del asr  # an int8 copy of canary-1b-flash is another GB
 
-        if args.nemo and nemo_missing is None and "files" in args.parts:
-            model = nemo_canary.build(base.model.cfg, base.model.cfg.n_mels, work).to(device)
+        if args.nemo and nemo_missing is None and "files" in args.parts and device.type == "cpu":
+            model = nemo_canary.build(base.model.cfg, base.model.cfg.n_mels, work)
             name = f"nemo-canary/{layout}"
+            log(f"{name}: {sum(q.numel() for q in model.parameters()) / 1e6:.0f}M parameters")
             nemo_canary.transcribe_groups(model, [groups[1][0], groups[1][-1]], 4)  # warm-up
             rows[name] = {}
             for bs in args.batch_sizes:
@@ -495,7 +496,7 @@ def main():
             "long_form": ratio(max(best(long_rows, f"{s}/{first}") for s in systems), best(long_rows, "faster-whisper"))}
     else:
         summary["vs_faster_whisper"] = {"skipped": peers_missing or "--no-peers, --parts without files, or not on the CPU"}
-    if args.nemo and files and "aed-eager" in systems:  # aed's eager fp32 pipeline against NeMo's, same shapes
+    if args.nemo and files and "aed-eager" in systems and device.type == "cpu":  # aed's eager fp32 against NeMo's
         summary["vs_nemo"] = nemo_missing or {f"{layout}/batch{bs}": ratio(
             rows[f"aed-eager/{layout}"][f"batch{bs}"]["rtfx"], rows[f"nemo-canary/{layout}"][f"batch{bs}"]["rtfx"])
             for layout in args.layouts for bs in args.batch_sizes}

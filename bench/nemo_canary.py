@@ -18,6 +18,7 @@ Install, outside the project venv (NeMo's transformers pin clashes with the fast
 """
 
 import contextlib
+import itertools
 import random
 import shutil
 import time
@@ -41,8 +42,8 @@ def pseudo_text(path: Path, seed: int, lines: int = 20000) -> None:
     codas = ["", "", "n", "r", "s", "t", "l", "m", "nd", "ng"]
     words = ["".join(rng.choice(onsets) + rng.choice(nuclei) + rng.choice(codas) for _ in range(rng.randint(1, 4)))
              for _ in range(30000)]
-    weights = [1.0 / (i + 1) for i in range(len(words))]
-    path.write_text("\n".join(" ".join(rng.choices(words, weights, k=12)) for _ in range(lines)) + "\n")
+    cumulative = list(itertools.accumulate(1.0 / (i + 1) for i in range(len(words))))
+    path.write_text("\n".join(" ".join(rng.choices(words, cum_weights=cumulative, k=12)) for _ in range(lines)) + "\n")
 
 
 def canary_tokenizer(vocab_size: int, directory: Path) -> dict:
