@@ -406,8 +406,9 @@ def main():
         if args.nemo and nemo_missing is None and "files" in args.parts and device.type == "cpu":
             model = nemo_canary.build(base.model.cfg, base.model.cfg.n_mels, work)
             name = f"nemo-canary/{layout}"
-            log(f"{name}: {sum(q.numel() for q in model.parameters()) / 1e6:.0f}M parameters")
-            nemo_canary.transcribe_groups(model, [groups[1][0], groups[1][-1]], 4)  # warm-up
+            log(f"{name}: {sum(q.numel() for q in model.parameters()):,} parameters "
+                f"(aed: {sum(q.numel() for q in base.model.parameters()):,})")
+            nemo_canary.transcribe_groups(model, [[by_length[0]], [by_length[-1]]], 4)  # warm-up
             rows[name] = {}
             for bs in args.batch_sizes:
                 reset_peak_memory(device)
@@ -429,7 +430,7 @@ def main():
                 model = WhisperModel(str(ct2_dir), device="cpu", compute_type=compute, cpu_threads=args.threads)
                 short_new, long_new = fw_new_tokens(model, args.tokens), fw_new_tokens(model, window_tokens)
                 log(f"{name}: max_new_tokens {short_new} per short file, {long_new} per window")
-                run_whisper_files(model, [groups[1][-1]], 1, 4, 1.0, device)  # warm-up
+                run_whisper_files(model, [[by_length[-1]]], 1, 4, 1.0, device)  # warm-up
                 rows[name] = {f"batch{bs}": run_whisper_files(model, groups[bs], bs, short_new, short_s, device)
                               for bs in args.batch_sizes}
                 log(f"{name}: {rows[name]}")
@@ -451,8 +452,8 @@ def main():
                 [[n, int(b[5:]), r["rtfx"], r["wall_s"], r["encoder_s"], r["decoder_s"], r["tokens"], r["peak_gb"]]
                  for n, by_batch in long_rows.items() for b, r in by_batch.items()])
     if "step" in args.parts:
-        print(f"\ndecoder step, ms ({args.step_frames} encoder frames); weight GB/s at batch 1 (CPU read bandwidth "
-              f"{read_gbs} GB/s)")
+        print(f"\ndecoder step, ms ({args.step_frames} encoder frames); weight GB/s at batch 1"
+              + (f" (CPU read bandwidth {read_gbs} GB/s)" if read_gbs else ""))
         print_table([("system", "<38")] + [(f"batch {bs}", "9.2f") for bs in args.batch_sizes] + [("GB/s", "6.1f")],
                     [[n] + [s[f"batch{bs}"] for bs in args.batch_sizes] + [weight_gbs.get(n, math.nan)]
                      for n, s in steps.items()])
