@@ -148,14 +148,17 @@ def step_weight_bytes(model: AED, system: str) -> int:
     return weights * (1 if system == "aed-int8" else model.decoder.output_proj.weight.element_size())
 
 
-def read_bandwidth_gbs() -> float:
-    """GB/s of summing a 512 MB tensor on the CPU: the rate at which a batch-1 step could read weights."""
+def read_bandwidth_gbs(repeats: int = 10) -> float:
+    """GB/s of summing a 512 MB tensor on the CPU, the fastest of `repeats` sums: the rate at which a
+    batch-1 step could read weights (a ceiling, so the best run; on a shared host single sums vary 2x)."""
     x = torch.ones(2**27)
     x.sum()
-    start = time.perf_counter()
-    for _ in range(5):
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
         x.sum()
-    return 5 * x.numel() * x.element_size() / (time.perf_counter() - start) / 1e9
+        seconds.append(time.perf_counter() - start)
+    return x.numel() * x.element_size() / min(seconds) / 1e9
 
 
 # --- faster-whisper -------------------------------------------------------------------------------
