@@ -66,7 +66,7 @@ PAPER = {"sync": {2: 7, 16: 13, 128: 20}, "b/a": 3.4, "c/a": 5.0,
 TPS_FILTER = 25.0  # the paper's tokens-per-second filter (scheme B)
 MODES = {
     "full": {
-        "sync_bench": ["--calibrate", "configs/tiny.yaml"],
+        "sync_bench": ["--calibrate", "configs/tiny.yaml", "--table", "cost"],  # (its agreement table is not reported)
         "sync_real": ["--steps", "150", "--time-scale", "8", "--max-duration", "6"],
         "sampler_bench": ["--synthetic", "100000", "--slow-examples", "5000"],
         "oom_bench": ["--threads", "1"],
@@ -75,7 +75,7 @@ MODES = {
         "max_duration": 60.0,
     },
     "quick": {
-        "sync_bench": ["--synthetic", "5000", "--steps", "30", "--buffer-size", "2000"],  # FLOP cost model
+        "sync_bench": ["--synthetic", "5000", "--steps", "30", "--buffer-size", "2000", "--table", "cost"],  # FLOPs
         "sync_real": ["--steps", "4", "--warmup", "1", "--block", "2", "--synthetic", "2000",
                       "--time-scale", "8", "--max-duration", "6"],
         "sampler_bench": ["--synthetic", "5000", "--slow-examples", "500", "--buffer-size", "2000"],

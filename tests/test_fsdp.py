@@ -1,6 +1,6 @@
-"""train.strategy=fsdp (FSDP2) against DDP at 2 ranks on CPU (gloo), and checkpoints through
-torch.distributed.checkpoint: exact resume, another world size, another strategy, asynchronous
-saves, and inference from a sharded checkpoint."""
+"""Two ranks on CPU (gloo): DDP in sync, train.strategy=fsdp (FSDP2) against DDP, and checkpoints
+through torch.distributed.checkpoint: exact resume, another world size, another strategy,
+asynchronous saves, and inference from a sharded checkpoint. One DDP and one FSDP run serve all."""
 
 import json
 import os
@@ -32,17 +32,50 @@ def copy_until(src, dst, step: int) -> None:
                                                        and n != f"ckpt-{step:08d}"])
 
 
+def two_rank_run(tmp_path_factory, strategy: str):
+    """6 steps at 2 ranks, with a checkpoint at step 3 (and 6): (run dir, train.py's stderr)."""
+    run = tmp_path_factory.mktemp(strategy) / "run"
+    p = run_train(run, f"train.strategy={strategy}", "max_steps=6", "ckpt_every=3", "keep_last=2", *VALIDATE, nproc=2)
+    return run, p.stderr
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    return two_rank_run(tmp_path_factory, "ddp")
+
+
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    """6 steps under FSDP at 2 ranks, with a checkpoint at step 3 (and 6)."""
-    run = tmp_path_factory.mktemp("fsdp") / "run"
-    run_train(run, "train.strategy=fsdp", "max_steps=6", "ckpt_every=3", "keep_last=2", *VALIDATE, nproc=2)
-    return run
+    return two_rank_run(tmp_path_factory, "fsdp")[0]
 
 
-def test_fsdp_trains_like_ddp_and_its_checkpoint_decodes_like_ddps(fsdp_run, tmp_path):
-    ddp = tmp_path / "ddp"
-    run_train(ddp, "train.strategy=ddp", "max_steps=6", "ckpt_every=3", "keep_last=2", *VALIDATE, nproc=2)
+def test_ddp_two_ranks_stay_in_sync(ddp_run):
+    run, stderr = ddp_run
+    assert stderr.count("equal on 2 rank(s)") == 2  # parameter checksums compared at steps 3 and 6
+    ckpt = read_checkpoint(str(run / "ckpt-00000006"), TRAINING_KEYS)
+    assert len(ckpt["sampler"]) == 2
+    assert ckpt["sampler"][0]["batches"] == ckpt["sampler"][1]["batches"]
+
+
+def test_ddp_resume_on_fewer_ranks_continues_weights_optimizer_schedule_and_data(ddp_run, tmp_path):
+    """2 ranks -> 1. Guaranteed: weights, optimizer moments, schedule and step continue exactly
+    (test_faults' round trip), and the data pass continues without repeating what was trained in it
+    (test_faults' sampler test); not guaranteed: the same batches as an uninterrupted run."""
+    run = tmp_path / "run"
+    copy_until(ddp_run[0], run, 3)
+    assert len(list((run / "ckpt-00000003").glob("__*_0.distcp"))) == 2  # both ranks wrote a part
+    p = run_train(run, "max_steps=5", "ckpt_every=5")
+    assert "written by 2 ranks, this run has 1" in p.stderr and "at step 3" in p.stderr
+    two, one = read_checkpoint(str(run / "ckpt-00000003"), TRAINING_KEYS), read_checkpoint(
+        str(run / "ckpt-00000005"), TRAINING_KEYS)
+    assert len(two["sampler"]) == 2 and len(one["sampler"]) == 1
+    assert one["scheduler"]["last_epoch"] == 5
+    assert all(int(s["step"]) == 5 for s in one["optimizer"]["state"].values())  # 3 + 2 AdamW updates
+    assert one["sampler"][0]["pass_idx"] == two["sampler"][0]["pass_idx"]  # the same pass continues
+
+
+def test_fsdp_trains_like_ddp_and_its_checkpoint_decodes_like_ddps(ddp_run, fsdp_run):
+    ddp = ddp_run[0]
     la, lb = losses(ddp), losses(fsdp_run)
     assert sorted(la) == sorted(lb) == [1, 2, 3, 4, 5, 6]
     assert all(abs(la[s] - lb[s]) <= LOSS_TOLERANCE * abs(la[s]) for s in la), (la, lb)

@@ -103,15 +103,6 @@ def test_step_time_and_eta_leave_validation_out(tmp_path, monkeypatch, caplog):
 
 
 @pytest.mark.slow
-def test_ddp_two_ranks_stay_in_sync(tmp_path):
-    p = run_train(tmp_path / "ddp", "max_steps=4", "ckpt_every=2", nproc=2)
-    assert p.stderr.count("equal on 2 rank(s)") == 2  # checksums compared at steps 2 and 4
-    ckpt = read_checkpoint(tmp_path / "ddp" / "ckpt-00000004", TRAINING_KEYS)
-    assert len(ckpt["sampler"]) == 2
-    assert ckpt["sampler"][0]["batches"] == ckpt["sampler"][1]["batches"]
-
-
-@pytest.mark.slow
 def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
     run_dir = tmp_path / "sig"
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -226,21 +217,21 @@ def test_tiny_config_learns_to_transcribe_unseen_digit_strings(tmp_path):
 
     The sentence dev set cannot show this: about half of its words never occur in its 10 minutes
     of training audio. Measured at step 400 with seeds 0-3, equal-count bins and attention-only
-    decoding: 62, 72, 60, 76% (from 100, 1297, 100, 100%); with today's defaults (optimised bins,
-    joint CTC/attention decoding), seed 0: 56% (67% attention-only). This test uses seed 0.
-    About 3.5 minutes on 2 idle cores.
+    decoding: 62, 72, 60, 76% (from 100, 1297, 100, 100%). With today's defaults (optimised bins,
+    joint CTC/attention decoding), seed 0, validating every 100 steps: 166.7, 94.8, 79.9, 59.8 and
+    52.9% at steps 0-400. This test stops at step 300 (seed 0): about 4 minutes on 2 idle cores.
     """
     run_dir = tmp_path / "tiny"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "train.py", "configs/tiny.yaml", f"run_dir={run_dir}", "max_steps=400",
-           "val.every=400", "log_every=50", "ckpt_every=1000"]
+    cmd = [sys.executable, "train.py", "configs/tiny.yaml", f"run_dir={run_dir}", "max_steps=300",
+           "val.every=300", "log_every=50", "ckpt_every=1000"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     with open(run_dir / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     wer = {r["step"]: r["val/dev/wer"] for r in rows if "val/dev/wer" in r}
-    assert sorted(wer) == [0, 400]
-    assert wer[0] >= 95 and wer[400] < 85, wer
+    assert sorted(wer) == [0, 300]
+    assert wer[0] >= 95 and wer[300] < 80, wer
 
 
 @pytest.mark.slow
