@@ -84,7 +84,7 @@ def test_tracker_counts_storages_resized_in_place():
     assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_, "resize_ is restored on exit"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=70)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_simulated_fsdp_step_matches_a_real_two_rank_step(tmp_path, precision):
     # A real FSDP2 step at world size 2 (torchrun, gloo) measured on rank 0, against the same step on

@@ -12,7 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=50)
 def test_quick_study_reports_every_comparison(tmp_path):
     plot = tmp_path / "ssl_budget.png"
     p = subprocess.run([sys.executable, "bench/ssl_budget.py", "--quick", "--work-dir", str(tmp_path / "work"),

@@ -61,7 +61,7 @@ def test_lr_schedules_warm_up_then_decay_to_their_floor():
     assert lr_factor(2000, cosine, 1000) == pytest.approx(0.01)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=45)
 def test_resume_gives_the_same_batches_and_losses(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     run_train(a, "max_steps=6", "ckpt_every=100")
@@ -210,7 +210,7 @@ def test_preflight_fails_before_step_0_when_a_bucket_does_not_fit(tmp_path):
     assert "preflight: all 8 buckets fit 20GB" in p.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=420)
 def test_tiny_config_learns_to_transcribe_unseen_digit_strings(tmp_path):
     """The bundled tiny config, unedited but shorter (on data/mini/digits): dev WER on digit strings
     it never heard must fall from 100% (or more: an untrained decoder babbles) to well below.
@@ -260,7 +260,7 @@ def test_rnnt_pretraining_then_its_encoder_into_an_aed(tmp_path):
     assert enc and all(torch.equal(src[k], dst[k]) for k in enc)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=45)
 def test_sharded_training_resumes_exactly(tmp_path):
     from aed.data import encode_utterance, read_manifest
     from aed.tokenizer import Tokenizer
@@ -298,7 +298,7 @@ def audio_only(src, dst):
     return dst
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=50)
 def test_ssl_pretraining_on_audio_alone_stops_at_a_flop_budget_and_resumes_exactly(tmp_path):
     train_m = audio_only(os.path.join(MINI, "train.jsonl"), tmp_path / "train.jsonl")
     dev_m = audio_only(os.path.join(MINI, "dev.jsonl"), tmp_path / "dev.jsonl")

@@ -201,7 +201,7 @@ def test_overfit_synthetic_utterances_transducer_and_ctc():
     assert ctc_hyps == want
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=70)
 def test_overfit_mini_utterances_greedy_recovers_them():
     # A tiny TransducerASR learns 4 real mini-set utterances by heart; greedy decoding in eval mode must
     # return their token ids and text exactly. Eval mode matters: the conv module's BatchNorm then uses
