@@ -362,6 +362,8 @@ def main(argv: list[str] | None = None) -> None:
     # --- clean up
     writer.finish()  # the last checkpoint is complete before the process ends
     run_log.close()
+    stop_workers()
+    atexit.unregister(stop_workers)  # main() may return into a program that goes on (the tests run it so)
     cleanup()
 
 

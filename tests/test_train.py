@@ -1,15 +1,21 @@
 """train.py end to end on the bundled mini set: DDP, exact resume, signals, bad data, NaNs, init."""
 
+import contextlib
+import io
 import json
 import logging
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
 import time
+import traceback
 import types
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,18 +34,62 @@ SMALL = ["model.enc_d_model=64", "model.enc_layers=2", "model.enc_heads=2", "mod
          "val.manifests=[data/mini/dev.jsonl]"]
 
 
-def run_train(run_dir, *overrides, nproc=1, check=True, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def run_train(run_dir, *overrides, nproc=1, check=True):
+    """configs/tiny.yaml with SMALL and `overrides` -> CompletedProcess with train.py's exit status and
+    stderr. Several ranks run under torchrun; one runs in this process (train_in_process), which
+    spares the ~7 s of imports a new interpreter costs, 30-odd times in the suite."""
+    argv = ["configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, *overrides]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", "train.py"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
+        p = subprocess.run(cmd + argv, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                           text=True, timeout=300)
     else:
-        cmd = [sys.executable, "train.py"]
-    cmd += ["configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, *overrides]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        p = train_in_process(argv)
     if check and p.returncode != 0:
         raise AssertionError(f"train.py exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p
+
+
+def train_in_process(argv: list) -> subprocess.CompletedProcess:
+    """`python train.py *argv` without a new interpreter: its log lines, warnings and exit message (or
+    traceback) become stderr, SystemExit the exit status. What main() changes in the process (working
+    directory, root log level, stop-signal handlers, threads, random states) is put back afterwards."""
+    import train
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s [rank 0] %(message)s", "%H:%M:%S"))
+    root, stops = logging.getLogger(), (signal.SIGTERM, signal.SIGUSR1)
+    saved = (os.getcwd(), root.level, [signal.getsignal(s) for s in stops], torch.get_num_threads(),
+             torch.get_rng_state(), random.getstate(), np.random.get_state())
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    code = 0
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(stdout):
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: stderr.write(
+                warnings.formatwarning(message, category, filename, lineno, line))
+            os.chdir(ROOT)
+            train.main(argv)
+    except SystemExit as e:  # what the interpreter would do with it
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        if isinstance(e.code, str):
+            stderr.write(e.code + "\n")
+    except Exception:
+        code = 1
+        stderr.write(traceback.format_exc())
+    finally:
+        cwd, level, handlers, threads, torch_rng, python_rng, numpy_rng = saved
+        root.removeHandler(handler)
+        root.setLevel(level)
+        os.chdir(cwd)
+        for sig, h in zip(stops, handlers):
+            signal.signal(sig, h)
+        torch.set_num_threads(threads)
+        torch.set_rng_state(torch_rng)
+        random.setstate(python_rng)
+        np.random.set_state(numpy_rng)
+    return subprocess.CompletedProcess(["train.py", *argv], code, stdout.getvalue(), stderr.getvalue())
 
 
 def losses(run_dir):
