@@ -8,7 +8,6 @@ features 4.6e-5, encoder output 1.0e-6, decoder log-probs 1.0e-6 (asserted: 1e-4
 
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from aed.audio import LogMel, load_audio  # noqa: E402
 from aed.checkpoint import list_checkpoints  # noqa: E402
 from aed.decoding import DecodingOptions, greedy_search  # noqa: E402
 from aed.inference import load_asr  # noqa: E402
+from test_train import train_in_process  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "nemo"
 NEMO_GREEDY = dict(max_repeats=0, max_tokens_per_second=None)  # NeMo's greedy search has no repetition or rate limit
@@ -186,13 +186,11 @@ def test_converted_checkpoint_fine_tunes_and_still_decodes(tmp_path):
     convert(FIXTURES / "canary2.nemo", out)
     converted = load_asr(out).model
     run = tmp_path / "run"
-    cmd = [sys.executable, "train.py", str(out.with_suffix(".yaml")), f"init_from={out}",
+    p = train_in_process([str(out.with_suffix(".yaml")), f"init_from={out}",
            f"run_dir={run}", "max_steps=3", "ckpt_every=3", "log_every=1", "val.every=3",
            "val.max_utterances=2", f"val.manifests=[{MINI / 'dev.jsonl'}]",
            f"train.manifests=[{MINI / 'train.jsonl'}]", "train.num_buckets=2", "train.max_duration=8",
-           "train.num_workers=0", "optim.warmup_steps=1", "optim.lr=1e-3"]
-    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                       text=True, timeout=300)
+           "train.num_workers=0", "optim.warmup_steps=1", "optim.lr=1e-3"])
     assert p.returncode == 0, p.stderr[-4000:]
     assert "left random: nothing" in p.stderr  # every tensor came from the converted checkpoint
     assert "dev/wer" in p.stderr  # validation decoded the dev utterances
@@ -227,12 +225,10 @@ def test_fine_tuning_with_a_new_language_block_appended(tmp_path):
     (tok_dir / "tokenizer.json").write_text(json.dumps(config))
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "train.py", str(out.with_suffix(".yaml")), f"init_from={out}", f"run_dir={run}",
+    p = train_in_process([str(out.with_suffix(".yaml")), f"init_from={out}", f"run_dir={run}",
            f"train.tokenizer={tok_dir}", "max_steps=1", "ckpt_every=1", "val.every=0",
            f"train.manifests=[{MINI / 'train.jsonl'}]", "train.num_buckets=2", "train.max_duration=8",
-           "train.num_workers=0", "optim.warmup_steps=1", "optim.lr=1e-6", "optim.min_lr=1e-7"]
-    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                       text=True, timeout=300)
+           "train.num_workers=0", "optim.warmup_steps=1", "optim.lr=1e-6", "optim.min_lr=1e-7"])
     assert p.returncode == 0, p.stderr[-4000:]
     assert "token_embedding.weight grows from 448 to 528 rows" in p.stderr
 
