@@ -145,6 +145,30 @@ def run_script(args: list, log_path: Path, threads: int = 1, append: bool = Fals
         script_failed(args[0], code, log_path)
 
 
+def train_py(args: list, log_path: Path, in_process: bool = False) -> None:
+    """`python train.py ...` (args[0] is train.py) as run_script runs it; or, in_process, the same
+    main() in this process with its log written to log_path, which spares the benchmark's short runs
+    (--quick) importing torch and aed again each time."""
+    if not in_process:
+        run_script(args, log_path)
+        return
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    log(f"$ {shlex.join(str(a) for a in args)}  (in this process)")
+    root, handler, cwd = logging.getLogger(), logging.FileHandler(log_path, mode="w"), os.getcwd()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    root.addHandler(handler)  # before train.main: its logging.basicConfig then adds no stderr handler
+    root.setLevel(logging.INFO)
+    os.chdir(ROOT)
+    try:
+        train.main([str(a) for a in args[1:]])
+    finally:
+        os.chdir(cwd)
+        root.removeHandler(handler)
+        handler.close()
+
+
 def script_failed(script: str, code: int, log_path: Path):
     tail = "\n".join(log_path.read_text().splitlines()[-15:])
     raise SystemExit(f"{script} exited with {code}; last lines of {log_path}:\n{tail}")

@@ -32,7 +32,7 @@ their JSON last lines are parsed, and the training runs are real `train.py` runs
 Training time of a run = the sum of its logged step times; the step after a validation (whose
 logged time includes the validation) counts as the run's median step. After the stop, the run is
 resumed for one more step and validated, so every run ends with a validation at its budget.
---quick trains every scheme for the same few steps instead.
+--quick trains every scheme for the same few steps instead, each in this process (train.main).
 """
 
 import argparse
@@ -59,7 +59,7 @@ from aed.tokenizer import Tokenizer
 from aed.training_setup import load_training_setup
 from bins import Bins, estimate_bins, load_batch_sizes
 from common import (MINI_TOKENIZER, ROOT, cores, epoch_batch, last_json, load_avg, log, max_duration_sizes,
-                    read_metrics, run_script, script_failed, step_totals, write_config)
+                    read_metrics, run_script, script_failed, step_totals, train_py, write_config)
 
 PAPER = {"sync": {2: 7, 16: 13, 128: 20}, "b/a": 3.4, "c/a": 5.0,
          "rtfx": {"canary-1b (24+24)": 345, "24+4": 1097, "canary-1b-flash (32+4)": 992}}
@@ -152,9 +152,9 @@ def train_run(name: str, config: Path, overrides: list, mode: dict, work: Path) 
     base = ["train.py", str(config), f"run_dir={run_dir}", "log_every=1", "keep_last=1", "cpu_threads=1", *overrides]
     log_path = work / f"train_{name}.log"
     t0 = time.time()
-    if mode["budget_s"] is None:  # --quick: a fixed number of steps
-        run_script(base + [f"max_steps={mode['steps']}", f"val.every={mode['val_every']}",
-                           f"ckpt_every={mode['steps']}"], log_path)
+    if mode["budget_s"] is None:  # --quick: a fixed number of steps, in this process
+        train_py(base + [f"max_steps={mode['steps']}", f"val.every={mode['val_every']}",
+                         f"ckpt_every={mode['steps']}"], log_path, in_process=True)
         restarts = {1}
     else:
         cmd = base + ["max_steps=10000000", f"val.every={mode['val_every']}", "ckpt_every=10000000"]

@@ -26,17 +26,14 @@ The score is the fine-tuned model's dev loss, or dev WER when some fine-tuned mo
 
 import argparse
 import json
-import logging
-import os
 import random
 import re
-import shlex
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, cores, load_avg, log, print_json, print_table, read_metrics, run_script  # noqa: E402
+from common import ROOT, cores, load_avg, log, print_json, print_table, read_metrics, run_script, train_py  # noqa: E402
 
 MINI = ROOT / "data" / "mini"
 # Encoders (d_model, layers, heads). slim and wide have the same parameter count within ~5%:
@@ -112,29 +109,6 @@ def pretraining_sets(quick: bool, data: Path, work: Path) -> dict:
 # --- runs ------------------------------------------------------------------------------------------
 
 
-def train_py(args: list, log_path: Path, quick: bool) -> None:
-    """`python train.py ...` as a subprocess; with --quick in this process instead (the same main(),
-    its log written to log_path), which saves each of the 11 runs importing torch and aed again."""
-    if not quick:
-        run_script(args, log_path)
-        return
-    sys.path.insert(0, str(ROOT))
-    import train
-
-    log(f"$ {shlex.join(str(a) for a in args)}  (in this process)")
-    root, handler, cwd = logging.getLogger(), logging.FileHandler(log_path, mode="w"), os.getcwd()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-    root.addHandler(handler)  # before train.main: its logging.basicConfig then adds no stderr handler
-    root.setLevel(logging.INFO)
-    os.chdir(ROOT)
-    try:
-        train.main([str(a) for a in args[1:]])
-    finally:
-        os.chdir(cwd)
-        root.removeHandler(handler)
-        handler.close()
-
-
 def last_row(rows: list, key: str):
     return next((r for r in reversed(rows) if key in r), None)
 
@@ -148,7 +122,7 @@ def pretrain(name: str, dims, manifest: Path, mode: dict, work: Path) -> dict:
     if mode["quick"]:
         args += QUICK_ARGS
     t0 = time.time()
-    train_py(args, work / f"ssl_{name}.log", mode["quick"])
+    train_py(args, work / f"ssl_{name}.log", in_process=mode["quick"])
     rows = read_metrics(run_dir)
     train = [r for r in rows if "train/step_time" in r]
     step = max(r["step"] for r in train)
@@ -173,7 +147,7 @@ def finetune(name: str, dims, init: str | None, mode: dict, work: Path, seed: in
     if mode["quick"]:  # an untrained decoder babbles to its last position: a short one
         args += QUICK_ARGS + ["model.dec_d_model=32", "model.dec_layers=1", "model.dec_heads=2", "model.dec_max_len=64"]
     t0 = time.time()
-    train_py(args, work / f"ft_{name}.log", mode["quick"])
+    train_py(args, work / f"ft_{name}.log", in_process=mode["quick"])
     rows = read_metrics(run_dir)
     final = last_row(rows, "val/dev/loss")
     result = {"dev_loss": final["val/dev/loss"], "dev_wer": final["val/dev/wer"], "steps": steps,
