@@ -41,7 +41,7 @@ from aed.normalize import NORMALIZERS
 from aed.timestamps import srt, to_segments, webvtt
 
 
-def parse_args():
+def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="*", help="audio files, directories, glob patterns")
     p.add_argument("--ckpt", required=True, help="checkpoint file, or a run directory (its newest checkpoint)")
@@ -105,7 +105,7 @@ def parse_args():
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--skip-invalid", action="store_true",
                      help="skip manifest lines that are malformed or name a language the model lacks (logged, counted)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not args.inputs and not args.manifest:
         p.error("give audio files/directories/patterns and/or --manifest")
     if args.beam_size < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
@@ -160,9 +160,9 @@ def write_subtitles(results, directory: str, level: str) -> None:
 # --- the run ----------------------------------------------------------------------------------
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     # --- inputs and model
-    args = parse_args()
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         defaults = dict(source_lang=args.source_lang, target_lang=args.target_lang, task=args.task, pnc=args.pnc)

@@ -19,9 +19,10 @@ from aed.checkpoint import (CheckpointError, TRAINING_KEYS, begin_checkpoint, li
 from aed.data import Utterance, check_audio
 from aed.inference import load_asr
 from aed.model import AED, AEDConfig
+import infer
 from bins import estimate_bins
 from sampler import BucketingSampler, JsonlSource
-from test_train import ROOT, SMALL, run_train
+from test_train import ROOT, SMALL, run_in_process, run_train
 
 MINI_TOKENIZER = os.path.join(ROOT, "data", "mini", "tokenizer")
 
@@ -194,11 +195,10 @@ def test_infer_skip_invalid_skips_and_counts_bad_manifest_lines(tmp_path):
                                      b'{"audio_filepath": "caf\xe9.wav"}',  # Latin-1
                                      json.dumps({"lang": "en"}).encode(),
                                      json.dumps({"audio_filepath": wav, "lang": "xx"}).encode()]) + b"\n")
-    cmd = [sys.executable, "infer.py", "--ckpt", str(run_dir), "--manifest", str(manifest), "--max-new-tokens", "4"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    args = ["--ckpt", str(run_dir), "--manifest", str(manifest), "--max-new-tokens", "4"]
+    p = run_in_process(infer.main, args)
     assert p.returncode != 0 and "m.jsonl:2: not UTF-8" in p.stderr and "Traceback" not in p.stderr
-    p = subprocess.run(cmd + ["--skip-invalid"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    p = run_in_process(infer.main, args + ["--skip-invalid"])
     assert p.returncode == 0, p.stderr
     assert "m.jsonl:2: not UTF-8" in p.stderr and "m.jsonl:3: field 'audio_filepath'" in p.stderr
     assert "skipped 2 invalid line(s)" in p.stderr

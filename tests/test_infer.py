@@ -23,6 +23,8 @@ from aed.inference import (LoadedModel, Request, chunk_length, expand_inputs, lo
 from aed.metrics import corpus_scores, wer
 from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
+import infer
+from test_train import run_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINI = os.path.join(ROOT, "data", "mini")
@@ -249,9 +251,7 @@ def test_cli_directory_with_a_corrupt_file_and_a_manifest(run_dir, tmp_path):
     (audio / "corrupt.wav").write_bytes(b"RIFF\x00\x00\x00\x00WAVEnot really")
     (audio / "notes.txt").write_text("not audio: ignored")
     out = tmp_path / "hyp.jsonl"
-    cmd = [sys.executable, "infer.py", "--ckpt", run_dir, str(audio), "--manifest", EXAMPLES, "--out", str(out)]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = run_in_process(infer.main, ["--ckpt", run_dir, str(audio), "--manifest", EXAMPLES, "--out", str(out)])
     assert p.returncode == 1, p.stderr  # some input failed
     assert "FAILED" in p.stderr and "corrupt.wav: cannot decode" in p.stderr
     lines = dict(line.split("\t") for line in p.stdout.splitlines())

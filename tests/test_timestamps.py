@@ -4,8 +4,6 @@ import dataclasses
 import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import soundfile as sf
@@ -20,6 +18,8 @@ from aed.timestamps import (Segment, Word, align, frame_seconds, snap_to_speech,
                             to_words, webvtt)
 from aed.tokenizer import Tokenizer
 from tools.make_word_model import load_clips, word_sequence
+import infer
+from test_train import run_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINI = os.path.join(ROOT, "data", "mini")
@@ -166,10 +166,8 @@ def test_cli_writes_segments_and_subtitles(tmp_path, tokenizer):
     run = checkpoint(tmp_path, tokenizer, ctc_weight=0.3)
     out, subs = tmp_path / "hyp.jsonl", tmp_path / "subs"
     wav = os.path.join(MINI, "examples", "en_asr_16k.wav")
-    cmd = [sys.executable, "infer.py", "--ckpt", run, wav, "--out", str(out), "--timestamps", "word",
-           "--subtitles", str(subs), "--max-new-tokens", "5"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = run_in_process(infer.main, ["--ckpt", run, wav, "--out", str(out), "--timestamps", "word",
+                                    "--subtitles", str(subs), "--max-new-tokens", "5"])
     assert p.returncode == 0, p.stderr
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["segments"] and all({"text", "start", "end", "words"} <= set(s) for s in row["segments"])
@@ -178,8 +176,7 @@ def test_cli_writes_segments_and_subtitles(tmp_path, tokenizer):
     assert "alignment" in p.stderr
 
     no_ctc = checkpoint(tmp_path, tokenizer, ctc_weight=0.0)
-    p = subprocess.run([sys.executable, "infer.py", "--ckpt", no_ctc, wav, "--timestamps", "segment"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = run_in_process(infer.main, ["--ckpt", no_ctc, wav, "--timestamps", "segment"])
     assert p.returncode != 0 and "no CTC head" in p.stderr
 
 

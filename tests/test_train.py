@@ -51,26 +51,34 @@ def run_train(run_dir, *overrides, nproc=1, check=True):
 
 
 def train_in_process(argv: list) -> subprocess.CompletedProcess:
-    """`python train.py *argv` without a new interpreter: its log lines, warnings and exit message (or
-    traceback) become stderr, SystemExit the exit status. What main() changes in the process (working
-    directory, root log level, stop-signal handlers, threads, random states) is put back afterwards."""
+    """`python train.py *argv` without a new interpreter (run_in_process)."""
     import train
 
+    return run_in_process(train.main, argv, "%(asctime)s [rank 0] %(message)s")
+
+
+def run_in_process(main, argv: list, log_format: str = "%(message)s") -> subprocess.CompletedProcess:
+    """`main(argv)` (train.py's, infer.py's) as its script would run from the repository root with
+    OMP_NUM_THREADS=1: what it prints and logs to stderr, its warnings and its exit message (or
+    traceback) become stderr, what it prints stdout, SystemExit the exit status. What it changes in
+    the process (working directory, root log level, stop-signal handlers, threads, random states) is
+    put back afterwards."""
     stdout, stderr = io.StringIO(), io.StringIO()
     handler = logging.StreamHandler(stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s [rank 0] %(message)s", "%H:%M:%S"))
+    handler.setFormatter(logging.Formatter(log_format, "%H:%M:%S"))
     root, stops = logging.getLogger(), (signal.SIGTERM, signal.SIGUSR1)
     saved = (os.getcwd(), root.level, [signal.getsignal(s) for s in stops], torch.get_num_threads(),
              torch.get_rng_state(), random.getstate(), np.random.get_state())
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    torch.set_num_threads(1)
     code = 0
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(stdout):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: stderr.write(
                 warnings.formatwarning(message, category, filename, lineno, line))
             os.chdir(ROOT)
-            train.main(argv)
+            main(argv)
     except SystemExit as e:  # what the interpreter would do with it
         code = e.code if isinstance(e.code, int) else int(e.code is not None)
         if isinstance(e.code, str):
@@ -89,7 +97,8 @@ def train_in_process(argv: list) -> subprocess.CompletedProcess:
         torch.set_rng_state(torch_rng)
         random.setstate(python_rng)
         np.random.set_state(numpy_rng)
-    return subprocess.CompletedProcess(["train.py", *argv], code, stdout.getvalue(), stderr.getvalue())
+    return subprocess.CompletedProcess([getattr(main, "__module__", "main"), *argv], code, stdout.getvalue(),
+                                       stderr.getvalue())
 
 
 def losses(run_dir):
