@@ -404,7 +404,7 @@ def test_parquet_without_pyarrow_names_the_package(monkeypatch):
         open_source({"parquet": "data/*.parquet"})
 
 
-@pytest.mark.slow(seconds=45)
+@pytest.mark.slow(seconds=16)
 def test_training_on_a_nemo_and_a_shar_entry_mixed_resumes_exactly(sets, tmp_path):
     from tests.test_train import losses, run_train
 

@@ -120,7 +120,7 @@ def test_lr_schedules_warm_up_then_decay_to_their_floor():
     assert lr_factor(2000, cosine, 1000) == pytest.approx(0.01)
 
 
-@pytest.mark.slow(seconds=45)
+@pytest.mark.slow(seconds=20)
 def test_resume_gives_the_same_batches_and_losses(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     run_train(a, "max_steps=6", "ckpt_every=100")
@@ -319,7 +319,7 @@ def test_rnnt_pretraining_then_its_encoder_into_an_aed(tmp_path):
     assert enc and all(torch.equal(src[k], dst[k]) for k in enc)
 
 
-@pytest.mark.slow(seconds=45)
+@pytest.mark.slow(seconds=21)
 def test_sharded_training_resumes_exactly(tmp_path):
     from aed.data import encode_utterance, read_manifest
     from aed.tokenizer import Tokenizer
@@ -357,7 +357,7 @@ def audio_only(src, dst):
     return dst
 
 
-@pytest.mark.slow(seconds=50)
+@pytest.mark.slow(seconds=18)
 def test_ssl_pretraining_on_audio_alone_stops_at_a_flop_budget_and_resumes_exactly(tmp_path):
     train_m = audio_only(os.path.join(MINI, "train.jsonl"), tmp_path / "train.jsonl")
     dev_m = audio_only(os.path.join(MINI, "dev.jsonl"), tmp_path / "dev.jsonl")
