@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, cores, load_avg, log, print_json, print_table, read_metrics, run_script, train_py  # noqa: E402
+from common import (ROOT, cores, load_avg, log, print_json, print_table, read_metrics, run_script,  # noqa: E402
+                    train_py)
 
 MINI = ROOT / "data" / "mini"
 # Encoders (d_model, layers, heads). slim and wide have the same parameter count within ~5%:

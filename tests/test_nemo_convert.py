@@ -187,10 +187,10 @@ def test_converted_checkpoint_fine_tunes_and_still_decodes(tmp_path):
     converted = load_asr(out).model
     run = tmp_path / "run"
     p = train_in_process([str(out.with_suffix(".yaml")), f"init_from={out}",
-           f"run_dir={run}", "max_steps=3", "ckpt_every=3", "log_every=1", "val.every=3",
-           "val.max_utterances=2", f"val.manifests=[{MINI / 'dev.jsonl'}]",
-           f"train.manifests=[{MINI / 'train.jsonl'}]", "train.num_buckets=2", "train.max_duration=8",
-           "train.num_workers=0", "optim.warmup_steps=1", "optim.lr=1e-3"])
+                          f"run_dir={run}", "max_steps=3", "ckpt_every=3", "log_every=1", "val.every=3",
+                          "val.max_utterances=2", f"val.manifests=[{MINI / 'dev.jsonl'}]",
+                          f"train.manifests=[{MINI / 'train.jsonl'}]", "train.num_buckets=2", "train.max_duration=8",
+                          "train.num_workers=0", "optim.warmup_steps=1", "optim.lr=1e-3"])
     assert p.returncode == 0, p.stderr[-4000:]
     assert "left random: nothing" in p.stderr  # every tensor came from the converted checkpoint
     assert "dev/wer" in p.stderr  # validation decoded the dev utterances
@@ -226,9 +226,9 @@ def test_fine_tuning_with_a_new_language_block_appended(tmp_path):
 
     run = tmp_path / "run"
     p = train_in_process([str(out.with_suffix(".yaml")), f"init_from={out}", f"run_dir={run}",
-           f"train.tokenizer={tok_dir}", "max_steps=1", "ckpt_every=1", "val.every=0",
-           f"train.manifests=[{MINI / 'train.jsonl'}]", "train.num_buckets=2", "train.max_duration=8",
-           "train.num_workers=0", "optim.warmup_steps=1", "optim.lr=1e-6", "optim.min_lr=1e-7"])
+                          f"train.tokenizer={tok_dir}", "max_steps=1", "ckpt_every=1", "val.every=0",
+                          f"train.manifests=[{MINI / 'train.jsonl'}]", "train.num_buckets=2", "train.max_duration=8",
+                          "train.num_workers=0", "optim.warmup_steps=1", "optim.lr=1e-6", "optim.min_lr=1e-7"])
     assert p.returncode == 0, p.stderr[-4000:]
     assert "token_embedding.weight grows from 448 to 528 rows" in p.stderr
 
