@@ -3,9 +3,12 @@ torch.distributed.checkpoint (DCP), as train.py writes them.
 
     python bench/checkpoint_bench.py --dir /tmp/ckpt_bench              # canary-1b, ~10 min, ~13 GB RAM
     python bench/checkpoint_bench.py --dir /tmp/ckpt_bench --config configs/canary-180m-flash.yaml
+    python bench/checkpoint_bench.py --dir /tmp/ckpt_bench --device cuda   # the state on a GPU, as in training
 
 The model is built on the meta device, then materialised with random fp32 values, and AdamW's
-exp_avg / exp_avg_sq are built as its state dict (a real step would need 4 GB more for gradients).
+exp_avg / exp_avg_sq are built as its state dict (a real step would need 4 GB more for gradients),
+on the CPU or, with --device cuda, on the GPU where training holds them: then every save first
+copies the state to host memory, and that copy is what async_save blocks the training loop for.
 Measured, each from a fresh directory:
 
   single      one torch.save of everything by one process: what a rank-0-only format costs
@@ -40,12 +43,13 @@ from aed.model import AED, AEDConfig  # noqa: E402
 from aed.training import build_optimizer  # noqa: E402
 
 
-def training_state(config: str) -> tuple[AED, dict]:
-    """A model with random weights and {"model", "optimizer"} state dicts of the right shapes (AdamW after one step)."""
+def training_state(config: str, device: str) -> tuple[AED, dict]:
+    """A model with random weights on `device` and {"model", "optimizer"} state dicts of the right
+    shapes (AdamW after one step)."""
     cfg = AEDConfig.from_yaml(config)  # with Canary's vocabulary: 1,017,825,408 parameters for canary-1b
     with torch.device("meta"):
         model = AED(cfg)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     with torch.no_grad():
         for p in model.parameters():
             p.uniform_(-0.05, 0.05)
@@ -93,16 +97,17 @@ def main() -> None:
     p.add_argument("--config", default="configs/canary-1b.yaml")
     p.add_argument("--dir", required=True, help="scratch directory on the disk to measure (emptied)")
     p.add_argument("--threads", default="1,2", help="DCP writer thread counts to time")
+    p.add_argument("--device", default="cpu", help="where the state lives: cpu, or cuda as in GPU training")
     args = p.parse_args()
     torch.set_num_threads(1)
 
     t0 = time.perf_counter()
-    model, state = training_state(args.config)
+    model, state = training_state(args.config, args.device)
     gb = sum(v.nbytes for v in state["model"].values()) / 1e9
     gb += sum(t.nbytes for s in state["optimizer"]["state"].values() for t in s.values() if t.dim()) / 1e9
     n = sum(p.numel() for p in model.parameters())
     print(f"{args.config}: {n:,} parameters, {gb:.2f} GB with AdamW state (built in {time.perf_counter() - t0:.0f} s)")
-    results = {"config": args.config, "parameters": n, "gb": round(gb, 2)}
+    results = {"config": args.config, "device": args.device, "parameters": n, "gb": round(gb, 2)}
 
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
