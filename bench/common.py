@@ -12,6 +12,8 @@ that import this file, and torch would add hundreds of MB to them. Functions tha
 or aed import them where they are used.
 """
 
+import contextlib
+import importlib
 import json
 import logging
 import os
@@ -145,28 +147,37 @@ def run_script(args: list, log_path: Path, threads: int = 1, append: bool = Fals
         script_failed(args[0], code, log_path)
 
 
-def train_py(args: list, log_path: Path, in_process: bool = False) -> None:
-    """`python train.py ...` (args[0] is train.py) as run_script runs it; or, in_process, the same
-    main() in this process with its log written to log_path, which spares the benchmark's short runs
-    (--quick) importing torch and aed again each time."""
+def python_script(args: list, log_path: Path, in_process: bool = False) -> None:
+    """`python SCRIPT ...` (args[0]: a script of the repository root with a main(argv), such as
+    train.py or oom.py) as run_script runs it; or, in_process, that main() in this process with its
+    log and output written to log_path, which spares a benchmark's short runs (--quick) importing
+    torch and aed again each time."""
     if not in_process:
         run_script(args, log_path)
         return
     sys.path.insert(0, str(ROOT))
-    import train
+    script = importlib.import_module(Path(args[0]).stem)
 
     log(f"$ {shlex.join(str(a) for a in args)}  (in this process)")
-    root, handler, cwd = logging.getLogger(), logging.FileHandler(log_path, mode="w"), os.getcwd()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-    root.addHandler(handler)  # before train.main: its logging.basicConfig then adds no stderr handler
-    root.setLevel(logging.INFO)
-    os.chdir(ROOT)
-    try:
-        train.main([str(a) for a in args[1:]])
-    finally:
-        os.chdir(cwd)
-        root.removeHandler(handler)
-        handler.close()
+    root, cwd = logging.getLogger(), os.getcwd()
+    with open(log_path, "w") as f, contextlib.redirect_stdout(f):
+        handler = logging.StreamHandler(f)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        root.addHandler(handler)  # before main: its logging.basicConfig then adds no stderr handler
+        root.setLevel(logging.INFO)
+        os.chdir(ROOT)
+        try:
+            script.main([str(a) for a in args[1:]])
+            code = 0
+        except SystemExit as e:  # main's own exit, with a status or a message (the log's last line)
+            code = e.code or 0
+            if code:
+                print(code)
+        finally:
+            os.chdir(cwd)
+            root.removeHandler(handler)
+    if code != 0:
+        script_failed(args[0], code, log_path)
 
 
 def script_failed(script: str, code: int, log_path: Path):

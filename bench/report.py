@@ -13,7 +13,7 @@ their JSON last lines are parsed, and the training runs are real `train.py` runs
 
 - E1 synchronized bucketing: (a) bench/sync_bench.py with its cost model calibrated on
   configs/tiny.yaml (2/16/128 simulated ranks; --quick: its FLOP cost model, no timing); (b) bench/sync_real_bench.py under torchrun with
-  2 and 4 gloo processes (1 thread each; 4 processes time-share 2 cores).
+  2 and 4 gloo processes (1 thread each; 4 processes time-share 2 cores; --quick: 2 only).
 - E2 sampling schemes A-D: sampler-only figures from bench/sampler_bench.py and bench/oom_bench.py
   on the synthetic 100k corpus; then real training of configs/tiny.yaml's model on a corpus from
   tools/make_mini_data.py (full: --hours 3; --quick: the bundled data/mini), one run per scheme,
@@ -32,7 +32,8 @@ their JSON last lines are parsed, and the training runs are real `train.py` runs
 Training time of a run = the sum of its logged step times; the step after a validation (whose
 logged time includes the validation) counts as the run's median step. After the stop, the run is
 resumed for one more step and validated, so every run ends with a validation at its budget.
---quick trains every scheme for the same few steps instead, each in this process (train.main).
+--quick trains every scheme for the same few steps instead, each in this process (train.main), as
+it runs oom.py's sizing (oom.main).
 """
 
 import argparse
@@ -59,7 +60,7 @@ from aed.tokenizer import Tokenizer
 from aed.training_setup import load_training_setup
 from bins import Bins, estimate_bins, load_batch_sizes
 from common import (MINI_TOKENIZER, ROOT, cores, epoch_batch, last_json, load_avg, log, max_duration_sizes,
-                    read_metrics, run_script, script_failed, step_totals, train_py, write_config)
+                    python_script, read_metrics, run_script, script_failed, step_totals, write_config)
 
 PAPER = {"sync": {2: 7, 16: 13, 128: 20}, "b/a": 3.4, "c/a": 5.0,
          "rtfx": {"canary-1b (24+24)": 345, "24+4": 1097, "canary-1b-flash (32+4)": 992}}
@@ -68,6 +69,7 @@ MODES = {
     "full": {
         "sync_bench": ["--calibrate", "configs/tiny.yaml", "--table", "cost"],  # (its agreement table is not reported)
         "sync_real": ["--steps", "150", "--time-scale", "8", "--max-duration", "6"],
+        "sync_real_ranks": [2, 4],
         "sampler_bench": ["--synthetic", "100000", "--slow-examples", "5000"],
         "oom_bench": ["--threads", "1"],
         "rtfx_bench": ["--utterances", "24", "--beams", "1"],
@@ -78,6 +80,7 @@ MODES = {
         "sync_bench": ["--synthetic", "5000", "--steps", "30", "--buffer-size", "2000", "--table", "cost"],  # FLOPs
         "sync_real": ["--steps", "4", "--warmup", "1", "--block", "2", "--synthetic", "2000",
                       "--time-scale", "8", "--max-duration", "6"],
+        "sync_real_ranks": [2],  # 4 processes took 23 s of --quick's 140 on 2 cores
         "sampler_bench": ["--synthetic", "5000", "--slow-examples", "500", "--buffer-size", "2000"],
         "oom_bench": ["--threads", "1", "--synthetic", "5000", "--buckets", "2"],
         "rtfx_bench": ["--utterances", "2", "--batch-sizes", "1", "--beams", "1", "--tokens", "5",
@@ -153,8 +156,8 @@ def train_run(name: str, config: Path, overrides: list, mode: dict, work: Path) 
     log_path = work / f"train_{name}.log"
     t0 = time.time()
     if mode["budget_s"] is None:  # --quick: a fixed number of steps, in this process
-        train_py(base + [f"max_steps={mode['steps']}", f"val.every={mode['val_every']}",
-                         f"ckpt_every={mode['steps']}"], log_path, in_process=True)
+        python_script(base + [f"max_steps={mode['steps']}", f"val.every={mode['val_every']}",
+                               f"ckpt_every={mode['steps']}"], log_path, in_process=True)
         restarts = {1}
     else:
         cmd = base + ["max_steps=10000000", f"val.every={mode['val_every']}", "ckpt_every=10000000"]
@@ -220,9 +223,9 @@ def run_training(mode: dict, args, work: Path) -> dict:
     oom_sizes = {}
     for k in ("1d", "2d"):
         out = work / f"batch_sizes_{k}.json"
-        run_script(["oom.py", "--config", config, "--bins", work / f"bins_{k}.json", "-o", out, "--memory-budget",
-                    budget, "--margin", "0", "--threshold", "0.1", "--max-tps", TPS_FILTER, "--device", "cpu"],
-                   work / f"oom_{k}.log")
+        python_script(["oom.py", "--config", config, "--bins", work / f"bins_{k}.json", "-o", out, "--memory-budget",
+                       budget, "--margin", "0", "--threshold", "0.1", "--max-tps", TPS_FILTER, "--device", "cpu"],
+                      work / f"oom_{k}.log", in_process=args.quick)
         oom_sizes[k] = out
 
     common = [f"train.num_buckets={nb}", f"train.buffer_size={len(utts)}"]
@@ -558,7 +561,7 @@ def main():
     res["e1a"] = run_json(["bench/sync_bench.py", *mode["sync_bench"]], work / "sync_bench.log")
     res["e1b"] = [run_json(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                             "bench/sync_real_bench.py", *mode["sync_real"]], work / f"sync_real_{n}.log")
-                  for n in (2, 4)]
+                  for n in mode["sync_real_ranks"]]
     res["sampler"] = run_json(["bench/sampler_bench.py", *mode["sampler_bench"]], work / "sampler_bench.log")
     res["oom_bench"] = run_json(["bench/oom_bench.py", *mode["oom_bench"]], work / "oom_bench.log")
     res["e2"] = run_training(mode, args, work)

@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (ROOT, cores, load_avg, log, print_json, print_table, read_metrics, run_script,  # noqa: E402
-                    train_py)
+from common import (ROOT, cores, load_avg, log, print_json, print_table, python_script, read_metrics,  # noqa: E402
+                    run_script)
 
 MINI = ROOT / "data" / "mini"
 # Encoders (d_model, layers, heads). slim and wide have the same parameter count within ~5%:
@@ -123,7 +123,7 @@ def pretrain(name: str, dims, manifest: Path, mode: dict, work: Path) -> dict:
     if mode["quick"]:
         args += QUICK_ARGS
     t0 = time.time()
-    train_py(args, work / f"ssl_{name}.log", in_process=mode["quick"])
+    python_script(args, work / f"ssl_{name}.log", in_process=mode["quick"])
     rows = read_metrics(run_dir)
     train = [r for r in rows if "train/step_time" in r]
     step = max(r["step"] for r in train)
@@ -148,7 +148,7 @@ def finetune(name: str, dims, init: str | None, mode: dict, work: Path, seed: in
     if mode["quick"]:  # an untrained decoder babbles to its last position: a short one
         args += QUICK_ARGS + ["model.dec_d_model=32", "model.dec_layers=1", "model.dec_heads=2", "model.dec_max_len=64"]
     t0 = time.time()
-    train_py(args, work / f"ft_{name}.log", in_process=mode["quick"])
+    python_script(args, work / f"ft_{name}.log", in_process=mode["quick"])
     rows = read_metrics(run_dir)
     final = last_row(rows, "val/dev/loss")
     result = {"dev_loss": final["val/dev/loss"], "dev_wer": final["val/dev/wer"], "steps": steps,
