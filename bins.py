@@ -177,10 +177,11 @@ def _cut_positions(v: np.ndarray, candidates: int) -> np.ndarray:
     return np.unique(ends[np.minimum(np.searchsorted(ends, quantiles), len(ends) - 1)])
 
 
-def _optimal_partition(v: np.ndarray, max_bins: int, candidates: int = 64) -> tuple:
+def _optimal_partition(v: np.ndarray, max_bins: int, candidates: int = 64, bounds: bool = True) -> tuple:
     """Bins over ascending values v that minimise the padding sum(bound of its bin - value), with
     bounds among ~`candidates` quantiles of v: (the least padding with m = 1..max_bins bins, the
-    bounds of the best max_bins bins). Dynamic programming over the cut positions."""
+    bounds of the best max_bins bins, or None without `bounds`: the layout search asks thousands of
+    times for the padding alone). Dynamic programming over the cut positions."""
     pos = np.concatenate([[0], _cut_positions(v, candidates)])
     cum = np.concatenate([[0.0], np.cumsum(v, dtype=np.float64)])
     # cost[a, b]: padding of one bin holding v[pos[a]:pos[b]], whose bound is v[pos[b] - 1]
@@ -190,9 +191,12 @@ def _optimal_partition(v: np.ndarray, max_bins: int, candidates: int = 64) -> tu
     best, back, least = cost[0], [], [float(cost[0, -1])]
     for _ in range(1, max_bins):
         total = best[:, None] + cost  # the previous bins end at a, the next one covers a..b
-        back.append(np.argmin(total, axis=0))
-        best = total[back[-1], np.arange(len(pos))]
+        if bounds:
+            back.append(np.argmin(total, axis=0))
+        best = total.min(axis=0)
         least.append(float(best[-1]))
+    if not bounds:
+        return least, None
     cuts, b = [len(pos) - 1], len(pos) - 1
     for arg in reversed(back):
         b = int(arg[b])
@@ -251,7 +255,7 @@ class _Layouts:
                 lo, hi = pos[a], pos[a + w + 1]
                 self.audio[a, w] = ((hi - lo) * ds[hi - 1] - (cum[hi] - cum[lo])) / cum[-1]
                 ok, _ = _tps_inliers(ds[lo:hi], ts[lo:hi], outlier_z)
-                text = _optimal_partition(np.sort(ts[lo:hi][ok]), most_sub, candidates=48)[0]
+                text = _optimal_partition(np.sort(ts[lo:hi][ok]), most_sub, candidates=48, bounds=False)[0]
                 self.text[a, w, : len(text)] = np.array(text) / ts.sum()
 
     def best(self, audio_weight: float) -> "Bins":
