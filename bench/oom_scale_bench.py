@@ -2,8 +2,8 @@
 
     python bench/oom_scale_bench.py fit configs/canary-1b.yaml --out canary-1b.model.json     # 18 steps
     python bench/oom_scale_bench.py validate --out validation.json                             # real vs simulated
-    python bench/oom_scale_bench.py validate-fsdp --out fsdp.json          # real 2-rank FSDP vs simulated, ~1 min
-    python bench/oom_scale_bench.py validate-fsdp --precision bf16 --out fsdp.json    # bf16 parameters, as on CUDA
+    python bench/oom_scale_bench.py validate-fsdp --out fsdp.json    # real 2-rank FSDP vs simulated, fp32, ~1 min
+    python bench/oom_scale_bench.py validate-fsdp --precision fp32 bf16 --out fsdp.json    # and bf16, as on CUDA
     python bench/oom_scale_bench.py fit configs/canary-1b.yaml --strategy fsdp --world-size 8 --out 1b.fsdp8.json
 
 `fit`: simulated training steps (aed/simulated_memory.py: the real train_step on fake CPU tensors,
@@ -22,11 +22,11 @@ tests/test_cuda_oom.py on a GPU.
 sharded as train.py shards it (aed/parallel.py, bf16 parameters as on CUDA) over a fake process
 group (aed/simulated_memory.py `fake_world`). `--strategy ddp` adds DDP's gradient buckets.
 
-`validate-fsdp`: a real FSDP step at world size 2 (torchrun, gloo; fp32, or bf16 parameters and
-autocast as train.py runs FSDP on CUDA) measured on rank 0 with LiveTensorMemory, against the
-simulated step on a fake world of 2 for the same shapes; rank 0's process RSS growth over one
-larger step checks that the tracker sees FSDP's memory (DTensor shards, storages resized in place)
-at all.
+`validate-fsdp`: a real FSDP step at world size 2 (torchrun, gloo; fp32, and/or bf16 parameters and
+autocast as train.py runs FSDP on CUDA; one world runs every precision asked for) measured on rank 0
+with LiveTensorMemory, against the simulated step on a fake world of 2 for the same shapes; rank 0's
+process RSS growth over one larger step checks that the tracker sees FSDP's memory (DTensor shards,
+storages resized in place) at all.
 """
 
 import argparse
@@ -165,8 +165,8 @@ def fsdp_step(world_size: int, precision: str) -> TrainingStep:
 
 
 def fsdp_rank(args):
-    """Under torchrun (gloo): FSDP_SHAPES measured on a real world; rank 0 writes them, and its
-    RSS growth over one RSS_SHAPE step next to the tracker's count of it."""
+    """Under torchrun (gloo), for each precision: FSDP_SHAPES measured on a real world; rank 0
+    writes them, and its RSS growth over one RSS_SHAPE step next to the tracker's count of it."""
     import torch.distributed as dist
 
     def status(key):
@@ -174,15 +174,20 @@ def fsdp_rank(args):
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
     dist.init_process_group("gloo")
-    step = fsdp_step(dist.get_world_size(), args.precision)
-    measured = [step.peak(*s) for s in FSDP_SHAPES]
-    step.optimizer.zero_grad(set_to_none=True)
-    before = status("VmRSS:")  # the step's peak is the process's highest yet: VmHWM after it
-    with LiveTensorMemory() as mem:  # counts what the step allocates, as RSS growth does
-        step.run(*RSS_SHAPE)
-    rss = {"tracked": mem.peak, "rss_growth": status("VmHWM:") - before}
+    results = {}
+    for precision in args.precision:
+        step = fsdp_step(dist.get_world_size(), precision)
+        measured = [step.peak(*s) for s in FSDP_SHAPES]
+        step.optimizer.zero_grad(set_to_none=True)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS, so that the step's peak is the highest since (Linux)
+        before = status("VmRSS:")
+        with LiveTensorMemory() as mem:  # counts what the step allocates, as RSS growth does
+            step.run(*RSS_SHAPE)
+        results[precision] = {"measured": measured, "rss": {"tracked": mem.peak, "rss_growth": status("VmHWM:") - before}}
+        del step
     if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps({"world_size": dist.get_world_size(), "measured": measured, "rss": rss}))
+        Path(args.out).write_text(json.dumps({"world_size": dist.get_world_size(), "precisions": results}))
     dist.destroy_process_group()
 
 
@@ -190,19 +195,21 @@ def validate_fsdp(args):
     real = Path(args.out).with_suffix(".real.json")
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}  # RSS: see aed/memory.py
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                    str(args.world_size), __file__, "fsdp-rank", "--out", str(real), "--precision", args.precision],
+                    str(args.world_size), __file__, "fsdp-rank", "--out", str(real), "--precision", *args.precision],
                    env=env, check=True)
-    measured = json.loads(real.read_text())
-    with fake_world(args.world_size), SimulatedDevice():
-        simulated = [fsdp_step(args.world_size, args.precision).peak(*s) for s in FSDP_SHAPES]
-    rows = [{"B": B, "T": T, "U": U, "measured": m, "simulated": p, "error": p / m - 1}
-            for (B, T, U), m, p in zip(FSDP_SHAPES, measured["measured"], simulated)]
-    out = {"world_size": args.world_size, "precision": args.precision, "rows": rows, "rss": measured["rss"],
-           "max_abs_error": max(abs(r["error"]) for r in rows)}
+    real_world = json.loads(real.read_text())["precisions"]
+    out = {"world_size": args.world_size, "precisions": {}}
+    for precision in args.precision:
+        with fake_world(args.world_size), SimulatedDevice():
+            simulated = [fsdp_step(args.world_size, precision).peak(*s) for s in FSDP_SHAPES]
+        rows = [{"B": B, "T": T, "U": U, "measured": m, "simulated": p, "error": p / m - 1}
+                for (B, T, U), m, p in zip(FSDP_SHAPES, real_world[precision]["measured"], simulated)]
+        out["precisions"][precision] = {"rows": rows, "rss": real_world[precision]["rss"],
+                                        "max_abs_error": max(abs(r["error"]) for r in rows)}
+        for r in rows:
+            print(f"FSDP {precision} rank 0 of {args.world_size}: B {r['B']} T {r['T']} U {r['U']}: "
+                  f"measured {r['measured']} B, simulated {r['simulated']} B ({100 * r['error']:+.2f}%)")
     Path(args.out).write_text(json.dumps(out, indent=1))
-    for r in rows:
-        print(f"FSDP {args.precision} rank 0 of {args.world_size}: B {r['B']} T {r['T']} U {r['U']}: "
-              f"measured {r['measured']} B, simulated {r['simulated']} B ({100 * r['error']:+.2f}%)")
     print(json.dumps(out))
 
 
@@ -219,10 +226,10 @@ if __name__ == "__main__":
     vf = sub.add_parser("validate-fsdp", help="simulated vs measured peaks of a real 2-rank FSDP step (gloo)")
     vf.add_argument("--out", required=True)
     vf.add_argument("--world-size", type=int, default=2)
-    vf.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    vf.add_argument("--precision", choices=["fp32", "bf16"], nargs="+", default=["fp32"])
     r = sub.add_parser("fsdp-rank", help="(validate-fsdp's torchrun worker)")
     r.add_argument("--out", required=True)
-    r.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    r.add_argument("--precision", choices=["fp32", "bf16"], nargs="+", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
     {"fit": fit, "validate": validate, "validate-fsdp": validate_fsdp, "fsdp-rank": fsdp_rank}[args.command](args)
