@@ -426,7 +426,7 @@ def small(args) -> None:
         "targets": {"c_over_a_ge_3x": mean["c"] / mean["a"] >= 3.0}, "seconds": total})
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--synthetic", type=int, default=100_000, help="examples in the synthetic corpus")
     p.add_argument("--margin", type=float, default=0.1)
@@ -448,7 +448,7 @@ def main():
     p.add_argument("--n-mels", type=int, default=80)
     p.add_argument("--vocab-size", type=int, default=320)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.scale:
         if not args.memory_model:
             p.error("--scale needs --memory-model (bench/oom_scale_bench.py fit PRESET --out FIT.json)")

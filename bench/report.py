@@ -33,7 +33,7 @@ Training time of a run = the sum of its logged step times; the step after a vali
 logged time includes the validation) counts as the run's median step. After the stop, the run is
 resumed for one more step and validated, so every run ends with a validation at its budget.
 --quick trains every scheme for the same few steps instead, each in this process (train.main), as
-it runs oom.py's sizing (oom.main).
+it runs oom.py's sizing and the benchmarks that start no processes of their own (their main()).
 """
 
 import argparse
@@ -92,18 +92,24 @@ MODES = {
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per process on a shared 2-core machine
 
 
-def run_json(args: list, log_path: Path) -> dict:
-    """`python *args` (a benchmark); its stdout and stderr go to log_path; returns its JSON last line."""
-    log(f"$ {shlex.join(str(a) for a in args)}")
+def run_json(args: list, log_path: Path, in_process: bool = False) -> dict:
+    """`python *args` (a benchmark); its stdout and stderr go to log_path; returns its JSON last line.
+    in_process: a bench/ script's main(argv) in this process (--quick: no new interpreter each time)."""
     t0 = time.time()
-    with open(log_path, "w") as f:
-        p = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=f,
-                           text=True)
-        f.write(p.stdout)
-    if p.returncode != 0 or not p.stdout.strip():
-        script_failed(args[0], p.returncode, log_path)
+    if in_process:
+        python_script(args, log_path, in_process=True)
+        stdout = log_path.read_text()
+    else:
+        log(f"$ {shlex.join(str(a) for a in args)}")
+        with open(log_path, "w") as f:
+            p = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=f,
+                               text=True)
+            f.write(p.stdout)
+        if p.returncode != 0 or not p.stdout.strip():
+            script_failed(args[0], p.returncode, log_path)
+        stdout = p.stdout
     log(f"  done in {time.time() - t0:.0f} s")
-    return last_json(p.stdout)
+    return last_json(stdout)
 
 
 def machine() -> dict:
@@ -558,14 +564,15 @@ def main():
     log(f"logs and runs in {work}")
     res = {"command": shlex.join(["python", "bench/report.py", *sys.argv[1:]]), "quick": args.quick,
            "machine": machine()}
-    res["e1a"] = run_json(["bench/sync_bench.py", *mode["sync_bench"]], work / "sync_bench.log")
+    res["e1a"] = run_json(["bench/sync_bench.py", *mode["sync_bench"]], work / "sync_bench.log", args.quick)
     res["e1b"] = [run_json(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                             "bench/sync_real_bench.py", *mode["sync_real"]], work / f"sync_real_{n}.log")
                   for n in mode["sync_real_ranks"]]
+    # (a subprocess even for --quick: its schemes run in spawned processes, which would import this script)
     res["sampler"] = run_json(["bench/sampler_bench.py", *mode["sampler_bench"]], work / "sampler_bench.log")
-    res["oom_bench"] = run_json(["bench/oom_bench.py", *mode["oom_bench"]], work / "oom_bench.log")
+    res["oom_bench"] = run_json(["bench/oom_bench.py", *mode["oom_bench"]], work / "oom_bench.log", args.quick)
     res["e2"] = run_training(mode, args, work)
-    res["rtfx"] = run_json(["bench/rtfx_bench.py", *mode["rtfx_bench"]], work / "rtfx_bench.log")
+    res["rtfx"] = run_json(["bench/rtfx_bench.py", *mode["rtfx_bench"]], work / "rtfx_bench.log", args.quick)
     res["params"] = parameter_counts()
     res["machine"]["load_end"] = load_avg()
     res["seconds"] = time.time() - t0

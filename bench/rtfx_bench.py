@@ -76,7 +76,7 @@ def run(asr: LoadedModel, groups: list[list[str]], beam_size: int, args) -> Timi
     return total
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_width_args(parser, d_model=64, subsampling_channels=16)  # why 64: see above
     parser.add_argument("--utterances", type=int, default=48, help="generated files (the issue suggests 200 on a GPU)")
@@ -87,7 +87,7 @@ def main():
     parser.add_argument("--beams", type=int, nargs="+", default=[1, 4], help="1 = greedy")
     add_device_args(parser)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = device_from_args(args)
     tokenizer = Tokenizer.load(MINI_TOKENIZER)
 

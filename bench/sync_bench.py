@@ -165,7 +165,7 @@ def agreement_table(args, ex) -> list:
     return rows, checks
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 16, 128])
     p.add_argument("--steps", type=int, default=400)
@@ -187,7 +187,7 @@ def main():
     p.add_argument("--agreement-buffers", type=int, nargs="+", default=[600, 2000, 6000, 20000])
     p.add_argument("--agreement-steps", type=int, default=500)
     p.add_argument("--overfill", type=float, default=4.0, help="the sampler's overfill in the agreement table")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     ex = synthetic_corpus(args.synthetic, args.seed)
     out = {"steps": args.steps, "buffer_size": args.buffer_size, "cost_model": args.calibrate or "flops"}
