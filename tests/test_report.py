@@ -22,7 +22,7 @@ def tables(markdown: str) -> list:
     return out
 
 
-@pytest.mark.slow(seconds=170)
+@pytest.mark.slow(seconds=100)
 def test_quick_report(tmp_path):
     out = tmp_path / "docs"
     # The timeout only catches a hang (a DDP benchmark waiting for a rank that died): the report takes ~2 min
