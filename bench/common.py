@@ -148,10 +148,10 @@ def run_script(args: list, log_path: Path, threads: int = 1, append: bool = Fals
 
 
 def python_script(args: list, log_path: Path, in_process: bool = False) -> None:
-    """`python SCRIPT ...` (args[0]: a script of the repository root with a main(argv), such as
-    train.py or oom.py) as run_script runs it; or, in_process, that main() in this process with its
-    log and output written to log_path, which spares a benchmark's short runs (--quick) importing
-    torch and aed again each time."""
+    """`python SCRIPT ...` (args[0]: a script with a main(argv): train.py, oom.py, or a bench/ script
+    that starts no processes of its own) as run_script runs it; or, in_process, that main() in this
+    process with its log and output written to log_path, which spares a benchmark's short runs
+    (--quick) importing torch and aed again each time."""
     if not in_process:
         run_script(args, log_path)
         return

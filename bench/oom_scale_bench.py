@@ -184,7 +184,8 @@ def fsdp_rank(args):
         before = status("VmRSS:")
         with LiveTensorMemory() as mem:  # counts what the step allocates, as RSS growth does
             step.run(*RSS_SHAPE)
-        results[precision] = {"measured": measured, "rss": {"tracked": mem.peak, "rss_growth": status("VmHWM:") - before}}
+        rss = {"tracked": mem.peak, "rss_growth": status("VmHWM:") - before}
+        results[precision] = {"measured": measured, "rss": rss}
         del step
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps({"world_size": dist.get_world_size(), "precisions": results}))
