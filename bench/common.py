@@ -155,7 +155,8 @@ def python_script(args: list, log_path: Path, in_process: bool = False) -> None:
     if not in_process:
         run_script(args, log_path)
         return
-    sys.path.insert(0, str(ROOT))
+    if str(ROOT) not in sys.path:  # the root scripts import as modules (bench/ is on the path already)
+        sys.path.insert(0, str(ROOT))
     script = importlib.import_module(Path(args[0]).stem)
 
     log(f"$ {shlex.join(str(a) for a in args)}  (in this process)")
