@@ -83,14 +83,17 @@ def artificial_batch(batch_size: int, frames: int, tokens: int, n_mels: int, voc
 class TrainingStep:
     """train.py's training step (aed.training.train_step) on an artificial batch at a bucket's
     bounds, and its peak memory. text_vocab_size bounds the random target ids: the tokenizer's
-    real ids (a transducer's blank comes right after them); default: the model's vocabulary."""
+    real ids (a transducer's blank comes right after them); default: the model's vocabulary.
+    `model` may be a real DistributedDataParallel module, measured on CUDA only: its gradient
+    buckets live inside DDP, where the CUDA allocator counts them and the CPU tracker does not."""
 
     def __init__(self, model, optimizer, precision: str = "fp32", spec_augment=None, ddp: bool = False,
                  text_vocab_size: int | None = None, granularity: int = 1):
         self.model, self.optimizer, self.precision = model, optimizer, precision
         self.granularity = granularity  # CPU tracker's allocation rounding (simulating CUDA: 512)
         self.device = next(model.parameters()).device
-        self.vocab_size = text_vocab_size or model.cfg.vocab_size
+        self.module = getattr(model, "module", model)  # the AED itself, under a real DDP wrapper too
+        self.vocab_size = text_vocab_size or self.module.cfg.vocab_size
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "fp16")
         self.spec_augment = spec_augment if spec_augment is not None else SpecAugment()  # in its own mode (ssl: off)
         # DDP holds its gradient buckets, one more copy of every gradient, for the whole run.
@@ -104,9 +107,9 @@ class TrainingStep:
                    granularity)
 
     def run(self, batch_size: int, frames: int, tokens: int) -> None:
-        batch = artificial_batch(batch_size, frames, tokens, self.model.cfg.n_mels, self.vocab_size, self.device)
+        batch = artificial_batch(batch_size, frames, tokens, self.module.cfg.n_mels, self.vocab_size, self.device)
         train_step(self.model, [batch], self.optimizer, self.scaler, self.spec_augment, self.precision,
-                   clip_grad=1.0, num_targets=count_targets(self.model, [batch]))  # the clip value costs no memory
+                   clip_grad=1.0, num_targets=count_targets(self.module, [batch]))  # the clip value costs no memory
 
     def warm_up(self, frames: int, tokens: int) -> None:
         """AdamW creates its state in its first step; later steps carry it through forward and

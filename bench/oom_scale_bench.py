@@ -5,6 +5,7 @@
     python bench/oom_scale_bench.py validate-fsdp --out fsdp.json    # real 2-rank FSDP vs simulated, fp32, ~1 min
     python bench/oom_scale_bench.py validate-fsdp --precision fp32 bf16 --out fsdp.json    # and bf16, as on CUDA
     python bench/oom_scale_bench.py fit configs/canary-1b.yaml --strategy fsdp --world-size 8 --out 1b.fsdp8.json
+    python bench/oom_scale_bench.py validate-cuda configs/canary-1b.yaml --out 1b.cuda.json     # on a GPU: real steps
 
 `fit`: simulated training steps (aed/simulated_memory.py: the real train_step on fake CPU tensors,
 bf16 autocast, AdamW, SpecAugment, CUDA's 512-byte allocation rounding) of a preset at FIT shapes,
@@ -27,6 +28,9 @@ autocast as train.py runs FSDP on CUDA; one world runs every precision asked for
 with LiveTensorMemory, against the simulated step on a fake world of 2 for the same shapes; rank 0's
 process RSS growth over one larger step checks that the tracker sees FSDP's memory (DTensor shards,
 storages resized in place) at all.
+
+`validate-cuda` (a CUDA GPU with ~40 GB): a preset's real steps at three shapes, on one device and
+under a real DDP wrapper, against the simulated step and the DDP constant the E2 table per GPU size adds.
 """
 
 import argparse
@@ -35,18 +39,21 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from aed.config import OptimConfig
 from aed.memory_model import MemoryModel
 from aed.model import AED, AEDConfig
 from aed.memory import LiveTensorMemory
 from aed.parallel import shard
-from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice, fake_world
+from aed.simulated_memory import CUBLAS_WORKSPACE, CUDA_BLOCK, SimulatedDevice, fake_world
 from aed.transducer import TransducerASR
 from aed.training import build_optimizer
 from aed.oomptimizer import TrainingStep
@@ -167,7 +174,6 @@ def fsdp_step(world_size: int, precision: str) -> TrainingStep:
 def fsdp_rank(args):
     """Under torchrun (gloo), for each precision: FSDP_SHAPES measured on a real world; rank 0
     writes them, and its RSS growth over one RSS_SHAPE step next to the tracker's count of it."""
-    import torch.distributed as dist
 
     def status(key):
         with open("/proc/self/status") as f:
@@ -214,6 +220,46 @@ def validate_fsdp(args):
     print(json.dumps(out))
 
 
+# (B, T frames, U tokens) at a 1B preset's scale: 32 x 5 s, 8 x 20 s with a long transcript, 4 x 40 s.
+CUDA_SHAPES = [(32, 501, 60), (8, 2001, 240), (4, 4001, 160)]
+
+
+def validate_cuda(args):
+    """A preset's real bf16 steps on a CUDA device, on one device and under a real
+    DistributedDataParallel (nccl, world size 1: its gradient buckets do not depend on the world
+    size), against the simulated step the fits are made of (plus cuBLAS's workspace, which
+    max_memory_allocated counts) and that step plus the constant the E2 table's DDP rows add."""
+    cfg = AEDConfig.from_yaml(args.config)
+    torch.manual_seed(0)
+    model = AED(cfg).train().cuda()
+    one_device = TrainingStep(model, build_optimizer(model, OptimConfig()), "bf16")
+    one_device.warm_up(101, 10)
+    measured = [one_device.peak(*s) for s in CUDA_SHAPES]
+    with tempfile.TemporaryDirectory() as store:
+        dist.init_process_group("nccl", init_method=f"file://{store}/store", rank=0, world_size=1)
+        ddp = TrainingStep(DistributedDataParallel(model), one_device.optimizer, "bf16")
+        ddp.peak(*CUDA_SHAPES[0])  # DDP's first backward rebuilds its buckets in the order the gradients came
+        measured_ddp = [ddp.peak(*s) for s in CUDA_SHAPES]
+        dist.destroy_process_group()
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters())
+    with SimulatedDevice():
+        step = simulated_step(cfg)
+        simulated = [step.peak(*s) + CUBLAS_WORKSPACE for s in CUDA_SHAPES]
+    rows = [{"B": B, "T": T, "U": U, "measured": m, "simulated": p, "error": p / m - 1, "measured_ddp": md,
+             "simulated_ddp": p + buckets, "error_ddp": (p + buckets) / md - 1, "ddp_minus_one_device": md - m}
+            for (B, T, U), m, p, md in zip(CUDA_SHAPES, measured, simulated, measured_ddp)]
+    print(f"{args.config} on {torch.cuda.get_device_name()}, GB (simulated / measured - 1); DDP's buckets "
+          f"{buckets / 1e9:.2f} GB")
+    print(f"{'B x T x U':>16} {'one device':>11} {'simulated':>16} {'DDP':>7} {'simulated':>16} {'DDP - one':>10}")
+    for r in rows:
+        print(f"{r['B']:>4} x {r['T']:>4} x {r['U']:>3} {r['measured'] / 1e9:>11.2f} "
+              f"{r['simulated'] / 1e9:>7.2f} ({100 * r['error']:+5.1f}%) {r['measured_ddp'] / 1e9:>7.2f} "
+              f"{r['simulated_ddp'] / 1e9:>7.2f} ({100 * r['error_ddp']:+5.1f}%) {r['ddp_minus_one_device'] / 1e9:>10.2f}")
+    out = {"config": args.config, "device": torch.cuda.get_device_name(), "ddp_buckets": buckets, "rows": rows}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps(out))
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -228,9 +274,14 @@ if __name__ == "__main__":
     vf.add_argument("--out", required=True)
     vf.add_argument("--world-size", type=int, default=2)
     vf.add_argument("--precision", choices=["fp32", "bf16"], nargs="+", default=["fp32"])
+    vc = sub.add_parser("validate-cuda", help="simulated vs measured peaks of a preset's real steps on a CUDA "
+                        "device, one device and DDP")
+    vc.add_argument("config")
+    vc.add_argument("--out", required=True)
     r = sub.add_parser("fsdp-rank", help="(validate-fsdp's torchrun worker)")
     r.add_argument("--out", required=True)
     r.add_argument("--precision", choices=["fp32", "bf16"], nargs="+", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
-    {"fit": fit, "validate": validate, "validate-fsdp": validate_fsdp, "fsdp-rank": fsdp_rank}[args.command](args)
+    {"fit": fit, "validate": validate, "validate-fsdp": validate_fsdp, "validate-cuda": validate_cuda,
+     "fsdp-rank": fsdp_rank}[args.command](args)
