@@ -228,7 +228,8 @@ def validate_cuda(args):
     """A preset's real bf16 steps on a CUDA device, on one device and under a real
     DistributedDataParallel (nccl, world size 1: its gradient buckets do not depend on the world
     size), against the simulated step the fits are made of (plus cuBLAS's workspace, which
-    max_memory_allocated counts) and that step plus the constant the E2 table's DDP rows add."""
+    max_memory_allocated counts) and that step plus the constant the E2 table's DDP rows add. DDP's
+    second step, where it rebuilds its buckets, is measured apart: the constant is the later steps'."""
     cfg = AEDConfig.from_yaml(args.config)
     torch.manual_seed(0)
     model = AED(cfg).train().cuda()
@@ -238,10 +239,12 @@ def validate_cuda(args):
     with tempfile.TemporaryDirectory() as store:
         dist.init_process_group("nccl", init_method=f"file://{store}/store", rank=0, world_size=1)
         ddp = TrainingStep(DistributedDataParallel(model), one_device.optimizer, "bf16")
-        ddp.peak(*CUDA_SHAPES[0])  # DDP's first backward rebuilds its buckets in the order the gradients came
+        ddp.peak(*CUDA_SHAPES[0])  # buckets in parameter order; the backward records the order gradients come in
+        rebuild = ddp.peak(*CUDA_SHAPES[0])  # the second step rebuilds the buckets in that order, once
         measured_ddp = [ddp.peak(*s) for s in CUDA_SHAPES]
         dist.destroy_process_group()
     buckets = sum(p.numel() * p.element_size() for p in model.parameters())
+    rebuild_extra = (rebuild - measured_ddp[0]) / buckets  # gradient copies past the steady state's one
     with SimulatedDevice():
         step = simulated_step(cfg)
         simulated = [step.peak(*s) + CUBLAS_WORKSPACE for s in CUDA_SHAPES]
@@ -255,7 +258,10 @@ def validate_cuda(args):
         print(f"{r['B']:>4} x {r['T']:>4} x {r['U']:>3} {r['measured'] / 1e9:>11.2f} "
               f"{r['simulated'] / 1e9:>7.2f} ({100 * r['error']:+5.1f}%) {r['measured_ddp'] / 1e9:>7.2f} "
               f"{r['simulated_ddp'] / 1e9:>7.2f} ({100 * r['error_ddp']:+5.1f}%) {r['ddp_minus_one_device'] / 1e9:>10.2f}")
-    out = {"config": args.config, "device": torch.cuda.get_device_name(), "ddp_buckets": buckets, "rows": rows}
+    print(f"DDP's second step (buckets rebuilt) at {CUDA_SHAPES[0]}: {rebuild / 1e9:.2f} GB, {rebuild_extra:+.2f} x the "
+          "buckets over the later steps")
+    out = {"config": args.config, "device": torch.cuda.get_device_name(), "ddp_buckets": buckets, "rows": rows,
+           "ddp_rebuild_step": rebuild, "ddp_rebuild_extra_buckets": rebuild_extra}
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
 
