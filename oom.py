@@ -31,7 +31,8 @@ validation decoding. Writes `bins.save_batch_sizes`'s format and prints a table.
 
 --strategy says how the ranks of the training share the work (train.strategy), and so what one
 device holds: without it, one process on one device; ddp (or --ddp) adds DDP's gradient buckets,
-one more copy of the gradients; fsdp shards the model as train.py would (aed/parallel.py) over a
+one more copy of the gradients (and warns when the margin cannot hold a second copy, which DDP's
+second step may hold once while it rebuilds them); fsdp shards the model as train.py would (aed/parallel.py) over a
 fake process group of --world-size ranks (aed/simulated_memory.py `fake_world`: collectives move
 no data) and measures rank 0: parameters, gradients and AdamW state divided by the world size, plus
 whatever FSDP gathers and reduces a layer or two at a time, by running its real step, not a
@@ -40,6 +41,7 @@ formula. On a real device that too is one process: one GPU sizes a rank of an 8-
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -187,6 +189,8 @@ def main(argv=None) -> None:
                  sum(p.numel() for p in model.parameters()) / 1e6, device, " (simulated CUDA)" if simulated else "",
                  precision, parallel, format_bytes(budget_bytes), format_bytes(limit), 100 * args.margin, len(shapes))
 
+        if args.strategy == "ddp":
+            warn_ddp_rebuild(model, budget_bytes, args.margin)
         t0 = time.time()
         step = TrainingStep.of(setup, args.strategy == "ddp", granularity=CUDA_BLOCK if simulated else 1)
         try:
@@ -216,6 +220,19 @@ def main(argv=None) -> None:
     print_table(rows, {b: old for b, old, _ in changes})
     print(f"{len(rows)} buckets, {sum(r['trials'] for r in rows)} trials in {time.time() - t0:.0f} s; {where} -> "
           f"{output}{' and ' + args.out if args.out else ''}")
+
+
+def warn_ddp_rebuild(model, budget_bytes: int, margin: float) -> None:
+    """DDP's second step rebuilds its gradient buckets in the order the first step's gradients came
+    in, and held one more copy of the gradients at its peak on an H200 (docs/REPORT.md, "On a GPU:
+    the third run"), once per run. The sizes here are for the later steps: say when the margin is
+    smaller than that copy."""
+    copy = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    if margin * budget_bytes < copy:
+        log.warning("DDP's second step rebuilds its gradient buckets and may hold one more copy of the gradients "
+                    "(%s), once; the %.0f%% margin (%s) does not cover it, so a batch sized to the limit may run out "
+                    "of memory on step 2 (--margin %.2f would cover it)", format_bytes(copy), 100 * margin,
+                    format_bytes(int(margin * budget_bytes)), math.ceil(100 * copy / budget_bytes) / 100)
 
 
 if __name__ == "__main__":

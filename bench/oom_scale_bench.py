@@ -257,9 +257,10 @@ def validate_cuda(args):
     for r in rows:
         print(f"{r['B']:>4} x {r['T']:>4} x {r['U']:>3} {r['measured'] / 1e9:>11.2f} "
               f"{r['simulated'] / 1e9:>7.2f} ({100 * r['error']:+5.1f}%) {r['measured_ddp'] / 1e9:>7.2f} "
-              f"{r['simulated_ddp'] / 1e9:>7.2f} ({100 * r['error_ddp']:+5.1f}%) {r['ddp_minus_one_device'] / 1e9:>10.2f}")
-    print(f"DDP's second step (buckets rebuilt) at {CUDA_SHAPES[0]}: {rebuild / 1e9:.2f} GB, {rebuild_extra:+.2f} x the "
-          "buckets over the later steps")
+              f"{r['simulated_ddp'] / 1e9:>7.2f} ({100 * r['error_ddp']:+5.1f}%) "
+              f"{r['ddp_minus_one_device'] / 1e9:>10.2f}")
+    print(f"DDP's second step (buckets rebuilt) at {CUDA_SHAPES[0]}: {rebuild / 1e9:.2f} GB, "
+          f"{rebuild_extra:+.2f} x the buckets over the later steps")
     out = {"config": args.config, "device": torch.cuda.get_device_name(), "ddp_buckets": buckets, "rows": rows,
            "ddp_rebuild_step": rebuild, "ddp_rebuild_extra_buckets": rebuild_extra}
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -20,7 +20,7 @@ from aed.oomptimizer import (MemoryBudgetError, TrainingStep, bucket_shapes, mak
 from aed.simulated_memory import CUBLAS_WORKSPACE, CUDA_CONTEXT, SimulatedDevice, allocated_limit
 from aed.transducer import TransducerASR
 from bins import Bins, load_batch_sizes
-from oom import main
+from oom import main, warn_ddp_rebuild
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(n_mels=24, vocab_size=40, pad_id=1, enc_d_model=32, enc_layers=2, enc_heads=4, subsampling_channels=8,
@@ -277,6 +277,14 @@ def test_cli_writes_monotone_batch_sizes_that_train_py_reads(tmp_path, capsys):
     table = capsys.readouterr().out
     assert re.search(r"^\s+3\s+3\.00\s+30\s+300\s+\d+\s+[0-9.]+ MB\s+\d+", table, re.M), table
     assert "limit 18.0 MB" in table  # 20 MB budget - 10% margin
+
+
+def test_ddp_warns_when_the_margin_cannot_hold_the_bucket_rebuild(caplog):
+    layer = torch.nn.Linear(1000, 1000)  # 4.004 MB of fp32 gradients
+    warn_ddp_rebuild(layer, 80_000_000, 0.1)  # 8 MB margin
+    assert not caplog.records
+    warn_ddp_rebuild(layer, 40_000_000, 0.1)  # 4 MB margin
+    assert "may hold one more copy of the gradients (4.0 MB)" in caplog.text and "--margin 0.11" in caplog.text
 
 
 def test_one_command_from_manifests_to_a_config_train_py_reads(tmp_path, capsys):
