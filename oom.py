@@ -32,11 +32,12 @@ validation decoding. Writes `bins.save_batch_sizes`'s format and prints a table.
 --strategy says how the ranks of the training share the work (train.strategy), and so what one
 device holds: without it, one process on one device; ddp (or --ddp) adds DDP's gradient buckets,
 one more copy of the gradients (and warns when the margin cannot hold a second copy, which DDP's
-second step may hold once while it rebuilds them); fsdp shards the model as train.py would (aed/parallel.py) over a
-fake process group of --world-size ranks (aed/simulated_memory.py `fake_world`: collectives move
-no data) and measures rank 0: parameters, gradients and AdamW state divided by the world size, plus
-whatever FSDP gathers and reduces a layer or two at a time, by running its real step, not a
-formula. On a real device that too is one process: one GPU sizes a rank of an 8-GPU FSDP run.
+second step may hold once while it rebuilds them); fsdp shards the model as train.py would
+(aed/parallel.py) over a fake process group of --world-size ranks (aed/simulated_memory.py
+`fake_world`: collectives move no data) and measures rank 0: parameters, gradients and AdamW
+state divided by the world size, plus whatever FSDP gathers and reduces a layer or two at a time,
+by running its real step, not a formula. On a real device that too is one process: one GPU sizes
+a rank of an 8-GPU FSDP run.
 """
 
 import argparse

@@ -84,8 +84,8 @@ class TrainingStep:
     """train.py's training step (aed.training.train_step) on an artificial batch at a bucket's
     bounds, and its peak memory. text_vocab_size bounds the random target ids: the tokenizer's
     real ids (a transducer's blank comes right after them); default: the model's vocabulary.
-    `model` may be a real DistributedDataParallel module, measured on CUDA only: its gradient
-    buckets live inside DDP, where the CUDA allocator counts them and the CPU tracker does not."""
+    `model` may also be a real DistributedDataParallel module (bench/oom_scale_bench.py validate-cuda
+    measures one on a GPU, where the allocator counts DDP's buckets as well)."""
 
     def __init__(self, model, optimizer, precision: str = "fp32", spec_augment=None, ddp: bool = False,
                  text_vocab_size: int | None = None, granularity: int = 1):
