@@ -84,8 +84,8 @@ class TrainingStep:
     """train.py's training step (aed.training.train_step) on an artificial batch at a bucket's
     bounds, and its peak memory. text_vocab_size bounds the random target ids: the tokenizer's
     real ids (a transducer's blank comes right after them); default: the model's vocabulary.
-    `model` may also be a real DistributedDataParallel module (bench/oom_scale_bench.py validate-cuda
-    measures one on a GPU, where the allocator counts DDP's buckets as well)."""
+    `model` may also be a real DistributedDataParallel module: on a GPU the allocator counts its
+    buckets, on the CPU the tracker does from the first op that writes into them (every backward)."""
 
     def __init__(self, model, optimizer, precision: str = "fp32", spec_augment=None, ddp: bool = False,
                  text_vocab_size: int | None = None, granularity: int = 1):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from aed.audio import FeatureConfig, num_frames
 from torch._subclasses.fake_tensor import FakeTensor
@@ -147,6 +149,22 @@ def test_ddp_adds_one_copy_of_the_gradients():
     plain.warm_up(50, 5)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert ddp.peak(4, 200, 10) - plain.peak(4, 200, 10) == grad_bytes
+
+
+def test_a_real_ddp_step_holds_what_the_ddp_constant_adds(tmp_path):
+    """TrainingStep(ddp=True)'s constant against a real DistributedDataParallel step (gloo, world size
+    1: the buckets do not depend on it). The tracker counts DDP's buckets from the first op that writes
+    into them, which every DDP backward has; on a GPU the allocator does (tests/test_cuda_oom.py)."""
+    model, optimizer = tiny_setup()
+    plain, simulated = TrainingStep(model, optimizer), TrainingStep(model, optimizer, ddp=True)
+    plain.warm_up(50, 5)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        real = TrainingStep(DistributedDataParallel(model), optimizer)
+        peaks = [real.peak(4, 200, 10) for _ in range(3)]  # the second step rebuilds the buckets
+    finally:
+        dist.destroy_process_group()
+    assert peaks == [simulated.peak(4, 200, 10)] * 3 and peaks[0] > plain.peak(4, 200, 10)
 
 
 def test_bf16_step_is_measured():
