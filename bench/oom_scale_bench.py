@@ -29,7 +29,7 @@ with LiveTensorMemory, against the simulated step on a fake world of 2 for the s
 process RSS growth over one larger step checks that the tracker sees FSDP's memory (DTensor shards,
 storages resized in place) at all.
 
-`validate-cuda` (a CUDA GPU with ~40 GB): a preset's real steps at three shapes, on one device and
+`validate-cuda` (a CUDA GPU with ~32 GB): a preset's real steps at three shapes, on one device and
 under a real DDP wrapper, against the simulated step and the DDP constant the E2 table per GPU size adds.
 """
 
@@ -230,6 +230,8 @@ def validate_cuda(args):
     size), against the simulated step the fits are made of (plus cuBLAS's workspace, which
     max_memory_allocated counts) and that step plus the constant the E2 table's DDP rows add. DDP's
     second step, where it rebuilds its buckets, is measured apart: the constant is the later steps'."""
+    if not torch.cuda.is_available():
+        raise SystemExit("validate-cuda: torch sees no CUDA GPU (it measures real steps on one: ~32 GB for canary-1b)")
     cfg = AEDConfig.from_yaml(args.config)
     torch.manual_seed(0)
     model = AED(cfg).train().cuda()
