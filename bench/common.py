@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -63,8 +64,16 @@ def print_table(columns: list, rows: list) -> None:
 
 
 def print_json(result: dict) -> None:
-    """The benchmark's results, as the last line it prints (read back by last_json)."""
-    print(json.dumps(result))
+    """The benchmark's results, as the last line it prints (read back by last_json). A value that was
+    not measured (NaN) or has no bound (inf) is null: strict JSON, which jq and other languages parse."""
+    def strict(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: strict(v) for k, v in x.items()}
+        return [strict(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+    print(json.dumps(strict(result), allow_nan=False))
 
 
 def last_json(stdout: str) -> dict:

@@ -1,6 +1,7 @@
 """Inference speed against what users would pick: aed eager / compiled / int8 and faster-whisper fp32 / int8.
 
     python bench/infer_speed_bench.py                                  # CPU, 2 threads: ~25 min on a quiet 2-core machine
+                                                                       # (+ ~45 min with faster-whisper small, ~2 h medium)
     python bench/infer_speed_bench.py --layouts canary-180m-flash --utterances 16 --long-seconds 300   # ~8 min
     python bench/infer_speed_bench.py --device cuda --no-peers         # make gpu-check: eager vs compiled (CUDA graphs)
 

@@ -53,3 +53,14 @@ def test_rerendering_keeps_the_hand_written_sections(tmp_path):
     text = (tmp_path / "REPORT.md").read_text()
     assert "## E1" in text and "an older generated part" not in text
     assert text.endswith(f"{marker}\n\n## Mine\nkept as written\n")
+
+
+def test_a_benchmarks_json_line_is_strict_json(capsys):
+    """A value not measured (NaN) or unbounded (inf) comes out as null, which any JSON parser reads."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from common import last_json, print_json
+
+    print_json({"rtfx": 2.5, "encoder_s": float("nan"), "rows": [{"epoch_s": float("inf")}, (1, -float("inf"))]})
+    line = capsys.readouterr().out
+    assert "NaN" not in line and "Infinity" not in line
+    assert last_json(line) == {"rtfx": 2.5, "encoder_s": None, "rows": [{"epoch_s": None}, [1, None]]}
