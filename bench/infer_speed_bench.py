@@ -37,9 +37,12 @@ threads. Greedy search, fp32 activations. Three parts:
 RTFx = audio seconds / wall seconds. Encoder and decoder seconds are aed's own timers (the device
 synchronised between phases); faster-whisper does not split its time, so its encoder seconds are a
 separate run of its encoder over the same 30 s windows. Peak memory is the process's resident-set
-high-water mark over each run (reset before it through /proc/self/clear_refs). Compilation happens in a
-warm-up before the timed runs (its seconds are printed). On a machine shared with other jobs absolute
-times are noisy: compare the ratios of one run, and rerun a row that looks off.
+high-water mark over each run (reset before it through /proc/self/clear_refs): it counts every model
+the process holds then (aed's fp32 model stays loaded throughout, the other aed variants until their
+turn), so it bounds a system's memory from above and compares systems only in a run of one aed
+system. Compilation happens in a warm-up before the timed runs (its seconds are printed). On a
+machine shared with other jobs absolute times are noisy: compare the ratios of one run, and rerun a
+row that looks off.
 """
 
 import argparse

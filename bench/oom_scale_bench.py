@@ -240,11 +240,13 @@ def validate_cuda(args):
     measured = [one_device.peak(*s) for s in CUDA_SHAPES]
     with tempfile.TemporaryDirectory() as store:
         dist.init_process_group("nccl", init_method=f"file://{store}/store", rank=0, world_size=1)
-        ddp = TrainingStep(DistributedDataParallel(model), one_device.optimizer, "bf16")
-        ddp.peak(*CUDA_SHAPES[0])  # buckets in parameter order; the backward records the order gradients come in
-        rebuild = ddp.peak(*CUDA_SHAPES[0])  # the second step rebuilds the buckets in that order, once
-        measured_ddp = [ddp.peak(*s) for s in CUDA_SHAPES]
-        dist.destroy_process_group()
+        try:
+            ddp = TrainingStep(DistributedDataParallel(model), one_device.optimizer, "bf16")
+            ddp.peak(*CUDA_SHAPES[0])  # buckets in parameter order; the backward records the order gradients come in
+            rebuild = ddp.peak(*CUDA_SHAPES[0])  # the second step rebuilds the buckets in that order, once
+            measured_ddp = [ddp.peak(*s) for s in CUDA_SHAPES]
+        finally:
+            dist.destroy_process_group()
     buckets = sum(p.numel() * p.element_size() for p in model.parameters())
     rebuild_extra = (rebuild - measured_ddp[0]) / buckets  # gradient copies past the steady state's one
     with SimulatedDevice():
