@@ -37,7 +37,7 @@ from aed.checkpoint import (Checkpoint, CheckpointError, CheckpointWriter, init_
 from aed.config import help_text, load_train_config
 from aed.data import ManifestError, UnreadableAudio
 from aed.dataclass_config import ConfigError, to_dict
-from aed.distributed import all_reduce, cleanup, gather_objects, init_distributed, peer_lost
+from aed.distributed import all_reduce, cleanup, gather_objects, init_distributed, is_distributed, peer_lost
 from aed.flops import StepFlops, matmul_peak
 from aed.memory import format_bytes, parse_bytes
 from aed.oomptimizer import MemoryBudgetError, TrainingStep, preflight
@@ -108,7 +108,7 @@ class Process(NamedTuple):
 def start_process(cfg) -> Process:
     """Joins the torchrun world (if any), sets up logging (rank 0 at INFO, others warnings only),
     CPU threads and seeds: dropout and SpecAugment differ per rank; data order is the sampler's."""
-    rank, _, world_size, device = init_distributed()
+    rank, _, world_size, device = init_distributed(group_of_one=cfg.train.strategy == "fsdp")
     if world_size == 1:  # DCP's background writes would say, once, that they assume one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
@@ -215,7 +215,7 @@ def save(writer: CheckpointWriter, setup: TrainingSetup, data: TrainingData, ste
     that the ranks' parameters are identical (a desync would otherwise go unnoticed)."""
     cfg, model = setup.cfg, setup.model
     t0 = time.time()
-    sharded = cfg.train.strategy == "fsdp" and proc.world_size > 1
+    sharded = cfg.train.strategy == "fsdp"
     checksum = None if sharded else sum(p.detach().double().sum().item() for p in model.parameters())
     states = gather_objects({"checksum": checksum, "rng": rng_state(proc.device),
                              "sampler": data.sampler.state_dict(rewind=data.counter.taken - consumed)})
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- training loop
     received = catch_stop_signals()
-    writer = CheckpointWriter(cfg.run_dir, cfg.keep_last, proc.rank, cfg.async_checkpoint, proc.world_size > 1)
+    writer = CheckpointWriter(cfg.run_dir, cfg.keep_last, proc.rank, cfg.async_checkpoint, is_distributed())
     run_log = RunLog(cfg.run_dir, proc.master, resumed_step=step)
     unreadable = UnreadableAudio()
     peak = matmul_peak(device, setup.precision)  # per device: MFU is FLOP/s per rank over this

@@ -56,7 +56,7 @@ class DataConfig:
     short_first: list[float] | None = None  # [seconds, steps]: the first steps train only on utterances up to that long, passing over them repeatedly (a curriculum; in-memory manifests); [3.0, 1650] made the laptop recipe learn long sentences (test WER 47.7 and 48.3% on two corpora with a beam of 4; over 100% without) and left its short corpus at 41.0%
     speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]: every utterance once at each speed (Kaldi, ESPnet, icefall); in-memory manifests; long-sentence laptop run: dev WER 93.7 vs 79.2 without at step 3300 of 6600, not kept
     num_workers: int = 2  # DataLoader workers decoding audio and computing features
-    strategy: str = "ddp"  # ddp: every rank holds the whole model and optimizer | fsdp: FSDP2 shards parameters, gradients and AdamW state over the ranks (aed/parallel.py)
+    strategy: str = "ddp"  # ddp: every rank holds the whole model and optimizer | fsdp: FSDP2 shards parameters, gradients and AdamW state over the ranks (aed/parallel.py); on one process, over a group of one
     reshard_after_forward: bool = True  # fsdp: free each layer's gathered parameters after its forward (less memory; false: one all-gather less per layer)
 
     def __post_init__(self):

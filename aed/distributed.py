@@ -1,6 +1,7 @@
 """torchrun-only distributed helpers: the one place that reads RANK / LOCAL_RANK / WORLD_SIZE.
 
-Works unchanged for a single process (no torchrun): world size 1, no process group.
+Works unchanged for a single process (no torchrun): world size 1, no process group unless asked
+for one (FSDP, whose every layer call is a collective, needs one even on one rank).
 """
 
 import os
@@ -9,8 +10,10 @@ import torch
 import torch.distributed as dist
 
 
-def init_distributed() -> tuple[int, int, int, torch.device]:
-    """(rank, local_rank, world_size, device); NCCL on GPUs, gloo on CPU."""
+def init_distributed(group_of_one: bool = False) -> tuple[int, int, int, torch.device]:
+    """(rank, local_rank, world_size, device); NCCL on GPUs, gloo on CPU. group_of_one: a process
+    group also for a single process (an in-memory store: no torchrun needed); one that exists already,
+    left by an earlier run in the same program, is kept."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -19,8 +22,11 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend)
+    elif group_of_one and not is_distributed():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return rank, local_rank, world_size, device
 
 

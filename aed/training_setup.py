@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from aed.audio import SpecAugment
 from aed.config import TrainConfig, load_train_config, resolve_model
 from aed.dataclass_config import ConfigError
-from aed.distributed import world_size
+from aed.distributed import is_distributed, world_size
 from aed.objectives import OBJECTIVES, Objective
 from aed.oomptimizer import bucket_shapes
 from aed.parallel import shard
@@ -49,7 +50,8 @@ class TrainingSetup:
         m = self.cfg.model
         return (f"model: {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M parameters (encoder "
                 f"{m.enc_layers} x {m.enc_d_model}, {self.objective.head(self.cfg)}), precision {self.precision}, "
-                f"device {next(self.model.parameters()).device}")
+                f"device {next(self.model.parameters()).device}"
+                + (f", sharded over {world_size()} rank(s) (FSDP2)" if isinstance(self.model, FSDPModule) else ""))
 
 
 def build_training_setup(cfg: TrainConfig, device: torch.device, precision: str | None = None,
@@ -66,7 +68,7 @@ def build_training_setup(cfg: TrainConfig, device: torch.device, precision: str 
     model = build_model(cfg, tokenizer.vocab_size, added_tokens)
     if not simulated:
         model = model.to(device)
-    if cfg.train.strategy == "fsdp" and world_size() > 1:  # sharded before the optimizer sees the parameters
+    if cfg.train.strategy == "fsdp" and is_distributed():  # sharded before the optimizer sees the parameters
         model = shard(model, torch.device(device), world_size(), precision, cfg.train.reshard_after_forward,
                       bf16_params=precision == "bf16" if simulated else None)  # simulated: as on CUDA
     train_mode(model, cfg.freeze)

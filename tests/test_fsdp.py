@@ -74,29 +74,45 @@ def test_ddp_resume_on_fewer_ranks_continues_weights_optimizer_schedule_and_data
     assert one["sampler"][0]["pass_idx"] == two["sampler"][0]["pass_idx"]  # the same pass continues
 
 
-def test_fsdp_trains_like_ddp_and_its_checkpoint_decodes_like_ddps(ddp_run, fsdp_run):
-    ddp = ddp_run[0]
-    la, lb = losses(ddp), losses(fsdp_run)
+def assert_trains_and_decodes_alike(ddp, fsdp) -> None:
+    """Two 6-step runs, DDP's and FSDP's: the same losses and FLOPs, and checkpoints that compute alike."""
+    la, lb = losses(ddp), losses(fsdp)
     assert sorted(la) == sorted(lb) == [1, 2, 3, 4, 5, 6]
     assert all(abs(la[s] - lb[s]) <= LOSS_TOLERANCE * abs(la[s]) for s in la), (la, lb)
-    val_losses = [metric(run, "val/dev/loss") for run in (ddp, fsdp_run)]
+    val_losses = [metric(run, "val/dev/loss") for run in (ddp, fsdp)]
     assert val_losses[0] == pytest.approx(val_losses[1], rel=LOSS_TOLERANCE)
-    flops = [metric(run, "train/flops") for run in (ddp, fsdp_run)]
+    flops = [metric(run, "train/flops") for run in (ddp, fsdp)]
     assert flops[0] == flops[1] > 0  # the same matmuls: FSDP's gathers and reductions are no FLOPs
 
     # infer.py's loader, one process, no distributed world: the sharded checkpoint reads whole.
     # Weights are compared through what they compute: a bias that cancels out (keys' before the
     # softmax, a convolution's before BatchNorm) has no gradient but noise, which AdamW scales up.
-    a, b = load_asr(str(ddp)), load_asr(str(fsdp_run))
+    a, b = load_asr(str(ddp)), load_asr(str(fsdp))
     assert a.path.endswith("ckpt-00000006") and b.path.endswith("ckpt-00000006")
     assert a.model.state_dict().keys() == b.model.state_dict().keys()
     feats, feat_lens = torch.randn(3, 300, a.features.n_mels), torch.tensor([300, 250, 120])
     with torch.no_grad():
         (x, _), (y, _) = a.model.encode(feats, feat_lens), b.model.encode(feats, feat_lens)
-    torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)
+    assert (x - y).norm() <= 1e-3 * y.norm()  # elementwise up to ~1.5e-3 where values reach ~2.6
     requests = read_requests(os.path.join(MINI, "dev.jsonl"))[:8]
     texts = [[r.pred_text for r in transcribe(asr, requests)[0]] for asr in (a, b)]
     assert texts[0] == texts[1]
+
+
+def test_fsdp_trains_like_ddp_and_its_checkpoint_decodes_like_ddps(ddp_run, fsdp_run):
+    assert_trains_and_decodes_alike(ddp_run[0], fsdp_run)
+
+
+def test_fsdp_on_one_process_shards_over_a_group_of_one_and_trains_like_it_does_on_more(tmp_path):
+    """train.strategy=fsdp without torchrun: the same sharded step and checkpoints on one rank,
+    so that an FSDP run can be tried out on one GPU (no memory saved: nothing to shard over)."""
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        runs[strategy] = tmp_path / strategy
+        p = run_train(runs[strategy], f"train.strategy={strategy}", "max_steps=6", "ckpt_every=3", *VALIDATE)
+        assert ("sharded over 1 rank(s) (FSDP2)" in p.stderr) == (strategy == "fsdp")
+    assert_trains_and_decodes_alike(runs["ddp"], runs["fsdp"])
+    assert not torch.distributed.is_initialized()  # train.py's group of one ends with the run
 
 
 def test_fsdp_resumes_exactly_mid_epoch(fsdp_run, tmp_path):
