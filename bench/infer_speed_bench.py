@@ -37,16 +37,18 @@ threads. Greedy search, fp32 activations. Three parts:
 RTFx = audio seconds / wall seconds. Encoder and decoder seconds are aed's own timers (the device
 synchronised between phases); faster-whisper does not split its time, so its encoder seconds are a
 separate run of its encoder over the same 30 s windows. Peak memory is the process's resident-set
-high-water mark over each run (reset before it through /proc/self/clear_refs): it counts every model
-the process holds then (aed's fp32 model stays loaded throughout, the other aed variants until their
-turn), so it bounds a system's memory from above and compares systems only in a run of one aed
-system. Compilation happens in a warm-up before the timed runs (its seconds are printed). On a
-machine shared with other jobs absolute times are noisy: compare the ratios of one run, and rerun a
-row that looks off.
+high-water mark over each run (reset before it through /proc/self/clear_refs), with only that
+system's model alive (the others are freed and handed back to the OS first; aed's int8 system, last,
+quantizes the fp32 model in place): the model, its working memory, and the interpreter with torch
+and its kernels (~0.6 GB, the same for every system), on the CPU. Compilation happens in a warm-up
+before the timed runs (its seconds are printed). On a machine shared with other jobs absolute times
+are noisy: compare the ratios of one run, and rerun a row that looks off.
 """
 
 import argparse
 import copy
+import ctypes
+import gc
 import math
 import re
 import tempfile
@@ -82,6 +84,17 @@ def reset_peak_memory(device) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM starts again from the current RSS
 
 
+def release_memory() -> None:
+    """Drop what is no longer referenced and hand it back to the OS (glibc keeps freed memory resident
+    otherwise), so that the next run's resident-set peak counts only the models still alive."""
+    gc.collect()
+    torch._dynamo.reset()  # compiled graphs keep the model they were made from
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: freed memory may stay counted
+        pass
+
+
 def peak_memory_gb(device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -106,11 +119,13 @@ def random_asr(layout: str, tokenizer: Tokenizer, device) -> LoadedModel:
     return LoadedModel(model, tokenizer, FeatureConfig(), "random weights")
 
 
-def aed_variant(asr: LoadedModel, system: str) -> LoadedModel:
+def aed_variant(asr: LoadedModel, system: str, in_place: bool = False) -> LoadedModel:
+    """in_place: int8 quantizes `asr`'s own model (its fp32 weights are gone after), not a copy."""
     if system == "aed-compiled":
         return LoadedModel(asr.model, asr.tokenizer, asr.features, asr.path, compiled=CompiledAED(asr.model))
     if system == "aed-int8":
-        return LoadedModel(quantize_int8(copy.deepcopy(asr.model)), asr.tokenizer, asr.features, asr.path)
+        model = asr.model if in_place else copy.deepcopy(asr.model)
+        return LoadedModel(quantize_int8(model), asr.tokenizer, asr.features, asr.path)
     return asr
 
 
@@ -338,7 +353,8 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    systems = [s for s in args.systems if not (s == "aed-int8" and device.type != "cpu")]  # int8 kernels: CPU only
+    systems = sorted((s for s in args.systems if not (s == "aed-int8" and device.type != "cpu")),  # int8: CPU only
+                     key=["aed-eager", "aed-compiled", "aed-int8"].index)  # int8 last: it quantizes in place
     tokenizer = Tokenizer.load(MINI_TOKENIZER)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -381,9 +397,9 @@ def main():
     read_gbs = round(read_bandwidth_gbs(), 1) if device.type == "cpu" and "step" in args.parts else None
     for layout in args.layouts:
         base = random_asr(layout, tokenizer, device)
-        params = sum(q.numel() for q in base.model.parameters()) / 1e6
-        log(f"{layout}: {params:.0f}M parameters")
-        variants = {f"{system}/{layout}": aed_variant(base, system) for system in systems}
+        aed_params = sum(q.numel() for q in base.model.parameters())
+        log(f"{layout}: {aed_params / 1e6:.0f}M parameters")
+        variants = {f"{system}/{layout}": aed_variant(base, system) for system in systems if "step" in args.parts}
         # --- 1. decoder step: the systems take turns, and each keeps its fastest of --repeats runs, so
         # that another job's burst of load does not land on one system only
         for name, asr in variants.items():
@@ -400,9 +416,14 @@ def main():
         for name in variants if "step" in args.parts and 1 in args.batch_sizes else []:
             weight_gbs[name] = round(step_weight_bytes(base.model, name.split("/")[0]) / steps[name]["batch1"] / 1e6, 1)
         log(f"{layout}: decoder step ms {steps}")
+        # --- 2. and 3., one system at a time with only its own model in memory (the peak GB column):
+        # the step's variants go, each system is made again, and int8 (last) quantizes the fp32 model
+        variants.clear()
+        release_memory()
         for system in systems if "files" in args.parts else []:
             name = f"{system}/{layout}"
-            asr = variants.pop(name)
+            asr = aed_variant(base, system, in_place=True)
+            release_memory()  # the fp32 weights int8 replaced
             # --- 2. short utterances
             rows[name] = {}
             for bs in args.batch_sizes:
@@ -417,13 +438,15 @@ def main():
                 run_aed(asr, [[long_path]], long_opts, device, **kwargs)
             long_rows[name] = {f"batch{long_batch}": run_aed(asr, [[long_path]], long_opts, device, **kwargs)}
             log(f"{name} long file: {long_rows[name]}")
-            del asr  # an int8 copy of canary-1b-flash is another GB
+            del asr
+        aed_cfg = base.model.cfg
+        del base  # the peers' peak GB counts their own model only
+        release_memory()
 
         if args.nemo and nemo_missing is None and "files" in args.parts and device.type == "cpu":
-            model = nemo_canary.build(base.model.cfg, base.model.cfg.n_mels, work)
+            model = nemo_canary.build(aed_cfg, aed_cfg.n_mels, work)
             name = f"nemo-canary/{layout}"
-            log(f"{name}: {sum(q.numel() for q in model.parameters()):,} parameters "
-                f"(aed: {sum(q.numel() for q in base.model.parameters()):,})")
+            log(f"{name}: {sum(q.numel() for q in model.parameters()):,} parameters (aed: {aed_params:,})")
             nemo_canary.transcribe_groups(model, [[by_length[0]], [by_length[-1]]], 4)  # warm-up
             rows[name] = {}
             for bs in args.batch_sizes:
@@ -433,6 +456,7 @@ def main():
                                                   peak_memory_gb(device))
             log(f"{name}: {rows[name]}")
             del model
+            release_memory()
 
         if peers and "files" in args.parts:
             size = args.whisper or COMPARABLE[layout]
@@ -455,6 +479,7 @@ def main():
                                    for bs in sorted({1, long_batch})}
                 log(f"{name} long file: {long_rows[name]}")
                 del model
+                release_memory()
 
     # --- report: RTFx compares like with like only where every system decoded the same tokens
     for table, expected in ((rows, args.tokens * len(paths)), (long_rows, round(rate * args.long_seconds))):

@@ -80,6 +80,7 @@ def test_the_static_cache_decodes_the_tokens_of_the_eager_one(name, monkeypatch)
 def test_quantize_int8_replaces_every_linear_layer():
     model = random_model().float()
     quantized = quantize_int8(model)
+    assert quantized is model  # in place: no second copy of the weights
     assert not any(type(m) is nn.Linear for m in quantized.modules())
     with pytest.raises(ValueError, match="do not combine"):
         load_asr(WORD_MODEL, compile=True, int8=True)
