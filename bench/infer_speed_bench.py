@@ -46,11 +46,13 @@ are noisy: compare the ratios of one run, and rerun a row that looks off.
 """
 
 import argparse
+import atexit
 import copy
 import ctypes
 import gc
 import math
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -375,6 +377,7 @@ def main():
             log(nemo_missing)
 
     audio_dir = Path(tempfile.mkdtemp(dir=work))
+    atexit.register(shutil.rmtree, audio_dir, ignore_errors=True)  # the converted models stay, the audio goes
     paths = make_audio(audio_dir, args.utterances, args.min_seconds, args.max_seconds)
     durations = {q: sf.info(q).duration for q in paths}
     short_s = sum(durations.values())
