@@ -17,6 +17,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 SUBSAMPLING_FACTORS = (4, 8)  # stride-2 conv stages: 2 (40 ms per encoder frame at 10 ms hop) or 3 (Canary's 80 ms)
+# Without autograd the subsampling takes the batch in groups of rows whose first conv output stays
+# under this many elements (one 30 s row at Canary's 256 channels: 25 M): that output is the largest
+# tensor of the whole encoder, 1.6 GB for 16 rows of 30 s.
+INFERENCE_SUBSAMPLING_ELEMENTS = 2**25
 
 
 def conv_stage_length(lengths):
@@ -67,14 +71,38 @@ class ConvSubsampling(nn.Module):
         self.out = nn.Linear(channels * subsampled_length(n_mels, factor), d_model)
 
     def forward(self, x, x_lens):
+        """x (B, T, F), x_lens (B,) -> (B, T', D), (B,). Without autograd (inference, validation) the
+        rows go through in groups, each in place and, on the CPU, channels last, where oneDNN's
+        convolutions run 2.5-3x faster: 16 rows of 30 s took 2.4 s instead of 7 s, and 0.2 GB
+        instead of 3.3 GB, on 2 cores. Traced for torch.compile or torch.export, the plain path: the
+        groups would fix the batch size and length, and a compiler plans layouts and memory itself."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self._subsample(x, x_lens, inference=False)
+        per_row = self.conv[0].out_channels * conv_stage_length(x.size(1)) * conv_stage_length(x.size(2))
+        rows = max(1, INFERENCE_SUBSAMPLING_ELEMENTS // per_row)
+        parts = [self._subsample(x[i : i + rows], x_lens[i : i + rows], inference=True) for i in range(0, len(x), rows)]
+        return torch.cat([y for y, _ in parts]), torch.cat([y_lens for _, y_lens in parts])
+
+    def _subsample(self, x, x_lens, inference: bool):
         x = x.unsqueeze(1)  # (B, 1, T, F): time and mel bins are the conv's two spatial axes
-        for layer in self.conv:
+        channels_last = inference and x.device.type == "cpu"
+        if channels_last:  # to(), not contiguous(): with one channel both layouts hold, and only to() restrides
+            x = x.to(memory_format=torch.channels_last)
+        for i, layer in enumerate(self.conv):
             if isinstance(layer, nn.Conv2d) and layer.stride[0] == 2:
                 # Zero padded frames so the 3-wide kernel sees zeros past the end, exactly as it
-                # does for an utterance alone (1x1 convs and ReLUs never mix frames).
-                x = x.masked_fill(padding_mask(x_lens, x.size(2))[:, None, :, None], 0.0)
+                # does for an utterance alone (1x1 convs and ReLUs never mix frames). In place
+                # except on the first layer's input, the caller's features.
+                pad = padding_mask(x_lens, x.size(2))[:, None, :, None]
+                x = x.masked_fill_(pad, 0.0) if inference and i > 0 else x.masked_fill(pad, 0.0)
                 x_lens = conv_stage_length(x_lens)
-            x = layer(x)
+            if isinstance(layer, nn.ReLU) and inference:
+                x = x.relu_()
+            elif channels_last:  # the weights channels last too, or oneDNN falls back to the slow layout
+                weight = layer.weight.to(memory_format=torch.channels_last)
+                x = F.conv2d(x, weight, layer.bias, layer.stride, layer.padding, groups=layer.groups)
+            else:
+                x = layer(x)
         b, c, t, f = x.shape
         x = self.out(x.transpose(1, 2).reshape(b, t, c * f))  # (B, C, T', F') -> (B, T', C*F') -> (B, T', D)
         return x, x_lens

@@ -92,9 +92,9 @@ def quantize_int8(model: AED) -> AED:
     """`model` with int8 weights in every nn.Linear of encoder and decoder (activations quantized per
     call: torch's dynamic quantization), for CPUs: a batch-1 decoder step reads every weight once per
     token, and int8 weights are a quarter of the bytes. In place: a copy of the fp32 weights beside the
-    int8 ones would double the memory the model needs while it loads. One scale per output channel: with one per
-    matrix the tiny demo model's dev WER rose from 43.7% to 45.4%, with one per channel it stayed at
-    43.7%. Convolutions, norms and the embedding stay fp32 (the tied output projection gets its own
+    int8 ones would double the memory the model needs while it loads. One scale per output channel:
+    with one per matrix the tiny demo model's dev WER rose from 43.7% to 45.4%, with one per channel it
+    stayed at 43.7%. Convolutions, norms and the embedding stay fp32 (the tied output projection gets its own
     int8 copy). CPU only: the kernels are fbgemm/oneDNN."""
     if next(model.parameters()).device.type != "cpu":
         raise ValueError("int8 weights run on CPUs only (torch's dynamic int8 Linear kernels); on a GPU use bf16")

@@ -42,6 +42,22 @@ def test_subsampled_length_matches_the_convolutions(factor):
     assert len(sub.conv) == (8 if factor == 8 else 5)  # NeMo's Sequential: conv, relu, then 3 modules per extra stage
 
 
+@pytest.mark.parametrize("factor", [8, 4])
+def test_subsampling_without_autograd_computes_what_training_does_in_groups_of_rows(factor, monkeypatch):
+    """Inference's path (groups of rows, in place, channels last on the CPU) against training's, on a
+    padded batch split into groups of two rows; the caller's features stay as they were."""
+    torch.manual_seed(0)
+    sub = ConvSubsampling(n_mels=20, channels=4, d_model=8, factor=factor)
+    feats, lens = torch.randn(5, 90, 20), torch.tensor([90, 37, 61, 90, 12])
+    before = feats.clone()
+    reference, reference_lens = sub(feats, lens)
+    monkeypatch.setattr("aed.encoder.INFERENCE_SUBSAMPLING_ELEMENTS", 2 * 4 * 45 * 10)  # 2 rows' first conv output
+    with torch.no_grad():
+        y, y_lens = sub(feats, lens)
+    torch.testing.assert_close(y, reference, atol=1e-5, rtol=1e-5)
+    assert torch.equal(y_lens, reference_lens) and torch.equal(feats, before)
+
+
 def test_a_subsampling_factor_other_than_4_or_8_is_rejected():
     with pytest.raises(AssertionError, match="subsampling_factor must be one of"):
         tiny_config(subsampling_factor=2)
