@@ -1,6 +1,7 @@
 """Two ranks on CPU (gloo): DDP in sync, train.strategy=fsdp (FSDP2) against DDP, and checkpoints
 through torch.distributed.checkpoint: exact resume, another world size, another strategy,
-asynchronous saves, and inference from a sharded checkpoint. One DDP and one FSDP run serve all."""
+asynchronous saves, and inference from a sharded checkpoint. One DDP and one FSDP run serve all;
+FSDP on a single process has its own pair of runs."""
 
 import json
 import os
@@ -103,7 +104,7 @@ def test_fsdp_trains_like_ddp_and_its_checkpoint_decodes_like_ddps(ddp_run, fsdp
     assert_trains_and_decodes_alike(ddp_run[0], fsdp_run)
 
 
-def test_fsdp_on_one_process_shards_over_a_group_of_one_and_trains_like_it_does_on_more(tmp_path):
+def test_fsdp_on_one_process_shards_over_a_group_of_one_and_trains_like_ddp(tmp_path):
     """train.strategy=fsdp without torchrun: the same sharded step and checkpoints on one rank,
     so that an FSDP run can be tried out on one GPU (no memory saved: nothing to shard over)."""
     runs = {}
