@@ -73,7 +73,7 @@ class ConvSubsampling(nn.Module):
     def forward(self, x, x_lens):
         """x (B, T, F), x_lens (B,) -> (B, T', D), (B,). Without autograd (inference, validation) the
         rows go through in groups, each in place and, on the CPU, channels last, where oneDNN's
-        convolutions run 2.5-3x faster: 16 rows of 30 s took 2.4 s instead of 7 s, and 0.2 GB
+        convolutions run ~2.3x faster: 16 rows of 30 s took 2-3.4 s instead of 6-7.7 s, and 0.2 GB
         instead of 3.3 GB, on 2 cores. Traced for torch.compile or torch.export, the plain path: the
         groups would fix the batch size and length, and a compiler plans layouts and memory itself."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
