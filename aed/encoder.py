@@ -80,6 +80,8 @@ class ConvSubsampling(nn.Module):
             return self._subsample(x, x_lens, inference=False)
         per_row = self.conv[0].out_channels * conv_stage_length(x.size(1)) * conv_stage_length(x.size(2))
         rows = max(1, INFERENCE_SUBSAMPLING_ELEMENTS // per_row)
+        if rows >= len(x):
+            return self._subsample(x, x_lens, inference=True)
         parts = [self._subsample(x[i : i + rows], x_lens[i : i + rows], inference=True) for i in range(0, len(x), rows)]
         return torch.cat([y for y, _ in parts]), torch.cat([y_lens for _, y_lens in parts])
 

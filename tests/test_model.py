@@ -51,11 +51,15 @@ def test_subsampling_without_autograd_computes_what_training_does_in_groups_of_r
     feats, lens = torch.randn(5, 90, 20), torch.tensor([90, 37, 61, 90, 12])
     before = feats.clone()
     reference, reference_lens = sub(feats, lens)
+    with torch.no_grad():
+        whole, whole_lens = sub(feats, lens)  # one group: the batch fits the budget
     monkeypatch.setattr("aed.encoder.INFERENCE_SUBSAMPLING_ELEMENTS", 2 * 4 * 45 * 10)  # 2 rows' first conv output
     with torch.no_grad():
         y, y_lens = sub(feats, lens)
-    torch.testing.assert_close(y, reference, atol=1e-5, rtol=1e-5)
-    assert torch.equal(y_lens, reference_lens) and torch.equal(feats, before)
+    for out, out_lens in ((whole, whole_lens), (y, y_lens)):
+        torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+        assert torch.equal(out_lens, reference_lens)
+    assert torch.equal(feats, before)
 
 
 def test_a_subsampling_factor_other_than_4_or_8_is_rejected():
