@@ -19,8 +19,12 @@ from torch.utils.checkpoint import checkpoint
 SUBSAMPLING_FACTORS = (4, 8)  # stride-2 conv stages: 2 (40 ms per encoder frame at 10 ms hop) or 3 (Canary's 80 ms)
 # Without autograd the subsampling takes the batch in groups of rows whose first conv output stays
 # under this many elements (one 30 s row at Canary's 256 channels: 25 M): that output is the largest
-# tensor of the whole encoder, 1.6 GB for 16 rows of 30 s.
-INFERENCE_SUBSAMPLING_ELEMENTS = 2**25
+# tensor of the whole encoder, 1.6 GB for 16 rows of 30 s. On 2 CPU cores one row at a time was
+# fastest (2.6-2.9 s for 16 rows of 30 s, all 16 at once 3.2 s). On an H200 single rows took twice
+# one group's time; groups of 2**27 (5 rows of 30 s) took 3-6% more, and cut the peak from 0.9-3.7 GB
+# to 0.3-0.6 GB at 16-32 rows.
+CPU_SUBSAMPLING_ELEMENTS = 2**25
+GPU_SUBSAMPLING_ELEMENTS = 2**27
 
 
 def conv_stage_length(lengths):
@@ -79,7 +83,8 @@ class ConvSubsampling(nn.Module):
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return self._subsample(x, x_lens, inference=False)
         per_row = self.conv[0].out_channels * conv_stage_length(x.size(1)) * conv_stage_length(x.size(2))
-        rows = max(1, INFERENCE_SUBSAMPLING_ELEMENTS // per_row)
+        budget = CPU_SUBSAMPLING_ELEMENTS if x.device.type == "cpu" else GPU_SUBSAMPLING_ELEMENTS
+        rows = max(1, budget // per_row)
         if rows >= len(x):
             return self._subsample(x, x_lens, inference=True)
         parts = [self._subsample(x[i : i + rows], x_lens[i : i + rows], inference=True) for i in range(0, len(x), rows)]

@@ -18,6 +18,7 @@ from aed.audio import FeatureConfig, SpecAugment, num_frames
 from aed.checkpoint import pack_dir, read_checkpoint, save_checkpoint
 from aed.data import Batch
 from aed.decoding import DecodingOptions
+from aed.encoder import ConvSubsampling
 from aed.inference import LoadedModel, load_asr, transcribe
 from aed.model import AED, AEDConfig
 from aed.tokenizer import Tokenizer
@@ -166,6 +167,21 @@ def test_bf16_batched_inference():
     assert len(results) == len(wavs) and all(r.error is None for r in results)
     assert all(0 < len(r.tokens) <= 8 and max(r.tokens) < tokenizer.vocab_size for r in results)
     assert timings.rtfx > 0
+
+
+def test_subsampling_without_autograd_in_groups_of_rows_on_cuda(monkeypatch):
+    """The GPU's group size, with its in-place ops: the training path's output, in fp32 and bf16."""
+    torch.manual_seed(0)
+    sub = ConvSubsampling(n_mels=20, channels=4, d_model=8).cuda()
+    feats, lens = torch.randn(5, 90, 20, device="cuda"), torch.tensor([90, 37, 61, 90, 12], device="cuda")
+    monkeypatch.setattr("aed.encoder.GPU_SUBSAMPLING_ELEMENTS", 2 * 4 * 45 * 10)  # 2 rows' first conv output
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            reference, reference_lens = sub(feats, lens)
+            with torch.no_grad():
+                y, y_lens = sub(feats, lens)
+        torch.testing.assert_close(y, reference)
+        assert torch.equal(y_lens, reference_lens)
 
 
 def test_converted_nemo_model_on_cuda_matches_cpu(tmp_path):

@@ -53,7 +53,7 @@ def test_subsampling_without_autograd_computes_what_training_does_in_groups_of_r
     reference, reference_lens = sub(feats, lens)
     with torch.no_grad():
         whole, whole_lens = sub(feats, lens)  # one group: the batch fits the budget
-    monkeypatch.setattr("aed.encoder.INFERENCE_SUBSAMPLING_ELEMENTS", 2 * 4 * 45 * 10)  # 2 rows' first conv output
+    monkeypatch.setattr("aed.encoder.CPU_SUBSAMPLING_ELEMENTS", 2 * 4 * 45 * 10)  # 2 rows' first conv output
     with torch.no_grad():
         y, y_lens = sub(feats, lens)
     for out, out_lens in ((whole, whole_lens), (y, y_lens)):
