@@ -16,7 +16,7 @@ when present, is the reference for WER (ASR, per language, normalised and with p
 and BLEU (AST, per language pair). Long inputs are cut at pauses (see --chunk-seconds, --chunk-overlap).
 
 Timestamps (--timestamps word|segment) are the hypothesis force-aligned to the CTC head's frame
-posteriors (aed/timestamps.py), in seconds from the start of each file, to a resolution of one
+posteriors (aed/decode_timestamps.py), in seconds from the start of each file, to a resolution of one
 encoder frame (80 ms at Canary's 8x subsampling, 40 ms at 4x). A model without a CTC head
 (model.ctc_weight=0, e.g. a converted Canary checkpoint) cannot give them: infer.py stops with an
 error before decoding.
@@ -35,10 +35,11 @@ import time
 
 import torch
 
-from aed.decoding import DecodingOptions
-from aed.inference import expand_inputs, known_languages, load_asr, make_request, read_requests, score, transcribe
-from aed.normalize import NORMALIZERS
-from aed.timestamps import srt, to_segments, webvtt
+from aed.decode_score import NORMALIZERS
+from aed.decode_search import DecodingOptions
+from aed.decode_timestamps import srt, to_segments, webvtt
+from aed.decode_transcribe import (expand_inputs, known_languages, load_asr, make_request, read_requests, score,
+                                   transcribe)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -57,7 +58,7 @@ def parse_args(argv: list[str] | None = None):
     task.add_argument("--target-lang", help="language of the output text; default: the source language")
     task.add_argument("--pnc", action=argparse.BooleanOptionalAction, default=True,
                       help="output punctuation and capitalisation")
-    dec = p.add_argument_group("decoding")  # defaults: aed.decoding.DecodingOptions, the one place they are set
+    dec = p.add_argument_group("decoding")  # defaults: aed.decode_search.DecodingOptions, the one place they are set
     dec.add_argument("--beam-size", type=int, default=DecodingOptions.beam_size, help="1: greedy search")
     dec.add_argument("--length-penalty", type=float, default=DecodingOptions.length_penalty,
                      help="beam search GNMT alpha; 0 ranks hypotheses by log-probability")

@@ -12,19 +12,19 @@
 One command from manifests to a training config (--out): without --bins, bins are estimated from
 --manifest (default: the config's train.manifests) with the training tokenizer and prompt, the
 config's train.num_buckets / sub_buckets / bin_method, leaving out what exceeds model.dec_max_len
-(aed/manifest_bins.py, as tools/estimate_bins.py); each duration bin's TPS filter (bins.max_tps,
+(aed/data_bins.py, as tools/estimate_bins.py); each duration bin's TPS filter (bins.max_tps,
 outliers past 4 standard deviations) bounds the search's token counts and is written as
 train.max_tps, so training drops the same outliers; the batch sizes go to -o (default: next to
 --out) and --out is a YAML fragment (train.batch_sizes, train.max_tps, train.manifests when
 --manifest is given) that train.py merges over the config when given after it.
 
 --simulate-memory sizes a CUDA device of that size on a CPU: the same step on fake tensors
-(aed/simulated_memory.py). A 1B-parameter fake step takes 15-90 s, so --memory-model fits peak
-memory as a low-order function of (B, T, U) to --fit-steps steps (aed/memory_model.py), takes every
+(aed/memory_measure.py). A 1B-parameter fake step takes 15-90 s, so --memory-model fits peak
+memory as a low-order function of (B, T, U) to --fit-steps steps (aed/memory_oomptimizer.py), takes every
 bucket's size from it and measures --verify buckets at their answer.
 
-The search itself is aed/oomptimizer.py: every bucket's largest batch, found by running train.py's
-own training step (built by aed/training_setup.py from the same config) on an artificial batch at
+The search itself is aed/memory_oomptimizer.py: every bucket's largest batch, found by running train.py's
+own training step (built by aed/train_step.py from the same config) on an artificial batch at
 the bucket's bounds, doubling and bisecting. Steps must fit the budget minus a safety margin (10%)
 for what an artificial step does not see: allocator fragmentation, pinned loader buffers,
 validation decoding. Writes `bins.save_batch_sizes`'s format and prints a table.
@@ -33,7 +33,7 @@ validation decoding. Writes `bins.save_batch_sizes`'s format and prints a table.
 device holds: without it, one process on one device; ddp (or --ddp) adds DDP's gradient buckets,
 one more copy of the gradients (and warns when the margin cannot hold a second copy, which DDP's
 second step may hold once while it rebuilds them); fsdp shards the model as train.py would
-(aed/parallel.py) over a fake process group of --world-size ranks (aed/simulated_memory.py
+(aed/train_distributed.py) over a fake process group of --world-size ranks (aed/memory_measure.py
 `fake_world`: collectives move no data) and measures rank 0: parameters, gradients and AdamW
 state divided by the world size, plus whatever FSDP gathers and reduces a layer or two at a time,
 by running its real step, not a formula. On a real device that too is one process: one GPU sizes
@@ -51,17 +51,15 @@ from contextlib import nullcontext
 import torch
 import yaml
 
-from aed.config import load_train_config
-from aed.dataclass_config import ConfigError
-from aed.manifest_bins import bins_from_manifests
-from aed.sources import parse_spec
-from aed.memory import format_bytes, parse_bytes
-from aed.oomptimizer import (MemoryBudgetError, TrainingStep, fit_memory_model, make_monotone, optimize,
-                             optimize_with_model)
-from aed.simulated_memory import CUDA_BLOCK, SimulatedDevice, allocated_limit, fake_world
-from aed.tokenizer import Tokenizer
-from aed.training import AMP_DTYPES
-from aed.training_setup import load_training_setup
+from aed.config import ConfigError
+from aed.data_bins import bins_from_manifests
+from aed.data_sources import parse_spec
+from aed.data_tokenizer import Tokenizer
+from aed.memory_measure import CUDA_BLOCK, SimulatedDevice, allocated_limit, fake_world, format_bytes, parse_bytes
+from aed.memory_oomptimizer import (MemoryBudgetError, TrainingStep, fit_memory_model, make_monotone, optimize,
+                                    optimize_with_model)
+from aed.train_config import load_train_config
+from aed.train_step import AMP_DTYPES, load_training_setup
 from bins import Bins, save_batch_sizes
 
 log = logging.getLogger("oom")
@@ -133,11 +131,11 @@ def main(argv=None) -> None:
                         help="budget as a fraction of the device's memory (CPU: of the RAM)")
     budget.add_argument("--simulate-memory", metavar="SIZE",
                         help="simulate a CUDA device of this size (e.g. 80GB) with fake tensors on the CPU "
-                        "(aed/simulated_memory.py); the margin covers what the simulation does not model")
+                        "(aed/memory_measure.py); the margin covers what the simulation does not model")
     p.add_argument("--margin", type=float, default=0.1, help="safety margin: steps must fit budget x (1 - margin)")
     p.add_argument("--memory-model", action="store_true",
                    help="fit a memory model to --fit-steps steps and take every bucket's size from it "
-                   "(aed/memory_model.py), instead of bisecting every bucket with steps")
+                   "(aed/memory_oomptimizer.py), instead of bisecting every bucket with steps")
     p.add_argument("--fit-steps", type=int, default=12, help="--memory-model: steps to fit on")
     p.add_argument("--verify", type=int, default=4, help="--memory-model: buckets measured at their answer")
     p.add_argument("--dtype", choices=list(AMP_DTYPES), default=None, help="precision (default: the config's)")

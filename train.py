@@ -10,9 +10,9 @@
 
 `main()` reads top to bottom in the order things happen: build (config, processes, model and
 optimizer, data), resume, loop, clean up; each helper sits above its first use. What a run is made
-of lives in `aed/`: the model, optimizer and schedule (`aed/training_setup.py`, which oom.py builds
-too), the data (`aed/training_data.py`), the step (`aed.training.train_step`, the function oom.py
-measures), validation (`aed/validation.py`) and the progress line (`aed/progress.py`). Re-running
+of lives in `aed/`: the model, optimizer and schedule (`aed/train_step.py`, which oom.py builds
+too), the data (`aed/train_data.py`), the step (`aed.train_step.train_step`, the function oom.py
+measures), validation (`aed/train_validation.py`) and the progress line (`aed/train_progress.py`). Re-running
 the same command resumes from the newest checkpoint in `run_dir`; SIGTERM / SIGUSR1 (a cluster
 job's time limit) saves one and exits 0.
 """
@@ -32,22 +32,20 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from aed.checkpoint import (Checkpoint, CheckpointError, CheckpointWriter, init_from_checkpoint, load_latest,
-                            load_training_state, pack_dir, rng_state, set_rng_state, training_tensors)
-from aed.config import help_text, load_train_config
-from aed.data import ManifestError, UnreadableAudio
-from aed.dataclass_config import ConfigError, to_dict
-from aed.distributed import all_reduce, cleanup, gather_objects, init_distributed, is_distributed, peer_lost
-from aed.flops import StepFlops, matmul_peak
-from aed.memory import format_bytes, parse_bytes
-from aed.oomptimizer import MemoryBudgetError, TrainingStep, preflight
-from aed.parallel import full_copy, share_rank0_buffers, wrap
-from aed.progress import Progress, RunLog
-from aed.sources import KINDS, spec_kind
-from aed.training import count_targets, train_step
-from aed.training_data import TrainingData, build_training_data
-from aed.training_setup import TrainingSetup, build_training_setup
-from aed.validation import evaluate
+from aed.config import ConfigError, to_dict
+from aed.data_manifest import ManifestError, UnreadableAudio
+from aed.data_sources import KINDS, spec_kind
+from aed.memory_measure import format_bytes, parse_bytes
+from aed.memory_oomptimizer import MemoryBudgetError, TrainingStep, preflight
+from aed.train_checkpoint import (Checkpoint, CheckpointError, CheckpointWriter, init_from_checkpoint, load_latest,
+                                  load_training_state, pack_dir, rng_state, set_rng_state, training_tensors)
+from aed.train_config import help_text, load_train_config
+from aed.train_data import TrainingData, build_training_data
+from aed.train_distributed import (all_reduce, cleanup, full_copy, gather_objects, init_distributed, is_distributed,
+                                   peer_lost, share_rank0_buffers, wrap)
+from aed.train_progress import Progress, RunLog, StepFlops, matmul_peak
+from aed.train_step import TrainingSetup, build_training_setup, count_targets, train_step
+from aed.train_validation import evaluate
 
 log = logging.getLogger("train")
 
@@ -85,7 +83,7 @@ def val_set_names(specs: list) -> dict:
 
 
 def named_path(spec: dict) -> str:
-    """The path that names a streamed validation entry (aed/sources.py)."""
+    """The path that names a streamed validation entry (aed/data_sources.py)."""
     kind = spec_kind(spec)
     if kind in ("shar", "shards", "manifest"):
         return os.path.normpath(spec[KINDS[kind][0]])
@@ -148,7 +146,7 @@ def build(cfg, proc: Process) -> tuple[TrainingSetup, TrainingData]:
 
 
 def check_memory(setup: TrainingSetup, data: TrainingData, proc: Process) -> None:
-    """memory_budget: the worst batch of every bucket runs once before step 0 (aed/oomptimizer.py).
+    """memory_budget: the worst batch of every bucket runs once before step 0 (aed/memory_oomptimizer.py).
     Before the DDP wrap, whose gradient hooks must not fire during the check; an FSDP model runs
     its real, sharded step."""
     cfg = setup.cfg
@@ -209,7 +207,7 @@ def resume(setup: TrainingSetup, data: TrainingData, proc: Process) -> tuple[int
 
 def save(writer: CheckpointWriter, setup: TrainingSetup, data: TrainingData, step: int, flops: float, consumed: int,
          proc: Process) -> None:
-    """Every rank writes its part of the weights and optimizer state (aed/checkpoint.py, DCP); rank
+    """Every rank writes its part of the weights and optimizer state (aed/train_checkpoint.py, DCP); rank
     0 adds the gathered sampler and RNG states. consumed: batches trained on, of those the
     DataLoader took (it prefetches): the sampler rewinds by the difference. Under DDP, also checks
     that the ranks' parameters are identical (a desync would otherwise go unnoticed)."""
@@ -306,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     loader = iter(data.loader(device))
 
     def stop_workers():
-        """The workers ignore SIGTERM (aed.data.ignore_stop_signals), so multiprocessing's own exit
+        """The workers ignore SIGTERM (aed.data_manifest.ignore_stop_signals), so multiprocessing's own exit
         hook, which terminates them with SIGTERM and then waits, would hang: release the iterator
         first, which shuts them down cleanly. Registered after that hook, so it runs before it."""
         nonlocal loader

@@ -3,7 +3,7 @@
     python -m aed.model --count configs/*.yaml    # parameter counts, built on the meta device
 
 NeMo `EncDecMultiTaskModel` names: `encoder.*` and `encoder_decoder_proj` are ours as is; see
-aed/decoder.py for the decoder renames.
+aed/model_decoder.py for the decoder renames.
 """
 
 import argparse
@@ -15,10 +15,10 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from aed.ctc import CTCHead
-from aed.dataclass_config import from_dict
-from aed.decoder import KVCache, StaticKVCache, TransformerDecoder
-from aed.encoder import SUBSAMPLING_FACTORS, ConformerEncoder
+from aed.config import from_dict
+from aed.model_ctc import CTCHead
+from aed.model_decoder import KVCache, StaticKVCache, TransformerDecoder
+from aed.model_encoder import SUBSAMPLING_FACTORS, ConformerEncoder
 
 
 @dataclass
@@ -27,7 +27,7 @@ class AEDConfig:
 
     n_mels: int = 128  # log-mel bins of the input features; fixes the subsampling's output Linear
     vocab_size: int = 5248  # tokenizer's padded vocab (multiple of 8); Canary: 4 x 1024 BPE + 1152 specials
-    pad_id: int = 1  # `<pad>` in aed/tokenizer.py's default layout; its embedding row gets no gradient
+    pad_id: int = 1  # `<pad>` in aed/data_tokenizer.py's default layout; its embedding row gets no gradient
     # --- encoder (FastConformer)
     enc_d_model: int = 1024  # encoder width; 1024 for the 1B models, 512 for 180M-Flash
     enc_layers: int = 24  # Canary-1B 24; the Flash recipe moves capacity here (32)
@@ -71,7 +71,7 @@ class AEDConfig:
     def from_yaml(cls, path) -> "AEDConfig":
         """The architecture a config file describes: its `model:` section, with n_mels from its
         `features:` section. The vocabulary stays Canary's (5248) unless the section sets it: a
-        training run takes it from its tokenizer instead (aed/config.py)."""
+        training run takes it from its tokenizer instead (aed/train_config.py)."""
         with open(path) as f:
             doc = yaml.safe_load(f) or {}
         if not isinstance(doc.get("model"), dict):

@@ -9,16 +9,16 @@ import sys
 import pytest
 import torch
 
-from aed.audio import FeatureConfig
-from aed.checkpoint import init_from_checkpoint, pack_dir, save_checkpoint
-from aed.config import TrainConfig
-from aed.data import Batch
-from aed.dataclass_config import ConfigError
-from aed.decoding import DecodingOptions
-from aed.inference import load_asr, read_requests, transcribe
+from aed.data_audio import FeatureConfig
+from aed.train_checkpoint import init_from_checkpoint, pack_dir, save_checkpoint
+from aed.train_config import TrainConfig
+from aed.data_manifest import Batch
+from aed.config import ConfigError
+from aed.decode_search import DecodingOptions
+from aed.decode_transcribe import load_asr, read_requests, transcribe
 from aed.model import AED, AEDConfig
-from aed.tokenizer import Tokenizer
-from aed.training import build_model, build_optimizer, new_tokens, train_mode, train_step
+from aed.data_tokenizer import Tokenizer
+from aed.train_step import build_model, build_optimizer, new_tokens, train_mode, train_step
 from tools.add_language import main as add_language
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -177,8 +177,8 @@ def test_freeze_all_but_new_tokens_under_fsdp_trains_only_the_added_rows(grown, 
     script.write_text(
         "import sys, torch, torch.distributed as dist\n"
         "from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict\n"
-        "from aed.parallel import shard\n"
-        "from aed.training import build_optimizer, train_mode, train_step\n"
+        "from aed.train_distributed import shard\n"
+        "from aed.train_step import build_optimizer, train_mode, train_step\n"
         "from test_add_language import freeze_setup\n"
         "dist.init_process_group('gloo')\n"
         "cfg, tokenizer, added, model, batch = freeze_setup(sys.argv[1])\n"

@@ -5,7 +5,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from aed.audio import AudioError, FeatureConfig, LogMel, SpecAugment, SpecAugmentConfig, load_audio, num_frames
+from aed.data_audio import AudioError, FeatureConfig, LogMel, SpecAugment, SpecAugmentConfig, load_audio, num_frames
 
 
 def pcm16(n, seed=0):

@@ -1,5 +1,5 @@
-"""The static-cache decoder step (aed/compiled.py) gives eager decoding's tokens, and int8 weights keep
-a trained model's transcripts (aed.inference.quantize_int8)."""
+"""The static-cache decoder step (aed/decode_static.py) gives eager decoding's tokens, and int8 weights keep
+a trained model's transcripts (aed.decode_transcribe.quantize_int8)."""
 
 import dataclasses
 import os
@@ -10,13 +10,13 @@ import soundfile as sf
 import torch
 from torch import nn
 
-from aed.compiled import CompiledAED
-from aed.decoder import StaticKVCache
-from aed.decoding import DecodingOptions, decode
-from aed.inference import load_asr, quantize_int8, transcribe
-from aed.metrics import wer
+from aed.decode_static import CompiledAED
+from aed.model_decoder import StaticKVCache
+from aed.decode_search import DecodingOptions, decode
+from aed.decode_transcribe import load_asr, quantize_int8, transcribe
+from aed.decode_score import wer
 from test_decoding import batch, pick_eos, random_model
-from tools.make_word_model import load_clips, word_sequence
+from fixtures.make_word_model import load_clips, word_sequence
 
 WORD_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "word_model.pt")
 SEARCHES = {  # name: options; "joint" ranks by CTC and attention scores (the word model has a CTC head)
@@ -87,7 +87,7 @@ def test_quantize_int8_replaces_every_linear_layer():
 
 
 def test_int8_weights_keep_the_word_models_transcripts(tmp_path):
-    """The committed word model (tools/make_word_model.py) on 16 files of unseen word sequences: int8
+    """The committed word model (tests/fixtures/make_word_model.py) on 16 files of unseen word sequences: int8
     weights (every Linear of encoder, decoder and CTC head) cost at most 5 points of WER."""
     paths, texts = word_files(tmp_path, 16, seed=123)
     scores = {}

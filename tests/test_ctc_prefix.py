@@ -1,4 +1,4 @@
-"""CTC prefix scores (aed/ctc_prefix.py) against sums over every CTC path, and against F.ctc_loss."""
+"""CTC prefix scores (aed/decode_search.py) against sums over every CTC path, and against F.ctc_loss."""
 
 import itertools
 import math
@@ -6,7 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from aed.ctc_prefix import CTCPrefixScorer
+from aed.decode_search import CTCPrefixScorer
 
 
 def collapse(path, blank):

@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from aed.audio import FeatureConfig, SpecAugment, num_frames
-from aed.checkpoint import pack_dir, read_checkpoint, save_checkpoint
-from aed.data import Batch
-from aed.decoding import DecodingOptions
-from aed.encoder import ConvSubsampling
-from aed.inference import LoadedModel, load_asr, transcribe
+from aed.data_audio import FeatureConfig, SpecAugment, num_frames
+from aed.train_checkpoint import pack_dir, read_checkpoint, save_checkpoint
+from aed.data_manifest import Batch
+from aed.decode_search import DecodingOptions
+from aed.model_encoder import ConvSubsampling
+from aed.decode_transcribe import LoadedModel, load_asr, transcribe
 from aed.model import AED, AEDConfig
-from aed.tokenizer import Tokenizer
-from aed.training import train_step
-from aed.oomptimizer import TrainingStep, optimize
+from aed.data_tokenizer import Tokenizer
+from aed.train_step import train_step
+from aed.memory_oomptimizer import TrainingStep, optimize
 from test_nemo_convert import FIXTURES, convert
 from test_train import ROOT, SMALL
 
@@ -89,14 +89,14 @@ def test_ddp_over_nccl_all_reduces_gradients(tmp_path):
 
 
 def test_fsdp_over_nccl_computes_in_bf16_and_keeps_fp32_shards(tmp_path):
-    """aed.parallel.shard's CUDA policy: bf16 parameters and compute, fp32 gradient reduction and
+    """aed.train_distributed.shard's CUDA policy: bf16 parameters and compute, fp32 gradient reduction and
     fp32 sharded master weights that the step updates (a world of one: one GPU is enough)."""
     script = tmp_path / "fsdp.py"
     script.write_text(
         "import torch, torch.distributed as dist\n"
         "from torch.distributed.tensor import DTensor\n"
         "from aed.model import AED, AEDConfig\n"
-        "from aed.parallel import shard\n"
+        "from aed.train_distributed import shard\n"
         "dist.init_process_group('nccl')\n"
         "torch.cuda.set_device(0)\n"
         f"model = shard(AED(AEDConfig(**{dataclasses.asdict(CFG)!r})).cuda(), torch.device('cuda', 0), 1, 'bf16')\n"
@@ -174,7 +174,7 @@ def test_subsampling_without_autograd_in_groups_of_rows_on_cuda(monkeypatch):
     torch.manual_seed(0)
     sub = ConvSubsampling(n_mels=20, channels=4, d_model=8).cuda()
     feats, lens = torch.randn(5, 90, 20, device="cuda"), torch.tensor([90, 37, 61, 90, 12], device="cuda")
-    monkeypatch.setattr("aed.encoder.GPU_SUBSAMPLING_ELEMENTS", 2 * 4 * 45 * 10)  # 2 rows' first conv output
+    monkeypatch.setattr("aed.model_encoder.GPU_SUBSAMPLING_ELEMENTS", 2 * 4 * 45 * 10)  # 2 rows' first conv output
     for dtype in (torch.float32, torch.bfloat16):
         with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
             reference, reference_lens = sub(feats, lens)

@@ -1,4 +1,4 @@
-"""The simulated device (aed/simulated_memory.py) against a real GPU: run `pytest tests/test_cuda_oom.py`
+"""The simulated device (aed/memory_measure.py) against a real GPU: run `pytest tests/test_cuda_oom.py`
 on a machine with CUDA. Each shape's training step runs for real (peak: max_memory_allocated) and
 on fake CPU tensors (peak: live storages rounded to the allocator's 512-byte blocks, plus the
 cuBLAS workspace the allocator also holds). The simulation runs the CPU's attention kernels and
@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from aed.model import AED, AEDConfig
-from aed.simulated_memory import CUBLAS_WORKSPACE, CUDA_BLOCK, SimulatedDevice
-from aed.oomptimizer import TrainingStep
+from aed.memory_measure import CUBLAS_WORKSPACE, CUDA_BLOCK, SimulatedDevice
+from aed.memory_oomptimizer import TrainingStep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

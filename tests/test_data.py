@@ -6,12 +6,12 @@ import pytest
 import soundfile as sf
 import torch
 
-from aed.audio import FeatureConfig, LogMel, load_audio
-from aed.data import (Collate, ManifestError, UtteranceDataset, duration_batches, encode_utterance, iter_manifest,
+from aed.data_audio import FeatureConfig, LogMel, load_audio
+from aed.data_manifest import (Collate, ManifestError, UtteranceDataset, duration_batches, encode_utterance, iter_manifest,
                       make_item, read_manifest)
-from aed.inference import read_requests, request_prompts
-from aed.shards import ShardDataset
-from aed.tokenizer import Tokenizer
+from aed.decode_transcribe import read_requests, request_prompts
+from aed.data_stream import ShardDataset
+from aed.data_tokenizer import Tokenizer
 
 MINI = os.path.join(os.path.dirname(__file__), "..", "data", "mini")
 
@@ -123,7 +123,7 @@ def test_make_item_is_the_item_of_files_and_shards_and_inference_prompts_agree(t
         assert item.keys() == direct.keys() and torch.equal(item["feats"], direct["feats"])
         assert (item["tokens"], item["prompt_len"], item["index"]) == (direct["tokens"], direct["prompt_len"], i)
         assert item["tokens"][: item["prompt_len"]] == prompt  # inference prompts the model as training did
-        # The same utterance as a shard example (aed/shards.py): its audio already cut to the segment.
+        # The same utterance as a shard example (aed/data_shards.py): its audio already cut to the segment.
         seg = tmp_path / f"seg{i}.wav"
         sf.write(seg, load_audio(utt.audio_filepath, utt.offset, utt.duration).numpy(), 16000, subtype="FLOAT")
         ex = {"audio": seg.read_bytes(), "duration": utt.duration, "text": utt.text, "source_lang": utt.source_lang,
@@ -155,7 +155,7 @@ def test_sampler_token_counts_are_the_batch_lengths_and_count_targets_is_what_th
     """The sampler buckets on num_tokens (train.py: len(encode_utterance(...)[0])), the batch pads to
     those lengths, and the global loss normaliser (count_targets) equals the forward's own count."""
     from aed.model import AED, AEDConfig
-    from aed.training import count_targets
+    from aed.train_step import count_targets
 
     tok = Tokenizer.load(os.path.join(MINI, "tokenizer"))
     utts = read_manifest(os.path.join(MINI, "train.jsonl"))[:6]  # asr and ast, four languages
@@ -177,9 +177,9 @@ def test_sampler_token_counts_are_the_batch_lengths_and_count_targets_is_what_th
 def test_speed_perturbation_copies_each_utterance_at_each_speed_with_its_perturbed_duration(tmp_path):
     from dataclasses import replace
 
-    from aed.config import DataConfig, load_train_config
-    from aed.dataclass_config import ConfigError
-    from aed.training_data import load_examples
+    from aed.train_config import DataConfig, load_train_config
+    from aed.config import ConfigError
+    from aed.train_data import load_examples
 
     tokenizer = Tokenizer.load(os.path.join(MINI, "tokenizer"))
     manifest = os.path.join(MINI, "dev.jsonl")

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from aed.dataclass_config import ConfigError, load_config
+from aed.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,8 +66,8 @@ def test_yaml_unknown_key(tmp_path):
 
 
 def test_imports_nothing_from_aed():
-    """aed/model.py and aed/config.py both import it; an `aed` import here would bring back their cycle."""
-    with open(os.path.join(ROOT, "aed/dataclass_config.py")) as f:
+    """aed/model.py and aed/train_config.py both import it; an `aed` import here would bring back their cycle."""
+    with open(os.path.join(ROOT, "aed/config.py")) as f:
         tree = ast.parse(f.read())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]

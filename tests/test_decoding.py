@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aed.decoding import (DecodingOptions, beam_search, decode, ends_in_repeats, greedy_search, length_penalty, search,
+from aed.decode_search import (DecodingOptions, beam_search, decode, ends_in_repeats, greedy_search, length_penalty, search,
                            token_budget)
-from aed.decoder import KVCache
+from aed.model_decoder import KVCache
 from aed.model import AED, AEDConfig
 
 V = 40

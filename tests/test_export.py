@@ -4,11 +4,11 @@ compute what the eager model does, for shapes other than the ones they were trac
 import pytest
 import torch
 
-from aed.decoding import DecodingOptions, greedy_search
+from aed.decode_search import DecodingOptions, greedy_search
 from aed.model import AED, AEDConfig
 
 pytest.importorskip("torch.export", reason="torch.export is unavailable in this torch")
-from aed.export import empty_cache, export_model, greedy  # noqa: E402
+from aed.decode_static import empty_cache, export_model, greedy  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the three share one export: 7-10 s on 2 CPU cores, the tests themselves < 1 s
 

@@ -13,15 +13,15 @@ import sys
 import pytest
 import torch
 
-from aed.audio import FeatureConfig
-from aed.checkpoint import (CheckpointError, TRAINING_KEYS, begin_checkpoint, list_checkpoints, load_latest,
+from aed.data_audio import FeatureConfig
+from aed.train_checkpoint import (CheckpointError, TRAINING_KEYS, begin_checkpoint, list_checkpoints, load_latest,
                             load_training_state, pack_dir, read_checkpoint, save_checkpoint, write_meta)
-from aed.data import Utterance, check_audio
-from aed.inference import load_asr
+from aed.data_manifest import Utterance, check_audio
+from aed.decode_transcribe import load_asr
 from aed.model import AED, AEDConfig
 import infer
 from bins import estimate_bins
-from sampler import BucketingSampler, JsonlSource
+from sampler import BucketingSampler
 from test_train import ROOT, SMALL, run_in_process, run_train
 
 MINI_TOKENIZER = os.path.join(ROOT, "data", "mini", "tokenizer")
@@ -267,7 +267,7 @@ def test_sampler_regrouped_to_another_world_size_trains_each_example_of_the_pass
             drawn += batch
     assert not set(trained) & set(drawn)
     assert len(drawn) == len(set(drawn))
-    usable = {i for i, bucket in enumerate(new.alloc) if bucket >= 0}  # not dropped as outliers
+    usable = {i for i, bucket in enumerate(new.data.alloc) if bucket >= 0}  # not dropped as outliers
     assert set(trained) | set(drawn) | left == usable
 
 
@@ -298,14 +298,32 @@ def test_regrouped_inside_the_short_phase_stays_short_until_it_ends_then_reads_e
         assert max(examples[i]["duration"] for i in later) > 12.0
 
 
-def test_a_streamed_source_cannot_be_regrouped_and_says_so(tmp_path):
-    manifest = tmp_path / "m.jsonl"
-    manifest.write_text("".join(json.dumps({"duration": 1 + i % 5, "num_tokens": 5 + i % 7}) + "\n" for i in range(50)))
+class ListStream:
+    """The smallest streamed source (the protocol in sampler.py's docstring): one shard, read in
+    order, line i by rank i % world_size."""
+
+    def __init__(self, examples):
+        self.examples = examples
+
+    def read(self, seed, rank, world_size, cursor=None):
+        for i in range(cursor or 0, len(self.examples)):
+            if i % world_size == rank:
+                yield i, i + 1, dict(self.examples[i])
+
+    def get(self, key):
+        return dict(self.examples[key])
+
+    def describe(self, key):
+        return f"example {key}"
+
+
+def test_a_streamed_source_cannot_be_regrouped_and_says_so():
+    examples = [{"duration": 1 + i % 5, "num_tokens": 5 + i % 7} for i in range(50)]
     bins = estimate_bins([1 + i % 5 for i in range(50)], [5 + i % 7 for i in range(50)], 2, 1)
-    old = BucketingSampler(JsonlSource(str(manifest)), bins, batch_size=4, rank=0, world_size=1, infinite=True,
+    old = BucketingSampler(ListStream(examples), bins, batch_size=4, rank=0, world_size=1, infinite=True,
                            concurrent=False)
     next(iter(old))
-    new = BucketingSampler(JsonlSource(str(manifest)), bins, batch_size=4, rank=0, world_size=2, infinite=True,
+    new = BucketingSampler(ListStream(examples), bins, batch_size=4, rank=0, world_size=2, infinite=True,
                            concurrent=False)
     with pytest.raises(ValueError, match="only an in-memory infinite sampler"):
         new.regroup_state([old.state_dict()])
@@ -340,7 +358,7 @@ def write_earlier_format(state: dict, path) -> None:
 def test_a_checkpoint_restores_weights_and_optimizer_exactly(tmp_path, written):
     """What train.py resumes from, in today's format and in the one aed wrote before (which must
     still load): weights and AdamW moments come back bit for bit, and inference reads the model."""
-    from aed.checkpoint import training_tensors
+    from aed.train_checkpoint import training_tensors
     model, optimizer = trained_model_and_optimizer()
     state = tiny_inference_state() | {"model": model.state_dict(), "step": 1}
     if written == "dcp":

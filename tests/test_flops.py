@@ -1,11 +1,11 @@
-"""FLOP accounting (aed/flops.py): torch's counter against hand formulas for the encoder's own
+"""FLOP accounting (aed/train_progress.py): torch's counter against hand formulas for the encoder's own
 modules, counted once per batch shape, and a measured matmul peak."""
 
 import pytest
 import torch
 
-from aed.encoder import ConformerFeedForward, RelPositionMultiHeadAttention, rel_positional_encoding
-from aed.flops import StepFlops, matmul_peak
+from aed.model_encoder import ConformerFeedForward, RelPositionMultiHeadAttention, rel_positional_encoding
+from aed.train_progress import StepFlops, matmul_peak
 
 
 class Shaped:

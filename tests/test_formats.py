@@ -1,10 +1,9 @@
-"""NeMo tarred sets, Lhotse Shar and Hugging Face parquet read in place (aed/nemo_tarred.py,
-aed/shar.py, aed/hf_parquet.py), checked against the JSONL manifest they were written from.
+"""NeMo tarred sets, Lhotse Shar and Hugging Face parquet read in place (aed/data_tarred.py,
+aed/data_parquet.py), checked against the JSONL manifest they were written from.
 
 Fixtures come from tools/write_formats.py, whose writers follow the layouts the formats' own
 writers produce: NeMo's scripts/speech_recognition/convert_to_tarred_audio_dataset.py, lhotse's
-lhotse/shar/writers/ and `datasets`' to_parquet (src/datasets/features/audio.py); the facts are
-gathered in /work/shared/notes/data-formats.md.
+lhotse/shar/writers/ and `datasets`' to_parquet (src/datasets/features/audio.py).
 """
 
 import gzip
@@ -21,16 +20,16 @@ import pytest
 import soundfile as sf
 import torch
 
-from aed.audio import AudioError, LogMel, load_audio
-from aed.manifest_bins import bins_from_manifests
-from aed.nemo_tarred import expand_paths, pair_shards
-from aed.shar import cut_row
-from aed.shards import decode_audio
-from aed.sources import open_source
-from aed.streaming import example_fields
-from aed.tar_source import tar_members
-from aed.tokenizer import Tokenizer
-from aed.validation import val_dataset
+from aed.data_audio import AudioError, LogMel, load_audio
+from aed.data_bins import bins_from_manifests
+from aed.data_tarred import expand_paths, pair_shards
+from aed.data_tarred import cut_row
+from aed.data_stream import decode_audio
+from aed.data_sources import open_source
+from aed.data_manifest import example_fields
+from aed.data_tarred import tar_members
+from aed.data_tokenizer import Tokenizer
+from aed.train_validation import val_dataset
 from bins import Bins
 from sampler import BucketingSampler
 from tools.make_shards import add_member
@@ -154,6 +153,25 @@ def test_nemo_path_syntax_and_shard_pairing():
         pair_shards(["manifest_0.json", "manifest_1.json"], ["audio_0.tar", "audio_2.tar"])
 
 
+class CharCount:
+    """A streamed source whose examples carry num_tokens = characters of the text (what the
+    sampler's 2D buckets read; training counts tokenizer ids instead, in aed.data_sources.CountTokens)."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def read(self, seed, rank, world_size, cursor=None):
+        for key, cur, ex in self.source.read(seed, rank, world_size, cursor):
+            yield key, cur, {**ex, "num_tokens": len(ex["text"])}
+
+    def get(self, key):
+        ex = self.source.get(key)
+        return {**ex, "num_tokens": len(ex["text"])}
+
+    def describe(self, key):
+        return self.source.describe(key)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_four_ranks_read_every_example_exactly_once(sets, fmt):
     rows, roots = sets
@@ -164,8 +182,7 @@ def test_four_ranks_read_every_example_exactly_once(sets, fmt):
     # Through the sampler too: a finite epoch of 4 ranks uses every example once.
     bins = Bins([1.0, 2.0, 30.0])
     got = [ex["where"] for r in range(4)
-           for batch in BucketingSampler(src, bins, batch_size=3, buffer_size=8, rank=r, world_size=4,
-                                         num_tokens_fn=lambda ex: len(ex["text"]))
+           for batch in BucketingSampler(CharCount(src), bins, batch_size=3, buffer_size=8, rank=r, world_size=4)
            for ex in batch]
     assert sorted(got) == sorted(seen)
 
@@ -175,8 +192,8 @@ def test_resume_mid_shard_equals_an_uninterrupted_pass(sets, fmt):
     _, roots = sets
 
     def make():
-        return BucketingSampler(open_source(spec_of(fmt, roots[fmt])), Bins([1.0, 2.0, 30.0]), batch_size=2,
-                                buffer_size=6, seed=3, infinite=True, num_tokens_fn=lambda ex: len(ex["text"]))
+        return BucketingSampler(CharCount(open_source(spec_of(fmt, roots[fmt]))), Bins([1.0, 2.0, 30.0]),
+                                batch_size=2, buffer_size=6, seed=3, infinite=True)
 
     it = iter(make())
     ref = [[ex["where"] for ex in next(it)] for _ in range(50)]  # > 2 passes: crosses shards and passes

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from aed.checkpoint import CheckpointWriter, TRAINING_KEYS, load_latest, read_checkpoint
-from aed.inference import load_asr, read_requests, transcribe
+from aed.train_checkpoint import CheckpointWriter, TRAINING_KEYS, load_latest, read_checkpoint
+from aed.decode_transcribe import load_asr, read_requests, transcribe
 from test_train import MINI, losses, run_train
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""infer.py and aed/inference.py: real bundled audio through a tiny model trained in this module."""
+"""infer.py and aed/decode_transcribe.py: real bundled audio through a tiny model trained in this module."""
 
 import copy
 import dataclasses
@@ -13,16 +13,16 @@ import pytest
 import soundfile as sf
 import torch
 
-from aed.audio import FeatureConfig, LogMel, load_audio
-from aed.checkpoint import CheckpointError, pack_dir, save_checkpoint
-from aed.ctc import CTCHead
-from aed.data import ManifestError, encode_utterance, read_manifest
-from aed.decoding import DecodingOptions, decode
-from aed.inference import (LoadedModel, Request, chunk_length, expand_inputs, load_asr, plan_chunks,
+from aed.data_audio import FeatureConfig, LogMel, load_audio
+from aed.train_checkpoint import CheckpointError, pack_dir, save_checkpoint
+from aed.model_ctc import CTCHead
+from aed.data_manifest import ManifestError, encode_utterance, read_manifest
+from aed.decode_search import DecodingOptions, decode
+from aed.decode_transcribe import (LoadedModel, Request, chunk_length, expand_inputs, load_asr, plan_chunks,
                            quiet_point, read_requests, request_prompts, transcribe)
-from aed.metrics import corpus_scores, wer
+from aed.decode_score import corpus_scores, wer
 from aed.model import AED, AEDConfig
-from aed.tokenizer import Tokenizer
+from aed.data_tokenizer import Tokenizer
 import infer
 from test_train import run_in_process
 
@@ -355,7 +355,7 @@ def test_quiet_point_is_the_middle_of_the_silent_stretch(tmp_path):
 def test_average_of_the_newest_checkpoints(run_dir, tmp_path):
     """--average N decodes with the mean weights of a run's newest N checkpoints; asking for more
     than the run keeps is an error that says so."""
-    from aed.checkpoint import average_checkpoints, checkpoint_step, read_checkpoint
+    from aed.train_checkpoint import average_checkpoints, checkpoint_step, read_checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)

@@ -1,4 +1,4 @@
-"""aed/merge.py: the hypotheses of overlapping chunks, joined with every spoken word once.
+"""aed/decode_merge.py: the hypotheses of overlapping chunks, joined with every spoken word once.
 
 The chunks here are built by hand from a known word sequence, with what really goes wrong at a
 chunk's edges: a word cut by the chunk end comes out garbled or not at all, and a chunk that starts
@@ -11,10 +11,10 @@ import pytest
 import soundfile as sf
 import torch
 
-from aed.inference import Request, load_asr, plan_chunks, transcribe
-from aed.merge import Chunk, MergeStats, longest_common_run, merge_chunks
-from aed.timestamps import Word
-from tools.make_word_model import load_clips, word_sequence
+from aed.decode_transcribe import Request, load_asr, plan_chunks, transcribe
+from aed.decode_merge import Chunk, MergeStats, longest_common_run, merge_chunks
+from aed.decode_timestamps import Word
+from fixtures.make_word_model import load_clips, word_sequence
 
 WORD_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "word_model.pt")
 
@@ -107,7 +107,7 @@ def test_words_at_a_timed_join_that_overlap_in_time_meet_halfway():
 
 
 def test_words_both_chunks_heard_in_an_overlap_are_kept_once(tmp_path):
-    """Through `transcribe`, with the committed word model (tools/make_word_model.py): 40 words over a
+    """Through `transcribe`, with the committed word model (tests/fixtures/make_word_model.py): 40 words over a
     noise floor loud enough that no cut is a pause, so every join overlaps and is merged. Every word
     spoken inside an overlap that both chunks' own hypotheses contain is in the merged transcript
     exactly once, at its place in time: neither repeated (both chunks heard it) nor dropped (each

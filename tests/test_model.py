@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aed.encoder import (
+from aed.model_encoder import (
     ConvSubsampling,
     MaskedBatchNorm1d,
     RelPositionMultiHeadAttention,
@@ -14,9 +14,9 @@ from aed.encoder import (
     rel_shift,
     subsampled_length,
 )
-from aed.config import load_train_config, resolve_model
+from aed.train_config import load_train_config, resolve_model
 from aed.model import AED, AEDConfig, count_parameters, text_targets
-from aed.tokenizer import Tokenizer
+from aed.data_tokenizer import Tokenizer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -53,7 +53,7 @@ def test_subsampling_without_autograd_computes_what_training_does_in_groups_of_r
     reference, reference_lens = sub(feats, lens)
     with torch.no_grad():
         whole, whole_lens = sub(feats, lens)  # one group: the batch fits the budget
-    monkeypatch.setattr("aed.encoder.CPU_SUBSAMPLING_ELEMENTS", 2 * 4 * 45 * 10)  # 2 rows' first conv output
+    monkeypatch.setattr("aed.model_encoder.CPU_SUBSAMPLING_ELEMENTS", 2 * 4 * 45 * 10)  # 2 rows' first conv output
     with torch.no_grad():
         y, y_lens = sub(feats, lens)
     for out, out_lens in ((whole, whole_lens), (y, y_lens)):

@@ -2,7 +2,7 @@
 
 tests/fixtures/nemo/ holds two small random-weight NeMo EncDecMultiTaskModel checkpoints (a "canary"
 and a Flash-style "canary2" model) and NeMo's own outputs on data/mini utterances, made by
-tools/make_nemo_fixtures.py with nemo_toolkit 3.0.0. Float32 tolerances reached on this machine:
+tests/fixtures/make_nemo_fixtures.py with nemo_toolkit 3.0.0. Float32 tolerances reached on this machine:
 features 4.6e-5, encoder output 1.0e-6, decoder log-probs 1.0e-6 (asserted: 1e-4 / 1e-5 / 1e-5).
 """
 
@@ -24,10 +24,10 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from convert_nemo import ConversionError, convert  # noqa: E402
 
-from aed.audio import LogMel, load_audio  # noqa: E402
-from aed.checkpoint import list_checkpoints  # noqa: E402
-from aed.decoding import DecodingOptions, greedy_search  # noqa: E402
-from aed.inference import load_asr  # noqa: E402
+from aed.data_audio import LogMel, load_audio  # noqa: E402
+from aed.train_checkpoint import list_checkpoints  # noqa: E402
+from aed.decode_search import DecodingOptions, greedy_search  # noqa: E402
+from aed.decode_transcribe import load_asr  # noqa: E402
 from test_train import train_in_process  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "nemo"

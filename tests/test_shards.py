@@ -10,10 +10,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from aed.audio import LogMel, load_audio
-from aed.data import Collate, UtteranceDataset, encode_utterance, read_manifest
-from aed.shards import INDEX_NAME, MixedSource, ShardDataset, ShardSource, decode_audio
-from aed.tokenizer import Tokenizer
+from aed.data_audio import LogMel, load_audio
+from aed.data_manifest import Collate, UtteranceDataset, encode_utterance, read_manifest
+from aed.data_shards import INDEX_NAME, ShardSource
+from aed.data_stream import MixedSource, ShardDataset, decode_audio, shard_order
+from aed.data_tokenizer import Tokenizer
 from bins import Bins
 from sampler import BucketingSampler
 from tools import make_shards
@@ -120,7 +121,7 @@ def test_examples_no_batch_can_hold_are_dropped_counted_and_resume_exactly(shard
 def test_epochs_reshuffle_shard_order(shards):
     _, out, _ = shards
     src = ShardSource(out)
-    assert src.shard_order(1, 0, 1) != src.shard_order(2, 0, 1)
+    assert shard_order(len(src.paths), 1, 0, 1, True, 'x') != shard_order(len(src.paths), 2, 0, 1, True, 'x')
     sampler = BucketingSampler(src, Bins([2.0, 4.0, 30.0]), batch_size=3, buffer_size=16, concurrent=False)
     epochs = []
     for e in range(2):
@@ -184,7 +185,7 @@ def test_corrupt_and_truncated_shards_are_skipped(shards, tmp_path, caplog):
     fourth = next(key for key, _, _ in ShardSource(out).read(0, 0, 1) if key[:2] == (3, 3))
     with open(tars[3], "r+b") as f:
         f.truncate(fourth[2])
-    with caplog.at_level(logging.WARNING, logger="aed.shards"):
+    with caplog.at_level(logging.WARNING, logger="aed.data_shards"):
         got = read_all(src)
     assert src.stats["bad_shards"] == 4
     for t in tars[:4]:

@@ -1,4 +1,4 @@
-"""BEST-RQ (aed/ssl.py): seeded targets, masks inside the utterances, a loss that learns, and
+"""BEST-RQ (aed/model_ssl.py): seeded targets, masks inside the utterances, a loss that learns, and
 manifests without text: read for ssl, refused with the line and field named for the rest."""
 
 import dataclasses
@@ -8,13 +8,13 @@ import os
 import pytest
 import torch
 
-from aed.audio import FeatureConfig, LogMel, SpecAugment
-from aed.config import OptimConfig
-from aed.data import Collate, ManifestError, UtteranceDataset, read_manifest
-from aed.encoder import subsampled_length
+from aed.data_audio import FeatureConfig, LogMel, SpecAugment
+from aed.train_config import OptimConfig
+from aed.data_manifest import Collate, ManifestError, UtteranceDataset, read_manifest
+from aed.model_encoder import subsampled_length
 from aed.model import AEDConfig
-from aed.ssl import BestRQ, RandomProjectionQuantizer, SSLConfig, span_mask, target_mask
-from aed.training import build_optimizer, count_targets, train_step
+from aed.model_ssl import BestRQ, RandomProjectionQuantizer, SSLConfig, span_mask, target_mask
+from aed.train_step import build_optimizer, count_targets, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINI = os.path.join(ROOT, "data", "mini")
@@ -143,7 +143,8 @@ def test_train_py_refuses_an_audio_only_manifest_for_objectives_that_need_text(t
 def test_oom_sizes_ssl_batches_on_1d_buckets():
     """oom.py's artificial step runs BEST-RQ on duration-only buckets (2-token batches: no text)."""
     from bins import estimate_bins
-    from aed.oomptimizer import TrainingStep, bucket_shapes
+    from aed.data_bins import bucket_shapes
+    from aed.memory_oomptimizer import TrainingStep
 
     bins = estimate_bins([1.0, 2.0, 3.0, 4.0] * 10, [0] * 40, 2, 1)
     shapes = bucket_shapes(bins, FeatureConfig(n_mels=N_MELS), 128, max_tps=0.0)
@@ -158,8 +159,8 @@ def test_oom_sizes_ssl_batches_on_1d_buckets():
 def test_a_simulated_ssl_step_bounds_the_real_one_from_above():
     """Fake tensors cannot know BEST-RQ's random masks: the simulator lets them select every frame,
     so the simulated peak is at least the real one (never under), and not wildly above it."""
-    from aed.simulated_memory import SimulatedDevice
-    from aed.oomptimizer import TrainingStep
+    from aed.memory_measure import SimulatedDevice
+    from aed.memory_oomptimizer import TrainingStep
 
     def step():
         torch.manual_seed(0)
@@ -178,9 +179,9 @@ def test_a_simulated_ssl_step_bounds_the_real_one_from_above():
 def test_an_ssl_checkpoint_initialises_the_encoder_of_an_aed_and_a_transducer(tmp_path, encoder_only):
     """init_from: the pretrained encoder loads into an AED with a CTC head and into a transducer; the
     BEST-RQ quantizer and heads have no place there and are dropped, the rest stays fresh."""
-    from aed.checkpoint import init_from_checkpoint, save_checkpoint
+    from aed.train_checkpoint import init_from_checkpoint, save_checkpoint
     from aed.model import AED
-    from aed.transducer import TransducerASR
+    from aed.model_transducer import TransducerASR
 
     ssl = tiny_model()
     path = save_checkpoint({"model": ssl.state_dict()}, str(tmp_path), 7, keep_last=1)

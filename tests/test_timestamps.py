@@ -1,4 +1,4 @@
-"""aed/timestamps.py and `transcribe(timestamps=True)`: forced alignment, words, segments, subtitles."""
+"""aed/decode_timestamps.py and `transcribe(timestamps=True)`: forced alignment, words, segments, subtitles."""
 
 import dataclasses
 import json
@@ -9,22 +9,22 @@ import pytest
 import soundfile as sf
 import torch
 
-from aed.audio import FeatureConfig, load_audio
-from aed.checkpoint import pack_dir, save_checkpoint
-from aed.decoding import DecodingOptions
-from aed.inference import load_asr, plan_chunks, Request, transcribe
+from aed.data_audio import FeatureConfig, load_audio
+from aed.train_checkpoint import pack_dir, save_checkpoint
+from aed.decode_search import DecodingOptions
+from aed.decode_transcribe import load_asr, plan_chunks, Request, transcribe
 from aed.model import AED, AEDConfig
-from aed.timestamps import (Segment, Word, align, frame_seconds, snap_to_speech, speech_frames, srt, to_segments,
+from aed.decode_timestamps import (Segment, Word, align, frame_seconds, snap_to_speech, speech_frames, srt, to_segments,
                             to_words, webvtt)
-from aed.tokenizer import Tokenizer
-from tools.make_word_model import load_clips, word_sequence
+from aed.data_tokenizer import Tokenizer
+from fixtures.make_word_model import load_clips, word_sequence
 import infer
 from test_train import run_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINI = os.path.join(ROOT, "data", "mini")
-WORDS = os.path.join(ROOT, "tests", "fixtures", "words")  # tools/make_word_clips.py
-WORD_MODEL = os.path.join(ROOT, "tests", "fixtures", "word_model.pt")  # tools/make_word_model.py
+WORDS = os.path.join(ROOT, "tests", "fixtures", "words")  # tests/fixtures/make_word_clips.py
+WORD_MODEL = os.path.join(ROOT, "tests", "fixtures", "word_model.pt")  # tests/fixtures/make_word_model.py
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ def test_overlapping_chunks_of_continuous_speech_merge_into_one_ordered_transcri
     assert no_overlap.duration == pytest.approx(res.duration, abs=1e-3)
 
 
-# |error| of the committed word model's word starts and ends (tools/make_word_model.py) on the ten
+# |error| of the committed word model's word starts and ends (tests/fixtures/make_word_model.py) on the ten
 # files below: measured median 2.9 / 3.1 ms, largest 6.2 / 7.5 ms (all ten transcribed right).
 MEDIAN_BOUND = 0.02  # s: a quarter of an encoder frame
 MAX_BOUND = 0.08  # s: one encoder frame

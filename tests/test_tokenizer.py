@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from aed.tokenizer import SpecialBlock, Tokenizer, default_special_tokens
+from aed.data_tokenizer import SpecialBlock, Tokenizer, default_special_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("train_tokenizer", ROOT / "tools" / "train_tokenizer.py")

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from aed.checkpoint import TRAINING_KEYS, read_checkpoint
-from aed.config import OptimConfig
-from aed.training import lr_factor
+from aed.train_checkpoint import TRAINING_KEYS, read_checkpoint
+from aed.train_config import OptimConfig
+from aed.train_step import lr_factor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINI = os.path.join(ROOT, "data", "mini")
@@ -321,8 +321,8 @@ def test_rnnt_pretraining_then_its_encoder_into_an_aed(tmp_path):
 
 @pytest.mark.slow(seconds=21)
 def test_sharded_training_resumes_exactly(tmp_path):
-    from aed.data import encode_utterance, read_manifest
-    from aed.tokenizer import Tokenizer
+    from aed.data_manifest import encode_utterance, read_manifest
+    from aed.data_tokenizer import Tokenizer
     from bins import estimate_bins
 
     manifest = os.path.join(MINI, "train.jsonl")
@@ -390,10 +390,10 @@ def test_utterances_longer_than_the_batch_limit_are_dropped_not_fatal(tmp_path, 
     """The README's first run with a small max_duration used to stop at start-up ("bucket 11 gets
     batch size 0"); the two utterances over 3.5 s are now dropped with one message that names the
     limit, and every shorter one still trains."""
-    from aed.config import load_train_config
-    from aed.data import read_manifest
-    from aed.tokenizer import Tokenizer
-    from aed.training_data import build_training_data
+    from aed.train_config import load_train_config
+    from aed.data_manifest import read_manifest
+    from aed.data_tokenizer import Tokenizer
+    from aed.train_data import build_training_data
 
     cfg = load_train_config(os.path.join(ROOT, "configs/tiny.yaml"),
                             ["train.manifests=[data/mini/train.jsonl]", "train.max_duration=3.5", f"run_dir={tmp_path}"])

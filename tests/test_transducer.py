@@ -5,12 +5,12 @@ import pytest
 import torch
 import torchaudio.functional as TAF
 
-from aed.audio import FeatureConfig, LogMel
-from aed.ctc import CTCHead, infeasible
-from aed.data import Collate, UtteranceDataset, read_manifest
+from aed.data_audio import FeatureConfig, LogMel
+from aed.model_ctc import CTCHead, infeasible
+from aed.data_manifest import Collate, UtteranceDataset, read_manifest
 from aed.model import AEDConfig, text_targets
-from aed.tokenizer import Tokenizer
-from aed.transducer import Transducer, TransducerASR, TransducerConfig, rnnt_nll
+from aed.data_tokenizer import Tokenizer
+from aed.model_transducer import Transducer, TransducerASR, TransducerConfig, rnnt_nll
 
 MINI = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "mini")
 V = 11  # 10 tokens + blank (id 10)

@@ -8,10 +8,10 @@ and the decoder (and CTC head) rows for them, with every existing id and output 
     # then fine-tune on the new language with the old ones still in the mix (README: "A new language")
     python train.py configs/tiny.yaml init_from=runs/tiny-it.pt train.tokenizer=runs/tiny-it.tokenizer ...
 
-Why it keeps old outputs: the aggregate tokenizer (aed/tokenizer.py) is a list of blocks laid end
+Why it keeps old outputs: the aggregate tokenizer (aed/data_tokenizer.py) is a list of blocks laid end
 to end, so appending a block and, when the special block lacks it, a one-token block for <|it|>,
 leaves every old id where it was. The model's vocabulary-sized tensors grow at the end
-(`aed.checkpoint.grow_vocabulary`): old rows are copied, new output rows start with a constant
+(`aed.train_checkpoint.grow_vocabulary`): old rows are copied, new output rows start with a constant
 logit no higher than the least likely old token's, so old-language greedy and beam outputs stay
 the same until fine-tuning moves the new rows.
 
@@ -31,10 +31,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-from aed.checkpoint import (INFERENCE_KEYS, grow_vocabulary, is_checkpoint, load_latest, pack_dir, read_checkpoint,
+from aed.train_checkpoint import (INFERENCE_KEYS, grow_vocabulary, is_checkpoint, load_latest, pack_dir, read_checkpoint,
                             unpack_tokenizer)
 from aed.model import AED, AEDConfig
-from aed.tokenizer import SentencePieceBlock, SpecialBlock, Tokenizer, lang_token
+from aed.data_tokenizer import SentencePieceBlock, SpecialBlock, Tokenizer, lang_token
 from tools.train_tokenizer import read_manifests, sample_sentences, train_sentencepiece
 
 
@@ -94,7 +94,7 @@ def main(argv=None):
     tokenizer.save(tok_dir)
     out = {"model_config": dataclasses.asdict(config), "model": state, "features": ckpt["features"],
            "tokenizer": pack_dir(tok_dir)}
-    # Which rows are new, for freeze=all_but_new_tokens (aed/training.py): recorded, never typed by hand.
+    # Which rows are new, for freeze=all_but_new_tokens (aed/train_step.py): recorded, never typed by hand.
     out["new_tokens"] = {"language": args.lang, "first": old.vocab_size, "language_token": tokenizer.lang_id(args.lang),
                          "vocab_size": tokenizer.vocab_size}
     if "max_train_duration" in ckpt:

@@ -15,12 +15,12 @@ A `.nemo` file is a tar archive (gzipped before NeMo 1.7) holding `model_config.
 names as `nemo:<file>`. It is read with the standard library, torch and pyyaml: NeMo is not needed.
 
 What is mapped:
-- preprocessor (AudioToMelSpectrogramPreprocessor) -> aed.audio.FeatureConfig: sample rate, mel
+- preprocessor (AudioToMelSpectrogramPreprocessor) -> aed.data_audio.FeatureConfig: sample rate, mel
   bins, window and hop, n_fft, pre-emphasis, log guard, dither, pad value. The filterbank and window
   stored in the checkpoint are compared with the ones aed computes; a mismatch is an error.
 - encoder (ConformerEncoder, FastConformer dw_striding 8x) and encoder_decoder_proj: same names.
 - transf_decoder + log_softmax (TokenClassifier, weight tied to the embedding): renamed as listed
-  in aed/decoder.py.
+  in aed/model_decoder.py.
 - tokenizer: NeMo's aggregate CanaryTokenizer, with its exact id layout [spl_tokens, lang1, lang2, ...]
   (every piece of the special-token model becomes a special token at the same id), and the
   checkpoint's prompt format ("canary" or "canary2").
@@ -46,10 +46,10 @@ import sentencepiece as spm
 import torch
 import yaml
 
-from aed.audio import FeatureConfig, LogMel
-from aed.checkpoint import pack_dir
+from aed.data_audio import FeatureConfig, LogMel
+from aed.train_checkpoint import pack_dir
 from aed.model import AED, AEDConfig
-from aed.tokenizer import PROMPT_FORMATS, SentencePieceBlock, SpecialBlock, Tokenizer, lang_token
+from aed.data_tokenizer import PROMPT_FORMATS, SentencePieceBlock, SpecialBlock, Tokenizer, lang_token
 
 SPECIAL_BLOCK = "spl_tokens"  # NeMo's name of the special-token model in the aggregate tokenizer
 
@@ -276,7 +276,7 @@ def convert_tokenizer(opt: Options, files: dict) -> Tokenizer:
 
 # --- weights ----------------------------------------------------------------------------------
 
-DECODER_RENAMES = [  # (NeMo pattern, ours), applied in order; see aed/decoder.py
+DECODER_RENAMES = [  # (NeMo pattern, ours), applied in order; see aed/model_decoder.py
     (r"^transf_decoder\._embedding\.position_embedding\.pos_enc$", "decoder.embedding.pos_enc"),
     (r"^transf_decoder\._embedding\.", "decoder.embedding."),
     (r"^transf_decoder\._decoder\.final_layer_norm\.", "decoder.final_layer_norm."),

@@ -6,10 +6,10 @@
         --buckets 30 --sub-buckets 2 --method equal --sample 100000 --max-tokens 512 -o bins.json
 
 An example's token count is the length of what the decoder is trained on: prompt + text + EOS,
-from `aed.data.encode_utterance` with the training tokenizer (train.tokenizer), after the line is
+from `aed.data_manifest.encode_utterance` with the training tokenizer (train.tokenizer), after the line is
 parsed by the manifest reader training uses. Bins are estimated from a uniform random sample of
 the non-empty lines of all manifests (one pass, reservoir sampling); lines that do not parse or
-tokenize are skipped and counted by reason (aed/manifest_bins.py, shared with oom.py --manifest).
+tokenize are skipped and counted by reason (aed/data_bins.py, shared with oom.py --manifest).
 Progress goes to stderr. The bins go to `-o`, with a `meta` record of what they were estimated
 from; `bins.py` explains the estimation itself.
 """
@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
 
-from aed.manifest_bins import bins_from_manifests  # noqa: E402
-from aed.sources import parse_spec  # noqa: E402
-from aed.tokenizer import Tokenizer  # noqa: E402
+from aed.data_bins import bins_from_manifests  # noqa: E402
+from aed.data_sources import parse_spec  # noqa: E402
+from aed.data_tokenizer import Tokenizer  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -6,10 +6,10 @@
 Writes, in the output directory:
     encoder.pt2        feats (B, T, F), feat_lens (B,) -> cross_kv, memory_lens[, ctc_log_probs]
     decoder_step.pt2   tokens (R, 1), position (), self_kv, cross_kv, memory_lens -> logits (R, V), self_kv
-    export.json        {"features": the log-mel settings the encoder expects (aed.audio.FeatureConfig),
+    export.json        {"features": the log-mel settings the encoder expects (aed.data_audio.FeatureConfig),
                         "max_len": the step's cache positions}
     tokenizer/         the checkpoint's tokenizer (prompt ids, EOS, detokenisation)
-(aed/export.py documents the shapes; README "Export" has a greedy decoding loop that uses them.)
+(aed/decode_static.py documents the shapes; README "Export" has a greedy decoding loop that uses them.)
 
 Before writing, both programs are run on inputs of other sizes than they were traced with and
 compared with the eager model (largest absolute difference printed; an error above --tolerance
@@ -26,10 +26,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-from aed.audio import LogMel, load_audio
-from aed.decoding import DecodingOptions, greedy_search
-from aed.export import MIN_FRAMES, empty_cache, export_model, greedy
-from aed.inference import load_asr
+from aed.data_audio import LogMel, load_audio
+from aed.decode_search import DecodingOptions, greedy_search
+from aed.decode_static import MIN_FRAMES, empty_cache, export_model, greedy
+from aed.decode_transcribe import load_asr
 
 
 def largest_errors(model, encoder, step, max_len: int) -> tuple[float, float]:

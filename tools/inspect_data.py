@@ -23,11 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
 
-from aed.audio import AudioError, load_audio  # noqa: E402
-from aed.data import iter_manifest  # noqa: E402
-from aed.shards import decode_audio  # noqa: E402
-from aed.sources import CountTokens, open_source, parse_spec, spec_kind  # noqa: E402
-from aed.tokenizer import Tokenizer  # noqa: E402
+from aed.data_audio import AudioError, load_audio  # noqa: E402
+from aed.data_manifest import iter_manifest  # noqa: E402
+from aed.data_stream import decode_audio  # noqa: E402
+from aed.data_sources import CountTokens, open_source, parse_spec, spec_kind  # noqa: E402
+from aed.data_tokenizer import Tokenizer  # noqa: E402
 
 SAMPLE_RATE = 16000
 HISTOGRAM = [0, 1, 2, 5, 10, 15, 20, 30, 40, float("inf")]  # seconds

@@ -3,8 +3,8 @@
     python tools/make_shards.py data/mini/train.jsonl -o /tmp/mini_shards --shard-size 100 \\
         --shuffle --seed 0 --tokenizer data/mini/tokenizer --num-workers 2
 
-Writes DIR/shard-000000.tar, ... (layout in aed/shards.py) and the index DIR/shards.jsonl
-(path, count, total duration per shard), read by `aed.shards.ShardSource`.
+Writes DIR/shard-000000.tar, ... (layout in aed/data_shards.py) and the index DIR/shards.jsonl
+(path, count, total duration per shard), read by `aed.data_shards.ShardSource`.
 
 - Audio is copied byte for byte (FLAC, WAV, ... any soundfile format). An utterance with an
   offset (a segment of a longer recording) is cut and stored as FLAC; `--reencode` stores every
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import soundfile as sf
 
-from aed.data import ManifestError, encode_utterance, manifest_lines, parse_line
-from aed.shards import INDEX_NAME, SHARD_NAME
-from aed.tokenizer import Tokenizer
+from aed.data_manifest import ManifestError, encode_utterance, manifest_lines, parse_line
+from aed.data_shards import INDEX_NAME, SHARD_NAME
+from aed.data_tokenizer import Tokenizer
 
 FLAC_SUBTYPES = {"PCM_S8", "PCM_16", "PCM_24"}  # what FLAC stores losslessly
 
@@ -110,7 +110,7 @@ def read_utterances(manifest: str) -> tuple:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("manifest", help="NeMo-style JSONL manifest (aed/data.py)")
+    p.add_argument("manifest", help="NeMo-style JSONL manifest (aed/data_manifest.py)")
     p.add_argument("-o", "--output", required=True, help="output folder (created)")
     p.add_argument("--shard-size", type=int, default=1000, help="examples per shard")
     p.add_argument("--shuffle", action="store_true", help="shuffle the manifest before sharding")

@@ -17,7 +17,7 @@ import re
 
 import sentencepiece as spm
 
-from aed.tokenizer import DEFAULT_LANGUAGES, SentencePieceBlock, SpecialBlock, Tokenizer, default_special_tokens
+from aed.data_tokenizer import DEFAULT_LANGUAGES, SentencePieceBlock, SpecialBlock, Tokenizer, default_special_tokens
 
 
 def read_manifests(paths):

@@ -6,7 +6,7 @@ benchmark (bench/reader_bench.py), and to try aed's readers on a known manifest.
     python tools/write_formats.py shar data/mini/train.jsonl -o /tmp/shar --shard-size 100
     python tools/write_formats.py parquet data/mini/train.jsonl -o /tmp/hf --shards 2
 
-The layouts (facts in /work/shared/notes/data-formats.md):
+The layouts, as each format's own writer produces them:
 - nemo: NeMo's scripts/speech_recognition/convert_to_tarred_audio_dataset.py (`_create_shard`).
   Shards of equal size (the `len % shards` rows left over are dropped, as NeMo does), members named
   after the source path (`/` and `.` -> `_`), a file stored once per shard with later rows naming
@@ -17,7 +17,7 @@ The layouts (facts in /work/shared/notes/data-formats.md):
 - parquet: `datasets`' `to_parquet` (src/datasets/features/audio.py): `data/train-%05d-of-%05d.parquet`,
   an `audio` struct<bytes, path> column, the other fields as columns, row groups of 100 rows, the
   features in the `huggingface` schema metadata.
-Rows are manifest dicts (aed/data.py) with absolute paths; a row with `offset` is a segment
+Rows are manifest dicts (aed/data_manifest.py) with absolute paths; a row with `offset` is a segment
 (nemo keeps the whole file and the offset; shar and parquet store the cut audio as FLAC).
 """
 

@@ -1,0 +1,592 @@
+"""Batched transcription and translation of audio files: the Python API behind infer.py.
+
+    from aed.decode_search import DecodingOptions
+    from aed.decode_transcribe import load_asr, transcribe, read_requests, score
+    asr = load_asr("runs/tiny")                              # a checkpoint file, or a run dir (newest)
+    results, timings = transcribe(asr, ["a.wav", "clips/"], source_lang="en")
+    results, timings = transcribe(asr, read_requests("test.jsonl"), DecodingOptions(beam_size=4))
+    print(results[0].pred_text, timings.rtfx, score(results))
+
+Inputs are files (any rate and channel count soundfile reads), directories, glob patterns, or
+`Request`s (one per manifest line, with per-line task fields). Every input gets one `Result`, in
+input order; an unreadable file gets `error` set instead of a transcript, never dropped.
+
+A *chunk* is a stretch of one input that is decoded on its own (`AudioChunk`; `aed.decode_merge.Chunk`
+once decoded); a *segment* is a subtitle cue (`aed.decode_timestamps.Segment`).
+
+How the work is cut:
+1. Plan: each input's duration (manifest, else the file header). Inputs longer than `chunk_seconds`
+   are cut at the quietest 100 ms within the last quarter of each chunk, and the next chunk starts
+   at the cut. With `chunk_overlap` > 0 (off by default: README "Long audio" has the measurements),
+   a cut that is not a pause (40 dB below the loudest 100 ms near it: continuous speech, background
+   noise) starts the next chunk that many seconds earlier instead, so the words around the cut are
+   heard whole by one of the two chunks, and the two hypotheses are merged.
+2. Batch: chunks sorted by duration, longest first, and cut into batches of at most
+   `batch_duration` padded seconds (batch size x longest chunk): `aed.data_manifest.duration_batches`.
+3. Per batch: load + log-mel features, encoder, then greedy or beam search (`aed.decode_search.search`);
+   joint with the CTC head when the model has one; each phase is timed separately (the device is
+   synchronised between phases) for the RTFx report.
+4. With timestamps, or to merge overlapping chunks with a CTC head: each hypothesis is force-aligned
+   to the CTC head's posteriors of its own chunk (`aed.decode_timestamps`), and the chunk's start is added,
+   so times count from the start of the file.
+5. Join: overlapping chunks' words are merged (`aed.decode_merge`: by time when aligned, else by the words
+   both chunks heard); chunks that do not overlap are joined with spaces.
+"""
+
+import glob
+import logging
+import math
+import os
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+import soundfile as sf
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aed.data_audio import AudioError, FeatureConfig, LogMel, load_audio, num_frames
+from aed.data_manifest import (PROMPT_TASKS, ManifestError, audio_path, check_task, duration_batches, json_object,
+                               languages, manifest_lines, reference_text, seconds)
+from aed.data_tokenizer import Tokenizer
+from aed.decode_merge import Chunk, MergeStats, merge_chunks
+from aed.decode_score import corpus_scores
+from aed.decode_search import DecodingOptions, search
+from aed.decode_static import CompiledAED
+from aed.decode_timestamps import (Word, align, feasible, frame_seconds, snap_to_speech, speech_frames, to_segments,
+                                   to_words)
+from aed.model import AED
+from aed.train_checkpoint import (INFERENCE_KEYS, Checkpoint, average_checkpoints, is_checkpoint, load_latest,
+                                  model_from_checkpoint, read_checkpoint)
+
+log = logging.getLogger(__name__)
+
+CUT_SEARCH = 0.25  # search the last quarter of a chunk for a pause: speech pauses every few seconds,
+# and every chunk but the last keeps >= 75% of chunk_seconds, so long files are not over-fragmented
+QUIET_WINDOW = 0.1  # seconds of audio whose mean energy is compared when looking for a pause
+DEFAULT_CHUNK = 40.0  # seconds per chunk for a checkpoint that does not record its training maximum
+PAUSE_DB = 40.0  # a cut's 100 ms this much quieter than the loudest 100 ms near it is a pause: no overlap needed
+SILENCE_DBFS = -60.0  # ... and so is one this quiet in absolute terms (a search window of silence only)
+
+
+# --- the model --------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedModel:
+    model: AED  # eval mode, on its device
+    tokenizer: Tokenizer
+    features: FeatureConfig
+    path: str  # the checkpoint file that was loaded
+    max_train_duration: float | None = None  # longest utterance it was trained on (s); None: not recorded
+    compiled: CompiledAED | None = None  # the model with a compiled decoder step, which decoding then uses
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def quantize_int8(model: AED) -> AED:
+    """`model` with int8 weights in every nn.Linear of encoder and decoder (activations quantized per
+    call: torch's dynamic quantization), for CPUs: a batch-1 decoder step reads every weight once per
+    token, and int8 weights are a quarter of the bytes. In place: a copy of the fp32 weights beside the
+    int8 ones would double the memory the model needs while it loads. One scale per output channel:
+    with one per matrix the tiny demo model's dev WER rose from 43.7% to 45.4%, with one per channel it
+    stayed at 43.7%. Convolutions, norms and the embedding stay fp32 (the tied output projection gets its own
+    int8 copy). CPU only: the kernels are fbgemm/oneDNN."""
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("int8 weights run on CPUs only (torch's dynamic int8 Linear kernels); on a GPU use bf16")
+    # torch.ao.quantization warns that it is deprecated in favour of torchao; it is still in torch, and
+    # its eager int8 Linear is what the int8 speed-up in bench/infer_speed_bench.py was measured with.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
+        qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear: qconfig}, dtype=torch.qint8, inplace=True)
+
+
+def load_asr(path: str, device="cpu", *, compile: bool = False, int8: bool = False, average: int = 1) -> LoadedModel:
+    """A checkpoint (a train.py `ckpt-*` directory or a single file), or a run directory (its newest
+    valid checkpoint: a truncated newer one is skipped with a warning naming it), ready for inference.
+    average > 1: the mean weights of a run directory's newest `average` valid checkpoints.
+
+    compile: decode with a compiled decoder step (aed/decode_static.py), compiled on the first batch of each
+    shape bucket. int8: int8 Linear weights (`quantize_int8`), CPU only; the two do not combine (torch
+    cannot trace the int8 Linear into one graph)."""
+    if compile and int8:
+        raise ValueError("int8 and compile do not combine: torch.compile cannot trace torch's int8 Linear "
+                         "into one graph; on a CPU at batch 1, int8 is the faster of the two")
+    if average > 1:
+        if not os.path.isdir(path) or is_checkpoint(path):
+            raise ValueError(f"{path}: averaging needs a run directory (its newest checkpoints are averaged)")
+        averaged, ckpt = average_checkpoints(path, average)
+        log.info("averaged the weights of %s", ", ".join(map(os.path.basename, averaged)))
+        path = averaged[-1]
+    elif os.path.isdir(path) and not is_checkpoint(path):
+        newest, ckpt = load_latest(path, INFERENCE_KEYS)
+        if ckpt is None:
+            raise FileNotFoundError(f"{path}: a directory without ckpt-* checkpoints")
+        path = newest
+    elif os.path.exists(path):
+        ckpt = read_checkpoint(path, INFERENCE_KEYS)
+    else:
+        raise FileNotFoundError(f"{path}: no such checkpoint file or run directory")
+    model, tokenizer, features = model_from_checkpoint(ckpt, device)
+    if int8:
+        model = quantize_int8(model)
+    return LoadedModel(model, tokenizer, features, path, Checkpoint.from_dict(ckpt).max_train_duration,
+                       CompiledAED(model) if compile else None)
+
+
+def chunk_length(asr: LoadedModel, chunk_seconds: float | None) -> float:
+    """Seconds per chunk of a long input: `chunk_seconds` when given, else the longest utterance
+    the model was trained on (an attention model trained on short utterances drops most of the
+    words of much longer ones), else 40 s (Canary's training maximum). A chunk longer than the
+    training maximum gets a warning."""
+    trained = asr.max_train_duration
+    if chunk_seconds is None:
+        return trained if trained is not None else DEFAULT_CHUNK
+    if trained is not None and chunk_seconds > trained:
+        log.warning("chunks of up to %.1f s, but %s was trained on utterances of at most %.1f s: expect "
+                    "dropped words; leave the chunk length unset to use the training maximum",
+                    chunk_seconds, asr.path, trained)
+    return chunk_seconds
+
+
+# --- inputs -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    """One input: a file (or a stretch of one, via offset/duration) and the task to run on it."""
+
+    audio_filepath: str
+    source_lang: str
+    target_lang: str
+    pnc: bool
+    taskname: str  # "asr" or "ast"
+    offset: float = 0.0  # seconds into the file
+    duration: float | None = None  # seconds from offset; None: to the end of the file
+    text: str | None = None  # reference transcript/translation, for WER/BLEU
+    fields: dict = field(default_factory=dict)  # the manifest line as read, echoed in the output
+    where: str = ""  # "test.jsonl:17" or the path, for error messages
+
+
+def make_request(audio_filepath: str, source_lang: str = "en", target_lang: str | None = None,
+                 task: str | None = None, pnc: bool = True, where: str = "", **kw) -> Request:
+    """Fill the defaults (target = source; task = asr iff source == target) and validate the task."""
+    where = where or audio_filepath
+    task_fields = check_task(where, source_lang, target_lang or source_lang, pnc, task)
+    return Request(audio_filepath, *task_fields, where=where, **kw)
+
+
+def read_requests(manifest: str, source_lang: str = "en", target_lang: str | None = None,
+                  task: str | None = None, pnc: bool = True, skip_invalid: bool = False) -> list[Request]:
+    """NeMo-style JSONL (aed/data_manifest.py) -> Requests. Only `audio_filepath` is required: the task fields
+    default to the arguments, per-line values win; `duration` defaults to the whole file; `text`
+    (or `answer`) is a reference when present. Bad lines raise ManifestError naming file, line and
+    field, or with `skip_invalid` are logged and counted, as training's manifests are."""
+    base_dir = os.path.dirname(os.path.abspath(manifest))
+    out, skipped = [], 0
+    for where, line in manifest_lines(manifest):
+        try:
+            d = json_object(line, where)
+            path = audio_path(d, where, base_dir)
+            offset = seconds(d, "offset", where, positive=False) or 0.0
+            duration = seconds(d, "duration", where, positive=True)
+            src, tgt = languages(d, source_lang, target_lang)
+            text = reference_text(d)
+            out.append(make_request(path, src, tgt, d.get("taskname", task), d.get("pnc", pnc), where, offset=offset,
+                                    duration=duration, text=text if isinstance(text, str) else None, fields=d))
+        except ManifestError as e:
+            if not skip_invalid:
+                raise
+            skipped += 1
+            log.warning("skipping invalid manifest line: %s", e)
+    if skipped:
+        log.warning("%s: skipped %d invalid line(s)", manifest, skipped)
+    return out
+
+
+def known_languages(requests: list[Request], tokenizer: Tokenizer) -> list[Request]:
+    """The requests whose languages `tokenizer` knows; the others are logged by line and counted
+    (a manifest cannot be checked for that before the model is loaded)."""
+    known = set(tokenizer.languages)
+    out = [r for r in requests if {r.source_lang, r.target_lang} <= known]
+    for r in requests:
+        if not {r.source_lang, r.target_lang} <= known:
+            log.warning("skipping %s: language %s -> %s, the model's tokenizer has %s", r.where, r.source_lang,
+                        r.target_lang, sorted(known))
+    if len(out) < len(requests):
+        log.warning("skipped %d input(s) in a language the model does not know", len(requests) - len(out))
+    return out
+
+
+def expand_inputs(specs: list[str]) -> list[str]:
+    """Paths, directories (searched recursively for files with an audio extension soundfile knows)
+    and glob patterns -> file paths. A pattern matching nothing is kept as is, so it is reported as
+    "file not found" like any other missing path instead of vanishing."""
+    audio_ext = {"." + ext.lower() for ext in sf.available_formats()} | {".opus"}
+    paths = []
+    for spec in specs:
+        if os.path.isdir(spec):
+            found, other = [], 0
+            for root, _, files in os.walk(spec):
+                for name in files:
+                    if os.path.splitext(name)[1].lower() in audio_ext:
+                        found.append(os.path.join(root, name))
+                    else:
+                        other += 1
+            if other:
+                log.info("%s: ignored %d file(s) without an audio extension", spec, other)
+            paths += sorted(found)
+        elif glob.has_magic(spec):
+            paths += sorted(glob.glob(spec, recursive=True)) or [spec]
+        else:
+            paths.append(spec)
+    return paths
+
+
+# --- results ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    request: Request
+    pred_text: str | None = None  # None when the file failed
+    tokens: list[int] = field(default_factory=list)  # generated ids (no prompt, no EOS), all chunks in order
+    duration: float = 0.0  # seconds of audio decoded
+    decode_time: float = 0.0  # this file's share of its batches' wall time (split by audio duration)
+    error: str | None = None  # why the file could not be transcribed
+    words: list[Word] | None = None  # with timestamps: every word with its start and end in the file
+
+    def to_json(self, timestamps: str | None = None) -> dict:
+        """One --out JSONL line: the manifest's own fields, then ours; with timestamps "segment" or
+        "word", also `segments` (text, start, end; with "word" each segment's `words` too)."""
+        r = self.request
+        times = {} if timestamps is None or self.words is None else {
+            "segments": [s.to_json(with_words=timestamps == "word") for s in to_segments(self.words)]}
+        return {**r.fields, "audio_filepath": r.audio_filepath, "duration": round(self.duration, 3),
+                "pred_text": self.pred_text if self.error is None else "", "source_lang": r.source_lang,
+                "target_lang": r.target_lang, "pnc": "yes" if r.pnc else "no", "taskname": r.taskname,
+                "decode_time": round(self.decode_time, 4), **times, **({"error": self.error} if self.error else {})}
+
+
+@dataclass
+class Timings:
+    audio: float = 0.0  # seconds of audio transcribed
+    wall: float = 0.0  # seconds from the call to its return (model loading is not included)
+    load_features: float = 0.0  # planning (headers, pause search), audio decoding, resampling, log-mel
+    encoder: float = 0.0
+    decoder: float = 0.0  # greedy or beam search, including the cross-attention K/V projection
+    align: float = 0.0  # timestamps: forced alignment (the CTC head's projection counts as encoder time)
+
+    @property
+    def rtfx(self) -> float:
+        """Inverse real-time factor: seconds of audio per second of wall time."""
+        return self.audio / self.wall if self.wall > 0 else math.nan
+
+
+def score(results: list[Result], normalizer: str = "simple") -> dict:
+    """`aed.decode_score.corpus_scores` of the results that have a reference and did not fail:
+    {"asr en": {"wer": .., "wer_pnc": .., "n": ..}, "ast es-en": {"bleu": .., "n": ..}}; `wer` after
+    `normalizer` ("simple" or "whisper": aed/decode_score.py), `wer_pnc` on the raw text."""
+    rows = [(res.request.taskname, res.request.source_lang, res.request.target_lang, res.request.text, res.pred_text)
+            for res in results if res.error is None and res.request.text is not None]
+    return corpus_scores(rows, normalizer)[0]
+
+
+# --- planning: durations and chunks -----------------------------------------------------------
+
+
+def quiet_point(path: str, start: float, end: float, sample_rate: int) -> tuple[float, bool]:
+    """Time (s) of the middle of the quietest QUIET_WINDOW of [start, end): a cut there rarely splits
+    a word; and whether it is a pause: PAUSE_DB quieter than the loudest window there, or digital
+    near-silence (below SILENCE_DBFS)."""
+    wav = load_audio(path, offset=start, duration=end - start, sample_rate=sample_rate)
+    hop = sample_rate // 100  # 10 ms energy frames
+    window = round(QUIET_WINDOW * 100)  # in frames
+    if wav.numel() < hop * window:
+        return end, False
+    energy = wav[: wav.numel() // hop * hop].view(-1, hop).pow(2).mean(dim=1)  # (frames,)
+    smooth = F.avg_pool1d(energy[None, None], window, stride=1)[0, 0]  # (frames - window + 1,)
+    first = int(smooth.argmin())
+    last = first  # digital silence ties over a stretch: cut in its middle, not at its edge
+    while last + 1 < smooth.numel() and smooth[last + 1] == smooth[first]:
+        last += 1
+    quiet, loud = float(smooth[first]), float(smooth.max())
+    pause = quiet <= loud * 10 ** (-PAUSE_DB / 10) or quiet <= 10 ** (SILENCE_DBFS / 10)
+    return start + ((first + last) // 2 + window // 2) * hop / sample_rate, pause
+
+
+def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int,
+                overlap: float = 0.0) -> list[tuple[float, float | None, float]]:
+    """(offset, duration or None = to the end, estimated seconds) of each chunk of one request: each
+    ends at the quietest point of its last quarter; the next starts there when that is a pause, else
+    `overlap` seconds before it (the words around the cut are then merged: `aed.decode_merge`)."""
+    if not 0 <= overlap <= chunk_seconds / 2:
+        raise ValueError(f"chunk overlap {overlap} s must lie in [0, half the chunk length {chunk_seconds} s]")
+    if req.duration is not None:
+        total = req.duration
+    else:
+        if not os.path.isfile(req.audio_filepath):
+            raise AudioError(req.audio_filepath, "file not found")
+        try:
+            info = sf.info(req.audio_filepath)
+        except (RuntimeError, ValueError) as e:  # sf.LibsndfileError is a RuntimeError
+            raise AudioError(req.audio_filepath, f"cannot decode ({e})") from e
+        total = info.frames / info.samplerate - req.offset
+        if total <= 0:
+            raise AudioError(req.audio_filepath, f"no audio after offset {req.offset}s ({info.frames} samples)")
+    if total <= chunk_seconds:
+        return [(req.offset, req.duration, total)]
+    chunks, start, end = [], req.offset, req.offset + total
+    while end - start > chunk_seconds:
+        search_from = start + (1 - CUT_SEARCH) * chunk_seconds
+        cut, pause = quiet_point(req.audio_filepath, search_from, start + chunk_seconds, sample_rate)
+        chunks.append((start, cut - start, cut - start))
+        start = cut if pause else cut - overlap  # cut >= start + 3/4 chunk_seconds > start + overlap: moves on
+    chunks.append((start, end - start if req.duration is not None else None, end - start))
+    return chunks
+
+
+# --- transcription ----------------------------------------------------------------------------
+
+
+class AudioChunk(NamedTuple):
+    """A stretch of one request's audio, decoded on its own (`plan_chunks`)."""
+
+    request: int  # index of its Request
+    offset: float  # seconds into the file
+    duration: float | None  # seconds from offset; None: to the end of the file
+    seconds: float  # estimated length, for batching and progress
+
+
+def to_requests(inputs: list, **task_defaults) -> list[Request]:
+    """Requests as given; paths, directories and globs expanded into Requests with `task_defaults`."""
+    requests = []
+    for item in inputs:
+        if isinstance(item, Request):
+            requests.append(item)
+        else:
+            requests += [make_request(p, **task_defaults) for p in expand_inputs([os.fspath(item)])]
+    return requests
+
+
+def request_prompts(requests: list[Request], tokenizer: Tokenizer) -> list[list[int]]:
+    """Each request's decoder prompt. An unknown language is the caller's mistake: it fails here,
+    before any work, naming the request."""
+    prompts = []
+    for r in requests:
+        try:
+            prompts.append(tokenizer.prompt_ids(r.source_lang, r.target_lang, r.pnc, PROMPT_TASKS[r.taskname]))
+        except ValueError as e:
+            raise ValueError(f"{r.where}: {e}") from None
+    return prompts
+
+
+def plan(requests: list[Request], results: list[Result], chunk_seconds: float, overlap: float,
+         sample_rate: int) -> list[AudioChunk]:
+    """Every request's chunks, in file order; a file whose length cannot be read fails its Result."""
+    chunks = []
+    for i, r in enumerate(requests):
+        try:
+            chunks += [AudioChunk(i, *chunk) for chunk in plan_chunks(r, chunk_seconds, sample_rate, overlap)]
+        except AudioError as e:
+            results[i].error = e.reason
+    return chunks
+
+
+def load_chunks(asr: LoadedModel, requests: list[Request], chunks: list[AudioChunk], batch: list[int],
+                results: list[Result]) -> tuple[list[int], list[torch.Tensor]]:
+    """The chunks of `batch` that load, and their waveforms (S,). A failure is recorded on its
+    file's Result, and the file's remaining chunks are skipped."""
+    kept, wavs = [], []
+    for k in batch:
+        chunk = chunks[k]
+        res = results[chunk.request]
+        if res.error is not None:  # another chunk of this file already failed
+            continue
+        try:
+            wav = load_audio(requests[chunk.request].audio_filepath, chunk.offset, chunk.duration,
+                             asr.features.sample_rate)
+        except AudioError as e:
+            res.error = e.reason
+            continue
+        if num_frames(wav.numel(), asr.features.hop_length) == 0:
+            res.error = f"audio shorter than one feature frame ({wav.numel()} samples)"
+            continue
+        kept.append(k)
+        wavs.append(wav)
+    return kept, wavs
+
+
+def _synced_time(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # so each phase's wall time is its own, not queued work
+    return time.perf_counter()
+
+
+def decode_batch(asr: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], prompts: list[list[int]],
+                 options: DecodingOptions, dtype: torch.dtype | None, with_ctc: bool = False):
+    """Waveforms (S,) and their prompts -> generated ids per waveform (joint CTC/attention when the
+    model has a CTC head and options.ctc_weight > 0); with_ctc, the CTC head's log-probs (B, T', V)
+    and valid lengths (B,) for alignment, else None; and the seconds spent in the encoder and in the
+    search (the device is synchronised between phases)."""
+    device = asr.device
+    wav_lens = torch.tensor([w.numel() for w in wavs])
+    wav = torch.zeros(len(wavs), int(wav_lens.max()))  # (B, S) zero padded
+    for b, w in enumerate(wavs):
+        wav[b, : w.numel()] = w
+    feats, feat_lens = logmel(wav.to(device), wav_lens.to(device))  # (B, T, F), (B,)
+    if len({len(p) for p in prompts}) > 1:
+        raise ValueError(f"prompts of different lengths {sorted({len(p) for p in prompts})} in one batch; prompt "
+                         f"format {asr.tokenizer.prompt_format!r} must give equal-length prompts")
+    prompt = torch.tensor(prompts, dtype=torch.long, device=device)  # (B, P)
+    amp = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
+    t0 = _synced_time(device)
+    with amp:
+        memory, memory_lens, ctc_log_probs = asr.model.encode_with_ctc(feats, feat_lens)  # ..., (B, T', V+1) or None
+    t1 = _synced_time(device)
+    with amp:
+        hyps = search(asr.compiled or asr.model, memory, memory_lens, prompt, asr.tokenizer.eos, options, ctc_log_probs)
+    t2 = _synced_time(device)
+    return hyps, (ctc_log_probs, memory_lens) if with_ctc else None, t1 - t0, t2 - t1
+
+
+def chunk_words(asr: LoadedModel, ids: list[int], log_probs: torch.Tensor | None, wav: torch.Tensor,
+                offset: float, where: str) -> list[Word]:
+    """One chunk's hypothesis -> its words; with its CTC log-probs (T', V), force-aligned, with times
+    in the file (the chunk's audio `wav` (S,) starts at `offset` s) narrowed to the speech inside
+    each word's span (`aed.decode_timestamps.snap_to_speech`), else untimed. Special and padding ids carry
+    no text and no time. The last encoder frame reaches past the chunk's end (up to 80 ms of
+    padding): times are clipped to the chunk."""
+    text_ids = asr.tokenizer.text_ids(ids)
+    if log_probs is None:
+        return to_words(asr.tokenizer, text_ids, None, 0.0)
+    if not feasible(log_probs.shape[0], text_ids):
+        log.warning("%s at %.2f s: %d tokens do not fit a CTC path through %d frames; their times are "
+                    "spread evenly over the chunk", where, offset, len(text_ids), log_probs.shape[0])
+    spans = align(log_probs, text_ids, asr.model.ctc.blank)
+    encoder_frame_s = frame_seconds(asr.features, asr.model.cfg.subsampling_factor)
+    words = to_words(asr.tokenizer, text_ids, spans, encoder_frame_s, offset)
+    words = snap_to_speech(words, speech_frames(wav, asr.features.sample_rate), offset)
+    end = offset + wav.numel() / asr.features.sample_rate
+    return [Word(w.text, min(w.start, end), min(w.end, end), w.ids) for w in words]
+
+
+def join_chunks(results: list[Result], generated: list[dict], tokenizer: Tokenizer,
+                words: list[dict] | None) -> None:
+    """Each transcribed file's text and ids (and words, when timed) from chunks that do not overlap:
+    its chunks' in file order, texts joined with spaces."""
+    for i, (res, by_chunk) in enumerate(zip(results, generated)):
+        if res.error is None:
+            if words is not None:
+                res.words = [w for k in sorted(words[i]) for w in words[i][k]]
+            ordered = [by_chunk[k] for k in sorted(by_chunk)]
+            texts = [tokenizer.decode_hypothesis(ids) for ids in ordered]
+            res.pred_text = " ".join(text for text in texts if text)
+            res.tokens = [t for ids in ordered for t in ids]
+
+
+def merge_overlapping_chunks(results: list[Result], chunks: list[AudioChunk], words: list[dict], timed: bool,
+                             keep_words: bool) -> None:
+    """Each transcribed file's words from overlapping chunks (`aed.decode_merge`): every word once, its text
+    the words joined with spaces, its ids the kept words' (special tokens are not kept)."""
+    stats = MergeStats()
+    for i, res in enumerate(results):
+        if res.error is None:
+            decoded = [Chunk(chunks[k].offset, chunks[k].offset + chunks[k].seconds, words[i][k], timed)
+                       for k in sorted(words[i])]
+            merged = merge_chunks(decoded, stats)
+            res.pred_text = " ".join(w.text for w in merged)
+            res.tokens = [t for w in merged for t in w.ids]
+            res.words = merged if keep_words else None
+    if stats.estimated:
+        log.warning("%d of %d chunk joins found no common word in the overlap (a model without a CTC head "
+                    "hears the two sides differently): joined where the words were estimated to be",
+                    stats.estimated, stats.joins)
+
+
+@torch.inference_mode()
+def transcribe(asr: LoadedModel, inputs: list, options: DecodingOptions = DecodingOptions(), *,
+               source_lang: str = "en", target_lang: str | None = None, task: str | None = None, pnc: bool = True,
+               batch_duration: float = 300.0, chunk_seconds: float | None = None, chunk_overlap: float = 0.0,
+               dtype: torch.dtype | None = None, timestamps: bool = False,
+               progress=None) -> tuple[list[Result], Timings]:
+    """Transcribe/translate `inputs` (paths, directories, globs, or Requests) -> one Result each, in order.
+
+    options: the search (`aed.decode_search.DecodingOptions`); its frame_seconds is the model's own, not the
+    caller's, as it converts max_tokens_per_second into encoder frames.
+    source_lang/target_lang/task/pnc apply to plain paths (Requests carry their own).
+    batch_duration: padded seconds of audio per batch (`aed.data_manifest.duration_batches`). chunk_seconds:
+    longer inputs are cut at pauses (see the module docstring); None: `chunk_length` picks it.
+    chunk_overlap: seconds by which a chunk starts before the previous one ends where their cut is not
+    a pause, the hypotheses merged (`aed.decode_merge`); 0: never.
+    dtype: torch.bfloat16 for bf16 autocast, None for fp32. timestamps: set every Result's `words`
+    (`aed.decode_timestamps`); a model without a CTC head raises ValueError, before any work.
+    progress(done_s, total_s) is called after every batch with seconds of audio.
+    """
+    if timestamps and asr.model.ctc is None:
+        raise ValueError(f"{asr.path} has no CTC head (trained with model.ctc_weight=0), and timestamps are "
+                         f"forced alignments to its frame posteriors; train with model.ctc_weight > 0 for them")
+    t_start = time.perf_counter()
+    options = replace(options, frame_seconds=frame_seconds(asr.features, asr.model.cfg.subsampling_factor))
+    requests = to_requests(inputs, source_lang=source_lang, target_lang=target_lang, task=task, pnc=pnc)
+    results = [Result(r) for r in requests]
+    prompts = request_prompts(requests, asr.tokenizer)
+    chunk_s = chunk_length(asr, chunk_seconds)
+    if not 0 <= chunk_overlap <= chunk_s / 2:
+        raise ValueError(f"chunk overlap {chunk_overlap} s must lie in [0, half the chunk length {chunk_s} s]")
+    chunks = plan(requests, results, chunk_s, chunk_overlap, asr.features.sample_rate)
+    overlapping = any(a.request == b.request for a, b in zip(chunks, chunks[1:])) and chunk_overlap > 0
+    aligned = timestamps or (overlapping and asr.model.ctc is not None)  # merging by time needs alignments
+    timings = Timings(load_features=time.perf_counter() - t_start)
+
+    logmel = LogMel(asr.features).to(asr.device).eval()
+    generated = [{} for _ in requests]  # per request: {chunk index: generated ids}
+    words = [{} for _ in requests] if aligned or overlapping else None  # per request: {chunk index: its words}
+    total_s, done_s = sum(c.seconds for c in chunks), 0.0
+    for batch in duration_batches([c.seconds for c in chunks], batch_duration):
+        t0 = time.perf_counter()
+        kept, wavs = load_chunks(asr, requests, chunks, batch, results)
+        hyps, ctc, encoder_s, decoder_s, align_s = [], None, 0.0, 0.0, 0.0
+        if kept:
+            batch_prompts = [prompts[chunks[k].request] for k in kept]
+            hyps, ctc, encoder_s, decoder_s = decode_batch(asr, logmel, wavs, batch_prompts, options, dtype,
+                                                           with_ctc=aligned)
+        if words is not None:
+            t_align = time.perf_counter()
+            log_probs, lens = (ctc[0].cpu(), ctc[1].tolist()) if ctc is not None else (None, None)
+            for b, (k, ids) in enumerate(zip(kept, hyps)):
+                chunk = chunks[k]
+                frames = log_probs[b, : lens[b]] if log_probs is not None else None
+                words[chunk.request][k] = chunk_words(asr, ids, frames, wavs[b], chunk.offset,
+                                                      requests[chunk.request].where)
+            align_s = time.perf_counter() - t_align
+        batch_s = time.perf_counter() - t0
+        timings.load_features += batch_s - encoder_s - decoder_s - align_s
+        timings.encoder += encoder_s
+        timings.decoder += decoder_s
+        timings.align += align_s
+        samples = sum(w.numel() for w in wavs)
+        for k, wav, ids in zip(kept, wavs, hyps):
+            i = chunks[k].request
+            generated[i][k] = ids
+            end = chunks[k].offset - requests[i].offset + wav.numel() / asr.features.sample_rate
+            results[i].duration = max(results[i].duration, end)  # overlapping chunks count once
+            results[i].decode_time += batch_s * wav.numel() / samples  # its share of the batch, by audio length
+        done_s += sum(chunks[k].seconds for k in batch)
+        if progress:
+            progress(done_s, total_s)
+
+    if overlapping:
+        merge_overlapping_chunks(results, chunks, words, timed=aligned, keep_words=timestamps)
+    else:
+        join_chunks(results, generated, asr.tokenizer, words if timestamps else None)
+    timings.audio = sum(res.duration for res in results if res.error is None)
+    timings.wall = time.perf_counter() - t_start
+    return results, timings

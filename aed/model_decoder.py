@@ -1,0 +1,339 @@
+"""Pre-LN Transformer decoder with an explicit KV cache (NeMo's `TransformerDecoderNM` + `TokenClassifier`).
+
+NeMo state_dict names -> ours (the converter renames only these):
+    transf_decoder._embedding.position_embedding.pos_enc -> decoder.embedding.pos_enc
+    transf_decoder._embedding.*                 -> decoder.embedding.*  (token_embedding, layer_norm)
+    transf_decoder._decoder.layers.N.layer_norm_1 / first_sub_layer   -> decoder.layers.N.norm_self_attn / self_attn
+    transf_decoder._decoder.layers.N.layer_norm_2 / second_sub_layer  -> decoder.layers.N.norm_cross_attn / cross_attn
+    transf_decoder._decoder.layers.N.layer_norm_3 / third_sub_layer   -> decoder.layers.N.norm_ffn / ffn
+    transf_decoder._decoder.final_layer_norm    -> decoder.final_layer_norm
+    log_softmax.mlp.layer0.{weight,bias}        -> decoder.output_proj.{weight,bias} (weight tied to the embedding)
+Inside attention and FFN the names are NeMo's (query_net, key_net, value_net, out_projection, dense_in, dense_out).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class KVCache:
+    """Decoding state for a batch of R rows (utterances, or utterances x beams), in preallocated buffers.
+
+    self_kv:  (L, 2, R, H, U_max, d_k) self-attention keys and values; positions [0, length) are filled.
+    cross_kv: (L, 2, R, H, T', d_k) cross-attention keys and values, projected once from the encoder output
+              (NeMo re-projects them at every step: about 2/3 of its decode time).
+    memory_mask: (R, 1, 1, T') True at valid encoder frames (SDPA's boolean mask convention).
+    length: positions written so far; a Python int shared by all rows, so the loop never syncs with the device.
+
+    A decoder step calls `update` once per layer with the new positions' keys and values, then
+    `advance` once: every layer of a step writes at the same positions. Attention reads the filled
+    slice only, so the shapes grow every step: the eager path. `StaticKVCache` is the fixed-shape one.
+    """
+
+    def __init__(self, self_kv, cross_kv, memory_mask, length: int = 0):
+        self.self_kv, self.cross_kv, self.memory_mask = self_kv, cross_kv, memory_mask
+        self.length = length
+
+    @property
+    def max_len(self) -> int:
+        return self.self_kv.size(4)
+
+    def cross(self, layer: int):
+        """Cross-attention keys, values of `layer`: (R, H, T', d_k) each."""
+        return self.cross_kv[layer, 0], self.cross_kv[layer, 1]
+
+    def positions(self, u: int) -> slice:
+        """Rows of the positional table for the next u positions."""
+        assert self.length + u <= self.max_len, f"cache holds {self.max_len} positions, need {self.length + u}"
+        return slice(self.length, self.length + u)
+
+    def update(self, layer: int, k, v):
+        """Write `layer`'s keys and values (R, H, U, d_k) of positions [length, length + U) and return
+        its keys and values of positions [0, length + U): (R, H, length + U, d_k) each."""
+        end = self.length + k.size(2)
+        assert end <= self.max_len, f"cache holds {self.max_len} positions, need {end}"
+        self.self_kv[layer, 0, :, :, self.length : end] = k
+        self.self_kv[layer, 1, :, :, self.length : end] = v
+        return self.self_kv[layer, 0, :, :, :end], self.self_kv[layer, 1, :, :, :end]
+
+    def self_attn_mask(self, u: int):
+        """None: `update` returns only the filled positions, so a single token may see all of them and a
+        prompt chunk (which starts at 0) needs just the causal mask."""
+        return None
+
+    def advance(self, n: int) -> None:
+        """Commit the n positions every layer has just written with `update`."""
+        assert self.length + n <= self.max_len, f"cache holds {self.max_len} positions, need {self.length + n}"
+        self.length += n
+
+    def reorder(self, index) -> None:
+        """Row r takes the self-attention history of row index[r] (beam search survivors).
+
+        `index` must map each row to a row of the same utterance: the cross-attention K/V, identical
+        across an utterance's beams, are left untouched.
+        """
+        filled = self.self_kv[:, :, :, :, : self.length]
+        filled.copy_(filled.index_select(2, index))  # only the filled prefix, not the whole buffer
+
+
+class StaticKVCache:
+    """`KVCache` with shapes that never change, for a compiled decoder step (aed/decode_static.py).
+
+    keys, values: L tensors (R, H, U_max, d_k) each, the self-attention keys and values of each layer.
+    Separate tensors, not views of one: torch.compile writes a whole input tensor in place, while its
+    writes into views of one stacked (L, 2, ...) input became a copy of that input at every step.
+    cross_kv, memory_mask: as in KVCache. R and T' may be padded past the real rows and frames (a
+    padded frame is False in memory_mask). position: () long tensor on the device, the next position
+    to write (gpt-fast's `input_pos`).
+
+    A step writes its keys and values at `position` (index_put_) and attends to all U_max positions,
+    masked to those written: no shape and no Python value changes from one step to the next, so the
+    step compiles whole (fullgraph) and a CUDA graph replays it, on the same buffers. Rows past those
+    `reorder` is given (the padding of a shape bucket) keep their own history.
+    """
+
+    def __init__(self, keys: list, values: list, cross_kv, memory_mask, position):
+        self.keys, self.values, self.cross_kv, self.memory_mask, self.position = keys, values, cross_kv, memory_mask, position
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].size(0)
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].size(2)
+
+    def cross(self, layer: int):
+        return self.cross_kv[layer, 0], self.cross_kv[layer, 1]
+
+    def positions(self, u: int):
+        """(U,) long: the next u positions (no bound check: that would read the device; the search sizes
+        the cache, and indexing rejects a position past U_max)."""
+        return self.position + torch.arange(u, device=self.position.device)
+
+    def update(self, layer: int, k, v):
+        """Write `layer`'s keys and values (R, H, U, d_k) at the next U positions; return its whole
+        buffers (R, H, U_max, d_k), to be read through `self_attn_mask`."""
+        index = self.positions(k.size(2))
+        self.keys[layer][:, :, index] = k  # indexed assignment, as gpt-fast writes its cache
+        self.values[layer][:, :, index] = v
+        return self.keys[layer], self.values[layer]
+
+    def self_attn_mask(self, u: int):
+        """(1, 1, U, U_max): the new position j sees positions up to position + j (causal within a chunk)."""
+        filled = torch.arange(self.max_len, device=self.position.device)[None, :] <= self.positions(u)[:, None]
+        return filled[None, None]
+
+    def advance(self, n: int) -> None:
+        self.position.add_(n)  # in place: a compiled step mutates this buffer, never rebinds the attribute
+
+    def reorder(self, index) -> None:
+        """As KVCache.reorder for the first index.numel() rows, over whole buffers (fixed shapes)."""
+        index = torch.cat([index, torch.arange(index.numel(), self.rows, device=index.device)])  # (R_bucket,)
+        for buffer in self.keys + self.values:
+            buffer.copy_(buffer.index_select(0, index))
+
+
+class DecoderAttention(nn.Module):
+    """NeMo's transformer `MultiHeadAttention`: q/k/v/out projections with bias, scaled dot product."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout_att: float):
+        super().__init__()
+        assert d_model % n_heads == 0, f"decoder d_model {d_model} not divisible by n_heads {n_heads}"
+        self.h, self.d_k = n_heads, d_model // n_heads
+        self.query_net = nn.Linear(d_model, d_model)
+        self.key_net = nn.Linear(d_model, d_model)
+        self.value_net = nn.Linear(d_model, d_model)
+        self.out_projection = nn.Linear(d_model, d_model)
+        self.dropout_att = dropout_att
+
+    def _heads(self, x):
+        return x.view(x.size(0), -1, self.h, self.d_k).transpose(1, 2)  # (B, U, D) -> (B, H, U, d_k)
+
+    def project_kv(self, x):
+        """(B, S, D) -> keys, values (B, H, S, d_k)."""
+        return self._heads(self.key_net(x)), self._heads(self.value_net(x))
+
+    def forward(self, x, k, v, attn_mask=None, is_causal=False):
+        q = self._heads(self.query_net(x))
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=self.dropout_att if self.training else 0.0
+        )
+        return self.out_projection(out.transpose(1, 2).reshape(x.shape))  # (B, H, U, d_k) -> (B, U, D)
+
+
+class PositionWiseFF(nn.Module):
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.dense_in = nn.Linear(d_model, d_ff)
+        self.dense_out = nn.Linear(d_ff, d_model)
+
+    def forward(self, x):
+        return self.dense_out(F.relu(self.dense_in(x)))
+
+
+class DecoderBlock(nn.Module):
+    """x += SelfAttn(LN(x)); x += CrossAttn(LN(x), memory); x += FFN(LN(x))."""
+
+    def __init__(self, d_model, n_heads, ff_mult, dropout, dropout_att):
+        super().__init__()
+        self.norm_self_attn = nn.LayerNorm(d_model)
+        self.self_attn = DecoderAttention(d_model, n_heads, dropout_att)
+        self.norm_cross_attn = nn.LayerNorm(d_model)
+        self.cross_attn = DecoderAttention(d_model, n_heads, dropout_att)
+        self.norm_ffn = nn.LayerNorm(d_model)
+        self.ffn = PositionWiseFF(d_model, ff_mult * d_model)
+        self.dropout = nn.Dropout(dropout)  # NeMo: attn_layer_dropout and ffn_dropout, on each sublayer output
+
+    def forward(self, x, cross_k, cross_v, memory_mask, cache: KVCache | StaticKVCache | None = None, layer: int = 0,
+                memory=None):
+        """x (B, U, D) -> (B, U, D). With a cache, x holds the positions after the cached ones and this
+        block's self-attention keys/values go to the cache as `layer`. With `memory` (B, T', D) instead
+        of cross_k and cross_v, they are projected here: inside the block's own forward, where FSDP
+        has gathered its weights (training)."""
+        if memory is not None:
+            cross_k, cross_v = self.cross_attn.project_kv(memory)
+        u = x.size(1)
+        h = self.norm_self_attn(x)
+        k, v = self.self_attn.project_kv(h)
+        mask = None
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+            mask = cache.self_attn_mask(u)
+        x = x + self.dropout(self.self_attn(h, k, v, attn_mask=mask, is_causal=mask is None and u > 1))
+        return self._cross_attn_and_ffn(x, cross_k, cross_v, memory_mask)
+
+    def step(self, x, keys, values, position, visible, cross_k, cross_v, memory_mask):
+        """`forward` of one token with a cache, as a pure function (`TransformerDecoder.step`).
+        x (R, 1, D); keys, values (R, H, U_max, d_k) of the earlier positions; position () long;
+        visible (1, 1, 1, U_max) True up to position -> x (R, 1, D), keys and values with `position` written."""
+        h = self.norm_self_attn(x)
+        k, v = self.self_attn.project_kv(h)  # (R, H, 1, d_k)
+        keys, values = keys.index_copy(2, position.view(1), k), values.index_copy(2, position.view(1), v)
+        x = x + self.dropout(self.self_attn(h, keys, values, attn_mask=visible))
+        return self._cross_attn_and_ffn(x, cross_k, cross_v, memory_mask), keys, values
+
+    def _cross_attn_and_ffn(self, x, cross_k, cross_v, memory_mask):
+        h = self.norm_cross_attn(x)
+        x = x + self.dropout(self.cross_attn(h, cross_k, cross_v, attn_mask=memory_mask))
+        return x + self.dropout(self.ffn(self.norm_ffn(x)))
+
+
+def sinusoidal_positions(max_len: int, d_model: int):
+    """NeMo's `FixedPositionalEncoding`: sin on even, cos on odd channels, divided by sqrt(D): (max_len, D)."""
+    positions = torch.arange(max_len, dtype=torch.float32)
+    freqs = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    angles = positions[:, None] * freqs[None, :]  # (max_len, D/2)
+    return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1) / math.sqrt(d_model)
+
+
+class TransformerEmbedding(nn.Module):
+    """Token embedding (no sqrt(D) scaling) + fixed positions, LayerNorm, dropout."""
+
+    def __init__(self, vocab_size, d_model, max_len, pad_id, dropout):
+        super().__init__()
+        self.token_embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
+        # Persistent although fixed: a model built on the meta device gets it back from load_state_dict.
+        self.register_buffer("pos_enc", sinusoidal_positions(max_len, d_model))
+        self.layer_norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, tokens, positions=None):
+        """tokens (B, U) at `positions`: a slice (KVCache), a (U,) long tensor (StaticKVCache), or None for 0..U-1."""
+        u = tokens.size(1)
+        assert u <= self.pos_enc.size(0), f"{u} positions exceed decoder max length {self.pos_enc.size(0)}"
+        x = self.token_embedding(tokens)  # (B, U, D)
+        # The buffer stays fp32 where FSDP's bf16 policy casts only the parameters: add it in x's dtype.
+        x = x + self.pos_enc[slice(0, u) if positions is None else positions].to(x.dtype)
+        return self.dropout(self.layer_norm(x))
+
+
+class TransformerDecoder(nn.Module):
+    def __init__(self, vocab_size, pad_id, d_model, n_layers, n_heads, ff_mult, max_len, dropout, dropout_att):
+        super().__init__()
+        self.n_heads, self.d_model = n_heads, d_model
+        self.embedding = TransformerEmbedding(vocab_size, d_model, max_len, pad_id, dropout)
+        self.layers = nn.ModuleList(DecoderBlock(d_model, n_heads, ff_mult, dropout, dropout_att) for _ in range(n_layers))
+        self.final_layer_norm = nn.LayerNorm(d_model)
+        self.output_proj = nn.Linear(d_model, vocab_size)
+        self.apply(self._init_weights)
+        self.output_proj.weight = self.embedding.token_embedding.weight  # tied, with its own bias (as in Canary)
+
+    @staticmethod
+    def _init_weights(module):
+        # NeMo's transformer_weights_init (use_transformer_init: true): N(0, 0.02) weights, zero biases.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            with torch.no_grad():
+                module.weight[module.padding_idx].zero_()
+
+    def forward(self, tokens, memory, memory_lens):
+        """Teacher-forced pass (training): tokens (B, U), memory (B, T', D), memory_lens (B,) -> (B, U, D).
+
+        Returns hidden states after the final LayerNorm; apply `output_proj` for logits.
+        """
+        assert tokens.dim() == 2 and tokens.size(0) == memory.size(0), (
+            f"tokens {tuple(tokens.shape)} and memory {tuple(memory.shape)} disagree on the batch size"
+        )
+        memory_mask = self.memory_mask(memory_lens, memory.size(1))
+        x = self.embedding(tokens)
+        for layer in self.layers:
+            x = layer(x, None, None, memory_mask, memory=memory)
+        return self.final_layer_norm(x)
+
+    def forward_cached(self, tokens, cache: KVCache | StaticKVCache):
+        """Continue the cached positions: a prompt chunk into an empty cache, then one token per step.
+
+        tokens (R, U) -> hidden states (R, U, D); the cache advances by U positions.
+        """
+        u = tokens.size(1)
+        if isinstance(cache, KVCache):  # a StaticKVCache's position is on the device: not checked, not read
+            assert cache.length == 0 or u == 1, f"after the prompt, feed one token per step (got {u} at {cache.length})"
+        x = self.embedding(tokens, cache.positions(u))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, *cache.cross(i), cache.memory_mask, cache, i)
+        cache.advance(u)
+        return self.final_layer_norm(x)
+
+    def step(self, tokens, position, self_kv, cross_kv, memory_mask):
+        """One cached decoding step as a pure function of its inputs, for torch.export: the cache goes
+        in and the updated cache comes out (no in-place writes, no Python-int position), and the
+        self-attention reads the whole U_max buffer with positions after `position` masked out.
+        `forward_cached` (used by search) is the same computation on a KVCache; the two agree to
+        float rounding (tests/test_export.py).
+
+        tokens (R, 1), the token at position (a () long tensor); self_kv (L, 2, R, H, U_max, d_k)
+        holding positions [0, position); cross_kv (L, 2, R, H, T', d_k) and memory_mask (R, 1, 1, T')
+        as in `new_cache` -> hidden states (R, 1, D) and self_kv with `position` filled.
+        """
+        x = self.embedding(tokens, position.view(1))  # a tensor, so an exported step reads it as an input
+        visible = (torch.arange(self_kv.size(4), device=tokens.device) <= position)[None, None, None]  # (1, 1, 1, U_max)
+        layers_kv = []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer.step(x, self_kv[i, 0], self_kv[i, 1], position, visible, cross_kv[i, 0], cross_kv[i, 1],
+                                 memory_mask)
+            layers_kv.append(torch.stack([k, v]))  # (2, R, H, U_max, d_k)
+        return self.final_layer_norm(x), torch.stack(layers_kv)  # (R, 1, D), (L, 2, R, H, U_max, d_k)
+
+    @staticmethod
+    def memory_mask(memory_lens, max_len):
+        return (torch.arange(max_len, device=memory_lens.device)[None, :] < memory_lens[:, None])[:, None, None, :]  # (B, 1, 1, T')
+
+    def cross_kv(self, memory):
+        """Every layer's cross-attention keys and values of memory (B, T', D): (L, 2, B, H, T', d_k)."""
+        return torch.stack([torch.stack(layer.cross_attn.project_kv(memory)) for layer in self.layers])
+
+    def new_cache(self, memory, memory_lens, max_len: int, rows_per_utterance: int = 1) -> KVCache:
+        """Empty self-attention buffers for `max_len` positions and the projected cross-attention K/V,
+        for rows_per_utterance adjacent rows per utterance (beams): R = B * rows_per_utterance."""
+        b, t, _ = memory.shape
+        d_k = self.d_model // self.n_heads
+        self_kv = memory.new_zeros(len(self.layers), 2, b * rows_per_utterance, self.n_heads, max_len, d_k)
+        cross_kv = self.cross_kv(memory).repeat_interleave(rows_per_utterance, dim=2)  # projected once per utterance
+        memory_mask = self.memory_mask(memory_lens, t).repeat_interleave(rows_per_utterance, dim=0)
+        return KVCache(self_kv, cross_kv, memory_mask)

@@ -1,0 +1,189 @@
+"""A run's training data: manifests read into memory, or tar shards streamed, behind one
+2D-bucketing sampler, and the DataLoader that turns its batches into padded `Batch`es.
+
+    data = build_training_data(cfg, tokenizer, rank, world_size, bins_out="run/bins.json")
+    loader = data.loader(device)      # batches of cfg.train's 2D buckets, forever (infinite passes)
+    data.sampler.state_dict(rewind=data.counter.taken - consumed)   # exact resume (train.py)
+"""
+
+import logging
+import random
+import time
+from dataclasses import replace
+from typing import NamedTuple
+
+import torch
+from torch.utils.data import DataLoader
+
+from aed.config import ConfigError
+from aed.data_audio import LogMel
+from aed.data_manifest import (Collate, ManifestError, UtteranceDataset, check_audio, encodable, ignore_stop_signals,
+                               read_manifest)
+from aed.data_sources import CountTokens, is_streamed, open_source, spec_kind
+from aed.data_stream import MixedSource, ShardDataset
+from aed.train_config import TrainConfig
+from aed.train_distributed import all_gather_objects
+from aed.train_objective import OBJECTIVES
+from bins import Bins, estimate_bins, load_batch_sizes
+from sampler import BucketingSampler
+
+log = logging.getLogger(__name__)
+
+
+def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_size: int) -> tuple[list, list]:
+    """Manifests (paths or {path, weight}) -> (utterances, token counts); weight w repeats a
+    manifest's utterances int(w) times per epoch plus a random fraction w - int(w) of them.
+    Lines the tokenizer cannot encode and (with check_audio) utterances whose audio is unreadable
+    or disagrees with its duration are skipped and counted, or stop the run without skip_invalid.
+    tokenizer None (objective=ssl): audio-only lines are read, and every token count is 0."""
+    rng = random.Random(seed)
+    out, out_tokens = [], []
+    for spec in specs:
+        if spec_kind(spec) != "manifest":
+            raise ConfigError(f"train.manifests entry {spec!r} is streamed: every entry must then be streamed")
+        spec = {"path": spec} if isinstance(spec, str) else spec
+        utts = read_manifest(spec["path"], skip_invalid=data_cfg.skip_invalid, needs_text=tokenizer is not None)
+        if tokenizer is not None:
+            utts, num_tokens = encodable(utts, tokenizer, data_cfg.skip_invalid)
+        else:
+            num_tokens = [0] * len(utts)
+        if data_cfg.check_audio:
+            utts, num_tokens = with_valid_audio(spec["path"], utts, num_tokens, data_cfg, rank, world_size)
+        weight = float(spec.get("weight", 1.0))
+        picked = list(range(len(utts))) * int(weight) + rng.sample(range(len(utts)),
+                                                                   round((weight - int(weight)) * len(utts)))
+        out += [utts[i] for i in picked]
+        out_tokens += [num_tokens[i] for i in picked]
+        log.info("%s: %d utterances, %.2f h, weight %g", spec["path"], len(utts),
+                 sum(u.duration for u in utts) / 3600, weight)
+    if data_cfg.speed_perturb:
+        out = [replace(u, speed=f) for f in data_cfg.speed_perturb for u in out]
+        out_tokens = out_tokens * len(data_cfg.speed_perturb)
+        log.info("speed perturbation %s: %d utterances, %.2f h", data_cfg.speed_perturb, len(out),
+                 sum(u.perturbed_duration for u in out) / 3600)
+    return out, out_tokens
+
+
+def with_valid_audio(path: str, utts: list, num_tokens: list, data_cfg, rank: int, world_size: int):
+    """(utts, num_tokens) without the utterances whose audio header is unreadable or disagrees with
+    the manifest's duration. Each rank reads 1/world_size of the headers; the problems are shared."""
+    t0 = time.time()
+    problems = sorted(p for part in all_gather_objects(
+        check_audio(utts, data_cfg.duration_tolerance, rank, world_size)) for p in part)
+    log.info("%s: read the audio headers of %d utterances in %.1f s", path, len(utts), time.time() - t0)
+    if not problems:
+        return utts, num_tokens
+    if not data_cfg.skip_invalid:
+        i, why = problems[0]
+        raise ManifestError(f"{utts[i].where}: {utts[i].audio_filepath}: {why} ({len(problems)} such "
+                            f"utterance(s); train.skip_invalid=true skips them)")
+    if rank == 0:
+        for i, why in problems[:10]:
+            log.warning("skipping %s: %s: %s", utts[i].where, utts[i].audio_filepath, why)
+        unreadable = sum(why.startswith("unreadable") for _, why in problems)
+        log.warning("%s: skipped %d utterance(s) after reading their audio headers: %d unreadable, %d whose "
+                    "duration is off by more than %g%%%s", path, len(problems), unreadable, len(problems) - unreadable,
+                    100 * data_cfg.duration_tolerance, " (first 10 shown)" if len(problems) > 10 else "")
+    bad = {i for i, _ in problems}
+    keep = [i for i in range(len(utts)) if i not in bad]
+    return [utts[i] for i in keep], [num_tokens[i] for i in keep]
+
+
+def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
+                        bins_out: str | None = None) -> "TrainingData":
+    """The sampler and dataset of cfg.train: manifests in memory, or streamed sources (aed's tar
+    shards, NeMo tarred sets, Lhotse Shar, parquet: aed/data_sources.py) read through the sampler's
+    producer thread, token counts computed as they stream by (then bins must be given). An objective that
+    reads no text (ssl) reads audio alone: no text, 1D (duration) buckets. Bins estimated from the
+    manifests are saved to `bins_out` when given. ConfigError / ManifestError name what is wrong."""
+    reads_text = OBJECTIVES[cfg.objective].reads_text
+    logmel = LogMel(cfg.features).train()  # train mode: dither
+    sampler_args = dict(allocation=cfg.train.allocation, min_tps=cfg.train.min_tps,
+                        max_tps=cfg.train.max_tps, buffer_size=cfg.train.buffer_size, seed=cfg.seed,
+                        rank=rank, world_size=world_size, sync_buckets=cfg.train.sync_buckets,
+                        overfill=cfg.train.buffer_overfill, sortagrad=cfg.train.sortagrad, infinite=True)
+    bins = Bins.load(cfg.train.bins) if cfg.train.bins else None  # None: estimated from the manifests
+    if cfg.train.batch_sizes:
+        bins, sizes = load_batch_sizes(cfg.train.batch_sizes)  # the bins the sizes were searched for
+        sampler_args["batch_sizes"] = sizes
+    elif cfg.train.batch_size is not None:
+        sampler_args["batch_size"] = cfg.train.batch_size
+    else:
+        sampler_args["max_duration"] = cfg.train.max_duration
+    data = dict(pad_id=tokenizer.pad, num_workers=cfg.train.num_workers, seed=cfg.seed)
+
+    streamed = [s for s in cfg.train.manifests if is_streamed(s)]
+    if streamed:
+        if not reads_text:
+            raise ConfigError(f"objective={cfg.objective} reads manifests (audio-only lines are fine), not "
+                              "streamed sources")
+        if cfg.train.speed_perturb or cfg.train.short_first:
+            raise ConfigError("train.speed_perturb and train.short_first work on in-memory manifests; streamed "
+                              "sources are read as they come")
+        if len(streamed) != len(cfg.train.manifests) or bins is None:
+            raise ConfigError("streamed training needs every train.manifests entry streamed ({shards: DIR}, "
+                              "{shar: DIR}, a NeMo tarred set or {parquet: GLOB}; README: Your data as it is) and "
+                              "train.bins or train.batch_sizes (tools/estimate_bins.py reads the same entries)")
+        longest = max(max(row) for row in bins.tokens) if bins.tokens else None
+        if longest is None or longest > cfg.model.dec_max_len:
+            raise ConfigError(f"streamed training needs 2D bins whose token bounds fit "
+                              f"model.dec_max_len={cfg.model.dec_max_len} (the sampler drops longer examples)")
+        sources = [CountTokens(open_source(s), tokenizer) for s in streamed]
+        source = sources[0] if len(sources) == 1 else MixedSource(
+            sources, [float(s.get("weight", 1.0)) for s in streamed])
+        sampler = BucketingSampler(source, bins, **sampler_args)
+        return TrainingData(sampler, ShardDataset(tokenizer, logmel, seed=cfg.seed), bins, BatchCounter(sampler),
+                            **data)
+
+    text_tokenizer = tokenizer if reads_text else None
+    utts, num_tokens = load_examples(cfg.train.manifests, cfg.train, text_tokenizer, cfg.seed, rank, world_size)
+    too_long = [i for i, n in enumerate(num_tokens) if n > cfg.model.dec_max_len]
+    if too_long:
+        log.warning("dropping %d utterances whose prompt+text exceed dec_max_len=%d tokens, e.g. %s",
+                    len(too_long), cfg.model.dec_max_len, utts[too_long[0]].where)
+        keep = sorted(set(range(len(utts))) - set(too_long))
+        utts, num_tokens = [utts[i] for i in keep], [num_tokens[i] for i in keep]
+    if bins is None:
+        bins = estimate_bins([u.perturbed_duration for u in utts], num_tokens, cfg.train.num_buckets,
+                             cfg.train.sub_buckets if reads_text else 1, method=cfg.train.bin_method)
+        if bins_out:
+            bins.save(bins_out)
+    examples = [{"duration": u.perturbed_duration, "num_tokens": n} for u, n in zip(utts, num_tokens)]
+    seconds, steps = cfg.train.short_first or (None, 0)
+    short_first = (seconds, int(steps) * cfg.optim.grad_accum) if seconds else None  # sampler batches
+    try:
+        sampler = BucketingSampler(examples, bins, **sampler_args, short_first=short_first, yield_indices=True)
+    except ValueError as e:  # settings the data cannot meet (short_first, a batch limit no example fits)
+        raise ConfigError(f"train: {e}") from None
+    return TrainingData(sampler, UtteranceDataset(utts, text_tokenizer, logmel, seed=cfg.seed), bins,
+                        BatchCounter(sampler), **data)
+
+
+class BatchCounter:
+    """Counts the batches the DataLoader has taken from the sampler: the DataLoader prefetches,
+    so a checkpoint rewinds the sampler by (taken - trained) batches to resume exactly."""
+
+    def __init__(self, sampler):
+        self.sampler, self.taken = sampler, 0
+
+    def __iter__(self):
+        for batch in self.sampler:
+            self.taken += 1
+            yield batch
+
+
+class TrainingData(NamedTuple):
+    sampler: BucketingSampler
+    dataset: torch.utils.data.Dataset  # sampler batch -> items: UtteranceDataset or ShardDataset
+    bins: Bins
+    counter: BatchCounter  # the sampler, counting the batches the DataLoader has taken from it
+    pad_id: int
+    num_workers: int
+    seed: int
+
+    def loader(self, device: torch.device) -> DataLoader:
+        """A DataLoader over the sampler's batches. Its own generator: worker seeds must not consume
+        the global RNG, or a resumed run's dropout and SpecAugment would differ from an uninterrupted one."""
+        return DataLoader(self.dataset, batch_sampler=self.counter, collate_fn=Collate(self.pad_id),
+                          num_workers=self.num_workers, pin_memory=device.type == "cuda",
+                          worker_init_fn=ignore_stop_signals, generator=torch.Generator().manual_seed(self.seed))

@@ -1,0 +1,144 @@
+"""Validation during training: the loss on every validation manifest, and for objectives that
+transcribe, WER per language and BLEU per translation pair.
+
+    results = evaluate(setup, model, {"dev": "data/mini/dev.jsonl"}, rank, world_size, skip_invalid, unreadable)
+    results = evaluate(setup, model, {"dev": {"shar": "data/dev_shar"}}, ...)   # any train.manifests entry
+
+Each rank scores a slice of every manifest; losses are all-reduced and hypotheses gathered, so
+every metric is a corpus metric over the whole manifest.
+"""
+
+import logging
+import weakref
+from itertools import islice
+
+import torch
+from torch.utils.data import Dataset
+
+from aed.data_audio import AudioError, LogMel
+from aed.data_manifest import (Collate, UnreadableAudio, UtteranceDataset, duration_batches, encodable, make_item,
+                               read_manifest)
+from aed.data_sources import metadata, open_source, spec_kind
+from aed.data_stream import as_utterance, decode_audio
+from aed.decode_score import corpus_scores
+from aed.decode_search import DecodingOptions
+from aed.decode_static import CompiledAED
+from aed.decode_timestamps import frame_seconds
+from aed.train_distributed import all_gather_objects, all_reduce
+from aed.train_step import autocast, count_ctc_skipped, train_mode
+
+log = logging.getLogger(__name__)
+
+# val.compile: each model's compiled decoder, made at its first validation and reused by the later ones
+# (the graphs read the parameters the optimizer updates in place).
+COMPILED = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int, skip_invalid: bool,
+             unreadable: UnreadableAudio) -> dict:
+    """{name: path} -> {"name/loss": ..., "name/wer": ..., "name/examples": [lines], ...}.
+
+    setup: the run's aed.train_step.TrainingSetup; model: its model, whole on every rank
+    (aed.train_distributed.full_copy: each rank decodes its own slice, for its own number of steps).
+    Random draws in the model's forward (BEST-RQ's masks) come from a generator reseeded for
+    every validation, so each one masks the same frames (losses of different steps compare) and
+    training's random stream is left alone."""
+    cfg, objective, tokenizer = setup.cfg, setup.objective, setup.tokenizer
+    device = next(model.parameters()).device
+    model.eval()
+    logmel, collate = LogMel(cfg.features).eval(), Collate(tokenizer.pad)
+    options = DecodingOptions(ctc_weight=cfg.val.ctc_weight,
+                              frame_seconds=frame_seconds(cfg.features, cfg.model.subsampling_factor))
+    decoder = model
+    if cfg.val.compile and objective.compiles:
+        if model not in COMPILED:
+            COMPILED[model] = CompiledAED(model)
+        decoder = COMPILED[model]
+    results = {}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(cfg.seed + rank)
+        for name, spec in manifests.items():
+            ds = val_dataset(spec, cfg.val.max_utterances, tokenizer if objective.reads_text else None, logmel,
+                             skip_invalid, rank, world_size)
+            sums = torch.zeros(3, device=device)  # loss, targets, transcriptions too short for CTC
+            rows = []  # (task, source language, target language, reference, hypothesis)
+            for group in duration_batches([u.duration for u in ds.utterances], cfg.val.batch_duration):
+                b = collate([ds[j] for j in group]).to(device)
+                unreadable.report(b.errors, "validation")
+                if len(b) == 0:
+                    continue
+                with autocast(device, setup.precision):
+                    loss, n = model(b.feats, b.feat_lens, b.tokens, b.token_lens, b.prompt_lens, b.transcribed)
+                    hyps = objective.transcribe(decoder, b, tokenizer.eos, options) if objective.transcribe else []
+                sums += torch.stack([loss.float(), n.float(), torch.tensor(float(count_ctc_skipped(model, [b])),
+                                                                           device=device)])
+                for k, hyp in enumerate(hyps):
+                    u = ds.utterances[b.indices[k]]
+                    text = tokenizer.decode_hypothesis(hyp)
+                    rows.append((u.taskname, u.source_lang, u.target_lang, u.text, text))
+            sums = all_reduce(sums)
+            results[f"{name}/loss"] = (sums[0] / sums[1].clamp(min=1)).item()
+            if objective.transcribe is not None:
+                results |= scores(name, [r for part in all_gather_objects(rows) for r in part], int(sums[2]), cfg.val)
+    train_mode(model, cfg.freeze)
+    return results
+
+
+def val_dataset(spec, max_utterances: int | None, tokenizer, logmel: LogMel, skip_invalid: bool, rank: int,
+                world_size: int):
+    """This rank's share of a validation set, the shortest first: every world_size-th utterance in
+    order of duration. spec: a manifest path, or a streamed train.manifests entry (aed/data_sources.py),
+    whose examples are held in memory (a validation set is small) and decoded when scored; the
+    first `max_utterances` in file order are used. tokenizer None: audio only (objective=ssl)."""
+    if spec_kind(spec) == "manifest":
+        path = spec if isinstance(spec, str) else spec["path"]
+        utts = read_manifest(path, skip_invalid, needs_text=tokenizer is not None)[:max_utterances]
+        if tokenizer is not None:
+            utts, _ = encodable(utts, tokenizer, skip_invalid)
+        order = sorted(range(len(utts)), key=lambda i: utts[i].duration)[rank::world_size]
+        return UtteranceDataset([utts[i] for i in order], tokenizer, logmel)
+    source = open_source(spec, shuffle_shards=False)
+    rows = [(fields["duration"], where) for where, fields in islice(metadata(source), max_utterances)]
+    mine = {where for _, where in sorted(rows)[rank::world_size]}  # durations from metadata: no audio read
+    examples = sorted((ex for _, _, ex in source.read(0, 0, 1) if ex["where"] in mine), key=lambda ex: ex["duration"])
+    if tokenizer is not None:
+        kept = {u.where for u in encodable([as_utterance(ex) for ex in examples], tokenizer, skip_invalid)[0]}
+        examples = [ex for ex in examples if ex["where"] in kept]
+    return ExampleDataset(examples, tokenizer, logmel)
+
+
+class ExampleDataset(Dataset):
+    """Streamed examples held in memory, indexed as `UtteranceDataset` (items of `make_item`;
+    `utterances[i]` for the metrics); audio that does not decode comes back as {"error": ...}."""
+
+    def __init__(self, examples: list[dict], tokenizer, logmel: LogMel):
+        self.examples, self.tokenizer, self.logmel = examples, tokenizer, logmel
+        self.utterances = [as_utterance(ex) for ex in examples]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict:
+        try:
+            wav = decode_audio(self.examples[i], self.logmel.cfg.sample_rate)
+        except AudioError as e:
+            return {"error": str(e), "audio_filepath": self.utterances[i].audio_filepath}
+        return make_item(wav, self.utterances[i], i, self.tokenizer, self.logmel)
+
+
+def scores(name: str, rows: list, ctc_skipped: int, val_cfg) -> dict:
+    """The metrics of one manifest's gathered (task, source, target, reference, hypothesis) rows."""
+    results = {f"{name}/ctc_skipped": ctc_skipped}
+    if ctc_skipped > 0:
+        log.info("validation %s: %d of %d utterances have more tokens than CTC frames allow: left out of the "
+                 "CTC term of its loss", name, ctc_skipped, len(rows))
+    groups, asr_wer = corpus_scores(rows, val_cfg.normalizer)
+    for group_name, group in groups.items():  # "asr en" -> wer_en, wer_pnc_en; "ast en-es" -> bleu_en-es
+        for metric in ("wer", "wer_pnc", "bleu"):
+            if metric in group:
+                results[f"{name}/{metric}_{group_name.split()[1]}"] = group[metric]
+    if asr_wer is not None:
+        results[f"{name}/wer"] = asr_wer
+    results[f"{name}/examples"] = [f"{r[1]}->{r[2]} REF: {r[3]} | HYP: {r[4]}" for r in rows[: val_cfg.num_examples]]
+    return results
