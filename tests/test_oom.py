@@ -9,20 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from oom import main, warn_ddp_rebuild
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from aed.audio import FeatureConfig, num_frames
-from torch._subclasses.fake_tensor import FakeTensor
-
-from aed.memory import LiveTensorMemory, OutOfMemory, is_out_of_memory, parse_bytes
-from aed.memory_model import MemoryModel
+from aed.data_audio import FeatureConfig, num_frames
+from aed.data_bins import bucket_shapes
+from aed.memory_measure import (CUBLAS_WORKSPACE, CUDA_CONTEXT, LiveTensorMemory, OutOfMemory, SimulatedDevice,
+                                allocated_limit, fake_world, is_out_of_memory, parse_bytes)
+from aed.memory_oomptimizer import (MemoryBudgetError, MemoryModel, TrainingStep, make_monotone, optimize, preflight,
+                                    search_batch_size)
 from aed.model import AED, AEDConfig
-from aed.oomptimizer import (MemoryBudgetError, TrainingStep, bucket_shapes, make_monotone, optimize, preflight,
-                             search_batch_size)
-from aed.simulated_memory import CUBLAS_WORKSPACE, CUDA_CONTEXT, SimulatedDevice, allocated_limit
-from aed.transducer import TransducerASR
+from aed.model_transducer import TransducerASR
 from bins import Bins, load_batch_sizes
-from oom import main, warn_ddp_rebuild
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(n_mels=24, vocab_size=40, pad_id=1, enc_d_model=32, enc_layers=2, enc_heads=4, subsampling_channels=8,
@@ -86,22 +85,56 @@ def test_tracker_counts_storages_resized_in_place():
     assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_, "resize_ is restored on exit"
 
 
-@pytest.mark.slow(seconds=100)
+@pytest.mark.slow(seconds=120)
 def test_simulated_fsdp_step_matches_a_real_two_rank_step(tmp_path):
     # A real FSDP2 step at world size 2 (torchrun, gloo) measured on rank 0, against the same step on
-    # fake tensors sharded over a fake world of 2: exact, as the fp32 simulation of one device is
-    # (test_simulated_step_on_fake_tensors_matches_the_real_step). bf16: the parameters gathered in
-    # bf16 and autocast, as train.py runs FSDP on CUDA. Both precisions in one world, ~1.5 min.
+    # fake tensors sharded over a fake world of 2. bf16: the parameters gathered in bf16 and autocast,
+    # as train.py runs FSDP on CUDA. Both precisions in one world.
+    sys.path.insert(0, str(ROOT / "bench"))
+    from oom_scale_bench import FSDP_SHAPES, TINY, build, fsdp_step
+
+    # The simulation's own figures, exact: they are arithmetic on shapes, the same on every CPU. Rank 0
+    # of 2 holds the first ceil(d0 / 2) rows of every parameter (FSDP2 shards dim 0), fp32 in both
+    # precisions; after a step, a gradient shard of the same size; AdamW's two moments of it and a
+    # 4-byte step count per parameter. Checked here because the peak's tolerance below cannot see
+    # a missing gradient: at most ~1% of a row's peak is gradients (most are reduced after it).
+    params = list(build(TINY, "aed").parameters())
+    shard = sum(4 * -(-p.shape[0] // 2) * (p.numel() // p.shape[0]) for p in params)
+    simulated = {}
+    for precision in ("fp32", "bf16"):
+        with fake_world(2), SimulatedDevice():
+            step = fsdp_step(2, precision)
+            simulated[precision] = step.peak(*FSDP_SHAPES[0])  # leaves this step's gradients in place
+            held = {}
+            for name, tensors in [("params", step.model.parameters()),
+                                  ("grads", (p.grad for p in step.model.parameters())),
+                                  ("adamw", (v for s in step.optimizer.state.values() for v in s.values()))]:
+                mem = LiveTensorMemory()  # counts a DTensor by its local shard, each storage once
+                mem.add(tensors)
+                held[name] = mem.current
+        assert held == {"params": shard, "grads": shard, "adamw": 2 * shard + 4 * len(params)}, (precision, held)
+
     out = tmp_path / "fsdp.json"
     subprocess.run([sys.executable, str(ROOT / "bench" / "oom_scale_bench.py"), "validate-fsdp", "--out", str(out),
                     "--precision", "fp32", "bf16"], cwd=ROOT, check=True, capture_output=True, text=True)
     r = json.loads(out.read_text())
     assert r["world_size"] == 2 and sorted(r["precisions"]) == ["bf16", "fp32"]
     for precision, v in r["precisions"].items():
-        assert len(v["rows"]) == 3
-        assert all(row["simulated"] == row["measured"] for row in v["rows"]), (precision, v["rows"])
-        # The tracker sees what rank 0's process holds (DTensor shards, regathered layers): its RSS growth.
-        assert 0.9 < v["rss"]["rss_growth"] / v["rss"]["tracked"] < 1.2, (precision, v["rss"])
+        rows = v["rows"]
+        assert len(rows) == 3
+        # No CPU kernel runs on fake tensors: the simulated peak is the same to the byte in any process.
+        assert rows[0]["simulated"] == simulated[precision], (precision, rows[0], simulated[precision])
+        # The real peak also counts the outputs of the kernels this CPU picks, which differ between CPUs
+        # (AVX-512 ones add ~0.25% to a row). 1% covers them; a simulation that left out AdamW's state
+        # (1.6-11% of every row's peak) or counted it twice still fails.
+        assert all(abs(row["simulated"] - row["measured"]) <= 0.01 * row["measured"] for row in rows), (precision, rows)
+        # rank 0's RSS growth over a larger step: the tensors the tracker counts, plus buffers kernels
+        # allocate outside PyTorch's allocator (oneDNN's; with bf16 kernels on AVX-512 CPUs about a
+        # fifth of the count), minus heap that glibc kept from earlier steps and reuses for allocations
+        # below the mmap threshold (growth below the count). A tracker that lost the tensors autograd
+        # saves for backward (~3/4 of this step) fails either way. FSDP's state (~1% of the step) is
+        # below what RSS resolves: it is checked exactly above.
+        assert 0.8 < v["rss"]["rss_growth"] / v["rss"]["tracked"] < 1.4, (precision, v["rss"])
 
 
 @pytest.mark.slow
@@ -111,9 +144,9 @@ def test_tracker_matches_process_rss_growth():
     script = f"""
 import json, torch
 torch.set_num_threads(1)
-from aed.memory import LiveTensorMemory
+from aed.memory_measure import LiveTensorMemory
 from aed.model import AED, AEDConfig
-from aed.oomptimizer import TrainingStep
+from aed.memory_oomptimizer import TrainingStep
 def status(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
@@ -310,11 +343,11 @@ def test_one_command_from_manifests_to_a_config_train_py_reads(tmp_path, capsys)
     # the search, and a YAML fragment that train.py merges over the config.
     import yaml
 
-    from aed.config import load_train_config
-    from aed.data import encode_utterance, read_manifest
-    from aed.tokenizer import Tokenizer
+    from aed.train_config import load_train_config
+    from aed.data_manifest import encode_utterance, read_manifest
+    from aed.data_tokenizer import Tokenizer
     from bins import estimate_bins
-    from aed.training_data import build_training_data
+    from aed.train_data import build_training_data
 
     manifest, tok_dir = str(ROOT / "data/mini/train.jsonl"), str(ROOT / "data/mini/tokenizer")
     config = tmp_path / "run.yaml"
