@@ -1,0 +1,54 @@
+"""aed: attention encoder-decoder speech models (Canary-style ASR and speech translation) in PyTorch.
+
+    import aed
+    model = aed.load_model("runs/tiny")                    # a run directory (its newest checkpoint) or a checkpoint
+    results, timings = aed.transcribe(model, ["a.wav", "clips/"], source_lang="en")
+    results, _ = aed.transcribe(model, ["talk.wav"], aed.DecodingOptions(beam_size=4), target_lang="de")
+    print(results[0].pred_text, timings.rtfx)
+
+The package, one module per concept, in the order data flows through it. A module imports only
+modules of its own group or of the groups above it; the two exceptions are named below.
+
+config              typed dataclass configs: defaults, then YAML files, then key=value overrides
+data in
+  data_audio        audio files -> log-mel features (NeMo's), SpecAugment
+  data_tokenizer    special tokens + SentencePiece models in one id space, Canary prompts
+  data_manifest     JSONL manifest lines -> checked Utterances; skips counted (Faults); items, Batch
+  data_stream       what the streamed readers share: shard order, mixing, decoding members
+  data_shards       aed's own tar shards
+  data_tarred       NeMo tarred datasets and Lhotse Shar, read in place
+  data_parquet      Hugging Face parquet, read in place
+  data_sources      a train.manifests entry -> its reader
+  data_bins         2D bucket bins estimated from manifests, and their shapes in frames
+model
+  model_encoder     FastConformer encoder (NeMo's layout: Canary weights convert 1:1)
+  model_decoder     Transformer decoder with its KV cache
+  model_ctc         CTC head
+  model_transducer  transducer (RNN-T) head and loss
+  model_ssl         BEST-RQ self-supervised encoder pretraining
+  model             the AED: encoder + decoder (+ CTC), its AEDConfig and losses
+training
+  train_config      TrainConfig and its sections: what train.py and oom.py read
+  train_objective   the three objectives (aed, rnnt, ssl): what objective=... changes
+  train_distributed torchrun ranks, DDP and FSDP2
+  train_checkpoint  DCP checkpoints: save, find the newest valid one, load
+  train_step        the training step and what it is made of (model, optimizer, LR, precision)
+  train_data        a run's training data: sources, sampler, DataLoader
+  train_progress    the progress line, metrics.jsonl, TensorBoard, FLOPs and MFU
+  train_validation  dev loss, WER per language and BLEU per pair during training
+decoding
+  decode_search     batched greedy and beam search, joint with CTC prefix scores
+  decode_static     the decoder step on fixed-shape buffers: compiled, CUDA graphs, torch.export
+  decode_timestamps word and segment times, force-aligned to the CTC head
+  decode_merge      joining the hypotheses of overlapping chunks of a long file
+  decode_score      WER and BLEU, and the text normalisers leaderboards use
+  decode_transcribe files -> Results: the API behind infer.py (load_model, transcribe)
+memory
+  memory_measure    peak memory of a step, on the real device or a simulated CUDA device
+  memory_oomptimizer the largest batch of every bucket (oom.py), and the memory model
+
+Exceptions to the order: decoding reads checkpoints (decode_transcribe -> train_checkpoint), and
+training decodes to validate (train_config, train_objective, train_validation -> decode_*).
+The scripts at the top level use the package: train.py, infer.py, oom.py. `sampler.py` and `bins.py`
+(2D bucketing) import nothing from it.
+"""

@@ -18,6 +18,7 @@ import inspect
 import io
 import os
 import re
+import textwrap
 import tokenize
 import types
 import typing
@@ -189,10 +190,12 @@ def help_table(rows: list[tuple[str, str, str, str]]) -> str:
     """`describe`'s rows as text: "key  type = default" over its description, a blank line
     between sections."""
     width = max(len(k) for k, *_ in rows)
+    indent = " " * (width + 4)
     lines = []
     for key, type_name, default, text in rows:
         section = key.rsplit(".", 1)[0] if "." in key else ""
         if lines and section != lines[-1][0]:
             lines.append((section, ""))
-        lines.append((section, f"  {key:<{width}}  {type_name} = {default}\n  {'':<{width}}  {text}"))
+        wrapped = textwrap.fill(text, 100, initial_indent=indent, subsequent_indent=indent)
+        lines.append((section, f"  {key:<{width}}  {type_name} = {default}\n{wrapped}"))
     return "\n".join(line for _, line in lines)

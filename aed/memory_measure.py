@@ -47,8 +47,8 @@ What a CUDA device adds on top of the tensors, and how each term is treated:
 * modelled, cuBLAS workspaces: allocated through the caching allocator since PyTorch 1.11, so
   counted in max_memory_allocated: one per thread that runs matrix products (its own cuBLAS
   handle), and a training step has two, forward on the caller's thread and backward on autograd's
-  device thread: `CUBLAS_WORKSPACE` (measured on an H200, torch 2.11: +32 MiB at the first forward
-  product, +32 MiB more at the first backward).
+  device thread: `CUBLAS_WORKSPACE` (32 MiB each on Hopper GPUs, PyTorch's default: one at the first forward
+  product, one more at the first backward).
 * modelled, CUDA context: the driver's and kernels' memory outside the allocator, never in
   max_memory_allocated but on the device: `CUDA_CONTEXT`, taken off the device's memory.
 * not modelled, attention kernels and autocast: the step runs the CPU's choice of SDPA kernel and

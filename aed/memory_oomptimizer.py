@@ -138,17 +138,6 @@ class MemoryModel:
         return f"MemoryModel({self.coef[0] / 2**30:.2f} GiB + {terms} bytes)"
 
 
-def fit_shapes(durations, tps, frames_per_second: float, target_seconds: float, max_tokens: int) -> list:
-    """(B, T, U) shapes to fit on: every duration x tokens-per-second pair, at the batch size a
-    duration heuristic of `target_seconds` gives (so the fit sees steps of realistic size)."""
-    shapes = []
-    for d in durations:
-        for r in tps:
-            B = max(1, math.floor(target_seconds / d))
-            shapes.append((B, round(d * frames_per_second), max(2, min(max_tokens, round(r * d)))))
-    return shapes
-
-
 log = logging.getLogger(__name__)
 
 

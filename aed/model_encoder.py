@@ -19,10 +19,9 @@ from torch.utils.checkpoint import checkpoint
 SUBSAMPLING_FACTORS = (4, 8)  # stride-2 conv stages: 2 (40 ms per encoder frame at 10 ms hop) or 3 (Canary's 80 ms)
 # Without autograd the subsampling takes the batch in groups of rows whose first conv output stays
 # under this many elements (one 30 s row at Canary's 256 channels: 25 M): that output is the largest
-# tensor of the whole encoder, 1.6 GB for 16 rows of 30 s. On 2 CPU cores one row at a time was
-# fastest (2.6-2.9 s for 16 rows of 30 s, all 16 at once 3.2 s). On an H200 single rows took twice
-# one group's time; groups of 2**27 (5 rows of 30 s) took 3-6% more, and cut the peak from 0.9-3.7 GB
-# to 0.3-0.6 GB at 16-32 rows.
+# tensor of the whole encoder, 1.6 GB for 16 rows of 30 s. A CPU is fastest at one row at a time; a
+# GPU needs a few rows per group to stay busy, and the groups still bound its peak memory (measured:
+# docs/REPORT.md, "Memory per system, and the encoder's subsampling without autograd").
 CPU_SUBSAMPLING_ELEMENTS = 2**25
 GPU_SUBSAMPLING_ELEMENTS = 2**27
 
@@ -77,8 +76,7 @@ class ConvSubsampling(nn.Module):
     def forward(self, x, x_lens):
         """x (B, T, F), x_lens (B,) -> (B, T', D), (B,). Without autograd (inference, validation) the
         rows go through in groups, each in place and, on the CPU, channels last, where oneDNN's
-        convolutions run ~2.3x faster: 16 rows of 30 s took 2-3.4 s instead of 6-7.7 s, and 0.2 GB
-        instead of 3.3 GB, on 2 cores. Traced for torch.compile or torch.export, the plain path: the
+        convolutions run faster and need far less memory (docs/REPORT.md has the figures). Traced for torch.compile or torch.export, the plain path: the
         groups would fix the batch size and length, and a compiler plans layouts and memory itself."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return self._subsample(x, x_lens, inference=False)

@@ -33,11 +33,14 @@ FREEZE = ("none", "encoder", "all_but_new_tokens")  # TrainConfig.freeze (aed/tr
 
 
 @dataclass
-class DataConfig:
+class TrainSection:
+    """The `train:` section: what is trained on and how it is batched, curricula, data workers, and
+    how the ranks share the model."""
+
     manifests: list[dict | str] = field(default_factory=lambda: ["data/mini/train.jsonl"])  # paths, {path, weight}, or streamed: {shards: DIR}, {shar: DIR}, a NeMo tarred set, {parquet: GLOB} (aed/data_sources.py)
     tokenizer: str = "data/mini/tokenizer"  # directory written by tools/train_tokenizer.py; sets the model's vocabulary
     skip_invalid: bool = True  # bad manifest lines are skipped with a warning and counted, not fatal
-    check_audio: bool = True  # read every audio header at start (~2-4k files/s per rank, cold cache): unreadable files and wrong durations are skipped
+    check_audio: bool = True  # read every audio header at start (docs/data.md has its speed): unreadable files and wrong durations are skipped
     duration_tolerance: float = 0.1  # check_audio: a manifest duration further than this fraction from the header's is wrong
     bins: str | None = None  # bins.json from tools/estimate_bins.py; None: estimated at start
     num_buckets: int = 30  # duration buckets when estimating bins (the paper: 30)
@@ -52,9 +55,9 @@ class DataConfig:
     buffer_size: int = 20000  # examples held by the bucketing buffer
     buffer_overfill: float = 4.0  # read on up to this x the buffer for the bucket all ranks drew (1: the paper's)
     sync_buckets: bool = True  # same bucket on every rank each step (removes the tail-worker effect)
-    sortagrad: bool = False  # first pass over the data from the shortest bucket to the longest (curriculum; long-sentence laptop run: dev WER 126.0 vs 131.8 at step 1650, not kept)
-    short_first: list[float] | None = None  # [seconds, steps]: the first steps train only on utterances up to that long, passing over them repeatedly (a curriculum; in-memory manifests); [3.0, 1650] made the laptop recipe learn long sentences (test WER 47.7 and 48.3% on two corpora with a beam of 4; over 100% without) and left its short corpus at 41.0%
-    speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]: every utterance once at each speed (Kaldi, ESPnet, icefall); in-memory manifests; long-sentence laptop run: dev WER 93.7 vs 79.2 without at step 3300 of 6600, not kept
+    sortagrad: bool = False  # first pass over the data from the shortest bucket to the longest (a curriculum)
+    short_first: list[float] | None = None  # [seconds, steps]: the first steps train only on utterances up to that long, passing over them repeatedly (a curriculum; in-memory manifests; docs/training.md)
+    speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]: every utterance once at each speed (Kaldi, ESPnet, icefall); in-memory manifests
     num_workers: int = 2  # DataLoader workers decoding audio and computing features
     strategy: str = "ddp"  # ddp: every rank holds the whole model and optimizer | fsdp: FSDP2 shards parameters, gradients and AdamW state over the ranks (aed/train_distributed.py); on one process, over a group of one
     reshard_after_forward: bool = True  # fsdp: free each layer's gathered parameters after its forward (less memory; false: one all-gather less per layer)
@@ -131,7 +134,7 @@ class TrainConfig:
     model: AEDConfig = field(default_factory=AEDConfig)  # architecture (aed/model.py)
     features: FeatureConfig = field(default_factory=FeatureConfig)  # log-mel features (aed/data_audio.py)
     spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)  # masking in training
-    train: DataConfig = field(default_factory=DataConfig)  # training data and batching
+    train: TrainSection = field(default_factory=TrainSection)  # training data, batching and parallelism
     val: ValConfig = field(default_factory=ValConfig)  # validation
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer and schedule
     ssl: SSLConfig = field(default_factory=SSLConfig)  # objective=ssl: masking and random-projection targets (aed/model_ssl.py)

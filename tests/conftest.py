@@ -39,6 +39,5 @@ def pytest_collection_modifyitems(items):
     """Slow tests first, the longest of them at the very front (stable, so every xdist worker collects
     the same order). `make test`'s first worker gets the front half of the queue and works down from
     the longest; the other worker, once its own half is done, steals from the back (--dist worksteal).
-    Before, the two 3-5 minute runs sat late in the slow tests, started late and ran on alone
-    (on average 1.83 of the 2 cores busy over the suite, 1.98 with this order)."""
+    So the longest runs start first and neither worker ends alone on one of them."""
     items.sort(key=lambda item: (item.get_closest_marker("slow") is None, -expected_seconds(item)))
