@@ -38,9 +38,10 @@ not O(T' x vocabulary).
 The searches. `prompt` (B, P) holds the same-length Canary prompt per utterance (`<|startoftranscript|><|src|><|task|>
 <|tgt|><|pnc|>`); the result is, per utterance, the generated ids after the prompt, without EOS.
 Both searches run one batched decoder step per token for the whole batch, keep finished rows at EOS,
-and look at the device (to stop early) only every SYNC_EVERY steps. `model` is an AED, or an
-aed.decode_static.CompiledAED of one: the same steps (cfg, encode_with_ctc, new_cache, decode_step) on a
-fixed-shape cache, compiled; the searches cannot tell the two apart.
+and look at the device (to stop early) only every SYNC_EVERY steps. `model` is an AED, an
+aed.decode_static.CompiledAED of one (the same steps: cfg, encode_with_ctc, new_cache, decode_step, on a
+fixed-shape cache, compiled), or an aed.decode_static.ExportedAED of its torch.export programs: these
+loops are the only decoding loops, and the searches cannot tell the three apart.
 
 An attention decoder trained on little data babbles: it repeats a word until the length limit. Three
 things stop that, all on by default: with a CTC head, hypotheses are ranked by joint CTC/attention
@@ -147,6 +148,16 @@ class DecodingOptions:
     # (espeak-ng speaks fast and their BPE pieces are short); Canary's tokenizers give about 4 on real speech.
     max_tokens_per_second: float | None = 25.0
     frame_seconds: float = 0.08  # seconds per encoder frame (aed.decode_timestamps.frame_seconds): converts the bound above
+
+    def __post_init__(self):
+        """ValueError naming the first option out of its range."""
+        if self.beam_size < 1 or (self.max_new_tokens is not None and self.max_new_tokens < 1):
+            raise ValueError(f"beam size ({self.beam_size}) and max new tokens ({self.max_new_tokens}) must be >= 1")
+        if not 0 <= self.ctc_weight <= 1:
+            raise ValueError(f"CTC weight {self.ctc_weight} must lie in [0, 1]")
+        if self.max_repeats < 0 or (self.max_tokens_per_second or 0) < 0:
+            raise ValueError(f"max repeats ({self.max_repeats}) and max tokens per second "
+                             f"({self.max_tokens_per_second}) must be >= 0")
 
 
 @torch.inference_mode()

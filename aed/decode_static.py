@@ -5,13 +5,14 @@
     hyps = decode(compiled, feats, feat_lens, prompt, eos_id, options)        # aed.decode_search, as with model
     hyps = search(compiled, memory, memory_lens, prompt, eos_id, options, ctc_log_probs)
 
-Why: the eager decoder's KVCache grows by a Python int and its attention reads the filled slice, so
-every step has new shapes, and a step is a Python loop of a few dozen small kernels per layer. On a
-GPU at batch 1 that step is bound by kernel launches. Here it runs on a StaticKVCache (aed/model_decoder.py):
-buffers of a fixed shape, written at a position tensor, attention masked to the filled positions. So
-`torch.compile(fullgraph=True)` traces the whole step once per shape, and on CUDA `mode="reduce-overhead"`
-captures it as a CUDA graph that replays in one launch. On a CPU a batch-1 step is bound by reading the
-weights instead: compiling it gains little there (int8 weights do: aed.decode_transcribe.quantize_int8).
+Why: the eager decoder's KVCache (aed/model_decoder.py) has a Python-int length and its attention
+reads the filled prefix, so every step has new shapes, and a step is a Python loop of a few dozen
+small kernels per layer. On a GPU at batch 1 that step is bound by kernel launches. Here the same
+KVCache has its length in a device tensor: buffers of a fixed shape, written at that position,
+attention masked to the filled positions. So `torch.compile(fullgraph=True)` traces the whole step
+once per shape, and on CUDA `mode="reduce-overhead"` captures it as a CUDA graph that replays in one
+launch. On a CPU a batch-1 step is bound by reading the weights instead: compiling it gains little
+there (int8 weights do: aed.decode_transcribe.quantize_int8).
 
 Shapes are rounded up to buckets (rows to a power of two, decoder positions to a multiple of
 POSITION_BUCKET, encoder frames to a multiple of FRAME_BUCKET), so a few compiled graphs serve every
@@ -38,11 +39,17 @@ encoder: feats (B, T, F) log-mels (aed.data_audio.LogMel), feat_lens (B,) -> cro
 step: tokens (R, 1) at position (a () long tensor), self_kv (L, 2, R, H, U_max, d_k) holding
     positions [0, position), cross_kv and memory_lens (R rows of the encoder's) -> fp32 logits (R, V)
     of the next token and self_kv with `position` filled (a new tensor: the cache goes in and comes out).
+    Inside, it is `AED.decode_step` on a KVCache with a tensor position, over a copy of self_kv.
 
-B, T, R and T' are dynamic; U_max (prompt + output + EOS) is fixed when exporting. The prompt is fed
-one token per step (`greedy`): the same causal attention as the eager decoder's prompt chunk.
-The programs are traced in eval mode (no dropout; BatchNorm uses its running statistics).
+B, T, R and T' are dynamic; U_max (prompt + output + EOS) is fixed when exporting. The programs are
+traced in eval mode (no dropout; BatchNorm uses its running statistics). `ExportedAED` puts the two
+programs' modules behind the model interface aed.decode_search uses, so greedy and beam search (joint
+with CTC too) run on them with the searches' own loops:
+
+    hyps = decode(ExportedAED(encoder.module(), step.module(), max_len=256), feats, feat_lens, prompt, eos_id)
 """
+
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +57,7 @@ from torch import nn
 from torch.export import Dim, ExportedProgram, export
 
 from aed.model import AED
-from aed.model_decoder import StaticKVCache
+from aed.model_decoder import KVCache
 
 
 POSITION_BUCKET = 64  # decoder positions per bucket step: attention over up to 63 masked positions is cheap
@@ -80,14 +87,14 @@ class CompiledAED:
         # Each bucket is one more graph of the same function: torch's default limit (8) would fall back to eager.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self._step = torch.compile(model.decode_step, fullgraph=True, dynamic=False, mode=self.mode)
-        self._caches: dict[tuple, StaticKVCache] = {}  # per bucket: allocated once, reused by every batch
+        self._caches: dict[tuple, KVCache] = {}  # per bucket: allocated once, reused by every batch
 
     def encode_with_ctc(self, feats, feat_lens):
         return self.model.encode_with_ctc(feats, feat_lens)
 
-    def new_cache(self, memory, memory_lens, max_len: int, rows_per_utterance: int = 1) -> StaticKVCache:
-        """AED.new_cache's cache, in the buffers of its shape bucket: memory (B, T', D), memory_lens (B,),
-        `max_len` positions, R = B * rows_per_utterance rows (beams of an utterance adjacent)."""
+    def new_cache(self, memory, memory_lens, max_len: int, rows_per_utterance: int = 1) -> KVCache:
+        """AED.new_cache's cache with a tensor position, in the buffers of its shape bucket: memory (B, T', D),
+        memory_lens (B,), `max_len` positions, R = B * rows_per_utterance rows (beams of an utterance adjacent)."""
         b, t, _ = memory.shape
         rows = b * rows_per_utterance
         cross_kv = self.model.decoder.cross_kv(memory).repeat_interleave(rows_per_utterance, dim=2)  # (L, 2, R, H, T', d_k)
@@ -105,7 +112,7 @@ class CompiledAED:
             if self.mode == "reduce-overhead":
                 for buffer in keys + values + [cross, mask, position]:  # fixed addresses, read and written in place
                     torch._dynamo.mark_static_address(buffer)
-            self._caches[key] = StaticKVCache(keys, values, cross, mask, position)
+            self._caches[key] = KVCache(keys, values, cross, mask, position)
         cache = self._caches[key]
         for buffer in cache.keys + cache.values:
             buffer.zero_()
@@ -114,10 +121,10 @@ class CompiledAED:
         cache.memory_mask.zero_()
         cache.memory_mask[:rows, :, :, :t] = memory_mask
         cache.memory_mask[rows:, :, :, 0] = True  # padding rows see one (zero) frame: no all-masked NaN rows
-        cache.position.zero_()
+        cache.length.zero_()
         return cache
 
-    def decode_step(self, tokens, cache: StaticKVCache):
+    def decode_step(self, tokens, cache: KVCache):
         """AED.decode_step on the cache's bucket: tokens (R, U) -> fp32 logits (R, V)."""
         r = tokens.size(0)
         padded = F.pad(tokens, (0, 0, 0, cache.rows - r))  # (R_bucket, U): padding rows feed token 0
@@ -145,17 +152,20 @@ class EncoderProgram(nn.Module):
 
 
 class StepProgram(nn.Module):
-    """`TransformerDecoder.step` and the output layer: the next token's logits and the new cache."""
+    """`AED.decode_step` of one token on a KVCache with a tensor position: the next token's logits and
+    the new cache. The cache's buffers are views of a copy of self_kv, so the inputs stay unchanged."""
 
     def __init__(self, model: AED):
         super().__init__()
         self.model = model
 
     def forward(self, tokens, position, self_kv, cross_kv, memory_lens):
-        decoder = self.model.decoder
-        memory_mask = decoder.memory_mask(memory_lens, cross_kv.size(4))  # (R, 1, 1, T')
-        hidden, self_kv = decoder.step(tokens, position, self_kv, cross_kv, memory_mask)
-        return decoder.output_proj(hidden[:, -1]).float(), self_kv  # (R, V), (L, 2, R, H, U_max, d_k)
+        self_kv = self_kv.clone()  # (L, 2, R, H, U_max, d_k): written at `position` below, then returned
+        memory_mask = self.model.decoder.memory_mask(memory_lens, cross_kv.size(4))  # (R, 1, 1, T')
+        layers = range(self_kv.size(0))  # views one by one: unbind's views may not be written in place under autograd
+        cache = KVCache([self_kv[i, 0] for i in layers], [self_kv[i, 1] for i in layers], cross_kv, memory_mask,
+                        position.clone())
+        return self.model.decode_step(tokens, cache), self_kv  # (R, V), (L, 2, R, H, U_max, d_k)
 
 
 def empty_cache(model: AED, rows: int, max_len: int, dtype=torch.float32) -> torch.Tensor:
@@ -181,26 +191,49 @@ def export_model(model: AED, max_len: int, max_frames: int = 100_000) -> tuple[E
                        cross_kv, memory_lens)
         step = export(StepProgram(model), step_inputs,
                       dynamic_shapes=({0: rows}, None, {2: rows}, {2: rows, 4: enc_frames}, {0: rows}))
-    return encoder, step
+    # Functional ops only (no decompositions): the cache writes become out-of-place index_put, so the
+    # program runs under autograd too, as a pure function of its inputs.
+    return encoder, step.run_decompositions({})
 
 
-def greedy(encoder, step, feats, feat_lens, prompt: list[int], eos: int, max_len: int) -> list[list[int]]:
-    """Argmax decoding with the exported programs' modules (`.module()`): the prompt one token per
-    step, then the argmax until EOS or max_len positions -> generated ids per utterance (no EOS)."""
-    cross_kv, memory_lens = encoder(feats, feat_lens)[:2]  # (L, 2, B, H, T', d_k), (B,)
-    L, _, b, h, _, d_k = cross_kv.shape
-    self_kv = torch.zeros(L, 2, b, h, max_len, d_k)
-    token, generated = torch.full((b, 1), prompt[0]), []
-    finished = torch.zeros(b, 1, dtype=torch.bool)
-    for pos in range(max_len - 1):
-        logits, self_kv = step(token, torch.tensor(pos), self_kv, cross_kv, memory_lens)
-        if pos + 1 < len(prompt):
-            token = torch.full((b, 1), prompt[pos + 1])
-            continue
-        token = logits.argmax(-1, keepdim=True).masked_fill(finished, eos)  # (B, 1); finished rows stay at EOS
-        generated.append(token)
-        finished |= token == eos
-        if finished.all():
-            break
-    rows = torch.cat(generated, dim=1).tolist() if generated else [[] for _ in range(b)]  # (B, steps)
-    return [row[: row.index(eos)] if eos in row else row for row in rows]
+class ExportedCache:
+    """The exported step's cache between calls: self_kv (L, 2, R, H, U_max, d_k), the rows' cross-attention
+    K/V (L, 2, R, H, T', d_k) and encoder lengths (R,), and `length`, the positions filled (a Python int)."""
+
+    def __init__(self, self_kv, cross_kv, memory_lens):
+        self.self_kv, self.cross_kv, self.memory_lens, self.length = self_kv, cross_kv, memory_lens, 0
+
+    def reorder(self, index) -> None:
+        """Row r takes the history of row index[r] (KVCache.reorder)."""
+        self.self_kv = self.self_kv.index_select(2, index)
+
+
+class ExportedAED:
+    """The exported programs' modules (`.module()` of export_model's two, or of loaded .pt2 files) behind
+    what aed.decode_search uses of a model (cfg.dec_max_len, encode_with_ctc, new_cache, decode_step),
+    so the searches decode with them. A thin adapter: the "memory" it hands the search is the encoder
+    program's cross-attention K/V with the batch first (B, T', L, 2, H, d_k), which only new_cache
+    reads, and a chunk of tokens (the prompt) goes through the one-token step a token at a time."""
+
+    def __init__(self, encoder, step, max_len: int):
+        self.encoder, self.step, self.max_len = encoder, step, max_len
+        self.cfg = SimpleNamespace(dec_max_len=max_len)  # token_budget's position limit: U_max
+
+    def encode_with_ctc(self, feats, feat_lens):
+        cross_kv, memory_lens, *ctc = self.encoder(feats, feat_lens)  # (L, 2, B, H, T', d_k), (B,)[, (B, T', V + 1)]
+        return cross_kv.permute(2, 4, 0, 1, 3, 5), memory_lens, ctc[0] if ctc else None  # (B, T', L, 2, H, d_k)
+
+    def new_cache(self, memory, memory_lens, max_len: int, rows_per_utterance: int = 1) -> ExportedCache:
+        assert max_len <= self.max_len, f"the exported step holds {self.max_len} positions, need {max_len}"
+        cross_kv = memory.permute(2, 3, 0, 4, 1, 5).repeat_interleave(rows_per_utterance, dim=2)  # (L, 2, R, H, T', d_k)
+        n_layers, _, rows, heads, _, d_k = cross_kv.shape
+        self_kv = cross_kv.new_zeros(n_layers, 2, rows, heads, self.max_len, d_k)  # the fixed U_max of the program
+        return ExportedCache(self_kv, cross_kv, memory_lens.repeat_interleave(rows_per_utterance))
+
+    def decode_step(self, tokens, cache: ExportedCache):
+        """tokens (R, U), fed one per step call -> fp32 logits (R, V) after the last."""
+        for j in range(tokens.size(1)):
+            logits, cache.self_kv = self.step(tokens[:, j : j + 1], torch.tensor(cache.length, device=tokens.device),
+                                              cache.self_kv, cache.cross_kv, cache.memory_lens)
+            cache.length += 1
+        return logits

@@ -17,7 +17,7 @@ from torch import nn
 
 from aed.config import from_dict
 from aed.model_ctc import CTCHead
-from aed.model_decoder import KVCache, StaticKVCache, TransformerDecoder
+from aed.model_decoder import KVCache, TransformerDecoder
 from aed.model_encoder import SUBSAMPLING_FACTORS, ConformerEncoder
 
 
@@ -167,7 +167,7 @@ class AED(nn.Module):
     def new_cache(self, memory, memory_lens, max_len: int, rows_per_utterance: int = 1) -> KVCache:
         return self.decoder.new_cache(memory, memory_lens, max_len, rows_per_utterance)
 
-    def decode_step(self, tokens, cache: KVCache | StaticKVCache):
+    def decode_step(self, tokens, cache: KVCache):
         """Feed tokens (R, U) after the cached positions; fp32 logits (R, V) of the last position."""
         hidden = self.decoder.forward_cached(tokens, cache)
         return self.decoder.output_proj(hidden[:, -1]).float()

@@ -19,83 +19,39 @@ from torch import nn
 
 
 class KVCache:
-    """Decoding state for a batch of R rows (utterances, or utterances x beams), in preallocated buffers.
-
-    self_kv:  (L, 2, R, H, U_max, d_k) self-attention keys and values; positions [0, length) are filled.
-    cross_kv: (L, 2, R, H, T', d_k) cross-attention keys and values, projected once from the encoder output
-              (NeMo re-projects them at every step: about 2/3 of its decode time).
-    memory_mask: (R, 1, 1, T') True at valid encoder frames (SDPA's boolean mask convention).
-    length: positions written so far; a Python int shared by all rows, so the loop never syncs with the device.
-
-    A decoder step calls `update` once per layer with the new positions' keys and values, then
-    `advance` once: every layer of a step writes at the same positions. Attention reads the filled
-    slice only, so the shapes grow every step: the eager path. `StaticKVCache` is the fixed-shape one.
-    """
-
-    def __init__(self, self_kv, cross_kv, memory_mask, length: int = 0):
-        self.self_kv, self.cross_kv, self.memory_mask = self_kv, cross_kv, memory_mask
-        self.length = length
-
-    @property
-    def max_len(self) -> int:
-        return self.self_kv.size(4)
-
-    def cross(self, layer: int):
-        """Cross-attention keys, values of `layer`: (R, H, T', d_k) each."""
-        return self.cross_kv[layer, 0], self.cross_kv[layer, 1]
-
-    def positions(self, u: int) -> slice:
-        """Rows of the positional table for the next u positions."""
-        assert self.length + u <= self.max_len, f"cache holds {self.max_len} positions, need {self.length + u}"
-        return slice(self.length, self.length + u)
-
-    def update(self, layer: int, k, v):
-        """Write `layer`'s keys and values (R, H, U, d_k) of positions [length, length + U) and return
-        its keys and values of positions [0, length + U): (R, H, length + U, d_k) each."""
-        end = self.length + k.size(2)
-        assert end <= self.max_len, f"cache holds {self.max_len} positions, need {end}"
-        self.self_kv[layer, 0, :, :, self.length : end] = k
-        self.self_kv[layer, 1, :, :, self.length : end] = v
-        return self.self_kv[layer, 0, :, :, :end], self.self_kv[layer, 1, :, :, :end]
-
-    def self_attn_mask(self, u: int):
-        """None: `update` returns only the filled positions, so a single token may see all of them and a
-        prompt chunk (which starts at 0) needs just the causal mask."""
-        return None
-
-    def advance(self, n: int) -> None:
-        """Commit the n positions every layer has just written with `update`."""
-        assert self.length + n <= self.max_len, f"cache holds {self.max_len} positions, need {self.length + n}"
-        self.length += n
-
-    def reorder(self, index) -> None:
-        """Row r takes the self-attention history of row index[r] (beam search survivors).
-
-        `index` must map each row to a row of the same utterance: the cross-attention K/V, identical
-        across an utterance's beams, are left untouched.
-        """
-        filled = self.self_kv[:, :, :, :, : self.length]
-        filled.copy_(filled.index_select(2, index))  # only the filled prefix, not the whole buffer
-
-
-class StaticKVCache:
-    """`KVCache` with shapes that never change, for a compiled decoder step (aed/decode_static.py).
+    """Decoding state of R rows (utterances, or utterances x beams), in gpt-fast's manner: preallocated
+    buffers that every step writes at its positions, read by one decoder forward
+    (`TransformerDecoder.forward_cached`) for the prompt chunk and for each later token. Eager,
+    compiled (aed/decode_static.py `CompiledAED`) and exported (`StepProgram`) decoding all use it.
 
     keys, values: L tensors (R, H, U_max, d_k) each, the self-attention keys and values of each layer.
-    Separate tensors, not views of one: torch.compile writes a whole input tensor in place, while its
-    writes into views of one stacked (L, 2, ...) input became a copy of that input at every step.
-    cross_kv, memory_mask: as in KVCache. R and T' may be padded past the real rows and frames (a
-    padded frame is False in memory_mask). position: () long tensor on the device, the next position
-    to write (gpt-fast's `input_pos`).
+        Separate tensors, or views of one (L, 2, R, H, U_max, d_k) tensor where nothing compiles them:
+        torch.compile writes a whole input tensor in place, while its writes into views of one stacked
+        input became a copy of that input at every step.
+    cross_kv: (L, 2, R, H, T', d_k) cross-attention keys and values, projected once from the encoder
+        output (NeMo re-projects them at every step: about 2/3 of its decode time).
+    memory_mask: (R, 1, 1, T') True at valid encoder frames (SDPA's boolean mask convention).
+    length: positions written so far, so the next one to write (gpt-fast's `input_pos`). Its type
+        picks how attention reads the buffers:
+        - a Python int (eager decoding, `TransformerDecoder.new_cache`): attention reads the filled
+          prefix only, unmasked, so shapes grow by a position per step; the loop never syncs with the device.
+        - a () long tensor on the device (compiled and exported steps): attention reads all U_max
+          positions, masked to those written, so no shape and no Python value changes from one step
+          to the next: the step compiles whole (fullgraph), a CUDA graph replays it on the same
+          buffers, and torch.export takes the position as an input.
+    R and T' may be padded past the real rows and frames (a padded frame is False in memory_mask).
 
-    A step writes its keys and values at `position` (index_put_) and attends to all U_max positions,
-    masked to those written: no shape and no Python value changes from one step to the next, so the
-    step compiles whole (fullgraph) and a CUDA graph replays it, on the same buffers. Rows past those
-    `reorder` is given (the padding of a shape bucket) keep their own history.
+    A decoder step calls `update` once per layer with the new positions' keys and values, then
+    `advance` once: every layer of a step writes at the same positions.
     """
 
-    def __init__(self, keys: list, values: list, cross_kv, memory_mask, position):
-        self.keys, self.values, self.cross_kv, self.memory_mask, self.position = keys, values, cross_kv, memory_mask, position
+    def __init__(self, keys: list, values: list, cross_kv, memory_mask, length: "int | torch.Tensor" = 0):
+        self.keys, self.values, self.cross_kv, self.memory_mask, self.length = keys, values, cross_kv, memory_mask, length
+
+    @property
+    def static(self) -> bool:
+        """True where the position is a device tensor: fixed shapes (see the class docstring)."""
+        return isinstance(self.length, torch.Tensor)
 
     @property
     def rows(self) -> int:
@@ -106,34 +62,58 @@ class StaticKVCache:
         return self.keys[0].size(2)
 
     def cross(self, layer: int):
+        """Cross-attention keys, values of `layer`: (R, H, T', d_k) each."""
         return self.cross_kv[layer, 0], self.cross_kv[layer, 1]
 
     def positions(self, u: int):
-        """(U,) long: the next u positions (no bound check: that would read the device; the search sizes
-        the cache, and indexing rejects a position past U_max)."""
-        return self.position + torch.arange(u, device=self.position.device)
+        """The next u positions: a slice (Python-int length), or a (U,) long tensor. The tensor is not
+        bound-checked (that would read the device): the search sizes the cache, and indexing rejects a
+        position past U_max."""
+        if self.static:
+            return self.length + torch.arange(u, device=self.length.device)
+        assert self.length + u <= self.max_len, f"cache holds {self.max_len} positions, need {self.length + u}"
+        return slice(self.length, self.length + u)
 
     def update(self, layer: int, k, v):
-        """Write `layer`'s keys and values (R, H, U, d_k) at the next U positions; return its whole
-        buffers (R, H, U_max, d_k), to be read through `self_attn_mask`."""
+        """Write `layer`'s keys and values (R, H, U, d_k) at the next U positions and return what its
+        attention reads: keys and values of positions [0, length + U) (R, H, length + U, d_k) each, or
+        the whole buffers (R, H, U_max, d_k), to be read through `self_attn_mask`."""
         index = self.positions(k.size(2))
-        self.keys[layer][:, :, index] = k  # indexed assignment, as gpt-fast writes its cache
+        self.keys[layer][:, :, index] = k  # indexed assignment, as gpt-fast writes its cache: a slice or index_put_
         self.values[layer][:, :, index] = v
-        return self.keys[layer], self.values[layer]
+        if self.static:
+            return self.keys[layer], self.values[layer]
+        return self.keys[layer][:, :, : index.stop], self.values[layer][:, :, : index.stop]
 
     def self_attn_mask(self, u: int):
-        """(1, 1, U, U_max): the new position j sees positions up to position + j (causal within a chunk)."""
-        filled = torch.arange(self.max_len, device=self.position.device)[None, :] <= self.positions(u)[:, None]
+        """What the next u positions may see: None where `update` returns only the filled positions (a
+        single token sees all of them, a prompt chunk, which starts at 0, needs just the causal mask);
+        else (1, 1, U, U_max), True up to position length + j for the new position j (causal in a chunk)."""
+        if not self.static:
+            return None
+        filled = torch.arange(self.max_len, device=self.length.device)[None, :] <= self.positions(u)[:, None]  # (U, U_max)
         return filled[None, None]
 
     def advance(self, n: int) -> None:
-        self.position.add_(n)  # in place: a compiled step mutates this buffer, never rebinds the attribute
+        """Commit the n positions every layer has just written with `update`."""
+        if self.static:
+            self.length.add_(n)  # in place: a compiled step mutates this buffer, never rebinds the attribute
+            return
+        assert self.length + n <= self.max_len, f"cache holds {self.max_len} positions, need {self.length + n}"
+        self.length += n
 
     def reorder(self, index) -> None:
-        """As KVCache.reorder for the first index.numel() rows, over whole buffers (fixed shapes)."""
-        index = torch.cat([index, torch.arange(index.numel(), self.rows, device=index.device)])  # (R_bucket,)
+        """Row r takes the self-attention history of row index[r] (beam search survivors), for the first
+        index.numel() rows; rows past those (the padding of a compiled shape bucket) keep their own.
+
+        `index` must map each row to a row of the same utterance: the cross-attention K/V, identical
+        across an utterance's beams, are left untouched.
+        """
+        if index.numel() < self.rows:
+            index = torch.cat([index, torch.arange(index.numel(), self.rows, device=index.device)])  # (R,)
         for buffer in self.keys + self.values:
-            buffer.copy_(buffer.index_select(0, index))
+            filled = buffer if self.static else buffer[:, :, : self.length]  # eager: only the filled prefix
+            filled.copy_(filled.index_select(0, index))
 
 
 class DecoderAttention(nn.Module):
@@ -187,7 +167,7 @@ class DecoderBlock(nn.Module):
         self.ffn = PositionWiseFF(d_model, ff_mult * d_model)
         self.dropout = nn.Dropout(dropout)  # NeMo: attn_layer_dropout and ffn_dropout, on each sublayer output
 
-    def forward(self, x, cross_k, cross_v, memory_mask, cache: KVCache | StaticKVCache | None = None, layer: int = 0,
+    def forward(self, x, cross_k, cross_v, memory_mask, cache: KVCache | None = None, layer: int = 0,
                 memory=None):
         """x (B, U, D) -> (B, U, D). With a cache, x holds the positions after the cached ones and this
         block's self-attention keys/values go to the cache as `layer`. With `memory` (B, T', D) instead
@@ -204,16 +184,6 @@ class DecoderBlock(nn.Module):
             mask = cache.self_attn_mask(u)
         x = x + self.dropout(self.self_attn(h, k, v, attn_mask=mask, is_causal=mask is None and u > 1))
         return self._cross_attn_and_ffn(x, cross_k, cross_v, memory_mask)
-
-    def step(self, x, keys, values, position, visible, cross_k, cross_v, memory_mask):
-        """`forward` of one token with a cache, as a pure function (`TransformerDecoder.step`).
-        x (R, 1, D); keys, values (R, H, U_max, d_k) of the earlier positions; position () long;
-        visible (1, 1, 1, U_max) True up to position -> x (R, 1, D), keys and values with `position` written."""
-        h = self.norm_self_attn(x)
-        k, v = self.self_attn.project_kv(h)  # (R, H, 1, d_k)
-        keys, values = keys.index_copy(2, position.view(1), k), values.index_copy(2, position.view(1), v)
-        x = x + self.dropout(self.self_attn(h, keys, values, attn_mask=visible))
-        return self._cross_attn_and_ffn(x, cross_k, cross_v, memory_mask), keys, values
 
     def _cross_attn_and_ffn(self, x, cross_k, cross_v, memory_mask):
         h = self.norm_cross_attn(x)
@@ -241,7 +211,7 @@ class TransformerEmbedding(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, tokens, positions=None):
-        """tokens (B, U) at `positions`: a slice (KVCache), a (U,) long tensor (StaticKVCache), or None for 0..U-1."""
+        """tokens (B, U) at `positions` (KVCache.positions: a slice or a (U,) long tensor), or None for 0..U-1."""
         u = tokens.size(1)
         assert u <= self.pos_enc.size(0), f"{u} positions exceed decoder max length {self.pos_enc.size(0)}"
         x = self.token_embedding(tokens)  # (B, U, D)
@@ -286,39 +256,21 @@ class TransformerDecoder(nn.Module):
             x = layer(x, None, None, memory_mask, memory=memory)
         return self.final_layer_norm(x)
 
-    def forward_cached(self, tokens, cache: KVCache | StaticKVCache):
-        """Continue the cached positions: a prompt chunk into an empty cache, then one token per step.
+    def forward_cached(self, tokens, cache: KVCache):
+        """Continue the cached positions: a prompt chunk into an empty cache, then one token per step
+        (or, on a cache with a tensor position, any chunk after it). The one decoding forward: eager,
+        compiled and exported steps all run it.
 
         tokens (R, U) -> hidden states (R, U, D); the cache advances by U positions.
         """
         u = tokens.size(1)
-        if isinstance(cache, KVCache):  # a StaticKVCache's position is on the device: not checked, not read
+        if not cache.static:  # an unmasked chunk is causal from position 0 only; a tensor position is not read
             assert cache.length == 0 or u == 1, f"after the prompt, feed one token per step (got {u} at {cache.length})"
         x = self.embedding(tokens, cache.positions(u))
         for i, layer in enumerate(self.layers):
             x = layer(x, *cache.cross(i), cache.memory_mask, cache, i)
         cache.advance(u)
         return self.final_layer_norm(x)
-
-    def step(self, tokens, position, self_kv, cross_kv, memory_mask):
-        """One cached decoding step as a pure function of its inputs, for torch.export: the cache goes
-        in and the updated cache comes out (no in-place writes, no Python-int position), and the
-        self-attention reads the whole U_max buffer with positions after `position` masked out.
-        `forward_cached` (used by search) is the same computation on a KVCache; the two agree to
-        float rounding (tests/test_export.py).
-
-        tokens (R, 1), the token at position (a () long tensor); self_kv (L, 2, R, H, U_max, d_k)
-        holding positions [0, position); cross_kv (L, 2, R, H, T', d_k) and memory_mask (R, 1, 1, T')
-        as in `new_cache` -> hidden states (R, 1, D) and self_kv with `position` filled.
-        """
-        x = self.embedding(tokens, position.view(1))  # a tensor, so an exported step reads it as an input
-        visible = (torch.arange(self_kv.size(4), device=tokens.device) <= position)[None, None, None]  # (1, 1, 1, U_max)
-        layers_kv = []
-        for i, layer in enumerate(self.layers):
-            x, k, v = layer.step(x, self_kv[i, 0], self_kv[i, 1], position, visible, cross_kv[i, 0], cross_kv[i, 1],
-                                 memory_mask)
-            layers_kv.append(torch.stack([k, v]))  # (2, R, H, U_max, d_k)
-        return self.final_layer_norm(x), torch.stack(layers_kv)  # (R, 1, D), (L, 2, R, H, U_max, d_k)
 
     @staticmethod
     def memory_mask(memory_lens, max_len):
@@ -329,11 +281,12 @@ class TransformerDecoder(nn.Module):
         return torch.stack([torch.stack(layer.cross_attn.project_kv(memory)) for layer in self.layers])
 
     def new_cache(self, memory, memory_lens, max_len: int, rows_per_utterance: int = 1) -> KVCache:
-        """Empty self-attention buffers for `max_len` positions and the projected cross-attention K/V,
-        for rows_per_utterance adjacent rows per utterance (beams): R = B * rows_per_utterance."""
+        """An empty eager cache (Python-int length): self-attention buffers for `max_len` positions and
+        the projected cross-attention K/V, for rows_per_utterance adjacent rows per utterance (beams):
+        R = B * rows_per_utterance."""
         b, t, _ = memory.shape
-        d_k = self.d_model // self.n_heads
-        self_kv = memory.new_zeros(len(self.layers), 2, b * rows_per_utterance, self.n_heads, max_len, d_k)
+        shape = (b * rows_per_utterance, self.n_heads, max_len, self.d_model // self.n_heads)  # (R, H, U_max, d_k)
+        keys, values = ([memory.new_zeros(shape) for _ in self.layers] for _ in range(2))
         cross_kv = self.cross_kv(memory).repeat_interleave(rows_per_utterance, dim=2)  # projected once per utterance
         memory_mask = self.memory_mask(memory_lens, t).repeat_interleave(rows_per_utterance, dim=0)
-        return KVCache(self_kv, cross_kv, memory_mask)
+        return KVCache(keys, values, cross_kv, memory_mask)

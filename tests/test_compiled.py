@@ -1,4 +1,4 @@
-"""The static-cache decoder step (aed/decode_static.py) gives eager decoding's tokens, and int8 weights keep
+"""The fixed-shape decoder step (aed/decode_static.py: the KVCache with a tensor position) gives eager decoding's tokens, and int8 weights keep
 a trained model's transcripts (aed.decode_transcribe.quantize_int8)."""
 
 import dataclasses
@@ -8,15 +8,15 @@ import random
 import pytest
 import soundfile as sf
 import torch
+from fixtures.make_word_model import load_clips, word_sequence
+from test_decoding import batch, pick_eos, random_model
 from torch import nn
 
-from aed.decode_static import CompiledAED
-from aed.model_decoder import StaticKVCache
-from aed.decode_search import DecodingOptions, decode
-from aed.decode_transcribe import load_asr, quantize_int8, transcribe
 from aed.decode_score import wer
-from test_decoding import batch, pick_eos, random_model
-from fixtures.make_word_model import load_clips, word_sequence
+from aed.decode_search import DecodingOptions, decode
+from aed.decode_static import CompiledAED
+from aed.decode_transcribe import load_model, quantize_int8, transcribe
+from aed.model_decoder import KVCache
 
 WORD_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "word_model.pt")
 SEARCHES = {  # name: options; "joint" ranks by CTC and attention scores (the word model has a CTC head)
@@ -41,11 +41,11 @@ def word_files(directory, n: int, seed: int) -> tuple[list[str], list[str]]:
     return paths, texts
 
 
-def test_static_cache_writes_at_the_position_and_masks_what_is_not_written():
+def test_a_tensor_position_writes_there_and_masks_what_is_not_written():
     layers, rows, heads, max_len, d_k = 2, 3, 2, 6, 4
     keys, values = ([torch.zeros(rows, heads, max_len, d_k) for _ in range(layers)] for _ in range(2))
-    cache = StaticKVCache(keys, values, torch.randn(layers, 2, rows, heads, 7, d_k),
-                          torch.ones(rows, 1, 1, 7, dtype=torch.bool), torch.tensor(0))
+    cache = KVCache(keys, values, torch.randn(layers, 2, rows, heads, 7, d_k),
+                    torch.ones(rows, 1, 1, 7, dtype=torch.bool), torch.tensor(0))
     prompt_k = torch.randn(rows, heads, 2, d_k)
     k, _ = cache.update(0, prompt_k, -prompt_k)
     assert k.shape == (rows, heads, max_len, d_k) and torch.equal(k[:, :, :2], prompt_k) and k[:, :, 2:].abs().sum() == 0
@@ -53,6 +53,7 @@ def test_static_cache_writes_at_the_position_and_masks_what_is_not_written():
     assert cache.self_attn_mask(2).tolist() == [[[[True, False, False, False, False, False],
                                                   [True, True, False, False, False, False]]]]  # causal in the chunk
     cache.advance(2)
+    assert cache.length.item() == 2
     step_k = torch.randn(rows, heads, 1, d_k)
     k, v = cache.update(1, step_k, step_k)
     assert torch.equal(k[:, :, 2], step_k[:, :, 0]) and torch.equal(v[:, :, 2], step_k[:, :, 0])
@@ -83,7 +84,7 @@ def test_quantize_int8_replaces_every_linear_layer():
     assert quantized is model  # in place: no second copy of the weights
     assert not any(type(m) is nn.Linear for m in quantized.modules())
     with pytest.raises(ValueError, match="do not combine"):
-        load_asr(WORD_MODEL, compile=True, int8=True)
+        load_model(WORD_MODEL, compile=True, int8=True)
 
 
 def test_int8_weights_keep_the_word_models_transcripts(tmp_path):
@@ -92,7 +93,7 @@ def test_int8_weights_keep_the_word_models_transcripts(tmp_path):
     paths, texts = word_files(tmp_path, 16, seed=123)
     scores = {}
     for int8 in (False, True):
-        results, _ = transcribe(load_asr(WORD_MODEL, int8=int8), paths, pnc=False)
+        results, _ = transcribe(load_model(WORD_MODEL, int8=int8), paths, pnc=False)
         scores[int8] = wer(texts, [r.pred_text for r in results])
     assert scores[True] <= scores[False] + 5.0, scores
 
@@ -101,14 +102,14 @@ def test_int8_weights_keep_the_word_models_transcripts(tmp_path):
 
 @pytest.fixture(scope="module")
 def compiled_asr():
-    return load_asr(WORD_MODEL, compile=True)  # one CompiledAED: its graphs are shared by the tests below
+    return load_model(WORD_MODEL, compile=True)  # one CompiledAED: its graphs are shared by the tests below
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SEARCHES))
 def test_the_compiled_step_transcribes_as_eager_decoding_on_the_trained_word_model(name, compiled_asr, tmp_path):
     paths, texts = word_files(tmp_path, 6, seed=5)
-    eager, _ = transcribe(load_asr(WORD_MODEL), paths, SEARCHES[name], pnc=False)
+    eager, _ = transcribe(load_model(WORD_MODEL), paths, SEARCHES[name], pnc=False)
     compiled, _ = transcribe(compiled_asr, paths, SEARCHES[name], pnc=False)
     assert [r.pred_text for r in compiled] == [r.pred_text for r in eager]
     assert wer(texts, [r.pred_text for r in eager]) < 50, "the fixture model should mostly recognise its words"

@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aed.decode_search import (DecodingOptions, beam_search, decode, ends_in_repeats, greedy_search, length_penalty, search,
-                           token_budget)
-from aed.model_decoder import KVCache
+from aed.decode_search import (DecodingOptions, beam_search, decode, ends_in_repeats, greedy_search, length_penalty,
+                               search, token_budget)
 from aed.model import AED, AEDConfig
+from aed.model_decoder import KVCache
 
 V = 40
 PLAIN = dict(ctc_weight=0.0, max_repeats=0, max_tokens_per_second=None)  # the attention decoder alone, no guards
@@ -78,12 +78,12 @@ def test_cached_decoding_equals_full_recomputation_at_every_step():
 
 def test_kv_cache_update_writes_at_the_position_and_advance_commits_it():
     layers, rows, heads, max_len, d_k = 2, 3, 2, 5, 4
-    cache = KVCache(torch.zeros(layers, 2, rows, heads, max_len, d_k), torch.randn(layers, 2, rows, heads, 7, d_k),
-                    torch.ones(rows, 1, 1, 7, dtype=torch.bool))
+    keys, values = ([torch.zeros(rows, heads, max_len, d_k) for _ in range(layers)] for _ in range(2))
+    cache = KVCache(keys, values, torch.randn(layers, 2, rows, heads, 7, d_k), torch.ones(rows, 1, 1, 7, dtype=torch.bool))
     prompt_k, prompt_v = torch.randn(rows, heads, 2, d_k), torch.randn(rows, heads, 2, d_k)
-    k, v = cache.update(0, prompt_k, prompt_v)
-    assert torch.equal(k, prompt_k) and torch.equal(v, prompt_v) and cache.length == 0
-    assert cache.self_kv[1].abs().sum() == 0, "a layer's update writes only that layer"
+    k, v = cache.update(0, prompt_k, prompt_v)  # a Python-int length: the filled prefix comes back, no mask
+    assert torch.equal(k, prompt_k) and torch.equal(v, prompt_v) and cache.length == 0 and cache.self_attn_mask(2) is None
+    assert keys[1].abs().sum() == 0 and values[1].abs().sum() == 0, "a layer's update writes only that layer"
     cache.update(1, -prompt_k, -prompt_v)
     cache.advance(2)
     step_k, step_v = torch.randn(rows, heads, 1, d_k), torch.randn(rows, heads, 1, d_k)

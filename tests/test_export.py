@@ -1,16 +1,19 @@
 """torch.export of the encoder and of one decoder step with its KV cache: the exported programs
-compute what the eager model does, for shapes other than the ones they were traced with."""
+compute what the eager model does, for shapes other than the ones they were traced with, and the
+searches decode the same tokens with them as with the eager and the compiled model."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from aed.decode_search import DecodingOptions, greedy_search
+from aed.decode_search import DecodingOptions, decode
 from aed.model import AED, AEDConfig
 
 pytest.importorskip("torch.export", reason="torch.export is unavailable in this torch")
-from aed.decode_static import empty_cache, export_model, greedy  # noqa: E402
+from aed.decode_static import CompiledAED, ExportedAED, empty_cache, export_model  # noqa: E402
 
-pytestmark = pytest.mark.slow  # the three share one export: 7-10 s on 2 CPU cores, the tests themselves < 1 s
+pytestmark = pytest.mark.slow  # the tests share one export: 7-10 s on 2 CPU cores
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +71,39 @@ def test_exported_step_matches_the_eager_cached_decoder(exported):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"position {pos + 3}: {m}")
 
 
-def test_greedy_decoding_with_the_exported_programs_equals_eager_search(exported):
-    model, encoder, step = exported
+SEARCHES = {  # name: options; "joint" ranks by CTC and attention scores (the fixture model has a CTC head)
+    "greedy": DecodingOptions(ctc_weight=0.0),
+    "beam": DecodingOptions(ctc_weight=0.0, beam_size=4),
+    "joint greedy": DecodingOptions(),
+    "joint beam": DecodingOptions(beam_size=4),
+}
+LIMITS = dict(max_new_tokens=40 - 3, max_delta=40, max_repeats=0, max_tokens_per_second=None)  # U_max 40, 3-token prompt
+
+
+def decoding_inputs():
     torch.manual_seed(2)
     feats, feat_lens = torch.randn(2, 300, 32), torch.tensor([300, 220])
-    prompt, eos = [3, 5, 7], 2
-    got = greedy(encoder, step, feats, feat_lens, prompt, eos, max_len=40)
-    with torch.no_grad():
-        memory, lens = model.encode(feats, feat_lens)
-        options = DecodingOptions(max_new_tokens=40 - len(prompt), max_delta=40, max_repeats=0, max_tokens_per_second=None)
-        ref = greedy_search(model, memory, lens, torch.tensor([prompt] * 2), eos, options)
+    return feats, feat_lens, torch.tensor([[3, 5, 7]] * 2), 2  # prompt (B, P), EOS
+
+
+@pytest.mark.parametrize("name", list(SEARCHES))
+def test_the_searches_decode_with_the_exported_programs_as_with_the_eager_model(name, exported):
+    """aed.decode_search's own loops on ExportedAED (the step fed the prompt a token at a time)."""
+    model, encoder, step = exported
+    feats, feat_lens, prompt, eos = decoding_inputs()
+    options = dataclasses.replace(SEARCHES[name], **LIMITS)
+    got = decode(ExportedAED(encoder, step, max_len=40), feats, feat_lens, prompt, eos, options)
+    ref = decode(model, feats, feat_lens, prompt, eos, options)
     assert got == ref and len({t for row in got for t in row}) > 1, (got, ref)
+
+
+def test_eager_compiled_and_exported_greedy_decoding_give_the_same_tokens(exported):
+    """One KVCache under all three: a Python-int length (eager), a tensor length in a torch.compile'd step
+    (CompiledAED, really compiled here: two graphs, the prompt's and the step's, ~1 min on 2 CPU cores;
+    tests/test_compiled.py compiles the beam searches), and the exported step's."""
+    model, encoder, step = exported
+    feats, feat_lens, prompt, eos = decoding_inputs()
+    options = dataclasses.replace(SEARCHES["greedy"], **LIMITS)
+    eager = decode(model, feats, feat_lens, prompt, eos, options)
+    assert decode(CompiledAED(model), feats, feat_lens, prompt, eos, options) == eager
+    assert decode(ExportedAED(encoder, step, max_len=40), feats, feat_lens, prompt, eos, options) == eager

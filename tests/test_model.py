@@ -5,18 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from aed.model_encoder import (
-    ConvSubsampling,
-    MaskedBatchNorm1d,
-    RelPositionMultiHeadAttention,
-    conv_stage_length,
-    rel_positional_encoding,
-    rel_shift,
-    subsampled_length,
-)
-from aed.train_config import load_train_config, resolve_model
-from aed.model import AED, AEDConfig, count_parameters, text_targets
 from aed.data_tokenizer import Tokenizer
+from aed.model import AED, AEDConfig, count_parameters, text_targets
+from aed.model_encoder import (ConvSubsampling, MaskedBatchNorm1d, RelPositionMultiHeadAttention, conv_stage_length,
+                               rel_positional_encoding, rel_shift, subsampled_length)
+from aed.train_config import load_train_config, resolve_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -9,11 +9,12 @@ Writes, in the output directory:
     export.json        {"features": the log-mel settings the encoder expects (aed.data_audio.FeatureConfig),
                         "max_len": the step's cache positions}
     tokenizer/         the checkpoint's tokenizer (prompt ids, EOS, detokenisation)
-(aed/decode_static.py documents the shapes; README "Export" has a greedy decoding loop that uses them.)
+(aed/decode_static.py documents the shapes; docs/inference.md "Export" decodes with them.)
 
 Before writing, both programs are run on inputs of other sizes than they were traced with and
 compared with the eager model (largest absolute difference printed; an error above --tolerance
-stops the tool); with --audio, the exported greedy transcript is compared with eager greedy search.
+stops the tool); with --audio, the file is decoded (aed.decode_search's default search) with the
+exported programs and with the eager model, and the transcripts compared.
 """
 
 import argparse
@@ -27,9 +28,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
 from aed.data_audio import LogMel, load_audio
-from aed.decode_search import DecodingOptions, greedy_search
-from aed.decode_static import MIN_FRAMES, empty_cache, export_model, greedy
-from aed.decode_transcribe import load_asr
+from aed.decode_search import DecodingOptions, decode
+from aed.decode_static import MIN_FRAMES, ExportedAED, empty_cache, export_model
+from aed.decode_transcribe import load_model
 
 
 def largest_errors(model, encoder, step, max_len: int) -> tuple[float, float]:
@@ -65,7 +66,7 @@ def main(argv=None):
     p.add_argument("--lang", default="en", help="with --audio: its language")
     args = p.parse_args(argv)
 
-    asr = load_asr(args.ckpt)
+    asr = load_model(args.ckpt)
     model = asr.model.float()
     max_len = args.max_len or model.cfg.dec_max_len
     print(f"exporting {asr.path}: inputs of {MIN_FRAMES}..{args.max_frames} frames, decoder positions {max_len}")
@@ -81,17 +82,15 @@ def main(argv=None):
     if args.audio:
         wav = load_audio(args.audio, sample_rate=asr.features.sample_rate)
         feats, feat_lens = LogMel(asr.features).eval()(wav[None], torch.tensor([wav.numel()]))
-        prompt = asr.tokenizer.prompt_ids(args.lang, args.lang, True)
-        got = greedy(encoder.module(), step.module(), feats, feat_lens, prompt, asr.tokenizer.eos, max_len)[0]
-        with torch.no_grad():
-            memory, lens = model.encode(feats, feat_lens)
-            options = DecodingOptions(max_new_tokens=max_len - len(prompt), max_delta=max_len, max_repeats=0,
-                                      max_tokens_per_second=None)  # the exported loop stops at EOS or max_len only
-            ref = greedy_search(model, memory, lens, torch.tensor([prompt]), asr.tokenizer.eos, options)[0]
+        prompt = torch.tensor([asr.tokenizer.prompt_ids(args.lang, args.lang, True)])
+        options = DecodingOptions(max_new_tokens=max_len - prompt.size(1))  # both within the step's positions
+        exported = ExportedAED(encoder.module(), step.module(), max_len)
+        got = decode(exported, feats, feat_lens, prompt, asr.tokenizer.eos, options)[0]
+        ref = decode(model, feats, feat_lens, prompt, asr.tokenizer.eos, options)[0]
         text = asr.tokenizer.decode_hypothesis(got)
-        print(f"{args.audio}: {text!r} ({'same as' if got == ref else 'DIFFERENT from'} eager greedy search)")
+        print(f"{args.audio}: {text!r} ({'same as' if got == ref else 'DIFFERENT from'} eager decoding)")
         if got != ref:
-            sys.exit("error: the exported greedy transcript differs from the eager one")
+            sys.exit("error: the exported programs' transcript differs from the eager one")
 
     os.makedirs(args.out, exist_ok=True)
     torch.export.save(encoder, os.path.join(args.out, "encoder.pt2"))
