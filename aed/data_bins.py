@@ -8,7 +8,8 @@ columns hold the durations, so no audio is read (parquet without a duration colu
 
 An example's token count is the length of what the decoder is trained on: prompt + text + EOS,
 from `aed.data_manifest.encode_utterance` with the training tokenizer (train.tokenizer), after the line is
-parsed by the manifest reader training uses. Bins are estimated from a uniform random sample of
+read and parsed as training reads it (`manifest_lines` + `parse_line`: .gz, `lang` / `answer`, errors
+naming file:line:field). Bins are estimated from a uniform random sample of
 the non-empty lines of all manifests (one pass, reservoir sampling); lines that do not parse or
 tokenize are skipped, counted by reason (meta["skipped"]) and reported on stderr with the first
 such line. `bins.py` explains the estimation itself. Shared by tools/estimate_bins.py and oom.py.
@@ -23,28 +24,28 @@ import time
 from collections import Counter
 
 from aed.data_audio import FeatureConfig, num_frames
-from aed.data_manifest import ManifestError, Utterance, encode_utterance, parse_line
-from aed.data_sources import metadata, open_source, spec_kind
+from aed.data_batch import encode_utterance
+from aed.data_manifest import Faults, ManifestError, Utterance, manifest_lines, parse_line
+from aed.data_sources import metadata, open_source, source_faults, spec_kind
 from bins import Bins, estimate_bins
 
 log = logging.getLogger(__name__)
 
 
 def spec_rows(spec, faults: Counter):
-    """(where, base dir, row) of a train.manifests entry: a manifest's raw lines (parsed only when
-    sampled), or a streamed source's checked example fields; what the source skips goes to `faults`."""
+    """(where, base dir, row) of a train.manifests entry: a manifest's raw lines (`manifest_lines`,
+    as training reads them, .gz too; parsed by training's `parse_line` only when sampled), or a
+    streamed source's checked example fields; what the source skips is added to `faults`."""
     if spec_kind(spec) == "manifest":
         path = spec if isinstance(spec, str) else spec["path"]
         base = os.path.dirname(os.path.abspath(path))
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
-                    yield f"{path}:{line_no}", base, line
+        for where, line in manifest_lines(path):
+            yield where, base, line
         return
     source = open_source(spec, shuffle_shards=False)
     for where, fields in metadata(source):
         yield where, None, fields
-    faults.update(source.faults.counts if hasattr(source, "faults") else {})
+    faults.update(Faults.merged(*source_faults(source)))
 
 
 def sample_lines(specs: list, n: int | None, seed: int) -> tuple:
@@ -69,7 +70,7 @@ def measure(lines: list, tokenizer, max_tokens: int | None) -> tuple:
     last = time.time()
     for k, (where, base, row) in enumerate(lines, 1):
         try:
-            utt = parse_line(row, where, base) if isinstance(row, str) else Utterance(  # fields checked by the reader
+            utt = parse_line(row, where, base) if isinstance(row, (str, bytes)) else Utterance(  # fields checked by the reader
                 where, row["duration"], row["text"], row["source_lang"], row["target_lang"], row["pnc"],
                 row["taskname"])
             n = len(encode_utterance(tokenizer, utt)[0])

@@ -1,4 +1,4 @@
-"""Manifests, dataset items, batching by duration and the padded batch.
+"""Manifests: JSONL lines -> checked Utterances, and the count of everything skipped (`Faults`).
 
 A manifest is NeMo-style JSONL, one utterance per line:
 
@@ -12,29 +12,29 @@ A manifest is NeMo-style JSONL, one utterance per line:
 - `source_lang`, `target_lang` (`lang` sets both when they are absent); `pnc` yes/no (default yes);
   `taskname` asr/ast, derived from the languages when absent.
 
+Every manifest is read by `read_rows` (plain or .gz; training, validation, bin estimation,
+tokenizer training, inference), which hands each line's object to a parser: `parse_fields`
+(training: the fields above), `request_fields` (inference: only `audio_filepath` is required),
+`text_and_task` (tokenizer training: the text and its languages).
+
 Bad lines (malformed JSON or fields, bytes that are not UTF-8) raise `ManifestError` naming file,
-line and field; with `skip_invalid=True` they are skipped with a warning per line and a count,
-never silently. Two checks need more than the line: `encodable` (a language the tokenizer lacks)
-and `check_audio` (unreadable audio, a duration the file's header contradicts). Inference
-(aed/decode_transcribe.py) reads the same fields with the same checks, but needs only `audio_filepath`.
+line and field; with `skip_invalid=True` they are skipped with a warning per line and counted in a
+`Faults` (the one count of everything skipped, by kind), never silently. Two checks need more than
+the line: `aed.data_batch.encodable` (a language the tokenizer lacks) and `check_audio`
+(unreadable audio, a duration the file's header contradicts; every audio is checked by the same
+rule again when decoded, `aed.data_batch.decode_audio`).
 """
 
 import gzip
 import json
 import logging
 import os
-import signal
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, NoReturn
 
 import soundfile as sf
-import torch
-import torchaudio
-from torch.utils.data import Dataset
-
-from aed.data_audio import AudioError, LogMel, load_audio
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ class Utterance:
     where: str = ""  # "manifest.jsonl:17", for error messages
     segment: bool = False  # the line gave an offset: a part of the file, so its duration may be shorter
     speed: float = 1.0  # speed perturbation (training): played this many times faster, and shorter
+    token_ids: bytes | None = None  # prompt + text + EOS ids as array("i") bytes, once `encodable` counted them
+    prompt_len: int = 0  # of token_ids
 
     @property
     def perturbed_duration(self) -> float:
@@ -147,11 +149,15 @@ def check_task(where: str, source_lang, target_lang, pnc, taskname) -> tuple[str
     return source_lang, target_lang, PNC_VALUES[flag], taskname
 
 
-def parse_line(line: str, where: str, base_dir: str, needs_text: bool = True) -> Utterance:
-    """A training manifest line -> Utterance: every field but `offset` is required. needs_text=False
-    (self-supervised training) reads audio-only lines: audio_filepath and duration; text and task
-    fields become empty defaults and are not checked."""
-    d = json_object(line, where)
+def parse_line(line: str | bytes, where: str, base_dir: str, needs_text: bool = True) -> Utterance:
+    """A training manifest line -> Utterance (`parse_fields` of its JSON object)."""
+    return parse_fields(json_object(line, where), where, base_dir, needs_text)
+
+
+def parse_fields(d: dict, where: str, base_dir: str, needs_text: bool = True) -> Utterance:
+    """A training manifest line's object -> Utterance: every field but `offset` is required.
+    needs_text=False (self-supervised training) reads audio-only lines: audio_filepath and duration;
+    text and task fields become empty defaults and are not checked."""
     path = audio_path(d, where, base_dir)
     duration = seconds(d, "duration", where, positive=True, required=True)
     offset = seconds(d, "offset", where, positive=False)
@@ -173,32 +179,45 @@ def text_and_task(d: dict, where: str) -> tuple[str, str, str, bool, str]:
 
 
 def example_fields(d: dict, where: str) -> dict:
-    """duration, offset, text, source_lang, target_lang, pnc, taskname of a row with manifest keys
-    (`answer` and `lang` accepted as in NeMo's manifests). Raises ManifestError naming `where`."""
+    """duration, offset, segment, text, source_lang, target_lang, pnc, taskname of a row with manifest
+    keys (`answer` and `lang` accepted as in NeMo's manifests; segment: the row gave an offset, so its
+    audio may hold more than this utterance). Raises ManifestError naming `where`."""
     duration = seconds(d, "duration", where, positive=True, required=True)
-    offset = seconds(d, "offset", where, positive=False) or 0.0
+    offset = seconds(d, "offset", where, positive=False)
     text, source_lang, target_lang, pnc, taskname = text_and_task(d, where)
-    return {"duration": duration, "offset": offset, "text": text, "source_lang": source_lang,
-            "target_lang": target_lang, "pnc": pnc, "taskname": taskname}
+    return {"duration": duration, "offset": offset or 0.0, "segment": offset is not None, "text": text,
+            "source_lang": source_lang, "target_lang": target_lang, "pnc": pnc, "taskname": taskname}
+
+
+DURATION_TOLERANCE = 0.1  # the default of train.duration_tolerance: a duration further than this fraction is wrong
+AUDIO_LENGTH = "audio length disagrees with the duration"  # starts the reason of such an AudioError
 
 
 class Faults:
-    """Skipped data of one source, counted by kind; each (kind, where) is counted and logged once,
-    however many passes meet it again (an infinite run rereads a bad shard every pass)."""
+    """What a reader skipped, counted by kind; each (kind, where) is counted and logged once, however
+    many passes meet it again (an infinite run rereads a bad shard every pass, validation its sets).
+    One object per reader (a manifest, a streamed source, the batches of a run); `summary` is the
+    one line that says what was skipped, and `merged` adds several up for a report."""
 
-    KINDS = ("bad_shard", "undecodable", "member_without_row", "row_without_member", "invalid_row")
+    KINDS = ("bad_shard", "bad_example", "undecodable", "unreadable_audio", "audio_length", "member_without_row",
+             "row_without_member", "invalid_row", "not_encodable")
 
     def __init__(self):
         self.counts = Counter()
         self.seen = {}  # (kind, where) -> why, in the order met
 
-    def skip(self, kind: str, where: str, why: str) -> None:
+    def skip(self, kind: str, where: str, why: str, context: str = "", quiet: bool = False) -> bool:
+        """Count and log (unless `quiet`: the caller logs) a skipped `where`; False (and nothing done)
+        when it was met before."""
         assert kind in self.KINDS, kind
         if (kind, where) in self.seen:
-            return
+            return False
         self.seen[(kind, where)] = why
         self.counts[kind] += 1
-        log.warning("skipped %s (%s): %s", where, kind.replace("_", " "), why)
+        if not quiet:
+                log.warning("%sskipped %s: %s (%s)", f"{context}: " if context else "", where, why,
+                        kind.replace("_", " "))
+        return True
 
     def fields(self, d: dict, where: str) -> dict | None:
         """example_fields(d, where), or None after counting the row as invalid."""
@@ -208,66 +227,117 @@ class Faults:
             self.skip("invalid_row", where, str(e).removeprefix(f"{where}: "))
             return None
 
+    def report(self, errors: list[str], context: str) -> None:
+        """Count the items a batch dropped (`Batch.errors`, "where: why"), each logged once;
+        context: training or validation."""
+        for err in errors:
+            kind = "audio_length" if AUDIO_LENGTH in err else "unreadable_audio"
+            if (kind, err) not in self.seen:
+                self.seen[(kind, err)] = err
+                self.counts[kind] += 1
+                log.warning("%s: skipped %s (logged once per run): %s", context,
+                            "audio whose length disagrees with its duration" if kind == "audio_length"
+                            else "unreadable audio", err)
 
-def iter_manifest(path: str, skip_invalid: bool = False, needs_text: bool = True) -> Iterator[Utterance]:
-    """Stream a manifest's utterances. A bad line raises ManifestError, or with `skip_invalid` is
-    logged and counted. Blank lines are ignored. A manifest where no line has a transcript is an
-    audio-only one: with needs_text it raises ManifestError naming its first line and `text` even
-    with `skip_invalid`, as skipping every line would leave nothing to train on."""
+    def summary(self) -> str:
+        """"2 invalid row, 1 audio length", or "" when nothing was skipped."""
+        return ", ".join(f"{n:,} {kind.replace('_', ' ')}" for kind, n in sorted(self.counts.items()) if n)
+
+    @staticmethod
+    def merged(*faults) -> Counter:
+        """The counts of several Faults (None entries ignored) added up by kind."""
+        total = Counter()
+        for f in faults:
+            if f is not None:
+                total.update(f.counts)
+        return total
+
+
+
+
+def read_rows(path: str, parse, skip_invalid: bool = False, faults: Faults | None = None) -> Iterator:
+    """The one manifest-line reader: parse(d, where, base_dir) of every non-blank line's JSON object
+    (d) in order, gzip-compressed when the name ends in .gz, streamed. A line that is not UTF-8 or
+    JSON, or whose parse raises ManifestError (naming file:line and field), raises, or with
+    `skip_invalid` is counted in `faults` (kind invalid_row, each line logged) and left out; the
+    count is logged in one line at the end. Training, validation, bin estimation, tokenizer
+    training and inference all read manifests through it."""
     base_dir = os.path.dirname(os.path.abspath(path))
-    skipped = kept = 0
-    first_text_error = None
+    own = Faults() if faults is None else faults
+    before = own.counts["invalid_row"]
     for where, line in manifest_lines(path):
         try:
-            yield parse_line(line, where, base_dir, needs_text)
-            kept += 1
+            yield parse(json_object(line, where), where, base_dir)
         except ManifestError as e:
-            if first_text_error is None and "field 'text'" in str(e):
-                first_text_error = e
             if not skip_invalid:
                 raise
-            skipped += 1
-            log.warning("skipping invalid manifest line: %s", e)
-    if not kept and first_text_error is not None:
-        raise ManifestError(f"{first_text_error}; no line of {path} has a transcript: an audio-only manifest "
-                            "trains objective=ssl only") from None
-    if skipped:
+            own.skip("invalid_row", where, str(e).removeprefix(f"{where}: "), "skipping invalid manifest line")
+    if skipped := own.counts["invalid_row"] - before:
         log.warning("%s: skipped %d invalid line(s)", path, skipped)
 
 
-def read_manifest(path: str, skip_invalid: bool = False, needs_text: bool = True) -> list[Utterance]:
-    return list(iter_manifest(path, skip_invalid, needs_text))
+def request_fields(d: dict, where: str, base_dir: str, source_lang=None, target_lang=None, task=None,
+                   pnc=None) -> dict:
+    """The lenient reading of a line, for inference: only `audio_filepath` is required. Returns
+    {audio_filepath (resolved), offset (0.0 when absent), duration (None: the whole file), source_lang,
+    target_lang (`lang` alias, then the arguments), taskname, pnc (the line's, else the arguments;
+    unchecked: `check_task` checks them), text (`text` or `answer` when a string, else None), segment}."""
+    path = audio_path(d, where, base_dir)
+    offset = seconds(d, "offset", where, positive=False)
+    src, tgt = languages(d, source_lang, target_lang)
+    text = reference_text(d)
+    return {"audio_filepath": path, "offset": offset or 0.0, "segment": offset is not None,
+            "duration": seconds(d, "duration", where, positive=True), "source_lang": src, "target_lang": tgt,
+            "taskname": d.get("taskname", task), "pnc": d.get("pnc", pnc),
+            "text": text if isinstance(text, str) else None}
 
 
-# --- dataset items ------------------------------------------------------------------------------
+def iter_texts(paths: list[str], skip_invalid: bool = False, faults: Faults | None = None) -> Iterator[tuple]:
+    """(text, source_lang, target_lang) of every line of every manifest, checked by training's rules
+    for those fields (`text_and_task`): what a tokenizer is trained on. Lines need no audio fields.
+    A line with an empty transcript has nothing to learn from: left out (counted as invalid_row)."""
+    own = Faults() if faults is None else faults
+
+    def parse(d, where, _):
+        text = reference_text(d)
+        if isinstance(text, str) and not text.strip():
+            own.skip("invalid_row", where, "empty transcript", quiet=True)
+            return None
+        return text_and_task(d, where)[:3]
+
+    for path in paths:
+        yield from (t for t in read_rows(path, parse, skip_invalid, own) if t is not None)
 
 
-def encode_utterance(tokenizer, utt: Utterance) -> tuple[list[int], int]:
-    """Prompt + target text + EOS token ids, and the prompt length."""
-    return tokenizer.encode_example(utt.text, utt.source_lang, utt.target_lang, utt.pnc,
-                                    task=PROMPT_TASKS[utt.taskname])
+def iter_manifest(path: str, skip_invalid: bool = False, needs_text: bool = True,
+                  faults: Faults | None = None) -> Iterator[Utterance]:
+    """Stream a manifest's utterances (`read_rows` + `parse_line`). A bad line raises ManifestError,
+    or with `skip_invalid` is logged and counted in `faults`. A manifest where no line has a
+    transcript is an audio-only one: with needs_text it raises ManifestError naming its first line
+    and `text` even with `skip_invalid`, as skipping every line would leave nothing to train on."""
+    kept = 0
+    first_text_error = None
 
-
-def encodable(utts: list[Utterance], tokenizer, skip_invalid: bool) -> tuple[list[Utterance], list[int]]:
-    """The utterances `tokenizer` can encode, and their token counts (prompt + text + EOS).
-
-    The manifest checks cannot know the tokenizer: a language it lacks (or a task its prompt
-    format cannot express) shows up here. That raises ManifestError naming the manifest line,
-    or with `skip_invalid` is logged per line and counted per manifest."""
-    kept, num_tokens, skipped = [], [], Counter()
-    for u in utts:
+    def parse(d, where, base_dir):
+        nonlocal first_text_error
         try:
-            num_tokens.append(len(encode_utterance(tokenizer, u)[0]))
-        except (ValueError, KeyError) as e:
-            if not skip_invalid:
-                raise ManifestError(f"{u.where}: {e}") from None
-            log.warning("skipping manifest line: %s: %s", u.where, e)
-            skipped[u.where.rsplit(":", 1)[0]] += 1
-            continue
-        kept.append(u)
-    for path, n in skipped.items():
-        log.warning("%s: skipped %d line(s) the tokenizer cannot encode", path, n)
-    return kept, num_tokens
+            return parse_fields(d, where, base_dir, needs_text)
+        except ManifestError as e:
+            if first_text_error is None and "field 'text'" in str(e):
+                first_text_error = e
+            raise
+
+    for utt in read_rows(path, parse, skip_invalid, faults):
+        kept += 1
+        yield utt
+    if not kept and first_text_error is not None:
+        raise ManifestError(f"{first_text_error}; no line of {path} has a transcript: an audio-only manifest "
+                            "trains objective=ssl only") from None
+
+
+def read_manifest(path: str, skip_invalid: bool = False, needs_text: bool = True,
+                  faults: Faults | None = None) -> list[Utterance]:
+    return list(iter_manifest(path, skip_invalid, needs_text, faults))
 
 
 # --- audio headers ------------------------------------------------------------------------------
@@ -275,7 +345,7 @@ def encodable(utts: list[Utterance], tokenizer, skip_invalid: bool) -> tuple[lis
 
 def header_seconds(path: str) -> float | str:
     """A file's duration from its header (no decoding), or why it has none. sf.SoundFile, not
-    sf.info: info also formats a description of the file and takes 1.7x as long."""
+    sf.info: info also formats a description of the file, work this check does not need."""
     try:
         with sf.SoundFile(path) as f:
             frames, rate = f.frames, f.samplerate
@@ -316,148 +386,3 @@ def check_audio(utts: list[Utterance], tolerance: float, part: int = 0, parts: i
     return problems
 
 
-def make_item(wav: torch.Tensor, utt: Utterance, index: int, tokenizer, logmel: LogMel, seed: int = 0) -> dict:
-    """One utterance's audio (S,) -> the item every dataset returns, which `Collate` pads:
-
-        {"feats": (T, F), "tokens": prompt + text + EOS ids, "prompt_len", "transcribed", "audio_filepath", "index"}
-
-    (tokenizer None: no tokens and prompt_len 0, for training on audio alone; transcribed: the text
-    is the spoken words, not a translation), or
-    {"error", "audio_filepath"} when the audio is shorter than one frame. Features are per
-    utterance (normalisation uses only its frames), so this is exactly what the batched `LogMel`
-    gives. Dither noise is seeded by (seed, index): a resumed run sees the same features whichever
-    DataLoader worker loads the utterance.
-    """
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed * 1_000_003 + index)
-        feats, feat_lens = logmel(wav[None], torch.tensor([wav.numel()]))
-    if feat_lens[0] == 0:
-        return {"error": f"{utt.where}: audio shorter than one frame", "audio_filepath": utt.audio_filepath}
-    tokens, prompt_len = encode_utterance(tokenizer, utt) if tokenizer is not None else ([], 0)
-    return {"feats": feats[0, : feat_lens[0]], "tokens": tokens, "prompt_len": prompt_len,
-            "transcribed": utt.taskname == "asr", "audio_filepath": utt.audio_filepath, "index": index}
-
-
-class UtteranceDataset(Dataset):
-    """Map-style dataset over manifest utterances: index -> `make_item`, computed in DataLoader
-    workers. An unreadable audio file does not crash the epoch: the item comes back as
-    `{"error": ...}` and `Collate` reports it."""
-
-    def __init__(self, utterances: list[Utterance], tokenizer, logmel: LogMel, seed: int = 0):
-        self.utterances = utterances
-        self.tokenizer = tokenizer
-        self.logmel = logmel
-        self.seed = seed
-
-    def __len__(self):
-        return len(self.utterances)
-
-    def __getitem__(self, i: int) -> dict:
-        utt = self.utterances[i]
-        try:
-            wav = load_audio(utt.audio_filepath, offset=utt.offset, duration=utt.duration,
-                             sample_rate=self.logmel.cfg.sample_rate)
-        except AudioError as e:
-            return {"error": f"{utt.where}: {e}", "audio_filepath": utt.audio_filepath}
-        if utt.speed != 1.0:
-            wav = perturb_speed(wav, utt.speed)
-        return make_item(wav, utt, i, self.tokenizer, self.logmel, self.seed)
-
-
-def perturb_speed(wav: torch.Tensor, factor: float) -> torch.Tensor:
-    """(S,) -> (~S / factor,): the recording played `factor` times faster, tempo and pitch together
-    (Ko et al., 2015), by resampling it as if it had been recorded at factor x the sample rate."""
-    return torchaudio.functional.resample(wav, round(100 * factor), 100)
-
-
-# --- batches ------------------------------------------------------------------------------------
-
-
-def duration_batches(durations: list[float], max_padded_seconds: float) -> list[list[int]]:
-    """Indices of `durations` cut into batches of at most `max_padded_seconds` padded seconds
-    (batch size x longest member); every index lands in exactly one batch, and one longer than
-    the budget gets a batch of its own.
-
-    For passes that visit every utterance once in any order (inference, validation): a global sort
-    gives the least padding there is, where training needs sampler.py's shuffled buckets. Longest
-    first, so an out-of-memory batch shows up at once, not at the end of a long job.
-    """
-    batches, batch = [], []
-    for i in sorted(range(len(durations)), key=lambda i: -durations[i]):
-        if batch and (len(batch) + 1) * durations[batch[0]] > max_padded_seconds:
-            batches.append(batch)
-            batch = []
-        batch.append(i)
-    return (batches + [batch]) if batch else batches
-
-
-@dataclass
-class Batch:
-    feats: torch.Tensor        # (B, T, F) zero padded
-    feat_lens: torch.Tensor    # (B,)
-    tokens: torch.Tensor       # (B, U) prompt + text + EOS, right padded with pad_id
-    token_lens: torch.Tensor   # (B,)
-    prompt_lens: torch.Tensor  # (B,)
-    paths: list[str]
-    indices: list[int]
-    errors: list[str]          # items dropped from this batch (unreadable audio), with reasons
-    transcribed: torch.Tensor | None = None  # (B,) bool: the text is the spoken words (ASR, not AST); None: every row
-
-    def __len__(self):
-        return len(self.paths)
-
-    def to(self, device, non_blocking: bool = False) -> "Batch":
-        kw = {"device": device, "non_blocking": non_blocking}
-        return Batch(self.feats.to(**kw), self.feat_lens.to(**kw), self.tokens.to(**kw),
-                     self.token_lens.to(**kw), self.prompt_lens.to(**kw), self.paths,
-                     self.indices, self.errors, None if self.transcribed is None else self.transcribed.to(**kw))
-
-    def pin_memory(self) -> "Batch":  # called by DataLoader(pin_memory=True)
-        return Batch(self.feats.pin_memory(), self.feat_lens, self.tokens.pin_memory(),
-                     self.token_lens, self.prompt_lens, self.paths, self.indices, self.errors, self.transcribed)
-
-
-class Collate:
-    """Pads a list of dataset items into a `Batch`; items that failed to load are reported."""
-
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
-
-    def __call__(self, items: list[dict]) -> Batch:
-        errors = [it["error"] for it in items if "error" in it]
-        items = [it for it in items if "error" not in it]
-        n_mels = items[0]["feats"].shape[1] if items else 0
-        feat_lens = torch.tensor([it["feats"].shape[0] for it in items], dtype=torch.long)
-        token_lens = torch.tensor([len(it["tokens"]) for it in items], dtype=torch.long)
-        max_t, max_u = (int(feat_lens.max()), int(token_lens.max())) if items else (0, 0)
-        feats = torch.zeros(len(items), max_t, n_mels)  # (B, T, F)
-        tokens = torch.full((len(items), max_u), self.pad_id, dtype=torch.long)  # (B, U)
-        for b, it in enumerate(items):
-            feats[b, : feat_lens[b]] = it["feats"]
-            tokens[b, : token_lens[b]] = torch.tensor(it["tokens"], dtype=torch.long)
-        prompt_lens = torch.tensor([it["prompt_len"] for it in items], dtype=torch.long)
-        transcribed = torch.tensor([it["transcribed"] for it in items], dtype=torch.bool)
-        return Batch(feats, feat_lens, tokens, token_lens, prompt_lens,
-                     [it["audio_filepath"] for it in items], [it["index"] for it in items], errors, transcribed)
-
-
-class UnreadableAudio:
-    """The unreadable audio files a run has met, each logged once: the sampler draws a bad file
-    again every pass, and validation reads its manifests again every time."""
-
-    def __init__(self):
-        self.seen = set()
-
-    def report(self, errors: list[str], where: str) -> None:
-        """Log the errors of a batch (`Batch.errors`) not logged before; `where`: training or validation."""
-        for err in sorted(set(errors) - self.seen):
-            log.warning("%s: skipped unreadable audio (logged once per run): %s", where, err)
-            self.seen.add(err)
-
-
-def ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader worker_init_fn. Cluster schedulers signal every process of the job, workers
-    included; the trainer must outlive its workers long enough to save a checkpoint, and it
-    shuts them down itself (train.py, stop_workers)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)

@@ -24,7 +24,7 @@ from collections import OrderedDict
 import soundfile as sf
 
 from aed.data_manifest import Faults
-from aed.data_stream import shard_order
+from aed.data_stream import resume_shards
 
 FIELDS = ("text", "answer", "duration", "offset", "source_lang", "target_lang", "lang", "pnc", "taskname")
 
@@ -93,24 +93,17 @@ class ParquetSource:
 
     def read(self, seed: int, rank: int, world_size: int, cursor=None):
         """Yields (key, cursor after this example, example) for this rank, from `cursor` on."""
-        order = shard_order(len(self.shards), seed, rank, world_size, self.shuffle_shards, self.what)
-        pos, shard, row = cursor or (0, None, 0)
-        if shard is not None and (pos >= len(order) or order[pos] != shard):
-            raise ValueError(f"resume cursor {cursor} does not match the shard order of {self.what}: the "
-                             "files or the number of readers changed since the checkpoint")
-        for p in range(pos, len(order)):
-            shard = order[p]
+        for p, shard, (row,) in resume_shards(len(self.shards), seed, rank, world_size, self.shuffle_shards,
+                                              self.what, cursor, (0,)):
             try:
                 rows = self._read_group(shard)
             except (OSError, ValueError) as e:
                 self.faults.skip("bad_shard", self._group_name(shard), f"cannot read it ({e})")
-                row = 0
                 continue
             for i in range(row, len(rows)):
                 ex = self._example(shard, i, rows[i])
                 if ex is not None:
                     yield (shard, i), (p, shard, i + 1), ex
-            row = 0
 
     def get(self, key) -> dict:
         shard, i = key

@@ -24,23 +24,22 @@ Layout of a sharded set (a folder):
   member, byte offset of the next example): `get` seeks straight to an example and a restored
   cursor continues inside the open shard, so resuming re-reads neither epochs nor shards.
 - A missing, corrupt or truncated shard is logged with its path and skipped (the rest of that
-  shard is lost); `stats` counts them. A tar cut before a header ends silently (tarfile's rule,
+  shard is lost); `faults` (`aed.data_manifest.Faults`) counts them (bad_shard) and the bad
+  examples (bad_example), each logged once. A tar cut before a header ends silently (tarfile's rule,
   kept by the shared member reader `aed.data_tarred.tar_members`), so the number of examples read
   is checked against the index.
 
 Examples are dicts with the JSON fields plus `audio` (the encoded bytes) and `where`
-("shard-000003.tar#17", for messages); `aed.data_stream.ShardDataset` decodes them.
+("shard-000003.tar#17", for messages); `aed.data_stream.ExampleDataset` decodes them.
 """
 
 import json
-import logging
 import tarfile
 from pathlib import Path
 
-from aed.data_stream import shard_order
+from aed.data_manifest import Faults
+from aed.data_stream import resume_shards
 from aed.data_tarred import CHUNK, tar_members
-
-log = logging.getLogger(__name__)
 
 INDEX_NAME = "shards.jsonl"
 SHARD_NAME = "shard-{:06d}.tar"
@@ -66,8 +65,13 @@ class ShardSource:
         if not self.paths:
             raise ValueError(f"{index}: no shards")
         self.index, self.shuffle_shards = str(index), shuffle_shards
-        self.stats = {"bad_shards": 0, "bad_examples": 0}
+        self.faults = Faults()
         self._handles = {}
+
+    @property
+    def stats(self) -> dict:
+        """The faults' counts under their former names (bad_shards, bad_examples)."""
+        return {"bad_shards": self.faults.counts["bad_shard"], "bad_examples": self.faults.counts["bad_example"]}
 
     def __len__(self) -> int:
         return sum(self.counts)
@@ -78,13 +82,8 @@ class ShardSource:
 
     def read(self, seed: int, rank: int, world_size: int, cursor=None):
         """Yields (key, cursor after this example, example) for this rank, from `cursor` on."""
-        order = shard_order(len(self.paths), seed, rank, world_size, self.shuffle_shards, self.index)
-        pos, shard, member, offset = cursor or (0, None, 0, 0)
-        if shard is not None and (pos >= len(order) or order[pos] != shard):
-            raise ValueError(f"resume cursor {cursor} does not match the shard order: the shard index "
-                             "or the number of readers changed since the checkpoint")
-        for p in range(pos, len(order)):
-            shard = order[p]
+        for p, shard, (member, offset) in resume_shards(len(self.paths), seed, rank, world_size, self.shuffle_shards,
+                                                        self.index, cursor, (0, 0)):
             path, n = self.paths[shard], member
             try:
                 with self._open(path) as f:
@@ -95,9 +94,7 @@ class ShardSource:
                 if n < self.counts[shard]:
                     raise tarfile.ReadError(f"ended after {n} of {self.counts[shard]} examples (truncated?)")
             except (OSError, EOFError, tarfile.TarError) as e:
-                self.stats["bad_shards"] += 1
-                log.warning("skipping the rest of shard %s after example %d: %s", path, n, e)
-            member = offset = 0
+                self.faults.skip("bad_shard", path, f"the rest of it is lost, after example {n} ({e})")
 
     def get(self, key) -> dict:
         shard, member, offset = key
@@ -145,10 +142,10 @@ class ShardSource:
                 continue
             ex["audio"] = data
             ex["where"] = self.describe(key)
+            ex.setdefault("segment", None)  # tools/make_shards.py stores a line at offset 0 as its whole file
             yield key, (member, end), ex
 
     def _bad(self, shard: int, member: int, why: str) -> None:
-        self.stats["bad_examples"] += 1
-        log.warning("%s: skipped: %s", self.describe((shard, member)), why)
+        self.faults.skip("bad_example", self.describe((shard, member)), why)
 
 

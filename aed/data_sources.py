@@ -11,13 +11,15 @@ streamed-source protocol (aed/data_stream.py has what those readers share). Each
 (examples drawn in proportion when several are mixed).
 """
 
+from array import array
+
 import yaml
 
 from aed.config import ConfigError
-from aed.data_manifest import Faults, encode_utterance
+from aed.data_batch import as_utterance, encode_utterance
+from aed.data_manifest import Faults
 from aed.data_parquet import FIELDS, ParquetSource
 from aed.data_shards import ShardSource
-from aed.data_stream import as_utterance
 from aed.data_tarred import NemoTarredSource, SharSource
 
 PARQUET_KEYS = {"parquet", "audio_column", *(f"{f}_column" for f in FIELDS), *FIELDS}
@@ -90,8 +92,9 @@ def metadata(source):
 
 class CountTokens:
     """A streamed source whose examples carry `num_tokens` (prompt + text + EOS, as training
-    encodes them) for the sampler's 2D buckets, computed as they stream by. An example the
-    tokenizer cannot encode (a language it lacks) is skipped and counted in `faults`."""
+    encodes them) for the sampler's 2D buckets, computed as they stream by, and the ids themselves
+    (`token_ids`, `prompt_len`), so the DataLoader worker does not tokenize them again. An example
+    the tokenizer cannot encode (a language it lacks) is skipped and counted in `faults`."""
 
     def __init__(self, source, tokenizer):
         self.source, self.tokenizer, self.faults = source, tokenizer, Faults()
@@ -103,10 +106,11 @@ class CountTokens:
 
     def _count(self, ex: dict) -> bool:
         try:
-            ex["num_tokens"] = len(encode_utterance(self.tokenizer, as_utterance(ex))[0])
+            ids, prompt_len = encode_utterance(self.tokenizer, as_utterance(ex))
         except (ValueError, KeyError) as e:
-            self.faults.skip("invalid_row", ex["where"], f"the tokenizer cannot encode it ({e})")
+            self.faults.skip("not_encodable", ex["where"], f"the tokenizer cannot encode it ({e})")
             return False
+        ex["num_tokens"], ex["token_ids"], ex["prompt_len"] = len(ids), array("i", ids).tobytes(), prompt_len
         return True
 
     def get(self, key) -> dict:
@@ -119,5 +123,12 @@ class CountTokens:
         return self.source.describe(key)
 
 
-
-
+def source_faults(source) -> list:
+    """Every `Faults` of a streamed source: its own, the wrappers' around it (CountTokens) and those
+    of the sources it mixes (MixedSource)."""
+    out = [source.faults] if hasattr(source, "faults") else []
+    if hasattr(source, "source"):
+        out += source_faults(source.source)
+    for s in getattr(source, "sources", ()):
+        out += source_faults(s)
+    return out

@@ -1,37 +1,26 @@
 """What every streamed reader shares (aed/data_shards.py, aed/data_tarred.py, aed/data_parquet.py;
 `sampler.py` describes the streamed-source protocol they follow):
 
-- `shard_order`: the shards a rank reads in a pass, disjoint across ranks, reshuffled every pass.
+- `shard_order`: the shards a rank reads in a pass, disjoint across ranks, reshuffled every pass;
+  `resume_shards`: that order walked from a resume cursor, the one loop every reader's `read` uses.
 - `MixedSource`: several sources mixed by weight, endlessly, resumable to the example.
-- `decode_audio` / `ShardDataset`: an example's encoded audio bytes -> the item training pads,
-  decoded in DataLoader workers.
 
 Examples are dicts: the checked fields of `aed.data_manifest.example_fields`, `audio` (the encoded
 bytes of the file that holds the utterance), `offset` (seconds into that audio where it starts)
 and `where` (a stable id naming the shard and member or row, for messages and `inspect_data`).
-Compressed audio is small, so the sampler's buffer holds it (as Lhotse Shar does).
+Compressed audio is small, so the sampler's buffer holds it (as Lhotse Shar does), and DataLoader
+workers decode it (`aed.data_batch.ExampleDataset`).
 
     source = MixedSource([ShardSource("shards/en"), ShardSource("shards/de")], weights=[2, 1])
     sampler = BucketingSampler(source, bins, batch_sizes=sizes, infinite=True)
-    loader = DataLoader(ShardDataset(tokenizer, LogMel(cfg)), batch_sampler=sampler, collate_fn=Collate(pad))
+    loader = DataLoader(ExampleDataset(None, tokenizer, LogMel(cfg)), batch_sampler=sampler, collate_fn=Collate(pad))
 """
 
-import io
 import random
-import zlib
 from bisect import bisect_right
 from itertools import accumulate
 
 import numpy as np
-import soundfile as sf
-import torch
-import torchaudio.functional as AF
-from torch.utils.data import Dataset
-
-from aed.data_audio import AudioError
-from aed.data_manifest import Utterance, make_item
-
-
 
 def shard_order(num_shards: int, seed: int, rank: int, world_size: int, shuffle: bool, what: str) -> list:
     """Shard indices this rank reads in the pass seeded by `seed`: every rank shuffles with the
@@ -43,6 +32,23 @@ def shard_order(num_shards: int, seed: int, rank: int, world_size: int, shuffle:
     if shuffle:
         random.Random(seed).shuffle(order)
     return order[rank::world_size]
+
+
+def resume_shards(num_shards: int, seed: int, rank: int, world_size: int, shuffle: bool, what: str,
+                  cursor, start: tuple):
+    """Yields (position in this rank's shard order, shard, where in it to start) for the pass seeded
+    by `seed`, from a resume `cursor` on. Every reader's cursor is (position, shard, *inner), its
+    own inner part saying where in the shard to go on (`start`: the beginning of a shard); the
+    resumed shard starts at the cursor's inner part, every later one at `start`. A cursor whose
+    shard is not at its position in this order (shards or ranks changed) raises ValueError."""
+    order = shard_order(num_shards, seed, rank, world_size, shuffle, what)
+    pos, shard, *inner = cursor or (0, None, *start)
+    if shard is not None and (pos >= len(order) or order[pos] != shard):
+        raise ValueError(f"resume cursor {cursor} does not match the shard order of {what}: the shards or "
+                         "the number of readers changed since the checkpoint")
+    for p in range(pos, len(order)):
+        yield p, order[p], tuple(inner)
+        inner = start
 
 
 class MixedSource:
@@ -97,58 +103,3 @@ class MixedSource:
         return self.sources[key[0]].describe(tuple(key[1:]))
 
 
-def decode_audio(example: dict, sample_rate: int = 16000) -> torch.Tensor:
-    """An example's audio bytes -> mono float32 (S,) at `sample_rate`: `duration` seconds from
-    `offset` (default 0; a NeMo member shared by the segments of one file), the same samples
-    `aed.data_audio.load_audio` gives for the original file (it needs a path)."""
-    where = example.get("where", "example")
-    try:
-        with sf.SoundFile(io.BytesIO(example["audio"])) as f:
-            start = round(example.get("offset", 0.0) * f.samplerate)
-            if start >= f.frames > 0:
-                raise AudioError(where, f"offset {example['offset']}s is beyond the end "
-                                        f"({f.frames / f.samplerate:.3f}s)")
-            if start:
-                f.seek(start)
-            data = f.read(round(example["duration"] * f.samplerate), dtype="float32", always_2d=True)
-            file_rate = f.samplerate
-    except AudioError:
-        raise
-    except (RuntimeError, ValueError, TypeError) as e:  # sf.LibsndfileError is a RuntimeError; TypeError: no bytes
-        raise AudioError(where, f"cannot decode ({e})") from e
-    if data.shape[0] == 0:
-        raise AudioError(where, "no samples")
-    wav = torch.from_numpy(data).mean(dim=1)  # average channels: (S, channels) -> (S,)
-    if file_rate != sample_rate:
-        wav = AF.resample(wav, file_rate, sample_rate)
-    return wav
-
-
-class ShardDataset(Dataset):
-    """Decodes the example dicts of a streamed batch in DataLoader workers: use it with
-    `DataLoader(..., batch_sampler=BucketingSampler(source, ...))`, which hands each example dict
-    to `__getitem__`. Items are `aed.data_manifest.make_item`'s, as the per-file dataset's, so
-    `aed.data_manifest.Collate` pads them; a bad audio comes back as {"error": ...}. Dither is seeded by
-    (seed, example location), as the per-file dataset does by index.
-    """
-
-    def __init__(self, tokenizer, logmel, seed: int = 0):
-        self.tokenizer, self.logmel, self.seed = tokenizer, logmel, seed
-
-    def __getitem__(self, ex: dict) -> dict:
-        where = ex["where"]
-        try:
-            wav = decode_audio(ex, self.logmel.cfg.sample_rate)
-        except AudioError as e:
-            return {"error": str(e), "audio_filepath": where}
-        index = zlib.crc32(where.encode())  # stable across processes, unlike hash()
-        return make_item(wav, as_utterance(ex), index, self.tokenizer, self.logmel, self.seed)
-
-
-def as_utterance(ex: dict) -> Utterance:
-    """A streamed example as the Utterance that tokenizing and `make_item` read. Its location
-    (`where`) names it in batches and messages: its original file may not exist where training
-    runs. Fields were validated by the reader (or when the shard was made)."""
-    where = ex["where"]
-    return Utterance(where, ex["duration"], ex["text"], ex["source_lang"], ex["target_lang"], ex["pnc"],
-                     ex["taskname"], ex.get("offset", 0.0), where=where)

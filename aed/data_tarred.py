@@ -16,7 +16,8 @@ Streamed-source protocol (`sampler.py`; as `aed.data_shards.ShardSource`):
   member): a resume seeks into the open shard and re-reads one member, no earlier example.
 - faults (`self.faults`, `aed.data_manifest.Faults`): a missing or unreadable shard (the rest of it is
   lost), a member no row names, a row whose member is absent (known at the end of the shard),
-  an invalid row. Audio is decoded later (`aed.data_stream.ShardDataset`), where an undecodable member is reported.
+  an invalid row. Audio is decoded later (`aed.data_stream.ExampleDataset`), where an undecodable member or
+  one whose length disagrees with its duration is reported.
 
 NeMo tarred audio datasets:
 
@@ -49,12 +50,13 @@ tutorial, `docs/shar.rst`, and read by `lhotse/shar/readers/lazy.py`): per shard
 `recording.000000.tar`, whose members come in pairs in cut order, `<cut_id>.<fmt>` (the cut's
 own audio: flac by default, or wav, mp3, opus) then `<cut_id>.json` (its Recording); a cut with
 no audio has `<cut_id>.nodata` + `<cut_id>.nometa`. Other fields' files are not needed here.
+The stored audio is decoded whole unless the cut is a part of its recording (`cut_row`).
 
 A cut becomes an example by the manifest's rules (`aed.data_manifest.example_fields`): duration
 from the cut; text from its supervisions (joined, in order) and the source language from the
 first one's `language`; Canary's fields (`source_lang`, `target_lang`, `pnc`, `taskname`, or
 NeMo's `answer` / `lang`) from the supervision's `custom` dict, overridden by the cut's (where
-NeMo's converters put manifest keys). The stored audio is the cut itself, so it starts at 0.
+NeMo's converters put manifest keys).
 Durations come from the cuts (`metadata()`).
 """
 
@@ -64,8 +66,8 @@ import tarfile
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 
-from aed.data_manifest import Faults, manifest_lines
-from aed.data_stream import shard_order
+from aed.data_manifest import DURATION_TOLERANCE, Faults, manifest_lines
+from aed.data_stream import resume_shards
 
 
 BLOCK = 512
@@ -85,9 +87,9 @@ def tar_members(f, offset: int = 0, chunk: int = CHUNK):
     """Yields (byte offset of the member's first header, name, bytes, byte offset after it) of the
     regular members of a tar, from the header at `offset`: a resume or `get` seeks to such an offset.
 
-    Read in `chunk`-byte pieces and parsed here, not by tarfile: tarfile's per-member calls (header
-    object, seek, tell, one read each) took ~40% of a sampler pass over a NeMo set in a profile, and
-    a read per member is a GIL hand-off per member with the sampler's producer thread. Handles
+    Read in `chunk`-byte pieces and parsed here, not by tarfile: tarfile makes several calls per
+    member (header object, seek, tell, one read each), and a read per member is a GIL hand-off per
+    member with the sampler's producer thread (docs/data.md). Handles
     ustar, pax (long names) and GNU long-name headers. chunk=0 reads only what one member needs
     (`get`). Raises tarfile.ReadError on a header with a wrong checksum or data cut short; a tar
     cut before a header ends silently (tarfile's rule too), which callers detect by what is missing."""
@@ -164,14 +166,9 @@ class StemMatchedTarSource:
 
     def read(self, seed: int, rank: int, world_size: int, cursor=None):
         """Yields (key, cursor after this example, example) for this rank, from `cursor` on."""
-        order = shard_order(len(self.shards), seed, rank, world_size, self.shuffle_shards, self.what)
-        pos, shard, offset, row = cursor or (0, None, 0, 0)
-        if shard is not None and (pos >= len(order) or order[pos] != shard):
-            raise ValueError(f"resume cursor {cursor} does not match the shard order of {self.what}: the "
-                             "shards or the number of readers changed since the checkpoint")
-        for p in range(pos, len(order)):
-            yield from self._read_shard(p, order[p], offset, row)
-            offset = row = 0
+        for p, shard, (offset, row) in resume_shards(len(self.shards), seed, rank, world_size, self.shuffle_shards,
+                                                     self.what, cursor, (0, 0)):
+            yield from self._read_shard(p, shard, offset, row)
 
     def _read_shard(self, p: int, shard: int, offset: int, row: int):
         meta_path, tar_path = self.shards[shard]
@@ -388,14 +385,22 @@ NOT_AUDIO = {"json", "nometa"}  # the Recording manifest beside each audio membe
 
 
 def cut_row(cut: dict) -> dict:
-    """A Shar cut -> a row with manifest keys."""
+    """A Shar cut -> a row with manifest keys. Lhotse stores each cut's own audio (its Recording
+    starts where the cut does and lasts as long), decoded whole; a cut that is a part of its stored
+    recording (a later `start`, or shorter than the recording says it lasts) is a segment of it,
+    decoded from `start` for its duration."""
     sups = cut.get("supervisions") or []
     first = sups[0] if sups else {}
     d = {"lang": first.get("language"), **(first.get("custom") or {}), **(cut.get("custom") or {})}
     texts = [s["text"] for s in sups if isinstance(s.get("text"), str) and s["text"].strip()]
     if texts:
         d["text"] = " ".join(texts)
-    d["duration"], d["offset"] = cut.get("duration"), 0.0
+    d["duration"] = cut.get("duration")
+    d.pop("offset", None)  # a manifest key NeMo's converters may leave: the stored audio is not the original file
+    start, recorded = cut.get("start") or 0.0, (cut.get("recording") or {}).get("duration")
+    numbers = all(isinstance(x, (int, float)) for x in (start, recorded, d["duration"]))
+    if numbers and (start > 0 or recorded - d["duration"] > DURATION_TOLERANCE * d["duration"]):
+        d["offset"] = float(start)
     return d
 
 

@@ -3,7 +3,7 @@
 
     data = build_training_data(cfg, tokenizer, rank, world_size, bins_out="run/bins.json")
     loader = data.loader(device)      # batches of cfg.train's 2D buckets, forever (infinite passes)
-    data.sampler.state_dict(rewind=data.counter.taken - consumed)   # exact resume (train.py)
+    data.sampler.state_dict(rewind=data.counter.taken - consumed)   # exact resume (train.py: DataPosition)
 """
 
 import logging
@@ -17,10 +17,10 @@ from torch.utils.data import DataLoader
 
 from aed.config import ConfigError
 from aed.data_audio import LogMel
-from aed.data_manifest import (Collate, ManifestError, UtteranceDataset, check_audio, encodable, ignore_stop_signals,
-                               read_manifest)
-from aed.data_sources import CountTokens, is_streamed, open_source, spec_kind
-from aed.data_stream import MixedSource, ShardDataset
+from aed.data_batch import Collate, ExampleDataset, encodable, ignore_stop_signals
+from aed.data_manifest import Faults, ManifestError, check_audio, read_manifest
+from aed.data_sources import CountTokens, is_streamed, open_source, source_faults, spec_kind
+from aed.data_stream import MixedSource
 from aed.train_config import TrainConfig
 from aed.train_distributed import all_gather_objects
 from aed.train_objective import OBJECTIVES
@@ -30,25 +30,28 @@ from sampler import BucketingSampler
 log = logging.getLogger(__name__)
 
 
-def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_size: int) -> tuple[list, list]:
-    """Manifests (paths or {path, weight}) -> (utterances, token counts); weight w repeats a
-    manifest's utterances int(w) times per epoch plus a random fraction w - int(w) of them.
-    Lines the tokenizer cannot encode and (with check_audio) utterances whose audio is unreadable
-    or disagrees with its duration are skipped and counted, or stop the run without skip_invalid.
-    tokenizer None (objective=ssl): audio-only lines are read, and every token count is 0."""
+def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_size: int,
+                  faults: Faults | None = None) -> tuple[list, list]:
+    """Manifests (paths or {path, weight}) -> (utterances carrying their token ids, token counts);
+    weight w repeats a manifest's utterances int(w) times per epoch plus a random fraction w - int(w)
+    of them. Invalid lines, lines the tokenizer cannot encode and (with check_audio) utterances whose
+    audio is unreadable or disagrees with its duration are skipped and counted in `faults`, or stop
+    the run without skip_invalid. tokenizer None (objective=ssl): audio-only lines are read, and
+    every token count is 0."""
     rng = random.Random(seed)
+    faults = Faults() if faults is None else faults
     out, out_tokens = [], []
     for spec in specs:
         if spec_kind(spec) != "manifest":
             raise ConfigError(f"train.manifests entry {spec!r} is streamed: every entry must then be streamed")
         spec = {"path": spec} if isinstance(spec, str) else spec
-        utts = read_manifest(spec["path"], skip_invalid=data_cfg.skip_invalid, needs_text=tokenizer is not None)
+        utts = read_manifest(spec["path"], data_cfg.skip_invalid, tokenizer is not None, faults)
         if tokenizer is not None:
-            utts, num_tokens = encodable(utts, tokenizer, data_cfg.skip_invalid)
+            utts, num_tokens = encodable(utts, tokenizer, data_cfg.skip_invalid, faults)
         else:
             num_tokens = [0] * len(utts)
         if data_cfg.check_audio:
-            utts, num_tokens = with_valid_audio(spec["path"], utts, num_tokens, data_cfg, rank, world_size)
+            utts, num_tokens = with_valid_audio(spec["path"], utts, num_tokens, data_cfg, rank, world_size, faults)
         weight = float(spec.get("weight", 1.0))
         picked = list(range(len(utts))) * int(weight) + rng.sample(range(len(utts)),
                                                                    round((weight - int(weight)) * len(utts)))
@@ -64,9 +67,11 @@ def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_
     return out, out_tokens
 
 
-def with_valid_audio(path: str, utts: list, num_tokens: list, data_cfg, rank: int, world_size: int):
+def with_valid_audio(path: str, utts: list, num_tokens: list, data_cfg, rank: int, world_size: int,
+                     faults: Faults | None = None):
     """(utts, num_tokens) without the utterances whose audio header is unreadable or disagrees with
-    the manifest's duration. Each rank reads 1/world_size of the headers; the problems are shared."""
+    the manifest's duration (counted in `faults`: unreadable_audio, audio_length). Each rank reads
+    1/world_size of the headers; the problems are shared."""
     t0 = time.time()
     problems = sorted(p for part in all_gather_objects(
         check_audio(utts, data_cfg.duration_tolerance, rank, world_size)) for p in part)
@@ -84,6 +89,10 @@ def with_valid_audio(path: str, utts: list, num_tokens: list, data_cfg, rank: in
         log.warning("%s: skipped %d utterance(s) after reading their audio headers: %d unreadable, %d whose "
                     "duration is off by more than %g%%%s", path, len(problems), unreadable, len(problems) - unreadable,
                     100 * data_cfg.duration_tolerance, " (first 10 shown)" if len(problems) > 10 else "")
+    if faults is not None:
+        for i, why in problems:  # logged above, the first 10
+            faults.skip("unreadable_audio" if why.startswith("unreadable") else "audio_length", utts[i].where, why,
+                        quiet=True)
     bad = {i for i, _ in problems}
     keep = [i for i in range(len(utts)) if i not in bad]
     return [utts[i] for i in keep], [num_tokens[i] for i in keep]
@@ -132,11 +141,14 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
         source = sources[0] if len(sources) == 1 else MixedSource(
             sources, [float(s.get("weight", 1.0)) for s in streamed])
         sampler = BucketingSampler(source, bins, **sampler_args)
-        return TrainingData(sampler, ShardDataset(tokenizer, logmel, seed=cfg.seed), bins, BatchCounter(sampler),
-                            **data)
+        dataset = ExampleDataset(None, tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance)
+        return TrainingData(sampler, dataset, bins, BatchCounter(sampler), **data,
+                            faults=tuple(f for s in sources for f in source_faults(s)))
 
     text_tokenizer = tokenizer if reads_text else None
-    utts, num_tokens = load_examples(cfg.train.manifests, cfg.train, text_tokenizer, cfg.seed, rank, world_size)
+    faults = Faults()
+    utts, num_tokens = load_examples(cfg.train.manifests, cfg.train, text_tokenizer, cfg.seed, rank, world_size,
+                                     faults)
     too_long = [i for i, n in enumerate(num_tokens) if n > cfg.model.dec_max_len]
     if too_long:
         log.warning("dropping %d utterances whose prompt+text exceed dec_max_len=%d tokens, e.g. %s",
@@ -155,8 +167,10 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
         sampler = BucketingSampler(examples, bins, **sampler_args, short_first=short_first, yield_indices=True)
     except ValueError as e:  # settings the data cannot meet (short_first, a batch limit no example fits)
         raise ConfigError(f"train: {e}") from None
-    return TrainingData(sampler, UtteranceDataset(utts, text_tokenizer, logmel, seed=cfg.seed), bins,
-                        BatchCounter(sampler), **data)
+    if faults.counts:
+        log.warning("train.manifests: skipped %s", faults.summary())
+    dataset = ExampleDataset(utts, text_tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance)
+    return TrainingData(sampler, dataset, bins, BatchCounter(sampler), **data, faults=(faults,))
 
 
 class BatchCounter:
@@ -174,12 +188,22 @@ class BatchCounter:
 
 class TrainingData(NamedTuple):
     sampler: BucketingSampler
-    dataset: torch.utils.data.Dataset  # sampler batch -> items: UtteranceDataset or ShardDataset
+    dataset: ExampleDataset  # sampler batch -> items
     bins: Bins
     counter: BatchCounter  # the sampler, counting the batches the DataLoader has taken from it
     pad_id: int
     num_workers: int
     seed: int
+    faults: tuple = ()  # the Faults of the readers: manifests read at start, or each streamed source
+
+    def skipped(self, batches: Faults | None = None) -> dict:
+        """Everything this rank's data left out so far, by kind, in one dict: what the readers
+        skipped, what the sampler dropped (its stats, e.g. over_batch_limit) and, given the run's
+        batch Faults (`Faults.report` of each Batch.errors), the items dropped from batches."""
+        counts = Faults.merged(*self.faults, batches)
+        for reason, n in self.sampler.stats.get("drops", {}).items():
+            counts[f"sampler_{reason}"] += n
+        return {k: n for k, n in sorted(counts.items()) if n}
 
     def loader(self, device: torch.device) -> DataLoader:
         """A DataLoader over the sampler's batches. Its own generator: worker seeds must not consume

@@ -7,11 +7,10 @@ import soundfile as sf
 import torch
 
 from aed.data_audio import FeatureConfig, LogMel, load_audio
-from aed.data_manifest import (Collate, ManifestError, UtteranceDataset, duration_batches, encode_utterance, iter_manifest,
-                      make_item, read_manifest)
-from aed.decode_transcribe import read_requests, request_prompts
-from aed.data_stream import ShardDataset
+from aed.data_batch import Collate, ExampleDataset, duration_batches, encode_utterance, make_item
+from aed.data_manifest import ManifestError, iter_manifest, read_manifest
 from aed.data_tokenizer import Tokenizer
+from aed.decode_transcribe import read_requests, request_prompts
 
 MINI = os.path.join(os.path.dirname(__file__), "..", "data", "mini")
 
@@ -82,7 +81,7 @@ def test_dataset_collate_offsets_and_bad_audio(tmp_path, tokenizer):
         rec(audio_filepath="missing.wav", text="Gone."),
     ])
     logmel = LogMel(FeatureConfig(n_mels=80)).eval()
-    ds = UtteranceDataset(read_manifest(m), tokenizer, logmel)
+    ds = ExampleDataset(read_manifest(m), tokenizer, logmel)
     batch = Collate(tokenizer.pad)([ds[i] for i in range(len(ds))])
 
     assert len(batch) == 2 and batch.indices == [0, 1]
@@ -116,7 +115,7 @@ def test_make_item_is_the_item_of_files_and_shards_and_inference_prompts_agree(t
     ])
     logmel = LogMel(FeatureConfig(n_mels=80)).train()  # dither on: the seed must match too
     utts = read_manifest(m)
-    per_file = UtteranceDataset(utts, tokenizer, logmel, seed=3)
+    per_file = ExampleDataset(utts, tokenizer, logmel, seed=3)
     for i, (utt, prompt) in enumerate(zip(utts, request_prompts(read_requests(m), tokenizer))):
         item = per_file[i]
         direct = make_item(load_audio(utt.audio_filepath, utt.offset, utt.duration), utt, i, tokenizer, logmel, seed=3)
@@ -128,7 +127,7 @@ def test_make_item_is_the_item_of_files_and_shards_and_inference_prompts_agree(t
         sf.write(seg, load_audio(utt.audio_filepath, utt.offset, utt.duration).numpy(), 16000, subtype="FLOAT")
         ex = {"audio": seg.read_bytes(), "duration": utt.duration, "text": utt.text, "source_lang": utt.source_lang,
               "target_lang": utt.target_lang, "pnc": utt.pnc, "taskname": utt.taskname, "where": f"s.tar#{i}"}
-        shard_item = ShardDataset(tokenizer, logmel, seed=3)[ex]
+        shard_item = ExampleDataset(None, tokenizer, logmel, seed=3)[ex]
         assert shard_item["audio_filepath"] == f"s.tar#{i}"
         assert (shard_item["tokens"], shard_item["prompt_len"]) == (item["tokens"], item["prompt_len"])
         assert torch.equal(shard_item["feats"], make_item(load_audio(utt.audio_filepath, utt.offset, utt.duration),
@@ -160,7 +159,7 @@ def test_sampler_token_counts_are_the_batch_lengths_and_count_targets_is_what_th
     tok = Tokenizer.load(os.path.join(MINI, "tokenizer"))
     utts = read_manifest(os.path.join(MINI, "train.jsonl"))[:6]  # asr and ast, four languages
     num_tokens = [len(encode_utterance(tok, u)[0]) for u in utts]
-    ds = UtteranceDataset(utts, tok, LogMel(FeatureConfig(n_mels=80)).eval())
+    ds = ExampleDataset(utts, tok, LogMel(FeatureConfig(n_mels=80)).eval())
     batch = Collate(tok.pad)([ds[i] for i in range(len(utts))])
     assert batch.token_lens.tolist() == num_tokens and batch.tokens.shape[1] == max(num_tokens)
     torch.manual_seed(0)
@@ -177,13 +176,13 @@ def test_sampler_token_counts_are_the_batch_lengths_and_count_targets_is_what_th
 def test_speed_perturbation_copies_each_utterance_at_each_speed_with_its_perturbed_duration(tmp_path):
     from dataclasses import replace
 
-    from aed.train_config import DataConfig, load_train_config
+    from aed.train_config import TrainSection, load_train_config
     from aed.config import ConfigError
     from aed.train_data import load_examples
 
     tokenizer = Tokenizer.load(os.path.join(MINI, "tokenizer"))
     manifest = os.path.join(MINI, "dev.jsonl")
-    cfg = DataConfig(manifests=[manifest], speed_perturb=[0.9, 1.0, 1.1], check_audio=False)
+    cfg = TrainSection(manifests=[manifest], speed_perturb=[0.9, 1.0, 1.1], check_audio=False)
     utts, num_tokens = load_examples(cfg.manifests, cfg, tokenizer, seed=0, rank=0, world_size=1)
     plain = read_manifest(manifest)
     assert [u.speed for u in utts] == [0.9] * len(plain) + [1.0] * len(plain) + [1.1] * len(plain)
@@ -193,10 +192,100 @@ def test_speed_perturbation_copies_each_utterance_at_each_speed_with_its_perturb
     # The audio the model sees is the recording played faster: 1/1.1 of its samples, same spectrum shape.
     logmel = LogMel(FeatureConfig(n_mels=80)).eval()
     u = plain[0]
-    normal = UtteranceDataset([u], tokenizer, logmel)[0]["feats"]
-    fast = UtteranceDataset([replace(u, speed=1.1)], tokenizer, logmel)[0]["feats"]
+    normal = ExampleDataset([u], tokenizer, logmel)[0]["feats"]
+    fast = ExampleDataset([replace(u, speed=1.1)], tokenizer, logmel)[0]["feats"]
     assert len(fast) == pytest.approx(len(normal) / 1.1, abs=2)
     assert len(fast) * 0.01 == pytest.approx(replace(u, speed=1.1).perturbed_duration, abs=0.03)
 
     with pytest.raises(ConfigError, match="speed_perturb"):
         load_train_config(None, ["train.speed_perturb=[0.9, 1.005]"])
+
+
+# --- one manifest reader, one count of what was skipped, one tokenization --------------------------
+
+
+def test_one_reader_for_training_bins_and_tokenizer_training_gz_and_aliases(tmp_path):
+    """A gzip manifest with NeMo's `lang` and `answer` reads the same in training, bin estimation
+    and tokenizer training, and a bad line stops each with the same file:line:field."""
+    import gzip
+
+    from aed.data_bins import bins_from_manifests
+    from tools.train_tokenizer import read_manifests
+
+    src = [json.loads(x) for x in open(os.path.join(MINI, "train.jsonl"))][:12]
+    for r in src:
+        r["audio_filepath"] = os.path.abspath(os.path.join(MINI, r["audio_filepath"]))
+    nemo = [{"audio_filepath": r["audio_filepath"], "duration": r["duration"], "answer": r["text"],
+             "lang": r["source_lang"]} for r in src if r["source_lang"] == r["target_lang"]]
+    path = tmp_path / "train.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in nemo)
+    utts = read_manifest(str(path))
+    assert [(u.text, u.source_lang, u.target_lang) for u in utts] == list(read_manifests([str(path)]))
+    tok = Tokenizer.load(os.path.join(MINI, "tokenizer"))
+    _, meta = bins_from_manifests([str(path)], tok, 2, 1, method="equal")
+    assert meta["used"] == len(nemo) and not meta["skipped"]
+
+    bad = tmp_path / "bad.jsonl.gz"
+    with gzip.open(bad, "wt", encoding="utf-8") as f:
+        f.write(json.dumps(nemo[0]) + "\n" + json.dumps(dict(nemo[0], lang=None)) + "\n")
+    for read in (lambda: read_manifest(str(bad)), lambda: list(read_manifests([str(bad)]))):
+        with pytest.raises(ManifestError, match=r"bad.jsonl.gz:2: field 'source_lang'"):
+            read()
+
+
+def test_request_fields_is_the_lenient_reading_for_inference(tmp_path):
+    from aed.data_manifest import Faults, read_rows, request_fields
+
+    m = write_lines(tmp_path / "m.jsonl", [{"audio_filepath": "x.wav"}, {"audio_filepath": "y.wav", "lang": "de",
+                                                                          "answer": "Hallo", "offset": 1.5},
+                                           "not json", {"audio_filepath": "z.wav", "duration": -1}])
+    faults = Faults()
+    rows = list(read_rows(m, lambda d, where, base: request_fields(d, where, base, "en", "en"), True, faults))
+    assert [(r["audio_filepath"], r["source_lang"], r["text"], r["duration"], r["offset"], r["segment"]) for r in rows] \
+        == [(str(tmp_path / "x.wav"), "en", None, None, 0.0, False), (str(tmp_path / "y.wav"), "de", "Hallo", None, 1.5, True)]
+    assert dict(faults.counts) == {"invalid_row": 2} and "2 invalid row" == faults.summary()
+    with pytest.raises(ManifestError, match=r"m.jsonl:3: not valid JSON"):
+        list(read_rows(m, lambda d, where, base: request_fields(d, where, base)))
+
+
+def test_each_utterance_is_tokenized_once_and_skips_are_counted(tmp_path):
+    """`encodable` counts tokens and carries the ids; the dataset item uses them without encoding
+    again. What the tokenizer cannot encode is counted in the Faults passed in."""
+    from aed.data_manifest import Faults
+    from aed.data_batch import encodable
+
+    tok = Tokenizer.load(os.path.join(MINI, "tokenizer"))
+    utts = read_manifest(os.path.join(MINI, "train.jsonl"))[:4]
+    utts.append(utts[0].__class__(**{**vars(utts[0]), "source_lang": "xx", "target_lang": "xx"}))
+    faults = Faults()
+    kept, counts = encodable(utts, tok, skip_invalid=True, faults=faults)
+    assert len(kept) == 4 and dict(faults.counts) == {"not_encodable": 1}
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode_example(self, *a, **kw):
+            calls.append(a)
+            return tok.encode_example(*a, **kw)
+
+    ds = ExampleDataset(kept, Counting(), LogMel(FeatureConfig(n_mels=32)).eval())
+    for i, u in enumerate(utts[:4]):
+        item = ds[i]
+        assert item["tokens"] == encode_utterance(tok, u)[0] and len(item["tokens"]) == counts[i]
+        assert item["prompt_len"] == encode_utterance(tok, u)[1]
+    assert calls == []
+
+
+def test_faults_count_by_kind_log_once_and_add_up(caplog):
+    from aed.data_manifest import AUDIO_LENGTH, Faults
+
+    a, b = Faults(), Faults()
+    assert a.skip("bad_shard", "s0.tar", "gone") and not a.skip("bad_shard", "s0.tar", "gone")
+    b.report(["x.flac: cannot decode", f"y.flac: {AUDIO_LENGTH}: ...", "x.flac: cannot decode"], "training")
+    assert dict(b.counts) == {"unreadable_audio": 1, "audio_length": 1}
+    assert dict(Faults.merged(a, None, b)) == {"bad_shard": 1, "unreadable_audio": 1, "audio_length": 1}
+    assert caplog.text.count("s0.tar") == 1 and caplog.text.count("x.flac") == 1
+    assert b.summary() == "1 audio length, 1 unreadable audio"

@@ -19,21 +19,19 @@ from pathlib import Path
 import pytest
 import soundfile as sf
 import torch
+from tools.make_shards import add_member
+from tools.write_formats import read_rows, shar_cut, write_nemo_tarred, write_parquet, write_shar
 
 from aed.data_audio import AudioError, LogMel, load_audio
+from aed.data_batch import decode_audio
 from aed.data_bins import bins_from_manifests
-from aed.data_tarred import expand_paths, pair_shards
-from aed.data_tarred import cut_row
-from aed.data_stream import decode_audio
+from aed.data_manifest import AUDIO_LENGTH, example_fields
 from aed.data_sources import open_source
-from aed.data_manifest import example_fields
-from aed.data_tarred import tar_members
+from aed.data_tarred import cut_row, expand_paths, pair_shards, tar_members
 from aed.data_tokenizer import Tokenizer
 from aed.train_validation import val_dataset
 from bins import Bins
 from sampler import BucketingSampler
-from tools.make_shards import add_member
-from tools.write_formats import read_rows, shar_cut, write_nemo_tarred, write_parquet, write_shar
 
 MINI = Path(__file__).resolve().parents[1] / "data" / "mini"
 try:
@@ -112,8 +110,10 @@ def test_round_trip_every_field_and_sample(sets, fmt):
         fields = {k: ex[k] for k in want}
         if fmt != "nemo":  # shar and parquet store the segment itself
             want["offset"] = 0.0
+            want["segment"] = ex["segment"]
         assert fields == want, (fmt, i)
-        expected = load_audio(row["audio_filepath"], row.get("offset", 0.0), row["duration"])
+        # a row without an offset is its whole file, decoded whole; a segment is cut from its offset
+        expected = load_audio(row["audio_filepath"], row.get("offset", 0.0), row["duration"] if "offset" in row else None)
         assert torch.equal(decode_audio(ex), expected), (fmt, i)
 
 
@@ -327,7 +327,9 @@ def test_inspect_data_lists_examples_and_everything_skipped(sets, tmp_path, caps
     for line in lines:
         row = rows[row_index("shar", line["id"])]
         assert line["text"] == row.get("text", row.get("answer")) and line["duration"] == row["duration"]
-        assert line["num_samples"] == load_audio(row["audio_filepath"], row.get("offset", 0.0), row["duration"]).numel()
+        whole = "offset" not in row  # a whole file is decoded whole, a segment for its duration
+        assert line["num_samples"] == load_audio(row["audio_filepath"], row.get("offset", 0.0),
+                                                 None if whole else row["duration"]).numel()
 
     root = tmp_path / "nemo"
     shutil.copytree(roots["nemo"], root)
@@ -386,7 +388,7 @@ def test_shar_fields_from_supervision_and_cut_custom():
     cut = {"id": "c1", "duration": 2.0, "custom": {"target_lang": "de", "taskname": "ast"},
            "supervisions": [{"text": "hello", "language": "en", "custom": {"pnc": "no"}},
                             {"text": "there", "language": "en"}]}
-    assert example_fields(cut_row(cut), "c1") == {"duration": 2.0, "offset": 0.0, "text": "hello there",
+    assert example_fields(cut_row(cut), "c1") == {"duration": 2.0, "offset": 0.0, "segment": False, "text": "hello there",
                                                   "source_lang": "en", "target_lang": "de", "pnc": False,
                                                   "taskname": "ast"}
     nemo_style = {"id": "c2", "duration": 1.0, "supervisions": [], "custom": {"answer": "hallo", "lang": "de"}}
@@ -407,7 +409,7 @@ def test_shar_members_in_any_format_soundfile_decodes(tmp_path, fmt, subtype):
         add_member(tf, f"c0.{ext}", data.getvalue())
         add_member(tf, "c0.json", json.dumps(recording).encode())
     (ex,) = read_all(open_source({"shar": str(tmp_path)}))
-    got, want = decode_audio(ex), load_audio(row["audio_filepath"], 0.0, row["duration"])
+    got, want = decode_audio(ex), load_audio(row["audio_filepath"])  # the member is decoded whole
     if fmt == "WAV":
         assert torch.equal(got, want)
     else:  # lossy: the length, within a codec frame
@@ -458,3 +460,34 @@ def test_nemo_one_manifest_for_every_tar_by_shard_id(sets):
 
     got, want = by_fields(one), by_fields(sharded)
     assert got == want and len(got) == len(rows) and not one.faults.counts
+
+
+def test_a_member_whose_metadata_duration_is_wrong_is_skipped_and_counted(tmp_path):
+    """Streamed members follow the per-file rule: a whole member is decoded whole (not cut to the
+    metadata's rounded duration), a segment must end inside its member, and a duration off by more
+    than the tolerance is an error item that the run counts (kind audio_length), never a silent cut."""
+    from aed.data_manifest import Faults
+    from aed.data_batch import Collate
+    from aed.data_batch import ExampleDataset
+
+    rows = read_rows(str(MINI / "train.jsonl"))[:3]
+    real = sf.info(rows[0]["audio_filepath"]).duration
+    rows = [dict(rows[0], duration=round(real, 2)),  # rounded, as NeMo's manifests are: fine
+            dict(rows[1], duration=round(0.5 * sf.info(rows[1]["audio_filepath"]).duration, 2)),  # wrong
+            dict(rows[0], offset=real - 0.5, duration=2.0)]  # a segment past the end of its member
+    write_nemo_tarred(rows, tmp_path, 1)
+    src = open_source({"manifest_filepath": str(tmp_path / "sharded_manifests" / "manifest_0.json"),
+                       "tarred_audio_filepaths": str(tmp_path / "audio_0.tar")})
+    good, wrong, past = read_all(src)
+    assert torch.equal(decode_audio(good), load_audio(rows[0]["audio_filepath"]))  # every sample, none cut
+    for ex in (wrong, past):
+        with pytest.raises(AudioError, match=AUDIO_LENGTH):
+            decode_audio(ex)
+    tok = Tokenizer.load(MINI / "tokenizer")
+    ds = ExampleDataset(None, tok, LogMel().eval())
+    batch = Collate(tok.pad)([ds[ex] for ex in (good, wrong, past)])
+    assert len(batch) == 1 and len(batch.errors) == 2
+    faults = Faults()
+    faults.report(batch.errors, "training")
+    faults.report(batch.errors, "training")  # met again next pass: counted once
+    assert dict(faults.counts) == {"audio_length": 2}

@@ -233,7 +233,8 @@ def test_bins_and_batch_sizes_files_roundtrip(tmp_path):
 
 
 def test_estimate_bins_tool_counts_tokens_as_training_does(tmp_path, capsys):
-    from aed.data_manifest import encode_utterance, read_manifest
+    from aed.data_manifest import read_manifest
+    from aed.data_batch import encode_utterance
     from aed.data_tokenizer import Tokenizer
     from tools.estimate_bins import main
 

@@ -8,16 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from tools import make_shards
 from torch.utils.data import DataLoader
 
 from aed.data_audio import LogMel, load_audio
-from aed.data_manifest import Collate, UtteranceDataset, encode_utterance, read_manifest
+from aed.data_batch import Collate, ExampleDataset, decode_audio, encode_utterance
+from aed.data_manifest import read_manifest
 from aed.data_shards import INDEX_NAME, ShardSource
-from aed.data_stream import MixedSource, ShardDataset, decode_audio, shard_order
+from aed.data_stream import MixedSource, shard_order
 from aed.data_tokenizer import Tokenizer
 from bins import Bins
 from sampler import BucketingSampler
-from tools import make_shards
 
 MINI = Path(__file__).resolve().parents[1] / "data" / "mini"
 N_GOOD = 40  # utterances of the mini set packed by the fixture, plus one cut segment
@@ -66,7 +67,7 @@ def test_round_trip_audio_and_fields(shards):
         assert (ex["text"], ex["source_lang"], ex["target_lang"], ex["pnc"], ex["taskname"]) == (
             u.text, u.source_lang, u.target_lang, u.pnc, u.taskname)
         assert ex["num_tokens"] == len(encode_utterance(tok, u)[0])
-        expected = load_audio(u.audio_filepath, u.offset, u.duration)
+        expected = load_audio(u.audio_filepath, u.offset, u.duration if u.segment else None)  # a file: decoded whole
         assert torch.equal(decode_audio(ex), expected), ex["where"]
     assert "m.jsonl:42: not valid JSON" in err and "/nonexistent.flac: unreadable audio" in err, err
     assert "skipped 1 invalid lines, 1 unreadable audio" in err, err
@@ -187,7 +188,7 @@ def test_corrupt_and_truncated_shards_are_skipped(shards, tmp_path, caplog):
         f.truncate(fourth[2])
     with caplog.at_level(logging.WARNING, logger="aed.data_shards"):
         got = read_all(src)
-    assert src.stats["bad_shards"] == 4
+    assert src.faults.counts["bad_shard"] == 4 and src.stats["bad_shards"] == 4
     for t in tars[:4]:
         assert t in caplog.text
     assert "ended after 3 of 7 examples" in caplog.text
@@ -204,9 +205,9 @@ def test_shard_dataset_matches_per_file_dataset(shards):
     tok = Tokenizer.load(MINI / "tokenizer")
     logmel = LogMel().eval()
     utts = [u for u in read_manifest(str(manifest), skip_invalid=True) if os.path.exists(u.audio_filepath)]
-    per_file = UtteranceDataset(utts, tok, logmel)
+    per_file = ExampleDataset(utts, tok, logmel)
     sampler = BucketingSampler(ShardSource(out), Bins([2.0, 4.0, 30.0]), batch_size=4, buffer_size=16)
-    loader = DataLoader(ShardDataset(tok, logmel), batch_sampler=sampler, collate_fn=Collate(tok.pad))
+    loader = DataLoader(ExampleDataset(None, tok, logmel), batch_sampler=sampler, collate_fn=Collate(tok.pad))
     batch = next(iter(loader))
     assert len(batch) == 4 and not batch.errors
     where = {ex["where"]: ex for ex in read_all(ShardSource(out))}
@@ -216,3 +217,17 @@ def test_shard_dataset_matches_per_file_dataset(shards):
     n = batch.feat_lens[0]
     assert torch.equal(batch.feats[0, :n], item["feats"])
     assert batch.tokens[0, : batch.token_lens[0]].tolist() == item["tokens"]
+
+
+def test_resume_shards_is_the_one_cursor_loop():
+    """Every reader's cursor is (position, shard, *its own inner part); the resumed shard starts at
+    the inner part, later ones at the start, and a cursor from another order is refused."""
+    from aed.data_stream import resume_shards
+
+    order = shard_order(6, 3, 1, 2, True, "x")
+    walk = list(resume_shards(6, 3, 1, 2, True, "x", None, (0, 0)))
+    assert walk == [(p, s, (0, 0)) for p, s in enumerate(order)]
+    walk = list(resume_shards(6, 3, 1, 2, True, "x", (1, order[1], 5, 4096), (0, 0)))
+    assert walk == [(1, order[1], (5, 4096)), (2, order[2], (0, 0))]
+    with pytest.raises(ValueError, match="does not match the shard order of x"):
+        list(resume_shards(6, 3, 1, 2, True, "x", (1, order[0], 5, 4096), (0, 0)))

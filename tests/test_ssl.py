@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from aed.data_audio import FeatureConfig, LogMel, SpecAugment
-from aed.train_config import OptimConfig
-from aed.data_manifest import Collate, ManifestError, UtteranceDataset, read_manifest
-from aed.model_encoder import subsampled_length
+from aed.data_batch import Collate, ExampleDataset
+from aed.data_manifest import ManifestError, read_manifest
 from aed.model import AEDConfig
+from aed.model_encoder import subsampled_length
 from aed.model_ssl import BestRQ, RandomProjectionQuantizer, SSLConfig, span_mask, target_mask
+from aed.train_config import OptimConfig
 from aed.train_step import build_optimizer, count_targets, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,7 +99,7 @@ def test_ssl_loss_goes_down_on_the_bundled_audio(tmp_path):
     manifest: the masked-prediction loss ends below the entropy of the targets' own distribution,
     the best any predictor that ignores the audio can do, so the encoder uses the unmasked context."""
     utts = read_manifest(audio_only_manifest(tmp_path, 8), needs_text=False)
-    ds = UtteranceDataset(utts, None, LogMel(FeatureConfig(n_mels=N_MELS)).eval())
+    ds = ExampleDataset(utts, None, LogMel(FeatureConfig(n_mels=N_MELS)).eval())
     batch = Collate(0)([ds[i] for i in range(len(utts))])
     assert batch.tokens.shape == (8, 0) and batch.prompt_lens.tolist() == [0] * 8
     torch.manual_seed(0)

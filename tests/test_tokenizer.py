@@ -267,7 +267,7 @@ def test_extra_language_and_bad_manifest_line(tmp_path):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok", "source_lang": "en", "target_lang": "en"}\n{"text": "no langs"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: needs a string field 'source_lang'"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: field 'source_lang': missing"):
         train_tokenizer.main(["--manifest", str(bad), "-o", str(tmp_path / "never")])
 
 

@@ -6,10 +6,11 @@ import torch
 import torchaudio.functional as TAF
 
 from aed.data_audio import FeatureConfig, LogMel
-from aed.model_ctc import CTCHead, infeasible
-from aed.data_manifest import Collate, UtteranceDataset, read_manifest
-from aed.model import AEDConfig, text_targets
+from aed.data_batch import Collate, ExampleDataset
+from aed.data_manifest import read_manifest
 from aed.data_tokenizer import Tokenizer
+from aed.model import AEDConfig, text_targets
+from aed.model_ctc import CTCHead, infeasible
 from aed.model_transducer import Transducer, TransducerASR, TransducerConfig, rnnt_nll
 
 MINI = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "mini")
@@ -213,7 +214,7 @@ def test_overfit_mini_utterances_greedy_recovers_them():
     tok = Tokenizer.load(os.path.join(MINI, "tokenizer"))
     asr = [u for u in read_manifest(os.path.join(MINI, "train.jsonl")) if u.taskname == "asr"]
     utts = sorted(asr, key=lambda u: u.duration)[:4]  # 0.9-1.2 s, 7-14 tokens, en and fr
-    batch = Collate(tok.pad)(list(UtteranceDataset(utts, tok, LogMel(FeatureConfig(n_mels=32)).eval())))
+    batch = Collate(tok.pad)(list(ExampleDataset(utts, tok, LogMel(FeatureConfig(n_mels=32)).eval())))
     targets, target_lens = text_targets(batch.tokens, batch.token_lens, batch.prompt_lens)
     want = [t[:n].tolist() for t, n in zip(targets, target_lens)]
     torch.manual_seed(0)

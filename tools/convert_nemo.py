@@ -47,9 +47,9 @@ import torch
 import yaml
 
 from aed.data_audio import FeatureConfig, LogMel
-from aed.train_checkpoint import pack_dir
-from aed.model import AED, AEDConfig
 from aed.data_tokenizer import PROMPT_FORMATS, SentencePieceBlock, SpecialBlock, Tokenizer, lang_token
+from aed.model import AED, AEDConfig
+from aed.train_checkpoint import pack_dir
 
 SPECIAL_BLOCK = "spl_tokens"  # NeMo's name of the special-token model in the aggregate tokenizer
 

@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
 
-from aed.data_audio import AudioError, load_audio  # noqa: E402
-from aed.data_manifest import iter_manifest  # noqa: E402
-from aed.data_stream import decode_audio  # noqa: E402
-from aed.data_sources import CountTokens, open_source, parse_spec, spec_kind  # noqa: E402
+from aed.data_audio import AudioError  # noqa: E402
+from aed.data_batch import decode_audio, file_audio  # noqa: E402
+from aed.data_manifest import AUDIO_LENGTH, DURATION_TOLERANCE, Faults, iter_manifest  # noqa: E402
+from aed.data_sources import CountTokens, open_source, parse_spec, source_faults, spec_kind  # noqa: E402
 from aed.data_tokenizer import Tokenizer  # noqa: E402
 
 SAMPLE_RATE = 16000
@@ -34,16 +34,17 @@ HISTOGRAM = [0, 1, 2, 5, 10, 15, 20, 30, 40, float("inf")]  # seconds
 
 
 def examples(spec, tokenizer):
-    """(id, fields, a function giving the 16 kHz samples) per example, in file order, and the
-    source whose `faults` say what it skipped (None for a manifest: bad lines raise, as in training)."""
+    """(id, fields, a function giving the 16 kHz samples, checked against the duration as training
+    checks them) per example, in file order, and the Faults that say what the reading skipped."""
     if spec_kind(spec) == "manifest":
         path = spec if isinstance(spec, str) else spec["path"]
+        faults = Faults()
 
         def manifest_items():
-            for u in iter_manifest(path, skip_invalid=True):
-                yield u.where, vars(u), lambda u=u: load_audio(u.audio_filepath, u.offset, u.duration, SAMPLE_RATE)
+            for u in iter_manifest(path, skip_invalid=True, faults=faults):
+                yield u.where, vars(u), lambda u=u: file_audio(u, SAMPLE_RATE, DURATION_TOLERANCE)
 
-        return manifest_items(), None
+        return manifest_items(), [faults]
     source = open_source(spec, shuffle_shards=False)
     if tokenizer is not None:
         source = CountTokens(source, tokenizer)
@@ -52,7 +53,7 @@ def examples(spec, tokenizer):
         for _, _, ex in source.read(0, 0, 1):
             yield ex["where"], ex, lambda ex=ex: decode_audio(ex, SAMPLE_RATE)
 
-    return streamed_items(), source
+    return streamed_items(), source_faults(source)
 
 
 def histogram(durations: list) -> list[str]:
@@ -75,7 +76,7 @@ def main(argv=None) -> None:
 
     spec = parse_spec(args.spec)
     tokenizer = Tokenizer.load(args.tokenizer) if args.tokenizer else None
-    items, source = examples(spec, tokenizer)
+    items, faults = examples(spec, tokenizer)
     out = open(args.jsonl, "w", encoding="utf-8") if args.jsonl else None
     durations, pairs, tasks, undecodable = [], Counter(), Counter(), []
     t0 = last = time.time()
@@ -84,7 +85,8 @@ def main(argv=None) -> None:
             num_samples = samples().numel()
         except AudioError as e:
             member = ex.get("audio_filepath", uid)  # the tar member or audio file, where the id names a row
-            undecodable.append((uid, e.reason if member == uid else f"{member}: {e.reason}"))
+            undecodable.append(("audio_length" if AUDIO_LENGTH in e.reason else "undecodable",
+                                uid, e.reason if member == uid else f"{member}: {e.reason}"))
             continue
         durations.append(ex["duration"])
         pairs[f"{ex['source_lang']}->{ex['target_lang']}"] += 1
@@ -109,21 +111,13 @@ def main(argv=None) -> None:
     print("tasks       " + ", ".join(f"{k} {v:,}" for k, v in tasks.most_common()))
     print("durations")
     print("\n".join(histogram(durations)))
-    skipped = [(kind, where, why) for faults in reader_faults(source) for (kind, where), why in faults.seen.items()]
-    skipped += [("undecodable", uid, why) for uid, why in undecodable]
-    print(f"skipped     {len(skipped):,}" + (" (manifest lines that do not parse are logged above)"
-                                              if source is None else ""))
+    skipped = [(kind, where, why) for f in faults for (kind, where), why in f.seen.items()]
+    skipped += undecodable
+    print(f"skipped     {len(skipped):,}")
     for kind, where, why in skipped:
         print(f"  {kind:<19} {where}: {why}")
     if args.jsonl:
         print(f"wrote {len(durations):,} lines to {args.jsonl}")
-
-
-def reader_faults(source) -> list:
-    """The Faults of a streamed source and of the tokenizer wrapped around it."""
-    if source is None:
-        return []
-    return [f.faults for f in (source, getattr(source, "source", None)) if hasattr(f, "faults")]
 
 
 if __name__ == "__main__":

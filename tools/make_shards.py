@@ -32,7 +32,8 @@ from pathlib import Path
 
 import soundfile as sf
 
-from aed.data_manifest import ManifestError, encode_utterance, manifest_lines, parse_line
+from aed.data_batch import encode_utterance
+from aed.data_manifest import ManifestError, manifest_lines, parse_line
 from aed.data_shards import INDEX_NAME, SHARD_NAME
 from aed.data_tokenizer import Tokenizer
 
@@ -40,9 +41,11 @@ FLAC_SUBTYPES = {"PCM_S8", "PCM_16", "PCM_24"}  # what FLAC stores losslessly
 
 
 def audio_bytes(utt, reencode: bool) -> tuple:
-    """(encoded bytes, extension) of one utterance's audio, cut to [offset, offset + duration)
-    when it has an offset. Raises (RuntimeError, ValueError, OSError) on unreadable audio."""
-    if not reencode and utt.offset == 0:
+    """(encoded bytes, extension) of one utterance's audio: the file as it is, or cut to
+    [offset, offset + duration) when the utterance is a segment of it (its line gave an offset), so
+    a member always holds exactly its utterance. Raises (RuntimeError, ValueError, OSError) on
+    unreadable audio."""
+    if not reencode and not utt.segment:
         data = Path(utt.audio_filepath).read_bytes()
         info = sf.info(io.BytesIO(data))  # header check: a missing or non-audio file fails here
         if info.frames == 0:

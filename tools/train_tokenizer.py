@@ -1,7 +1,9 @@
 """Train an aed tokenizer (special tokens + SentencePiece) from NeMo-style JSONL manifests.
 
-Each manifest line is a JSON object with the target text in `text` (or `answer`) and its
-`source_lang` / `target_lang`. The text is in the target language: it is what the decoder emits.
+Manifests are read as training reads them (`aed.data_manifest.iter_texts`: plain or .gz, the
+target text in `text` or `answer`, its `source_lang` / `target_lang` or `lang`; a bad line stops
+with file:line and field, or with --skip-invalid is skipped and counted). The text is in the
+target language: it is what the decoder emits.
 
     # one BPE model shared by all languages (our default)
     python tools/train_tokenizer.py --manifest data/train_*.jsonl --vocab-size 1024 -o runs/tokenizer
@@ -11,33 +13,24 @@ Each manifest line is a JSON object with the target text in `text` (or `answer`)
 
 import argparse
 import io
-import json
 import random
 import re
+import sys
+from pathlib import Path
 
 import sentencepiece as spm
 
-from aed.data_tokenizer import DEFAULT_LANGUAGES, SentencePieceBlock, SpecialBlock, Tokenizer, default_special_tokens
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
+
+from aed.data_manifest import iter_texts  # noqa: E402
+from aed.data_tokenizer import (DEFAULT_LANGUAGES, SentencePieceBlock, SpecialBlock, Tokenizer,  # noqa: E402
+                                default_special_tokens)
 
 
-def read_manifests(paths):
-    """Yield (target text, source_lang, target_lang) from every line of every manifest."""
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not valid JSON: {e}") from e
-                text = record.get("text", record.get("answer"))
-                if not isinstance(text, str):
-                    raise ValueError(f"{path}:{n}: needs a string field 'text' or 'answer'")
-                for key in ("source_lang", "target_lang"):
-                    if not isinstance(record.get(key), str):
-                        raise ValueError(f"{path}:{n}: needs a string field '{key}'")
-                yield text, record["source_lang"], record["target_lang"]
+def read_manifests(paths, skip_invalid: bool = False):
+    """Yield (target text, source_lang, target_lang) from every line of every manifest; a bad line
+    raises ManifestError (a ValueError) naming file, line and field, unless skip_invalid."""
+    yield from iter_texts(paths, skip_invalid)
 
 
 def sample_sentences(sentences, max_sentences: int, seed: int) -> list[str]:
@@ -101,12 +94,14 @@ def main(argv=None):
                         help="char: one token per character seen (--vocab-size is ignored), for CTC at 4x subsampling")
     parser.add_argument("--max-sentences", type=int, default=2_000_000, help="sentences sampled per model")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sentence sample")
+    parser.add_argument("--skip-invalid", action="store_true",
+                        help="skip (and count) manifest lines training would reject, instead of stopping")
     parser.add_argument("-o", "--output", required=True, help="output directory")
     args = parser.parse_args(argv)
 
     # One pass to validate every line and find the languages; the texts are streamed again per model.
     counts, source_langs = {}, set()
-    for _, source_lang, target_lang in read_manifests(args.manifest):
+    for _, source_lang, target_lang in read_manifests(args.manifest, args.skip_invalid):
         counts[target_lang] = counts.get(target_lang, 0) + 1
         source_langs.add(source_lang)
     if not counts:
@@ -115,7 +110,8 @@ def main(argv=None):
     print(f"read {sum(counts.values())} utterances; target texts per language: {dict(sorted(counts.items()))}")
 
     def texts(lang):
-        return (text for text, _, target_lang in read_manifests(args.manifest) if lang in ("all", target_lang))
+        return (text for text, _, target_lang in read_manifests(args.manifest, args.skip_invalid)
+                if lang in ("all", target_lang))
 
     sp_langs = ["all"] if args.layout == "single" else sorted(counts)
     blocks = [SpecialBlock(default_special_tokens(languages))]

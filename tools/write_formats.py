@@ -42,7 +42,8 @@ CANARY_FIELDS = ("source_lang", "target_lang", "pnc", "taskname", "answer", "lan
 
 def segment_audio(row: dict) -> tuple[bytes, str]:
     """(encoded bytes, extension) of a row's utterance: the file as it is, or its segment as FLAC."""
-    utt = SimpleNamespace(audio_filepath=row["audio_filepath"], offset=row.get("offset", 0.0), duration=row["duration"])
+    utt = SimpleNamespace(audio_filepath=row["audio_filepath"], offset=row.get("offset", 0.0), duration=row["duration"],
+                          segment="offset" in row)
     return audio_bytes(utt, reencode=False)
 
 
