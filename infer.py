@@ -38,8 +38,8 @@ import torch
 from aed.decode_score import NORMALIZERS
 from aed.decode_search import DecodingOptions
 from aed.decode_timestamps import srt, to_segments, webvtt
-from aed.decode_transcribe import (expand_inputs, known_languages, load_asr, make_request, read_requests, score,
-                                   transcribe)
+from aed.decode_transcribe import (check_loading, check_settings, expand_inputs, known_languages, load_model,
+                                   make_request, read_requests, score, transcribe)
 
 
 def parse_args(argv: list[str] | None = None):
@@ -109,19 +109,22 @@ def parse_args(argv: list[str] | None = None):
     args = p.parse_args(argv)
     if not args.inputs and not args.manifest:
         p.error("give audio files/directories/patterns and/or --manifest")
-    if args.beam_size < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
-        p.error("--beam-size and --max-new-tokens must be >= 1")
-    if not 0 <= args.ctc_weight <= 1 or args.max_repeats < 0 or args.max_tokens_per_second < 0:
-        p.error("--ctc-weight must lie in [0, 1]; --max-repeats and --max-tokens-per-second must be >= 0")
     if args.subtitles and not args.timestamps:
         p.error("--subtitles needs --timestamps word or segment")
-    if args.batch_duration <= 0 or (args.chunk_seconds is not None and args.chunk_seconds <= 0):
-        p.error("--batch-duration and --chunk-seconds must be positive")
-    if args.chunk_overlap < 0:
-        p.error("--chunk-overlap must be >= 0")
-    if args.int8 and (args.compile or args.device.startswith("cuda")):
-        p.error("--int8 runs on the CPU (--device cpu) and without --compile (torch cannot compile its int8 Linear)")
+    try:  # the ranges of the values are the library's to check
+        check_loading(args.device, args.compile, args.int8)
+        decoding_options(args)  # DecodingOptions checks its own ranges
+        check_settings(args.batch_duration, args.chunk_seconds, args.chunk_overlap)
+    except ValueError as e:
+        p.error(str(e))
     return args
+
+
+def decoding_options(args) -> DecodingOptions:
+    """The search the decoding flags ask for; --max-tokens-per-second 0 means no bound."""
+    return DecodingOptions(beam_size=args.beam_size, length_penalty=args.length_penalty, max_delta=args.max_delta,
+                           max_new_tokens=args.max_new_tokens, ctc_weight=args.ctc_weight,
+                           max_repeats=args.max_repeats, max_tokens_per_second=args.max_tokens_per_second or None)
 
 
 class ProgressBar:
@@ -178,23 +181,22 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     t_load = time.perf_counter()
     try:
-        asr = load_asr(args.ckpt, device, compile=args.compile, int8=args.int8, average=args.average)
+        loaded = load_model(args.ckpt, device, compile=args.compile, int8=args.int8, average=args.average)
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:  # missing, not ours, or corrupt
         sys.exit(f"error: cannot load --ckpt {args.ckpt}: {e}")
     t_load = time.perf_counter() - t_load
     if args.skip_invalid:
-        requests = known_languages(requests, asr.tokenizer)
+        requests = known_languages(requests, loaded.tokenizer)
         if not requests:
             sys.exit("error: no valid inputs left")
     dtype = {"bf16": torch.bfloat16, "fp32": None}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    options = DecodingOptions(beam_size=args.beam_size, length_penalty=args.length_penalty, max_delta=args.max_delta,
-                              max_new_tokens=args.max_new_tokens, ctc_weight=args.ctc_weight,
-                              max_repeats=args.max_repeats, max_tokens_per_second=args.max_tokens_per_second or None)
-    joint = f" + CTC {options.ctc_weight:g}" if asr.model.ctc is not None and options.ctc_weight > 0 else ""
+    options = decoding_options(args)
+    joint = f" + CTC {options.ctc_weight:g}" if loaded.model.ctc is not None and options.ctc_weight > 0 else ""
     search = "greedy" if options.beam_size == 1 else f"beam {options.beam_size}"
     # (int8 Linear weights are packed, not parameters: counting parameters() would leave them out)
-    size = "int8 Linear weights" if args.int8 else f"{sum(p.numel() for p in asr.model.parameters()) / 1e6:.1f}M parameters"
-    print(f"model {asr.path} ({size}) on {device}, {'bf16' if dtype else 'fp32'}"
+    size = ("int8 Linear weights" if args.int8
+            else f"{sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M parameters")
+    print(f"model {loaded.path} ({size}) on {device}, {'bf16' if dtype else 'fp32'}"
           f"{', compiled decoder step' if args.compile else ''}, {search}{joint}; {len(requests)} input(s)",
           file=sys.stderr)
 
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         results, timings = transcribe(
-            asr, requests, options, batch_duration=args.batch_duration, chunk_seconds=args.chunk_seconds,
+            loaded, requests, options, batch_duration=args.batch_duration, chunk_seconds=args.chunk_seconds,
             chunk_overlap=args.chunk_overlap, dtype=dtype, timestamps=args.timestamps is not None,
             progress=ProgressBar(not args.quiet and len(requests) > 1))
     except ValueError as e:  # e.g. a language the tokenizer does not know, named with its manifest line

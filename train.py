@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from aed.config import ConfigError, to_dict
-from aed.data_manifest import ManifestError, UnreadableAudio
+from aed.data_manifest import Faults, ManifestError
 from aed.data_sources import KINDS, spec_kind
 from aed.memory_measure import format_bytes, parse_bytes
 from aed.memory_oomptimizer import MemoryBudgetError, TrainingStep, preflight
@@ -41,11 +41,11 @@ from aed.train_checkpoint import (Checkpoint, CheckpointError, CheckpointWriter,
                                   load_training_state, pack_dir, rng_state, set_rng_state, training_tensors)
 from aed.train_config import help_text, load_train_config
 from aed.train_data import TrainingData, build_training_data
-from aed.train_distributed import (all_reduce, cleanup, full_copy, gather_objects, init_distributed, is_distributed,
-                                   peer_lost, share_rank0_buffers, wrap)
+from aed.train_distributed import (all_reduce, cleanup, gather_objects, init_distributed, is_distributed, peer_lost,
+                                   share_rank0_buffers, wrap)
 from aed.train_progress import Progress, RunLog, StepFlops, matmul_peak
 from aed.train_step import TrainingSetup, build_training_setup, count_targets, train_step
-from aed.train_validation import evaluate
+from aed.train_validation import evaluate, whole_model
 
 log = logging.getLogger("train")
 
@@ -138,8 +138,8 @@ def build(cfg, proc: Process) -> tuple[TrainingSetup, TrainingData]:
     except ManifestError as e:
         sys.exit(f"data error: {e}")
     if setup.precision != "fp32" and proc.device.type == "cpu":
-        log.warning("precision=%s on CPU: autocast's casts cost more than they save for small models "
-                    "(the tiny config ran 2.6x slower in bf16 than in fp32 on a 2-core x86 machine); "
+        # docs/training.md has the measurement behind this warning
+        log.warning("precision=%s on CPU: autocast's casts cost more than they save for small models; "
                     "measure both, or use precision=auto (fp32 on CPU)", setup.precision)
     log.info("%s", setup.describe())
     return setup, data
@@ -165,7 +165,52 @@ def check_memory(setup: TrainingSetup, data: TrainingData, proc: Process) -> Non
 # --- checkpoints ------------------------------------------------------------------------------
 
 
-def resume(setup: TrainingSetup, data: TrainingData, proc: Process) -> tuple[int, float]:
+class DataPosition:
+    """Exact resume's bookkeeping, in one place: where this rank's data and random streams stand.
+    `restore` puts a checkpoint's sampler and RNG states back; `start` and `next_batch` draw the
+    training batches, counting those the loop takes; `state` is what a checkpoint saves of them:
+    the sampler rewound by the batches the DataLoader prefetched (`data.counter`) but the loop did
+    not take, and the RNG states."""
+
+    def __init__(self, data: TrainingData, proc: Process):
+        self.data, self.proc, self.consumed = data, proc, 0
+
+    def restore(self, ckpt: Checkpoint, path: str) -> None:
+        """A checkpoint of another world size continues its interrupted pass in other batches."""
+        proc, sampler = self.proc, self.data.sampler
+        saved_world = len(ckpt.sampler)
+        if saved_world == proc.world_size:
+            sampler.load_state_dict(ckpt.sampler[proc.rank])
+        else:
+            try:
+                sampler.load_state_dict(sampler.regroup_state(ckpt.sampler))
+            except ValueError as e:
+                sys.exit(f"cannot resume {path}, written by {saved_world} ranks, on {proc.world_size}: {e}; "
+                         f"resume with {saved_world} ranks or start a new run_dir with init_from={path}")
+            log.warning("%s was written by %d ranks, this run has %d: weights, optimizer, schedule and step "
+                        "continue exactly; the data continues the interrupted pass without repeating what was "
+                        "trained in it, in other batches than %d ranks would have drawn", path, saved_world,
+                        proc.world_size, saved_world)
+        if proc.rank < saved_world:
+            set_rng_state(ckpt.rng[proc.rank], proc.device)
+
+    def start(self):
+        """The DataLoader's batches from here on; draw them with `next_batch`."""
+        self.consumed = self.data.counter.taken = 0
+        return iter(self.data.loader(self.proc.device))
+
+    def next_batch(self, loader):
+        batch = next(loader)
+        self.consumed += 1
+        return batch
+
+    def state(self) -> dict:
+        """This rank's part of a checkpoint: {"rng": ..., "sampler": ...}."""
+        return {"rng": rng_state(self.proc.device),
+                "sampler": self.data.sampler.state_dict(rewind=self.data.counter.taken - self.consumed)}
+
+
+def resume(setup: TrainingSetup, position: DataPosition, proc: Process) -> tuple[int, float]:
     """(step, FLOPs so far) of the newest valid checkpoint in run_dir, with the weights, optimizer,
     schedule, sampler and RNG states restored; (0, 0.0) for a new run, whose weights may come from
     init_from. A checkpoint of another world size continues its interrupted pass in other batches."""
@@ -182,41 +227,25 @@ def resume(setup: TrainingSetup, data: TrainingData, proc: Process) -> tuple[int
             except ValueError as e:
                 sys.exit(str(e))
         return 0, 0.0
-    load_training_state(setup.model, setup.optimizer, path, saved)
+    load_training_state(setup.model, setup.optimizer, path)
     ckpt = Checkpoint.from_dict(saved | {"model": None})  # meta.pt: the tensors are loaded
     setup.scheduler.load_state_dict(ckpt.scheduler)
     setup.scaler.load_state_dict(ckpt.scaler)
-    saved_world = len(ckpt.sampler)
-    if saved_world == proc.world_size:
-        data.sampler.load_state_dict(ckpt.sampler[proc.rank])
-    else:
-        try:
-            data.sampler.load_state_dict(data.sampler.regroup_state(ckpt.sampler))
-        except ValueError as e:
-            sys.exit(f"cannot resume {path}, written by {saved_world} ranks, on {proc.world_size}: {e}; "
-                     f"resume with {saved_world} ranks or start a new run_dir with init_from={path}")
-        log.warning("%s was written by %d ranks, this run has %d: weights, optimizer, schedule and step "
-                    "continue exactly; the data continues the interrupted pass without repeating what was "
-                    "trained in it, in other batches than %d ranks would have drawn", path, saved_world,
-                    proc.world_size, saved_world)
-    if proc.rank < saved_world:
-        set_rng_state(ckpt.rng[proc.rank], proc.device)
+    position.restore(ckpt, path)
     log.info("resumed from %s at step %d", path, ckpt.step)
     return ckpt.step, ckpt.flops
 
 
-def save(writer: CheckpointWriter, setup: TrainingSetup, data: TrainingData, step: int, flops: float, consumed: int,
+def save(writer: CheckpointWriter, setup: TrainingSetup, position: DataPosition, step: int, flops: float,
          proc: Process) -> None:
     """Every rank writes its part of the weights and optimizer state (aed/train_checkpoint.py, DCP); rank
-    0 adds the gathered sampler and RNG states. consumed: batches trained on, of those the
-    DataLoader took (it prefetches): the sampler rewinds by the difference. Under DDP, also checks
-    that the ranks' parameters are identical (a desync would otherwise go unnoticed)."""
+    0 adds the gathered sampler and RNG states (`DataPosition.state`). Under DDP, also checks that
+    the ranks' parameters are identical (a desync would otherwise go unnoticed)."""
     cfg, model = setup.cfg, setup.model
     t0 = time.time()
     sharded = cfg.train.strategy == "fsdp"
     checksum = None if sharded else sum(p.detach().double().sum().item() for p in model.parameters())
-    states = gather_objects({"checksum": checksum, "rng": rng_state(proc.device),
-                             "sampler": data.sampler.state_dict(rewind=data.counter.taken - consumed)})
+    states = gather_objects({"checksum": checksum} | position.state())
     share_rank0_buffers(model)
     state = training_tensors(model, setup.optimizer)
     if proc.master:
@@ -225,7 +254,7 @@ def save(writer: CheckpointWriter, setup: TrainingSetup, data: TrainingData, ste
             raise RuntimeError(f"step {step}: ranks disagree on parameters (checksums {checksums})")
         state = Checkpoint(model_config=dataclasses.asdict(cfg.model), features=dataclasses.asdict(cfg.features),
                            tokenizer=pack_dir(cfg.train.tokenizer),
-                           max_train_duration=data.bins.durations[-1],  # infer.py's chunk length
+                           max_train_duration=position.data.bins.durations[-1],  # infer.py's chunk length
                            new_tokens=setup.added_tokens,  # a later run can still train only them
                            step=step, flops=flops, scheduler=setup.scheduler.state_dict(),
                            scaler=setup.scaler.state_dict(), sampler=[s["sampler"] for s in states],
@@ -253,10 +282,11 @@ def stop_requested(received: list, device: torch.device) -> bool:
     return bool(all_reduce(flag, op=torch.distributed.ReduceOp.MAX).item())
 
 
-def validate(setup: TrainingSetup, val_names: dict, proc: Process, unreadable: UnreadableAudio,
+def validate(setup: TrainingSetup, val_names: dict, proc: Process, unreadable: Faults,
              run_log: RunLog, step: int) -> None:
+    """Every rank calls this at the same step (aed/train_validation.py); rank 0 logs and records it."""
     t0 = time.time()
-    model = full_copy(setup.model, lambda: setup.objective.build(setup.cfg, setup.tokenizer.vocab_size))
+    model = whole_model(setup.model, lambda: setup.objective.build(setup.cfg, setup.tokenizer.vocab_size))
     # train.skip_invalid is one switch for all of a run's manifests, validation's included
     res = evaluate(setup, model, val_names, proc.rank, proc.world_size, setup.cfg.train.skip_invalid, unreadable)
     run_log.write({f"val/{k}": v for k, v in res.items()} | {"val/seconds": time.time() - t0}, step)
@@ -280,7 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg, model, device = setup.cfg, setup.model, proc.device
 
     # --- resume (or initialise from init_from), check memory, wrap for DDP (FSDP is built sharded)
-    step, flops = resume(setup, data, proc)
+    position = DataPosition(data, proc)
+    step, flops = resume(setup, position, proc)
     if cfg.memory_budget:
         check_memory(setup, data, proc)
     parallel_model, no_sync = wrap(model, proc.world_size)
@@ -290,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     received = catch_stop_signals()
     writer = CheckpointWriter(cfg.run_dir, cfg.keep_last, proc.rank, cfg.async_checkpoint, is_distributed())
     run_log = RunLog(cfg.run_dir, proc.master, resumed_step=step)
-    unreadable = UnreadableAudio()
+    unreadable = Faults()
     peak = matmul_peak(device, setup.precision)  # per device: MFU is FLOP/s per rank over this
     log.info("matmul peak %.3g FLOP/s per device (%s, measured); FLOPs so far %.4g%s", peak, setup.precision, flops,
              f" of a {cfg.budget_flops:.4g} budget" if cfg.budget_flops else "")
@@ -300,8 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         with progress.paused():
             validate(setup, val_names, proc, unreadable, run_log, 0)
     step_flops, bad_steps = StepFlops(), 0
-    consumed = data.counter.taken = 0  # batches the loop has trained on / the DataLoader has taken
-    loader = iter(data.loader(device))
+    loader = position.start()
 
     def stop_workers():
         """The workers ignore SIGTERM (aed.data_manifest.ignore_stop_signals), so multiprocessing's own exit
@@ -314,8 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     while step < cfg.max_steps and not progress.budget_spent():
         micro = []
         while len(micro) < cfg.optim.grad_accum:
-            batch = next(loader)
-            consumed += 1
+            batch = position.next_batch(loader)
             unreadable.report(batch.errors, "training")
             progress.skipped_audio += len(batch.errors)
             if len(batch):
@@ -348,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
                 validate(setup, val_names, proc, unreadable, run_log, step)
             stop = stop_requested(received, device)
         if stop or step % cfg.ckpt_every == 0 or last:
-            save(writer, setup, data, step, progress.total_flops, consumed, proc)
+            save(writer, setup, position, step, progress.total_flops, proc)
             stop = stop or stop_requested(received, device)
         writer.poll()
         if progress.budget_spent():

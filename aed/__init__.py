@@ -52,3 +52,7 @@ training decodes to validate (train_config, train_objective, train_validation ->
 The scripts at the top level use the package: train.py, infer.py, oom.py. `sampler.py` and `bins.py`
 (2D bucketing) import nothing from it.
 """
+from aed.decode_search import DecodingOptions
+from aed.decode_transcribe import load_model, transcribe
+
+__all__ = ["DecodingOptions", "load_model", "transcribe"]

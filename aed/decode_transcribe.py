@@ -1,10 +1,10 @@
 """Batched transcription and translation of audio files: the Python API behind infer.py.
 
     from aed.decode_search import DecodingOptions
-    from aed.decode_transcribe import load_asr, transcribe, read_requests, score
-    asr = load_asr("runs/tiny")                              # a checkpoint file, or a run dir (newest)
-    results, timings = transcribe(asr, ["a.wav", "clips/"], source_lang="en")
-    results, timings = transcribe(asr, read_requests("test.jsonl"), DecodingOptions(beam_size=4))
+    from aed.decode_transcribe import load_model, transcribe, read_requests, score
+    loaded = load_model("runs/tiny")                         # a checkpoint file, or a run dir (newest)
+    results, timings = transcribe(loaded, ["a.wav", "clips/"], source_lang="en")
+    results, timings = transcribe(loaded, read_requests("test.jsonl"), DecodingOptions(beam_size=4))
     print(results[0].pred_text, timings.rtfx, score(results))
 
 Inputs are files (any rate and channel count soundfile reads), directories, glob patterns, or
@@ -17,15 +17,16 @@ once decoded); a *segment* is a subtitle cue (`aed.decode_timestamps.Segment`).
 How the work is cut:
 1. Plan: each input's duration (manifest, else the file header). Inputs longer than `chunk_seconds`
    are cut at the quietest 100 ms within the last quarter of each chunk, and the next chunk starts
-   at the cut. With `chunk_overlap` > 0 (off by default: README "Long audio" has the measurements),
+   at the cut. With `chunk_overlap` > 0 (off by default: docs/inference.md, "Long audio", says why),
    a cut that is not a pause (40 dB below the loudest 100 ms near it: continuous speech, background
    noise) starts the next chunk that many seconds earlier instead, so the words around the cut are
    heard whole by one of the two chunks, and the two hypotheses are merged.
 2. Batch: chunks sorted by duration, longest first, and cut into batches of at most
    `batch_duration` padded seconds (batch size x longest chunk): `aed.data_manifest.duration_batches`.
-3. Per batch: load + log-mel features, encoder, then greedy or beam search (`aed.decode_search.search`);
-   joint with the CTC head when the model has one; each phase is timed separately (the device is
-   synchronised between phases) for the RTFx report.
+3. Per batch: load + log-mel features, then `decode_features`: encoder, then greedy or beam search
+   (`aed.decode_search.search`), joint with the CTC head when the model has one; each phase is timed
+   separately (the device is synchronised between phases) for the RTFx report. Validation during
+   training decodes its batches with the same `decode_features`.
 4. With timestamps, or to merge overlapping chunks with a CTC head: each hypothesis is force-aligned
    to the CTC head's posteriors of its own chunk (`aed.decode_timestamps`), and the chunk's start is added,
    so times count from the start of the file.
@@ -49,8 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from aed.data_audio import AudioError, FeatureConfig, LogMel, load_audio, num_frames
-from aed.data_manifest import (PROMPT_TASKS, ManifestError, audio_path, check_task, duration_batches, json_object,
-                               languages, manifest_lines, reference_text, seconds)
+from aed.data_batch import duration_batches
+from aed.data_manifest import PROMPT_TASKS, check_task, read_rows, request_fields
 from aed.data_tokenizer import Tokenizer
 from aed.decode_merge import Chunk, MergeStats, merge_chunks
 from aed.decode_score import corpus_scores
@@ -77,6 +78,8 @@ SILENCE_DBFS = -60.0  # ... and so is one this quiet in absolute terms (a search
 
 @dataclass
 class LoadedModel:
+    """What `load_model` returns: a model ready to decode and what it needs to read audio and text."""
+
     model: AED  # eval mode, on its device
     tokenizer: Tokenizer
     features: FeatureConfig
@@ -93,14 +96,13 @@ def quantize_int8(model: AED) -> AED:
     """`model` with int8 weights in every nn.Linear of encoder and decoder (activations quantized per
     call: torch's dynamic quantization), for CPUs: a batch-1 decoder step reads every weight once per
     token, and int8 weights are a quarter of the bytes. In place: a copy of the fp32 weights beside the
-    int8 ones would double the memory the model needs while it loads. One scale per output channel:
-    with one per matrix the tiny demo model's dev WER rose from 43.7% to 45.4%, with one per channel it
-    stayed at 43.7%. Convolutions, norms and the embedding stay fp32 (the tied output projection gets its own
-    int8 copy). CPU only: the kernels are fbgemm/oneDNN."""
-    if next(model.parameters()).device.type != "cpu":
-        raise ValueError("int8 weights run on CPUs only (torch's dynamic int8 Linear kernels); on a GPU use bf16")
+    int8 ones would double the memory the model needs while it loads. One scale per output channel,
+    which keeps the WER of fp32 where one per matrix does not (docs/inference.md). Convolutions, norms
+    and the embedding stay fp32 (the tied output projection gets its own int8 copy). CPU only: the
+    kernels are fbgemm/oneDNN."""
+    check_loading(next(model.parameters()).device, compile=False, int8=True)
     # torch.ao.quantization warns that it is deprecated in favour of torchao; it is still in torch, and
-    # its eager int8 Linear is what the int8 speed-up in bench/infer_speed_bench.py was measured with.
+    # its eager int8 Linear is the one bench/infer_speed_bench.py measures.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
@@ -108,7 +110,16 @@ def quantize_int8(model: AED) -> AED:
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear: qconfig}, dtype=torch.qint8, inplace=True)
 
 
-def load_asr(path: str, device="cpu", *, compile: bool = False, int8: bool = False, average: int = 1) -> LoadedModel:
+def check_loading(device, compile: bool, int8: bool) -> None:
+    """ValueError unless `load_model` can load with these settings; infer.py calls it before any work."""
+    if compile and int8:
+        raise ValueError("int8 and compile do not combine: torch.compile cannot trace torch's int8 Linear "
+                         "into one graph; on a CPU at batch 1, int8 is the faster of the two")
+    if int8 and torch.device(device).type != "cpu":
+        raise ValueError("int8 weights run on CPUs only (torch's dynamic int8 Linear kernels); on a GPU use bf16")
+
+
+def load_model(path: str, device="cpu", *, compile: bool = False, int8: bool = False, average: int = 1) -> LoadedModel:
     """A checkpoint (a train.py `ckpt-*` directory or a single file), or a run directory (its newest
     valid checkpoint: a truncated newer one is skipped with a warning naming it), ready for inference.
     average > 1: the mean weights of a run directory's newest `average` valid checkpoints.
@@ -116,9 +127,7 @@ def load_asr(path: str, device="cpu", *, compile: bool = False, int8: bool = Fal
     compile: decode with a compiled decoder step (aed/decode_static.py), compiled on the first batch of each
     shape bucket. int8: int8 Linear weights (`quantize_int8`), CPU only; the two do not combine (torch
     cannot trace the int8 Linear into one graph)."""
-    if compile and int8:
-        raise ValueError("int8 and compile do not combine: torch.compile cannot trace torch's int8 Linear "
-                         "into one graph; on a CPU at batch 1, int8 is the faster of the two")
+    check_loading(device, compile, int8)
     if average > 1:
         if not os.path.isdir(path) or is_checkpoint(path):
             raise ValueError(f"{path}: averaging needs a run directory (its newest checkpoints are averaged)")
@@ -141,18 +150,18 @@ def load_asr(path: str, device="cpu", *, compile: bool = False, int8: bool = Fal
                        CompiledAED(model) if compile else None)
 
 
-def chunk_length(asr: LoadedModel, chunk_seconds: float | None) -> float:
+def chunk_length(loaded: LoadedModel, chunk_seconds: float | None) -> float:
     """Seconds per chunk of a long input: `chunk_seconds` when given, else the longest utterance
     the model was trained on (an attention model trained on short utterances drops most of the
     words of much longer ones), else 40 s (Canary's training maximum). A chunk longer than the
     training maximum gets a warning."""
-    trained = asr.max_train_duration
+    trained = loaded.max_train_duration
     if chunk_seconds is None:
         return trained if trained is not None else DEFAULT_CHUNK
     if trained is not None and chunk_seconds > trained:
         log.warning("chunks of up to %.1f s, but %s was trained on utterances of at most %.1f s: expect "
                     "dropped words; leave the chunk length unset to use the training maximum",
-                    chunk_seconds, asr.path, trained)
+                    chunk_seconds, loaded.path, trained)
     return chunk_seconds
 
 
@@ -185,30 +194,17 @@ def make_request(audio_filepath: str, source_lang: str = "en", target_lang: str 
 
 def read_requests(manifest: str, source_lang: str = "en", target_lang: str | None = None,
                   task: str | None = None, pnc: bool = True, skip_invalid: bool = False) -> list[Request]:
-    """NeMo-style JSONL (aed/data_manifest.py) -> Requests. Only `audio_filepath` is required: the task fields
-    default to the arguments, per-line values win; `duration` defaults to the whole file; `text`
-    (or `answer`) is a reference when present. Bad lines raise ManifestError naming file, line and
-    field, or with `skip_invalid` are logged and counted, as training's manifests are."""
-    base_dir = os.path.dirname(os.path.abspath(manifest))
-    out, skipped = [], 0
-    for where, line in manifest_lines(manifest):
-        try:
-            d = json_object(line, where)
-            path = audio_path(d, where, base_dir)
-            offset = seconds(d, "offset", where, positive=False) or 0.0
-            duration = seconds(d, "duration", where, positive=True)
-            src, tgt = languages(d, source_lang, target_lang)
-            text = reference_text(d)
-            out.append(make_request(path, src, tgt, d.get("taskname", task), d.get("pnc", pnc), where, offset=offset,
-                                    duration=duration, text=text if isinstance(text, str) else None, fields=d))
-        except ManifestError as e:
-            if not skip_invalid:
-                raise
-            skipped += 1
-            log.warning("skipping invalid manifest line: %s", e)
-    if skipped:
-        log.warning("%s: skipped %d invalid line(s)", manifest, skipped)
-    return out
+    """NeMo-style JSONL -> Requests, read as every manifest is (`aed.data_manifest.read_rows`, the
+    lenient `request_fields`): only `audio_filepath` is required; the task fields default to the
+    arguments, per-line values win; `duration` defaults to the whole file; `text` (or `answer`) is
+    a reference when present. Bad lines raise ManifestError naming file, line and field, or with
+    `skip_invalid` are logged and counted, as training's manifests are."""
+    def request(d: dict, where: str, base_dir: str) -> Request:
+        f = request_fields(d, where, base_dir, source_lang, target_lang, task, pnc)
+        return make_request(f["audio_filepath"], f["source_lang"], f["target_lang"], f["taskname"], f["pnc"], where,
+                            offset=f["offset"], duration=f["duration"], text=f["text"], fields=d)
+
+    return list(read_rows(manifest, request, skip_invalid))
 
 
 def known_languages(requests: list[Request], tokenizer: Tokenizer) -> list[Request]:
@@ -326,9 +322,8 @@ def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int,
                 overlap: float = 0.0) -> list[tuple[float, float | None, float]]:
     """(offset, duration or None = to the end, estimated seconds) of each chunk of one request: each
     ends at the quietest point of its last quarter; the next starts there when that is a pause, else
-    `overlap` seconds before it (the words around the cut are then merged: `aed.decode_merge`)."""
-    if not 0 <= overlap <= chunk_seconds / 2:
-        raise ValueError(f"chunk overlap {overlap} s must lie in [0, half the chunk length {chunk_seconds} s]")
+    `overlap` seconds before it (the words around the cut are then merged: `aed.decode_merge`); `transcribe`
+    checks that overlap is at most half of chunk_seconds."""
     if req.duration is not None:
         total = req.duration
     else:
@@ -354,6 +349,17 @@ def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int,
 
 
 # --- transcription ----------------------------------------------------------------------------
+
+
+def check_settings(batch_duration: float = 300.0, chunk_seconds: float | None = None, chunk_overlap: float = 0.0) -> None:
+    """ValueError naming the first setting of `transcribe` out of its range (DecodingOptions checks its
+    own when made); infer.py calls it before any work. chunk_overlap's upper bound, half the chunk
+    length, is checked once that is known."""
+    if batch_duration <= 0 or (chunk_seconds is not None and chunk_seconds <= 0):
+        raise ValueError(f"batch duration ({batch_duration}) and chunk seconds ({chunk_seconds}) must be positive")
+    if chunk_overlap < 0:
+        raise ValueError(f"chunk overlap ({chunk_overlap}) must be >= 0")
+
 
 
 class AudioChunk(NamedTuple):
@@ -400,7 +406,7 @@ def plan(requests: list[Request], results: list[Result], chunk_seconds: float, o
     return chunks
 
 
-def load_chunks(asr: LoadedModel, requests: list[Request], chunks: list[AudioChunk], batch: list[int],
+def load_chunks(loaded: LoadedModel, requests: list[Request], chunks: list[AudioChunk], batch: list[int],
                 results: list[Result]) -> tuple[list[int], list[torch.Tensor]]:
     """The chunks of `batch` that load, and their waveforms (S,). A failure is recorded on its
     file's Result, and the file's remaining chunks are skipped."""
@@ -412,11 +418,11 @@ def load_chunks(asr: LoadedModel, requests: list[Request], chunks: list[AudioChu
             continue
         try:
             wav = load_audio(requests[chunk.request].audio_filepath, chunk.offset, chunk.duration,
-                             asr.features.sample_rate)
+                             loaded.features.sample_rate)
         except AudioError as e:
             res.error = e.reason
             continue
-        if num_frames(wav.numel(), asr.features.hop_length) == 0:
+        if num_frames(wav.numel(), loaded.features.hop_length) == 0:
             res.error = f"audio shorter than one feature frame ({wav.numel()} samples)"
             continue
         kept.append(k)
@@ -430,13 +436,30 @@ def _synced_time(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def decode_batch(asr: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], prompts: list[list[int]],
+def decode_features(model, feats, feat_lens, prompt, eos_id: int, options: DecodingOptions, amp=nullcontext(),
+                    decoder=None, with_ctc: bool = False):
+    """The one path from a batch of features to hypotheses, for infer.py (`decode_batch`) and for
+    validation during training: feats (B, T, F), feat_lens (B,) and prompts (B, P) -> generated ids
+    per row (joint CTC/attention when the model has a CTC head and options.ctc_weight > 0); with_ctc,
+    the CTC head's log-probs (B, T', V) and valid lengths (B,) for alignment, else None; and the
+    seconds spent in the encoder and in the search (the device is synchronised between phases).
+    amp: the autocast context both run in; decoder: the model the search steps (a `CompiledAED` of
+    `model`), default `model`."""
+    device = feats.device
+    t0 = _synced_time(device)
+    with amp:
+        memory, memory_lens, ctc_log_probs = model.encode_with_ctc(feats, feat_lens)  # ..., (B, T', V+1) or None
+    t1 = _synced_time(device)
+    with amp:
+        hyps = search(decoder or model, memory, memory_lens, prompt, eos_id, options, ctc_log_probs)
+    t2 = _synced_time(device)
+    return hyps, (ctc_log_probs, memory_lens) if with_ctc else None, t1 - t0, t2 - t1
+
+
+def decode_batch(loaded: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], prompts: list[list[int]],
                  options: DecodingOptions, dtype: torch.dtype | None, with_ctc: bool = False):
-    """Waveforms (S,) and their prompts -> generated ids per waveform (joint CTC/attention when the
-    model has a CTC head and options.ctc_weight > 0); with_ctc, the CTC head's log-probs (B, T', V)
-    and valid lengths (B,) for alignment, else None; and the seconds spent in the encoder and in the
-    search (the device is synchronised between phases)."""
-    device = asr.device
+    """Waveforms (S,) and their prompts -> `decode_features` of their log-mel features."""
+    device = loaded.device
     wav_lens = torch.tensor([w.numel() for w in wavs])
     wav = torch.zeros(len(wavs), int(wav_lens.max()))  # (B, S) zero padded
     for b, w in enumerate(wavs):
@@ -444,37 +467,31 @@ def decode_batch(asr: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], pro
     feats, feat_lens = logmel(wav.to(device), wav_lens.to(device))  # (B, T, F), (B,)
     if len({len(p) for p in prompts}) > 1:
         raise ValueError(f"prompts of different lengths {sorted({len(p) for p in prompts})} in one batch; prompt "
-                         f"format {asr.tokenizer.prompt_format!r} must give equal-length prompts")
+                         f"format {loaded.tokenizer.prompt_format!r} must give equal-length prompts")
     prompt = torch.tensor(prompts, dtype=torch.long, device=device)  # (B, P)
     amp = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
-    t0 = _synced_time(device)
-    with amp:
-        memory, memory_lens, ctc_log_probs = asr.model.encode_with_ctc(feats, feat_lens)  # ..., (B, T', V+1) or None
-    t1 = _synced_time(device)
-    with amp:
-        hyps = search(asr.compiled or asr.model, memory, memory_lens, prompt, asr.tokenizer.eos, options, ctc_log_probs)
-    t2 = _synced_time(device)
-    return hyps, (ctc_log_probs, memory_lens) if with_ctc else None, t1 - t0, t2 - t1
+    return decode_features(loaded.model, feats, feat_lens, prompt, loaded.tokenizer.eos, options, amp,
+                           loaded.compiled, with_ctc)
 
 
-def chunk_words(asr: LoadedModel, ids: list[int], log_probs: torch.Tensor | None, wav: torch.Tensor,
+def chunk_words(loaded: LoadedModel, ids: list[int], log_probs: torch.Tensor | None, wav: torch.Tensor,
                 offset: float, where: str) -> list[Word]:
     """One chunk's hypothesis -> its words; with its CTC log-probs (T', V), force-aligned, with times
     in the file (the chunk's audio `wav` (S,) starts at `offset` s) narrowed to the speech inside
     each word's span (`aed.decode_timestamps.snap_to_speech`), else untimed. Special and padding ids carry
     no text and no time. The last encoder frame reaches past the chunk's end (up to 80 ms of
     padding): times are clipped to the chunk."""
-    text_ids = asr.tokenizer.text_ids(ids)
+    text_ids = loaded.tokenizer.text_ids(ids)
     if log_probs is None:
-        return to_words(asr.tokenizer, text_ids, None, 0.0)
+        return to_words(loaded.tokenizer, text_ids, None, 0.0)
     if not feasible(log_probs.shape[0], text_ids):
         log.warning("%s at %.2f s: %d tokens do not fit a CTC path through %d frames; their times are "
                     "spread evenly over the chunk", where, offset, len(text_ids), log_probs.shape[0])
-    spans = align(log_probs, text_ids, asr.model.ctc.blank)
-    encoder_frame_s = frame_seconds(asr.features, asr.model.cfg.subsampling_factor)
-    words = to_words(asr.tokenizer, text_ids, spans, encoder_frame_s, offset)
-    words = snap_to_speech(words, speech_frames(wav, asr.features.sample_rate), offset)
-    end = offset + wav.numel() / asr.features.sample_rate
+    spans = align(log_probs, text_ids, loaded.model.ctc.blank)
+    encoder_frame_s = frame_seconds(loaded.features, loaded.model.cfg.subsampling_factor)
+    words = to_words(loaded.tokenizer, text_ids, spans, encoder_frame_s, offset)
+    words = snap_to_speech(words, speech_frames(wav, loaded.features.sample_rate), offset)
+    end = offset + wav.numel() / loaded.features.sample_rate
     return [Word(w.text, min(w.start, end), min(w.end, end), w.ids) for w in words]
 
 
@@ -512,7 +529,7 @@ def merge_overlapping_chunks(results: list[Result], chunks: list[AudioChunk], wo
 
 
 @torch.inference_mode()
-def transcribe(asr: LoadedModel, inputs: list, options: DecodingOptions = DecodingOptions(), *,
+def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = DecodingOptions(), *,
                source_lang: str = "en", target_lang: str | None = None, task: str | None = None, pnc: bool = True,
                batch_duration: float = 300.0, chunk_seconds: float | None = None, chunk_overlap: float = 0.0,
                dtype: torch.dtype | None = None, timestamps: bool = False,
@@ -530,33 +547,34 @@ def transcribe(asr: LoadedModel, inputs: list, options: DecodingOptions = Decodi
     (`aed.decode_timestamps`); a model without a CTC head raises ValueError, before any work.
     progress(done_s, total_s) is called after every batch with seconds of audio.
     """
-    if timestamps and asr.model.ctc is None:
-        raise ValueError(f"{asr.path} has no CTC head (trained with model.ctc_weight=0), and timestamps are "
+    if timestamps and loaded.model.ctc is None:
+        raise ValueError(f"{loaded.path} has no CTC head (trained with model.ctc_weight=0), and timestamps are "
                          f"forced alignments to its frame posteriors; train with model.ctc_weight > 0 for them")
+    check_settings(batch_duration, chunk_seconds, chunk_overlap)
     t_start = time.perf_counter()
-    options = replace(options, frame_seconds=frame_seconds(asr.features, asr.model.cfg.subsampling_factor))
+    options = replace(options, frame_seconds=frame_seconds(loaded.features, loaded.model.cfg.subsampling_factor))
     requests = to_requests(inputs, source_lang=source_lang, target_lang=target_lang, task=task, pnc=pnc)
     results = [Result(r) for r in requests]
-    prompts = request_prompts(requests, asr.tokenizer)
-    chunk_s = chunk_length(asr, chunk_seconds)
-    if not 0 <= chunk_overlap <= chunk_s / 2:
+    prompts = request_prompts(requests, loaded.tokenizer)
+    chunk_s = chunk_length(loaded, chunk_seconds)
+    if chunk_overlap > chunk_s / 2:
         raise ValueError(f"chunk overlap {chunk_overlap} s must lie in [0, half the chunk length {chunk_s} s]")
-    chunks = plan(requests, results, chunk_s, chunk_overlap, asr.features.sample_rate)
+    chunks = plan(requests, results, chunk_s, chunk_overlap, loaded.features.sample_rate)
     overlapping = any(a.request == b.request for a, b in zip(chunks, chunks[1:])) and chunk_overlap > 0
-    aligned = timestamps or (overlapping and asr.model.ctc is not None)  # merging by time needs alignments
+    aligned = timestamps or (overlapping and loaded.model.ctc is not None)  # merging by time needs alignments
     timings = Timings(load_features=time.perf_counter() - t_start)
 
-    logmel = LogMel(asr.features).to(asr.device).eval()
+    logmel = LogMel(loaded.features).to(loaded.device).eval()
     generated = [{} for _ in requests]  # per request: {chunk index: generated ids}
     words = [{} for _ in requests] if aligned or overlapping else None  # per request: {chunk index: its words}
     total_s, done_s = sum(c.seconds for c in chunks), 0.0
     for batch in duration_batches([c.seconds for c in chunks], batch_duration):
         t0 = time.perf_counter()
-        kept, wavs = load_chunks(asr, requests, chunks, batch, results)
+        kept, wavs = load_chunks(loaded, requests, chunks, batch, results)
         hyps, ctc, encoder_s, decoder_s, align_s = [], None, 0.0, 0.0, 0.0
         if kept:
             batch_prompts = [prompts[chunks[k].request] for k in kept]
-            hyps, ctc, encoder_s, decoder_s = decode_batch(asr, logmel, wavs, batch_prompts, options, dtype,
+            hyps, ctc, encoder_s, decoder_s = decode_batch(loaded, logmel, wavs, batch_prompts, options, dtype,
                                                            with_ctc=aligned)
         if words is not None:
             t_align = time.perf_counter()
@@ -564,7 +582,7 @@ def transcribe(asr: LoadedModel, inputs: list, options: DecodingOptions = Decodi
             for b, (k, ids) in enumerate(zip(kept, hyps)):
                 chunk = chunks[k]
                 frames = log_probs[b, : lens[b]] if log_probs is not None else None
-                words[chunk.request][k] = chunk_words(asr, ids, frames, wavs[b], chunk.offset,
+                words[chunk.request][k] = chunk_words(loaded, ids, frames, wavs[b], chunk.offset,
                                                       requests[chunk.request].where)
             align_s = time.perf_counter() - t_align
         batch_s = time.perf_counter() - t0
@@ -576,7 +594,7 @@ def transcribe(asr: LoadedModel, inputs: list, options: DecodingOptions = Decodi
         for k, wav, ids in zip(kept, wavs, hyps):
             i = chunks[k].request
             generated[i][k] = ids
-            end = chunks[k].offset - requests[i].offset + wav.numel() / asr.features.sample_rate
+            end = chunks[k].offset - requests[i].offset + wav.numel() / loaded.features.sample_rate
             results[i].duration = max(results[i].duration, end)  # overlapping chunks count once
             results[i].decode_time += batch_s * wav.numel() / samples  # its share of the batch, by audio length
         done_s += sum(chunks[k].seconds for k in batch)
@@ -586,7 +604,7 @@ def transcribe(asr: LoadedModel, inputs: list, options: DecodingOptions = Decodi
     if overlapping:
         merge_overlapping_chunks(results, chunks, words, timed=aligned, keep_words=timestamps)
     else:
-        join_chunks(results, generated, asr.tokenizer, words if timestamps else None)
+        join_chunks(results, generated, loaded.tokenizer, words if timestamps else None)
     timings.audio = sum(res.duration for res in results if res.error is None)
     timings.wall = time.perf_counter() - t_start
     return results, timings

@@ -65,10 +65,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_map
 
 from aed.data_audio import SpecAugment
-from aed.data_manifest import Batch
+from aed.data_batch import Batch
 from aed.memory_measure import OutOfMemory, format_bytes, peak_memory
 from aed.train_step import count_targets, train_step
-from bins import Bins
 
 
 TERMS = ("B*T", "B*T^2", "B*U", "B*U*T", "B*U^2", "k*U*T")

@@ -14,8 +14,9 @@ FSDP each rank writes its own shards. Either way the tensors are saved under the
 names, so a checkpoint resumes on any world size and under either strategy, and `read_checkpoint`
 reads one in a single process with no distributed world (inference, init_from). `async_save`
 lets training continue while the files are written. A directory without COMPLETE (a job killed
-mid-save) is not a checkpoint. Also read: the per-rank `shard-*.pt` directories of earlier aed
-versions, and single `torch.save` files (tools/convert_nemo.py, older runs).
+mid-save) is not a checkpoint. Also read: single `torch.save` files (tools/convert_nemo.py).
+Directories of per-rank `shard-*.pt` files, from aed before DCP, are refused with the command that
+converts them (tools/upgrade_checkpoint.py).
 """
 
 import glob
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from aed.data_audio import FeatureConfig
@@ -128,7 +129,7 @@ def begin_checkpoint(path: str) -> None:
 
 
 def remove(path: str) -> None:
-    """A checkpoint directory, or a single-file checkpoint of an older run."""
+    """A checkpoint directory, or a single-file checkpoint (torch.save, as tools/convert_nemo.py writes)."""
     if os.path.isdir(path):
         shutil.rmtree(path)
     else:
@@ -179,7 +180,7 @@ def publish_checkpoint(path: str, run_dir: str, step: int, keep_last: int) -> No
 
 
 def save_checkpoint(state: dict, run_dir: str, step: int, keep_last: int) -> str:
-    """A checkpoint written by one process (tools, tests): begin, write, publish."""
+    """A checkpoint written by one process (tools/upgrade_checkpoint.py): begin, write, publish."""
     path = checkpoint_dir(run_dir, step)
     begin_checkpoint(path)
     write_meta(state, path)
@@ -242,19 +243,9 @@ def training_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     return {"model": model_state, "optimizer": optimizer_state}
 
 
-def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str, ckpt: dict) -> None:
+def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
     """The weights and optimizer state of the checkpoint at `path` into this run's `model` and
-    `optimizer`, resharded to its world size and strategy. ckpt: the checkpoint as
-    `read_checkpoint(path, with_tensors=False)` gave it."""
-    if "model" in ckpt:  # written before DCP: whole tensors, the optimizer's state by parameter index
-        names = {id(p): n for n, p in model.named_parameters()}
-        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-        old = ckpt["optimizer"]
-        by_name = {"state": {order[i]: state for i, state in old["state"].items()},
-                   "param_groups": [dict(g, params=[order[i] for i in g["params"]]) for g in old["param_groups"]]}
-        set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=by_name,
-                       options=StateDictOptions(full_state_dict=True))
-        return
+    `optimizer`, resharded to its world size and strategy."""
     state = training_tensors(model, optimizer)
     with quiet_single_process():
         dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
@@ -269,7 +260,7 @@ def checkpoint_step(path: str) -> int:
 
 
 def list_checkpoints(run_dir: str) -> list[str]:
-    """Checkpoints in `run_dir` (directories, and single files of older runs), oldest first."""
+    """Checkpoints in `run_dir` (directories, and single `ckpt-N.pt` files), oldest first."""
     paths = [p for p in glob.glob(os.path.join(run_dir, "ckpt-*")) if re.search(r"ckpt-(\d+)(\.pt)?$", p)]
     return sorted(paths, key=checkpoint_step)
 
@@ -288,8 +279,7 @@ def read_checkpoint(path: str, required=INFERENCE_KEYS, with_tensors: bool = Tru
     """The checkpoint at `path` as one dict, with the `required` entries checked; CheckpointError
     names the file at fault. Of a DCP directory, the TENSORS entries in `required` are read into
     this process, whole (inference, init_from); with_tensors=False reads meta.pt alone (a training
-    run loads its tensors itself, sharded: `load_training_state`). Earlier aed directories
-    (`shard-*.pt`) come whole and memory-mapped either way: pages are read when first used."""
+    run loads its tensors itself, sharded: `load_training_state`)."""
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, COMPLETE)):
             raise CheckpointError(f"{path}: incomplete (no {COMPLETE} marker: the job stopped while saving it)")
@@ -297,13 +287,13 @@ def read_checkpoint(path: str, required=INFERENCE_KEYS, with_tensors: bool = Tru
         if not isinstance(ckpt, dict):
             raise CheckpointError(f"{path}/meta.pt: not an aed checkpoint's meta.pt")
         if isinstance(ckpt.get("shards"), int):
-            ckpt = with_rank_shards(ckpt, path)
+            raise CheckpointError(f"{path}: per-rank shard files (shard-*.pt) of aed before DCP checkpoints; "
+                                  f"convert it once: python tools/upgrade_checkpoint.py {path} -o NEW_RUN_DIR")
+        check_dcp_files(path)
+        if with_tensors:
+            ckpt |= read_dcp(path, [k for k in TENSORS if k in required])
         else:
-            check_dcp_files(path)
-            if with_tensors:
-                ckpt |= read_dcp(path, [k for k in TENSORS if k in required])
-            else:
-                required = [k for k in required if k not in TENSORS]
+            required = [k for k in required if k not in TENSORS]
     else:
         ckpt = load_file(path, mmap=False)
     missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
@@ -343,21 +333,6 @@ def read_dcp(path: str, keys: list[str]) -> dict:
     except Exception as e:  # noqa: BLE001 - a missing or truncated .distcp file, a corrupt index
         raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
     return state
-
-
-def with_rank_shards(meta: dict, path: str) -> dict:
-    """An earlier aed directory: meta.pt names the tensors each `shard-<rank>-of-<n>.pt` holds."""
-    tensors = {}
-    for rank in range(meta["shards"]):
-        tensors |= load_file(os.path.join(path, f"shard-{rank:03d}-of-{meta['shards']:03d}.pt"), mmap=True)
-    try:
-        meta["model"] = {k: tensors.pop(f"model/{k}") for k in meta.get("model", [])}
-    except KeyError as e:
-        raise CheckpointError(f"{path}: no shard holds {e.args[0]}") from None
-    for key, value in tensors.items():  # "optimizer/{param id}/{name}"
-        _, pid, name = key.split("/")
-        meta["optimizer"]["state"][int(pid)][name] = value
-    return meta
 
 
 def load_file(path: str, mmap: bool):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from aed.config import ConfigError, describe, dotted_keys, from_dict, help_table, merged_dict, user_dict
 from aed.data_audio import FeatureConfig, SpecAugmentConfig
+from aed.data_manifest import DURATION_TOLERANCE
 from aed.decode_score import NORMALIZERS
 from aed.decode_search import DecodingOptions
 from aed.model import AEDConfig
@@ -41,7 +42,7 @@ class TrainSection:
     tokenizer: str = "data/mini/tokenizer"  # directory written by tools/train_tokenizer.py; sets the model's vocabulary
     skip_invalid: bool = True  # bad manifest lines are skipped with a warning and counted, not fatal
     check_audio: bool = True  # read every audio header at start (docs/data.md has its speed): unreadable files and wrong durations are skipped
-    duration_tolerance: float = 0.1  # check_audio: a manifest duration further than this fraction from the header's is wrong
+    duration_tolerance: float = DURATION_TOLERANCE  # an utterance whose audio is longer or shorter than its duration by more than this fraction is skipped and counted (at start with check_audio, and when decoded)
     bins: str | None = None  # bins.json from tools/estimate_bins.py; None: estimated at start
     num_buckets: int = 30  # duration buckets when estimating bins (the paper: 30)
     sub_buckets: int = 2  # token sub-buckets per duration bucket, on average (2 = the paper's 2D; 1 = 1D)

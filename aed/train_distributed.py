@@ -6,7 +6,7 @@ for one (FSDP, whose every layer call is a collective, needs one even on one ran
 
     model = shard(model, device, precision)         # fsdp only, before the optimizer is built
     train_model, no_sync = wrap(model, "ddp")        # what the training step runs
-    eval_model = full_copy(model, build)             # validation's decoding runs per rank, unsharded
+    eval_model = full_copy(model, build)             # validation's whole copy, decoding per rank
 
 ddp: every rank holds the whole model, its gradients and both AdamW moments (16 bytes per
 parameter: ~16 GB for Canary-1B before the first activation), and gradients are all-reduced.
@@ -164,17 +164,17 @@ def share_rank0_buffers(model: nn.Module) -> None:
                 dist.broadcast(buffer, src=0)
 
 
-def full_copy(model: nn.Module, build) -> nn.Module:
-    """The model itself, or for a sharded one an unsharded copy with its weights, built by
-    `build()`: decoding runs a different number of steps on every rank, which a sharded model,
-    whose every layer call is a collective, cannot. Every rank must call this (it all-gathers).
-    The copy is built without touching the training's random stream."""
+def full_copy(model: nn.Module, build, into: nn.Module | None = None) -> nn.Module:
+    """The model itself, or for a sharded one an unsharded copy with its current weights: `into`
+    (a copy made before, updated in place) or one built by `build()`. Every rank must call this
+    (it all-gathers). The copy is built without touching the training's random stream."""
     if not isinstance(model, FSDPModule):
         return model
     share_rank0_buffers(model)
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    device = next(iter(weights.values())).device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
-        copy = build()  # made on the device: a 1B model's initialisation on the host would take seconds
-    copy.load_state_dict(weights)
-    return copy
+    if into is None:
+        device = next(iter(weights.values())).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
+            into = build()  # made on the device: a 1B model's initialisation on the host would take seconds
+    into.load_state_dict(weights)
+    return into

@@ -268,7 +268,7 @@ class TrainingSetup:
     def describe(self) -> str:
         m = self.cfg.model
         return (f"model: {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M parameters (encoder "
-                f"{m.enc_layers} x {m.enc_d_model}, {self.objective.head(self.cfg)}), precision {self.precision}, "
+                f"{m.enc_layers} x {m.enc_d_model}, {self.objective.describe_head(self.cfg)}), precision {self.precision}, "
                 f"device {next(self.model.parameters()).device}"
                 + (f", sharded over {world_size()} rank(s) (FSDP2)" if isinstance(self.model, FSDPModule) else ""))
 

@@ -1,11 +1,13 @@
 """Validation during training: the loss on every validation manifest, and for objectives that
 transcribe, WER per language and BLEU per translation pair.
 
+    model = whole_model(setup.model, lambda: setup.objective.build(setup.cfg, setup.tokenizer.vocab_size))
     results = evaluate(setup, model, {"dev": "data/mini/dev.jsonl"}, rank, world_size, skip_invalid, unreadable)
     results = evaluate(setup, model, {"dev": {"shar": "data/dev_shar"}}, ...)   # any train.manifests entry
 
 Each rank scores a slice of every manifest; losses are all-reduced and hypotheses gathered, so
-every metric is a corpus metric over the whole manifest.
+every metric is a corpus metric over the whole manifest. Hypotheses come from the objective's
+`hypotheses`, the AED's through `aed.decode_transcribe.decode_features`, infer.py's own path.
 """
 
 import logging
@@ -13,18 +15,17 @@ import weakref
 from itertools import islice
 
 import torch
-from torch.utils.data import Dataset
+from torch.distributed.fsdp import FSDPModule
 
-from aed.data_audio import AudioError, LogMel
-from aed.data_manifest import (Collate, UnreadableAudio, UtteranceDataset, duration_batches, encodable, make_item,
-                               read_manifest)
+from aed.data_audio import LogMel
+from aed.data_batch import Collate, ExampleDataset, as_utterance, duration_batches, encodable
+from aed.data_manifest import Faults, read_manifest
 from aed.data_sources import metadata, open_source, spec_kind
-from aed.data_stream import as_utterance, decode_audio
 from aed.decode_score import corpus_scores
 from aed.decode_search import DecodingOptions
 from aed.decode_static import CompiledAED
 from aed.decode_timestamps import frame_seconds
-from aed.train_distributed import all_gather_objects, all_reduce
+from aed.train_distributed import all_gather_objects, all_reduce, full_copy
 from aed.train_step import autocast, count_ctc_skipped, train_mode
 
 log = logging.getLogger(__name__)
@@ -32,15 +33,32 @@ log = logging.getLogger(__name__)
 # val.compile: each model's compiled decoder, made at its first validation and reused by the later ones
 # (the graphs read the parameters the optimizer updates in place).
 COMPILED = weakref.WeakKeyDictionary()
+# FSDP2: each sharded model's whole copy, built at its first validation; the later ones copy the
+# gathered weights into it in place, so its compiled decoder (above) stays valid.
+WHOLE = weakref.WeakKeyDictionary()
+
+
+def whole_model(model, build):
+    """The model validation runs: `model` itself when it is whole (one process, or the module DDP
+    wraps: its forward outside the wrapper runs no collective); for a model sharded with FSDP2, a
+    whole copy on every rank, made by `build()` once and given the current weights at every call.
+    Every rank calls this at the same point, and the gather is its one collective. Decoding then
+    needs none: each rank decodes its own slice alone, for as many decoder steps as its hypotheses
+    need, where a sharded model (a collective in every layer call) would have to hold every rank
+    to the same number of batches and steps."""
+    if not isinstance(model, FSDPModule):
+        return model
+    WHOLE[model] = full_copy(model, build, into=WHOLE.get(model))
+    return WHOLE[model]
 
 
 @torch.no_grad()
 def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int, skip_invalid: bool,
-             unreadable: UnreadableAudio) -> dict:
+             unreadable: Faults) -> dict:
     """{name: path} -> {"name/loss": ..., "name/wer": ..., "name/examples": [lines], ...}.
 
     setup: the run's aed.train_step.TrainingSetup; model: its model, whole on every rank
-    (aed.train_distributed.full_copy: each rank decodes its own slice, for its own number of steps).
+    (`whole_model`: each rank decodes its own slice, for its own number of steps).
     Random draws in the model's forward (BEST-RQ's masks) come from a generator reseeded for
     every validation, so each one masks the same frames (losses of different steps compare) and
     training's random stream is left alone."""
@@ -50,7 +68,7 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
     logmel, collate = LogMel(cfg.features).eval(), Collate(tokenizer.pad)
     options = DecodingOptions(ctc_weight=cfg.val.ctc_weight,
                               frame_seconds=frame_seconds(cfg.features, cfg.model.subsampling_factor))
-    decoder = model
+    decoder = None  # the model itself
     if cfg.val.compile and objective.compiles:
         if model not in COMPILED:
             COMPILED[model] = CompiledAED(model)
@@ -70,7 +88,8 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
                     continue
                 with autocast(device, setup.precision):
                     loss, n = model(b.feats, b.feat_lens, b.tokens, b.token_lens, b.prompt_lens, b.transcribed)
-                    hyps = objective.transcribe(decoder, b, tokenizer.eos, options) if objective.transcribe else []
+                hyps = [] if objective.hypotheses is None else objective.hypotheses(
+                    model, b, tokenizer.eos, options, autocast(device, setup.precision), decoder)
                 sums += torch.stack([loss.float(), n.float(), torch.tensor(float(count_ctc_skipped(model, [b])),
                                                                            device=device)])
                 for k, hyp in enumerate(hyps):
@@ -79,7 +98,7 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
                     rows.append((u.taskname, u.source_lang, u.target_lang, u.text, text))
             sums = all_reduce(sums)
             results[f"{name}/loss"] = (sums[0] / sums[1].clamp(min=1)).item()
-            if objective.transcribe is not None:
+            if objective.hypotheses is not None:
                 results |= scores(name, [r for part in all_gather_objects(rows) for r in part], int(sums[2]), cfg.val)
     train_mode(model, cfg.freeze)
     return results
@@ -97,7 +116,7 @@ def val_dataset(spec, max_utterances: int | None, tokenizer, logmel: LogMel, ski
         if tokenizer is not None:
             utts, _ = encodable(utts, tokenizer, skip_invalid)
         order = sorted(range(len(utts)), key=lambda i: utts[i].duration)[rank::world_size]
-        return UtteranceDataset([utts[i] for i in order], tokenizer, logmel)
+        return ExampleDataset([utts[i] for i in order], tokenizer, logmel)
     source = open_source(spec, shuffle_shards=False)
     rows = [(fields["duration"], where) for where, fields in islice(metadata(source), max_utterances)]
     mine = {where for _, where in sorted(rows)[rank::world_size]}  # durations from metadata: no audio read
@@ -106,25 +125,6 @@ def val_dataset(spec, max_utterances: int | None, tokenizer, logmel: LogMel, ski
         kept = {u.where for u in encodable([as_utterance(ex) for ex in examples], tokenizer, skip_invalid)[0]}
         examples = [ex for ex in examples if ex["where"] in kept]
     return ExampleDataset(examples, tokenizer, logmel)
-
-
-class ExampleDataset(Dataset):
-    """Streamed examples held in memory, indexed as `UtteranceDataset` (items of `make_item`;
-    `utterances[i]` for the metrics); audio that does not decode comes back as {"error": ...}."""
-
-    def __init__(self, examples: list[dict], tokenizer, logmel: LogMel):
-        self.examples, self.tokenizer, self.logmel = examples, tokenizer, logmel
-        self.utterances = [as_utterance(ex) for ex in examples]
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, i: int) -> dict:
-        try:
-            wav = decode_audio(self.examples[i], self.logmel.cfg.sample_rate)
-        except AudioError as e:
-            return {"error": str(e), "audio_filepath": self.utterances[i].audio_filepath}
-        return make_item(wav, self.utterances[i], i, self.tokenizer, self.logmel)
 
 
 def scores(name: str, rows: list, ctc_skipped: int, val_cfg) -> dict:

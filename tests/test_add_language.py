@@ -8,18 +8,18 @@ import sys
 
 import pytest
 import torch
+from tools.add_language import main as add_language
 
+from aed.config import ConfigError
 from aed.data_audio import FeatureConfig
+from aed.data_batch import Batch
+from aed.data_tokenizer import Tokenizer
+from aed.decode_search import DecodingOptions
+from aed.decode_transcribe import load_model, read_requests, transcribe
+from aed.model import AED, AEDConfig
 from aed.train_checkpoint import init_from_checkpoint, pack_dir, save_checkpoint
 from aed.train_config import TrainConfig
-from aed.data_manifest import Batch
-from aed.config import ConfigError
-from aed.decode_search import DecodingOptions
-from aed.decode_transcribe import load_asr, read_requests, transcribe
-from aed.model import AED, AEDConfig
-from aed.data_tokenizer import Tokenizer
 from aed.train_step import build_model, build_optimizer, new_tokens, train_mode, train_step
-from tools.add_language import main as add_language
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINI = os.path.join(ROOT, "data", "mini")
@@ -57,7 +57,7 @@ def grown(tmp_path_factory):
 
 def test_old_ids_prompts_and_outputs_are_unchanged(grown):
     old_dir, new_path = grown
-    old, new = load_asr(old_dir), load_asr(new_path)
+    old, new = load_model(old_dir), load_model(new_path)
     assert new.tokenizer.languages == old.tokenizer.languages + ["it"]
     assert new.tokenizer.vocab_size > old.tokenizer.vocab_size
     assert new.max_train_duration == 4.5
@@ -89,7 +89,7 @@ def test_old_ids_prompts_and_outputs_are_unchanged(grown):
 
 def test_init_from_grows_the_ctc_head_and_keeps_its_blank_last(grown):
     old_dir, new_path = grown
-    old = load_asr(old_dir)
+    old = load_model(old_dir)
     bigger = AED(dataclasses.replace(old.model.cfg, vocab_size=old.model.cfg.vocab_size + 16))
     summary = init_from_checkpoint(bigger, old.path)
     assert "ctc.proj.weight grows from" in summary and "token_embedding.weight grows from" in summary
@@ -122,7 +122,7 @@ def test_freeze_encoder_trains_only_the_decoder_and_ctc_head():
 
 def freeze_setup(new_path: str):
     """(cfg, tokenizer, added tokens, model initialised from the grown checkpoint, a batch of Italian)."""
-    new = load_asr(new_path)
+    new = load_model(new_path)
     cfg = dataclasses.replace(TrainConfig(), model=new.model.cfg, freeze="all_but_new_tokens", init_from=new_path,
                               optim=dataclasses.replace(TrainConfig().optim, lr=1e-2, weight_decay=0.1))
     cfg.train.tokenizer = os.path.splitext(new_path)[0] + ".tokenizer"
@@ -157,7 +157,7 @@ def assert_only_the_added_rows_trained(before: dict, after: dict, added: dict) -
 def test_freeze_all_but_new_tokens_trains_only_the_added_rows(grown):
     old_dir, new_path = grown
     cfg, tokenizer, added, model, batch = freeze_setup(new_path)
-    assert added == {"language": "it", "first": load_asr(old_dir).tokenizer.vocab_size,
+    assert added == {"language": "it", "first": load_model(old_dir).tokenizer.vocab_size,
                      "language_token": tokenizer.lang_id("it"), "vocab_size": tokenizer.vocab_size}
     before = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = build_optimizer(model, cfg.optim)
@@ -208,7 +208,7 @@ def test_freeze_all_but_new_tokens_refuses_a_checkpoint_without_the_record(grown
     old_dir, new_path = grown
     with pytest.raises(ConfigError, match="freeze=all_but_new_tokens needs objective=aed, init_from"):
         TrainConfig(freeze="all_but_new_tokens")  # no init_from
-    cfg = TrainConfig(freeze="all_but_new_tokens", init_from=load_asr(old_dir).path)
+    cfg = TrainConfig(freeze="all_but_new_tokens", init_from=load_model(old_dir).path)
     with pytest.raises(ConfigError, match="records no added tokens"):
         new_tokens(cfg, 1000)
     cfg = TrainConfig(freeze="all_but_new_tokens", init_from=new_path)

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from aed.train_config import TrainConfig, help_text, load_train_config
 from aed.config import ConfigError, describe
+from aed.train_config import TrainConfig, help_text, load_train_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,19 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from aed.data_audio import FeatureConfig, SpecAugment, num_frames
-from aed.train_checkpoint import pack_dir, read_checkpoint, save_checkpoint
-from aed.data_manifest import Batch
-from aed.decode_search import DecodingOptions
-from aed.model_encoder import ConvSubsampling
-from aed.decode_transcribe import LoadedModel, load_asr, transcribe
-from aed.model import AED, AEDConfig
-from aed.data_tokenizer import Tokenizer
-from aed.train_step import train_step
-from aed.memory_oomptimizer import TrainingStep, optimize
 from test_nemo_convert import FIXTURES, convert
 from test_train import ROOT, SMALL
+
+from aed.data_audio import FeatureConfig, SpecAugment, num_frames
+from aed.data_batch import Batch
+from aed.data_tokenizer import Tokenizer
+from aed.decode_search import DecodingOptions
+from aed.decode_transcribe import LoadedModel, load_model, transcribe
+from aed.memory_oomptimizer import TrainingStep, optimize
+from aed.model import AED, AEDConfig
+from aed.model_encoder import ConvSubsampling
+from aed.train_checkpoint import pack_dir, read_checkpoint, save_checkpoint
+from aed.train_step import train_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -66,7 +66,7 @@ def test_train_py_under_torchrun_with_nccl_then_its_checkpoint_loads_on_cpu(tmp_
          "configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=2", "ckpt_every=2", "precision=bf16"])
     ckpt = read_checkpoint(str(tmp_path / "ckpt-00000002"), ("model", "optimizer"))
     assert all(v.device.type == "cpu" for v in ckpt["model"].values())
-    asr = load_asr(str(tmp_path), device="cpu")
+    asr = load_model(str(tmp_path), device="cpu")
     results, _ = transcribe(asr, [str(MINI / "examples" / "en_asr_16k.wav")], DecodingOptions(max_new_tokens=5))
     assert results[0].error is None
 
@@ -129,7 +129,7 @@ def test_train_py_fsdp_over_nccl_in_bf16_then_infer_reads_it_on_cpu(tmp_path):
              "configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=3", "ckpt_every=3", "precision=bf16",
              "train.strategy=fsdp"])
     assert f"sharded over {ranks} rank(s) (FSDP2)" in p.stderr
-    asr = load_asr(str(tmp_path), device="cpu")
+    asr = load_model(str(tmp_path), device="cpu")
     results, _ = transcribe(asr, [str(MINI / "examples" / "en_asr_16k.wav")], DecodingOptions(max_new_tokens=5))
     assert results[0].error is None
 
@@ -188,7 +188,7 @@ def test_converted_nemo_model_on_cuda_matches_cpu(tmp_path):
     out = tmp_path / "canary.pt"
     convert(FIXTURES / "canary.nemo", out)
     ref = torch.load(FIXTURES / "canary.ref.pt", weights_only=False)
-    cpu, gpu = load_asr(out, "cpu").model, load_asr(out, "cuda").model
+    cpu, gpu = load_model(out, "cpu").model, load_model(out, "cuda").model
     for u in ref["utterances"]:
         feats, lens = u["feats"][None], torch.tensor([u["feat_len"]])
         with torch.no_grad():
@@ -202,18 +202,18 @@ def test_a_checkpoint_saved_from_gpu_tensors_loads_on_cpu(tmp_path):
     save_checkpoint({"model": model.state_dict(), "model_config": dataclasses.asdict(CFG),
                      "features": dataclasses.asdict(FeatureConfig(n_mels=80)),
                      "tokenizer": pack_dir(str(MINI / "tokenizer"))}, str(tmp_path), 1, keep_last=1)
-    loaded = load_asr(str(tmp_path / "ckpt-00000001"), "cpu").model
+    loaded = load_model(str(tmp_path / "ckpt-00000001"), "cpu").model
     assert all(torch.equal(a.cpu(), b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
 
 
 def test_compiled_step_as_a_cuda_graph_gives_eager_tokens(tmp_path):
-    """The committed word model on the GPU: `load_asr(compile=True)` captures the step as a CUDA graph
+    """The committed word model on the GPU: `load_model(compile=True)` captures the step as a CUDA graph
     (mode reduce-overhead); greedy, beam and joint decoding give eager decoding's transcripts, in fp32
     and under bf16 autocast. Its speed (target: >= 2x eager at batch 1) is the benchmark's to measure:
     bench/infer_speed_bench.py --device cuda, which make gpu-check runs."""
     from test_compiled import SEARCHES, WORD_MODEL, word_files
     paths, _ = word_files(tmp_path, 6, seed=5)
-    eager, compiled = load_asr(WORD_MODEL, "cuda"), load_asr(WORD_MODEL, "cuda", compile=True)
+    eager, compiled = load_model(WORD_MODEL, "cuda"), load_model(WORD_MODEL, "cuda", compile=True)
     assert compiled.compiled.mode == "reduce-overhead"
     for dtype in (None, torch.bfloat16):
         for name, options in SEARCHES.items():
@@ -225,4 +225,4 @@ def test_compiled_step_as_a_cuda_graph_gives_eager_tokens(tmp_path):
 def test_int8_weights_are_refused_on_cuda():
     from test_compiled import WORD_MODEL
     with pytest.raises(ValueError, match="CPUs only"):
-        load_asr(WORD_MODEL, "cuda", int8=True)
+        load_model(WORD_MODEL, "cuda", int8=True)

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from aed.model import AED, AEDConfig
 from aed.memory_measure import CUBLAS_WORKSPACE, CUDA_BLOCK, SimulatedDevice
 from aed.memory_oomptimizer import TrainingStep
+from aed.model import AED, AEDConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

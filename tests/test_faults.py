@@ -10,19 +10,19 @@ import signal
 import subprocess
 import sys
 
+import infer
 import pytest
 import torch
+from test_train import ROOT, SMALL, run_in_process, run_train
 
 from aed.data_audio import FeatureConfig
-from aed.train_checkpoint import (CheckpointError, TRAINING_KEYS, begin_checkpoint, list_checkpoints, load_latest,
-                            load_training_state, pack_dir, read_checkpoint, save_checkpoint, write_meta)
 from aed.data_manifest import Utterance, check_audio
-from aed.decode_transcribe import load_asr
+from aed.decode_transcribe import load_model
 from aed.model import AED, AEDConfig
-import infer
+from aed.train_checkpoint import (TRAINING_KEYS, CheckpointError, begin_checkpoint, list_checkpoints, load_latest,
+                                  load_training_state, pack_dir, read_checkpoint, save_checkpoint, write_meta)
 from bins import estimate_bins
 from sampler import BucketingSampler
-from test_train import ROOT, SMALL, run_in_process, run_train
 
 MINI_TOKENIZER = os.path.join(ROOT, "data", "mini", "tokenizer")
 
@@ -110,10 +110,10 @@ def test_inference_on_a_run_dir_falls_back_past_a_truncated_newest_checkpoint(tm
     save_checkpoint(state, tmp_path, 1, keep_last=2)
     save_checkpoint(state, tmp_path, 2, keep_last=2)
     truncate(tensors_file(tmp_path, 2))
-    asr = load_asr(str(tmp_path))
+    asr = load_model(str(tmp_path))
     assert asr.path.endswith("ckpt-00000001") and "ckpt-00000002/__0_0.distcp: truncated" in caplog.text
     with pytest.raises(CheckpointError, match="ckpt-00000002/__0_0.distcp: truncated"):
-        load_asr(str(tmp_path / "ckpt-00000002"))  # a checkpoint named explicitly: no substitute
+        load_model(str(tmp_path / "ckpt-00000002"))  # a checkpoint named explicitly: no substitute
 
 
 # --- bad data ---------------------------------------------------------------------------------
@@ -354,28 +354,61 @@ def write_earlier_format(state: dict, path) -> None:
     (path / "COMPLETE").write_text("1\n")
 
 
-@pytest.mark.parametrize("written", ["dcp", "before dcp"])
-def test_a_checkpoint_restores_weights_and_optimizer_exactly(tmp_path, written):
-    """What train.py resumes from, in today's format and in the one aed wrote before (which must
-    still load): weights and AdamW moments come back bit for bit, and inference reads the model."""
-    from aed.train_checkpoint import training_tensors
-    model, optimizer = trained_model_and_optimizer()
-    state = tiny_inference_state() | {"model": model.state_dict(), "step": 1}
-    if written == "dcp":
-        path = save_checkpoint(state | training_tensors(model, optimizer), tmp_path, 1, keep_last=1)
-    else:
-        path = tmp_path / "ckpt-00000001"
-        write_earlier_format(state | {"optimizer": optimizer.state_dict()}, path)
-    fresh, fresh_optimizer = trained_model_and_optimizer(seed=1)  # other weights and moments
-    load_training_state(fresh, fresh_optimizer, str(path), read_checkpoint(str(path), with_tensors=False))
+def assert_same_training_state(model, optimizer, fresh, fresh_optimizer):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     for p, q in zip(model.parameters(), fresh.parameters()):
         a, b = optimizer.state[p], fresh_optimizer.state[q]
         assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
         assert int(a["step"]) == int(b["step"]) == 1
     assert fresh_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
-    asr = load_asr(str(path))
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), asr.model.state_dict().values()))
+
+
+def test_a_checkpoint_restores_weights_and_optimizer_exactly(tmp_path):
+    """What train.py resumes from: weights and AdamW moments come back bit for bit, and inference
+    reads the model."""
+    from aed.train_checkpoint import training_tensors
+    model, optimizer = trained_model_and_optimizer()
+    state = tiny_inference_state() | {"model": model.state_dict(), "step": 1}
+    path = save_checkpoint(state | training_tensors(model, optimizer), tmp_path, 1, keep_last=1)
+    fresh, fresh_optimizer = trained_model_and_optimizer(seed=1)  # other weights and moments
+    load_training_state(fresh, fresh_optimizer, str(path))
+    assert_same_training_state(model, optimizer, fresh, fresh_optimizer)
+    loaded = load_model(str(path))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.model.state_dict().values()))
+
+
+def test_a_checkpoint_from_before_dcp_is_refused_then_converted_exactly(tmp_path):
+    """aed wrote per-rank shard files before DCP: reading one names the command that converts it,
+    and the converted checkpoint resumes the run's model and optimizer bit for bit."""
+    import dataclasses
+    from aed.config import to_dict
+    from aed.train_config import load_train_config
+    from aed.train_step import build_training_setup
+    cfg = load_train_config("configs/tiny.yaml")
+
+    def setup(seed):
+        torch.manual_seed(seed)
+        built = build_training_setup(cfg, torch.device("cpu"))
+        sum(p.float().pow(2).sum() for p in built.model.parameters()).backward()
+        built.optimizer.step()  # every moment set
+        return built
+
+    run = setup(0)
+    state = {"model_config": dataclasses.asdict(run.cfg.model), "features": dataclasses.asdict(run.cfg.features),
+             "tokenizer": pack_dir(run.cfg.train.tokenizer), "step": 1, "config": to_dict(run.cfg),
+             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict()}
+    old = tmp_path / "old" / "ckpt-00000001"
+    old.parent.mkdir()
+    write_earlier_format(state, old)
+    with pytest.raises(CheckpointError, match="tools/upgrade_checkpoint.py"):
+        read_checkpoint(str(old))
+    subprocess.run([sys.executable, "tools/upgrade_checkpoint.py", str(old.parent), "-o", str(tmp_path / "new")],
+                   check=True, capture_output=True)
+    path = str(tmp_path / "new" / "ckpt-00000001")
+    fresh = setup(1)  # other weights and moments
+    load_training_state(fresh.model, fresh.optimizer, path)
+    assert_same_training_state(run.model, run.optimizer, fresh.model, fresh.optimizer)
+    assert read_checkpoint(path, with_tensors=False)["config"] == state["config"]
 
 
 @pytest.mark.slow

@@ -10,10 +10,10 @@ import time
 
 import pytest
 import torch
-
-from aed.train_checkpoint import CheckpointWriter, TRAINING_KEYS, load_latest, read_checkpoint
-from aed.decode_transcribe import load_asr, read_requests, transcribe
 from test_train import MINI, losses, run_train
+
+from aed.decode_transcribe import load_model, read_requests, transcribe
+from aed.train_checkpoint import TRAINING_KEYS, CheckpointWriter, load_latest, read_checkpoint
 
 pytestmark = pytest.mark.slow
 # FSDP reduce-scatters where DDP all-reduces, and sums in another order: not bitwise, but close.
@@ -88,7 +88,7 @@ def assert_trains_and_decodes_alike(ddp, fsdp) -> None:
     # infer.py's loader, one process, no distributed world: the sharded checkpoint reads whole.
     # Weights are compared through what they compute: a bias that cancels out (keys' before the
     # softmax, a convolution's before BatchNorm) has no gradient but noise, which AdamW scales up.
-    a, b = load_asr(str(ddp)), load_asr(str(fsdp))
+    a, b = load_model(str(ddp)), load_model(str(fsdp))
     assert a.path.endswith("ckpt-00000006") and b.path.endswith("ckpt-00000006")
     assert a.model.state_dict().keys() == b.model.state_dict().keys()
     feats, feat_lens = torch.randn(3, 300, a.features.n_mels), torch.tensor([300, 250, 120])

@@ -9,22 +9,23 @@ import shutil
 import subprocess
 import sys
 
+import infer
 import pytest
 import soundfile as sf
 import torch
+from test_train import run_in_process
 
 from aed.data_audio import FeatureConfig, LogMel, load_audio
-from aed.train_checkpoint import CheckpointError, pack_dir, save_checkpoint
-from aed.model_ctc import CTCHead
-from aed.data_manifest import ManifestError, encode_utterance, read_manifest
-from aed.decode_search import DecodingOptions, decode
-from aed.decode_transcribe import (LoadedModel, Request, chunk_length, expand_inputs, load_asr, plan_chunks,
-                           quiet_point, read_requests, request_prompts, transcribe)
-from aed.decode_score import corpus_scores, wer
-from aed.model import AED, AEDConfig
+from aed.data_batch import encode_utterance
+from aed.data_manifest import ManifestError, read_manifest
 from aed.data_tokenizer import Tokenizer
-import infer
-from test_train import run_in_process
+from aed.decode_score import corpus_scores, wer
+from aed.decode_search import DecodingOptions, decode
+from aed.decode_transcribe import (LoadedModel, Request, chunk_length, expand_inputs, load_model, plan_chunks,
+                                   quiet_point, read_requests, request_prompts, transcribe)
+from aed.model import AED, AEDConfig
+from aed.model_ctc import CTCHead
+from aed.train_checkpoint import CheckpointError, pack_dir, save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINI = os.path.join(ROOT, "data", "mini")
@@ -110,17 +111,17 @@ def run_dir(tmp_path_factory, train_utts):
 
 
 @pytest.fixture(scope="module")
-def asr(run_dir):
-    return load_asr(run_dir)  # a run directory: its newest checkpoint
+def loaded(run_dir):
+    return load_model(run_dir)  # a run directory: its newest checkpoint
 
 
 # --- with the trained model -------------------------------------------------------------------
 
 
-def test_bundled_examples_match_their_references(asr):
+def test_bundled_examples_match_their_references(loaded):
     requests = read_requests(EXAMPLES)
     assert {r.taskname for r in requests} == {"asr", "ast"}  # en and de ASR, es->en translation
-    results, timings = transcribe(asr, requests)
+    results, timings = transcribe(loaded, requests)
     assert [r.pred_text for r in results] == [r.text for r in requests]
     assert all(r.error is None and r.decode_time > 0 for r in results)
     assert timings.audio == pytest.approx(sum(r.duration for r in requests), abs=0.01)
@@ -128,27 +129,27 @@ def test_bundled_examples_match_their_references(asr):
     assert timings.rtfx > 0
 
 
-def test_stereo_44k_file_equals_its_16k_mono_version(asr, tmp_path):
+def test_stereo_44k_file_equals_its_16k_mono_version(loaded, tmp_path):
     stereo = os.path.join(MINI, "examples", "de_asr_44k_stereo.wav")
     info = sf.info(stereo)
     assert (info.samplerate, info.channels) == (44100, 2)
     mono = tmp_path / "de_16k_mono.wav"
     sf.write(mono, load_audio(stereo).numpy(), 16000, subtype="PCM_16")  # a real 16-bit file: rounded samples
-    results, _ = transcribe(asr, [stereo, str(mono)], source_lang="de")
+    results, _ = transcribe(loaded, [stereo, str(mono)], source_lang="de")
     assert results[0].tokens == results[1].tokens
     assert results[0].pred_text == results[1].pred_text == "Offen steht das Grab!"
 
 
-def test_batch_composition_does_not_change_any_output(asr, train_utts):
+def test_batch_composition_does_not_change_any_output(loaded, train_utts):
     requests = read_requests(EXAMPLES) + [Request(u.audio_filepath, u.source_lang, u.target_lang, u.pnc, u.taskname)
                                           for u in train_utts]
-    alone, _ = transcribe(asr, requests, batch_duration=1e-3)  # every batch holds one file
-    together, _ = transcribe(asr, requests, batch_duration=1e4)  # one padded batch of all nine
+    alone, _ = transcribe(loaded, requests, batch_duration=1e-3)  # every batch holds one file
+    together, _ = transcribe(loaded, requests, batch_duration=1e4)  # one padded batch of all nine
     assert [r.tokens for r in alone] == [r.tokens for r in together]
     assert all(r.tokens for r in alone)
 
 
-def test_long_audio_is_cut_at_pauses_and_recovers_every_word(asr, train_utts, tmp_path):
+def test_long_audio_is_cut_at_pauses_and_recovers_every_word(loaded, train_utts, tmp_path):
     torch.manual_seed(0)
     utts = [u for u in train_utts if any(f"/{k}." in u.audio_filepath for k in LONG_IDS)]
     wavs = [load_audio(u.audio_filepath) for u in utts]
@@ -172,7 +173,7 @@ def test_long_audio_is_cut_at_pauses_and_recovers_every_word(asr, train_utts, tm
         assert lo <= start <= hi, (start, lo, hi)
 
     # No chunk length given: the one recorded in the checkpoint (the training maximum) is used.
-    results, timings = transcribe(dataclasses.replace(asr, max_train_duration=chunk), [str(path)])
+    results, timings = transcribe(dataclasses.replace(loaded, max_train_duration=chunk), [str(path)])
     assert results[0].pred_text == " ".join(u.text for u in utts)
     assert results[0].duration == pytest.approx(long.numel() / 16000, abs=1e-3)
 
@@ -187,11 +188,35 @@ def test_chunk_length_defaults_to_the_training_maximum_and_warns_beyond_it(caplo
     assert "trained on utterances of at most 4.6 s" in caplog.text
 
 
-def test_beam_search_is_at_least_as_likely_as_greedy(asr):
+def test_setting_ranges_are_checked_by_the_library_and_reported_by_infer_py(capsys):
+    """One home for the checks: DecodingOptions, `transcribe` and `load_model` raise before any work,
+    and infer.py's parser reports the same message as a usage error (exit 2)."""
+    for kw, message in (({"beam_size": 0}, "beam size"), ({"ctc_weight": 1.5}, "CTC weight"),
+                        ({"max_repeats": -1}, "max repeats")):
+        with pytest.raises(ValueError, match=message):
+            DecodingOptions(**kw)
+    nothing_loaded = LoadedModel(None, None, None, "ckpt.pt")
+    for kw, message in (({"chunk_overlap": -1.0}, "chunk overlap"), ({"batch_duration": 0.0}, "batch duration")):
+        with pytest.raises(ValueError, match=message):
+            transcribe(nothing_loaded, ["a.wav"], DecodingOptions(), **kw)
+    with pytest.raises(ValueError, match="do not combine"):
+        load_model("no/such/checkpoint", compile=True, int8=True)
+    for flags, message in ((["--beam-size", "0"], "beam size"), (["--max-new-tokens", "0"], "max new tokens"),
+                           (["--ctc-weight", "2"], "CTC weight"), (["--max-repeats", "-1"], "max repeats"),
+                           (["--chunk-seconds", "0"], "chunk seconds"), (["--chunk-overlap", "-1"], "chunk overlap"),
+                           (["--int8", "--compile", "--device", "cpu"], "do not combine"),
+                           (["--int8", "--device", "cuda:0"], "CPUs only"), (["--subtitles", "subs"], "--timestamps")):
+        with pytest.raises(SystemExit) as e:
+            infer.parse_args(["--ckpt", "runs/x", "a.wav", *flags])
+        assert e.value.code == 2 and message in capsys.readouterr().err, flags
+    assert infer.parse_args(["--ckpt", "runs/x", "a.wav", "--max-tokens-per-second", "0"]).max_tokens_per_second == 0
+
+
+def test_beam_search_is_at_least_as_likely_as_greedy(loaded):
     # The overfit model is so sure of itself that beams never disagree with greedy; noise on its decoder
     # weights makes it unsure while it still mostly transcribes (unseen dev audio adds to the doubt).
     torch.manual_seed(0)
-    unsure = dataclasses.replace(asr, model=copy.deepcopy(asr.model))
+    unsure = dataclasses.replace(loaded, model=copy.deepcopy(loaded.model))
     with torch.no_grad():
         for p in unsure.model.decoder.parameters():
             p.add_(0.02 * torch.randn_like(p))
@@ -216,22 +241,22 @@ def test_beam_search_is_at_least_as_likely_as_greedy(asr):
         assert logprob(req, b.tokens) >= logprob(req, g.tokens) - 1e-4, (req.audio_filepath, g.pred_text, b.pred_text)
 
 
-def test_max_new_tokens_caps_every_utterance(asr):
+def test_max_new_tokens_caps_every_utterance(loaded):
     requests = read_requests(EXAMPLES)
-    full, _ = transcribe(asr, requests)
-    capped, _ = transcribe(asr, requests, DecodingOptions(max_new_tokens=3))
+    full, _ = transcribe(loaded, requests)
+    capped, _ = transcribe(loaded, requests, DecodingOptions(max_new_tokens=3))
     assert [r.tokens for r in capped] == [r.tokens[:3] for r in full]  # greedy: a prefix of the full output
-    capped_beam, _ = transcribe(asr, requests, DecodingOptions(beam_size=2, max_new_tokens=3))
+    capped_beam, _ = transcribe(loaded, requests, DecodingOptions(beam_size=2, max_new_tokens=3))
     assert all(len(r.tokens) <= 3 for r in capped_beam)
 
 
-def test_joint_ctc_decoding_is_on_by_default_for_a_model_with_a_ctc_head(asr):
+def test_joint_ctc_decoding_is_on_by_default_for_a_model_with_a_ctc_head(loaded):
     """A CTC head that hears only blanks: joint decoding (the default) ends every hypothesis at once,
     ctc_weight=0 gives the attention decoder's transcripts unchanged."""
     requests = read_requests(EXAMPLES)
-    plain, _ = transcribe(asr, requests)
-    with_head = dataclasses.replace(asr, model=copy.deepcopy(asr.model))
-    with_head.model.ctc = CTCHead(asr.model.cfg.enc_d_model, asr.model.cfg.vocab_size + 1)
+    plain, _ = transcribe(loaded, requests)
+    with_head = dataclasses.replace(loaded, model=copy.deepcopy(loaded.model))
+    with_head.model.ctc = CTCHead(loaded.model.cfg.enc_d_model, loaded.model.cfg.vocab_size + 1)
     with torch.no_grad():
         with_head.model.ctc.proj.weight.zero_()
         with_head.model.ctc.proj.bias.zero_()
@@ -370,9 +395,9 @@ def test_average_of_the_newest_checkpoints(run_dir, tmp_path):
     _, two = average_checkpoints(str(run), 2)  # the newest and ckpt-2: 1.25 x the weights
     w = "decoder.output_proj.weight"
     assert torch.allclose(two["model"][w], newest["model"][w] * 1.25)
-    assert load_asr(str(run), average=2).model.state_dict()[w].allclose(newest["model"][w] * 1.25)
+    assert load_model(str(run), average=2).model.state_dict()[w].allclose(newest["model"][w] * 1.25)
     with pytest.raises(CheckpointError, match="3 valid checkpoint.*asked to average 4"):
-        load_asr(str(run), average=4)
+        load_model(str(run), average=4)
 
 
 @pytest.mark.slow

@@ -10,11 +10,11 @@ import random
 import pytest
 import soundfile as sf
 import torch
+from fixtures.make_word_model import load_clips, word_sequence
 
-from aed.decode_transcribe import Request, load_asr, plan_chunks, transcribe
 from aed.decode_merge import Chunk, MergeStats, longest_common_run, merge_chunks
 from aed.decode_timestamps import Word
-from fixtures.make_word_model import load_clips, word_sequence
+from aed.decode_transcribe import Request, load_model, plan_chunks, transcribe
 
 WORD_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "word_model.pt")
 
@@ -113,7 +113,7 @@ def test_words_both_chunks_heard_in_an_overlap_are_kept_once(tmp_path):
     exactly once, at its place in time: neither repeated (both chunks heard it) nor dropped (each
     chunk leaving it to the other). Words the model misses in a chunk are the model's errors, not
     the merge's, and are not counted."""
-    asr = load_asr(WORD_MODEL)
+    asr = load_model(WORD_MODEL)
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
     clips = load_clips()
     words = [rng.choice(sorted(clips)) for _ in range(40)]

@@ -27,7 +27,7 @@ from convert_nemo import ConversionError, convert  # noqa: E402
 from aed.data_audio import LogMel, load_audio  # noqa: E402
 from aed.train_checkpoint import list_checkpoints  # noqa: E402
 from aed.decode_search import DecodingOptions, greedy_search  # noqa: E402
-from aed.decode_transcribe import load_asr  # noqa: E402
+from aed.decode_transcribe import load_model  # noqa: E402
 from test_train import train_in_process  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "nemo"
@@ -40,7 +40,7 @@ def conv(request, tmp_path_factory):
     """A fixture model converted once per module: model, tokenizer, features, NeMo's references, paths."""
     out = tmp_path_factory.mktemp(request.param) / f"{request.param}.pt"
     convert(FIXTURES / f"{request.param}.nemo", out)
-    loaded = load_asr(out)
+    loaded = load_model(out)
     model, tokenizer, features = loaded.model, loaded.tokenizer, loaded.features
     ref = torch.load(FIXTURES / f"{request.param}.ref.pt", weights_only=False)
     return SimpleNamespace(name=request.param, out=out, model=model, tok=tokenizer, features=features, ref=ref)
@@ -184,7 +184,7 @@ def test_converted_checkpoint_fine_tunes_and_still_decodes(tmp_path):
     """train.py with the YAML the converter writes and init_from= its checkpoint (the Flash-style model)."""
     out = tmp_path / "flash.pt"
     convert(FIXTURES / "canary2.nemo", out)
-    converted = load_asr(out).model
+    converted = load_model(out).model
     run = tmp_path / "run"
     p = train_in_process([str(out.with_suffix(".yaml")), f"init_from={out}",
                           f"run_dir={run}", "max_steps=3", "ckpt_every=3", "log_every=1", "val.every=3",
@@ -196,7 +196,7 @@ def test_converted_checkpoint_fine_tunes_and_still_decodes(tmp_path):
     assert "dev/wer" in p.stderr  # validation decoded the dev utterances
 
     ckpt = list_checkpoints(run)[-1]
-    loaded = load_asr(ckpt)
+    loaded = load_model(ckpt)
     model, tok = loaded.model, loaded.tokenizer
     assert tok.prompt_format == "canary2"
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, converted.state_dict()[k])]
@@ -214,7 +214,7 @@ def test_fine_tuning_with_a_new_language_block_appended(tmp_path):
     """A sub-tokenizer appended to the converted aggregate tokenizer keeps every old id and row."""
     out = tmp_path / "canary.pt"
     convert(FIXTURES / "canary.nemo", out)
-    loaded = load_asr(out)
+    loaded = load_model(out)
     converted, old_tok = loaded.model, loaded.tokenizer
     tok_dir = tmp_path / "with_it"
     shutil.copytree(out.with_suffix(".tokenizer"), tok_dir)
@@ -232,7 +232,7 @@ def test_fine_tuning_with_a_new_language_block_appended(tmp_path):
     assert p.returncode == 0, p.stderr[-4000:]
     assert "token_embedding.weight grows from 448 to 528 rows" in p.stderr
 
-    loaded = load_asr(list_checkpoints(run)[-1])
+    loaded = load_model(list_checkpoints(run)[-1])
     model, tok = loaded.model, loaded.tokenizer
     assert tok.vocab_size == old_tok.vocab_size + 80
     assert tok.prompt_ids("en", "es", True) == old_tok.prompt_ids("en", "es", True)

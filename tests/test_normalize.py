@@ -6,8 +6,7 @@ whisper-normalizer package, which `test_agrees_with_whisper_normalizer` re-check
 
 import pytest
 
-from aed.decode_score import corpus_scores
-from aed.decode_score import american_spelling, basic, english, get_normalizer, simple
+from aed.decode_score import american_spelling, basic, corpus_scores, english, get_normalizer, simple
 
 ENGLISH = [
     # numbers

@@ -344,7 +344,8 @@ def test_one_command_from_manifests_to_a_config_train_py_reads(tmp_path, capsys)
     import yaml
 
     from aed.train_config import load_train_config
-    from aed.data_manifest import encode_utterance, read_manifest
+    from aed.data_manifest import read_manifest
+    from aed.data_batch import encode_utterance
     from aed.data_tokenizer import Tokenizer
     from bins import estimate_bins
     from aed.train_data import build_training_data

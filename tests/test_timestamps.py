@@ -5,21 +5,21 @@ import json
 import os
 import random
 
+import infer
 import pytest
 import soundfile as sf
 import torch
+from fixtures.make_word_model import load_clips, word_sequence
+from test_train import run_in_process
 
 from aed.data_audio import FeatureConfig, load_audio
-from aed.train_checkpoint import pack_dir, save_checkpoint
-from aed.decode_search import DecodingOptions
-from aed.decode_transcribe import load_asr, plan_chunks, Request, transcribe
-from aed.model import AED, AEDConfig
-from aed.decode_timestamps import (Segment, Word, align, frame_seconds, snap_to_speech, speech_frames, srt, to_segments,
-                            to_words, webvtt)
 from aed.data_tokenizer import Tokenizer
-from fixtures.make_word_model import load_clips, word_sequence
-import infer
-from test_train import run_in_process
+from aed.decode_search import DecodingOptions
+from aed.decode_timestamps import (Segment, Word, align, frame_seconds, snap_to_speech, speech_frames, srt, to_segments,
+                                   to_words, webvtt)
+from aed.decode_transcribe import Request, load_model, plan_chunks, transcribe
+from aed.model import AED, AEDConfig
+from aed.train_checkpoint import pack_dir, save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINI = os.path.join(ROOT, "data", "mini")
@@ -138,7 +138,7 @@ def long_file(tmp_path, seconds_between: float = 0.6) -> tuple[str, list[tuple[s
 
 
 def test_a_model_without_ctc_head_refuses_timestamps_before_any_work(tmp_path, tokenizer):
-    asr = load_asr(checkpoint(tmp_path, tokenizer, ctc_weight=0.0))
+    asr = load_model(checkpoint(tmp_path, tokenizer, ctc_weight=0.0))
     with pytest.raises(ValueError, match="no CTC head"):
         transcribe(asr, [os.path.join(MINI, "examples", "en_asr_16k.wav")], timestamps=True)
 
@@ -146,7 +146,7 @@ def test_a_model_without_ctc_head_refuses_timestamps_before_any_work(tmp_path, t
 def test_times_are_monotonic_within_the_audio_and_offset_per_chunk(tmp_path, tokenizer):
     """Any model's words (an untrained one's here) lie in order inside the chunk they were decoded
     from, with the chunk's start added: the bookkeeping, whatever the model hears."""
-    asr = load_asr(checkpoint(tmp_path, tokenizer, ctc_weight=0.3))
+    asr = load_model(checkpoint(tmp_path, tokenizer, ctc_weight=0.3))
     path, _ = long_file(tmp_path)
     chunk = 4.0
     (res,), timings = transcribe(asr, [path], DecodingOptions(max_new_tokens=6), chunk_seconds=chunk,
@@ -185,7 +185,7 @@ def test_overlapping_chunks_of_continuous_speech_merge_into_one_ordered_transcri
     """Words without pauses (and a noise floor, so no cut is a pause): the chunks overlap, and the
     merged words (by time with a CTC head, by text without) lie in order, each once, inside the
     audio. An untrained model: the bookkeeping, not recognition (tests/test_merge.py has the rules)."""
-    asr = load_asr(checkpoint(tmp_path, tokenizer, ctc_weight=ctc_weight))
+    asr = load_model(checkpoint(tmp_path, tokenizer, ctc_weight=ctc_weight))
     path, truth = long_file(tmp_path, seconds_between=0.0)
     wav = load_audio(path)
     sf.write(path, (wav + 0.01 * torch.randn(wav.numel(), generator=torch.Generator().manual_seed(0))).numpy(),
@@ -218,7 +218,7 @@ def test_a_trained_models_word_times_are_near_the_true_boundaries(tmp_path):
     """Random sequences of the word clips with pauses and a noise floor; on the files it transcribes
     right, the word model's times (CTC spans narrowed to the speech in them) against the clips'
     true boundaries. bench/long_audio_bench.py measures the same on more files."""
-    asr = load_asr(WORD_MODEL)
+    asr = load_model(WORD_MODEL)
     rng, gen = random.Random(5), torch.Generator().manual_seed(5)
     clips = load_clips()
     paths, truths = [], []

@@ -321,7 +321,8 @@ def test_rnnt_pretraining_then_its_encoder_into_an_aed(tmp_path):
 
 @pytest.mark.slow(seconds=21)
 def test_sharded_training_resumes_exactly(tmp_path):
-    from aed.data_manifest import encode_utterance, read_manifest
+    from aed.data_manifest import read_manifest
+    from aed.data_batch import encode_utterance
     from aed.data_tokenizer import Tokenizer
     from bins import estimate_bins
 
@@ -408,3 +409,12 @@ def test_utterances_longer_than_the_batch_limit_are_dropped_not_fatal(tmp_path, 
     batches = iter(data.sampler)
     drawn = [data.dataset.utterances[i].duration for _ in range(100) for i in next(batches)]
     assert drawn and max(drawn) <= 3.5
+
+
+def test_validation_runs_a_whole_model_itself_and_builds_no_copy():
+    """One process or DDP: validation decodes with the training's own module (the one DDP wraps),
+    never a copy; only a model sharded with FSDP2 gets one (tests/test_fsdp.py)."""
+    from aed.train_validation import whole_model
+
+    model = torch.nn.Linear(2, 2)
+    assert whole_model(model, lambda: pytest.fail("a whole model needs no copy")) is model
