@@ -23,10 +23,9 @@ data in
 model
   model_encoder     FastConformer encoder (NeMo's layout: Canary weights convert 1:1)
   model_decoder     Transformer decoder with its KV cache
-  model_ctc         CTC head
   model_transducer  transducer (RNN-T) head and loss
   model_ssl         BEST-RQ self-supervised encoder pretraining
-  model             the AED: encoder + decoder (+ CTC), its AEDConfig and losses
+  model             the AED: encoder + decoder + optional CTC head, its AEDConfig and losses
 training
   train_config      TrainConfig and its sections: what train.py and oom.py read
   train_objective   the three objectives (aed, rnnt, ssl): what objective=... changes

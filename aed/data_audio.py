@@ -8,7 +8,7 @@ from NeMo see the features they expect:
         -> per-bin mean/std over valid frames -> zero padding -> feats (B, T, F)
 
 Padding never changes the answer: an utterance alone and inside a padded batch gives the same
-features (tests/test_audio.py checks it).
+features (tests/test_data_audio.py checks it).
 """
 
 import os

@@ -18,7 +18,7 @@ english: lower case; bracketed text and the fillers hmm/mm/mhm/mmm/uh/um removed
     (`NumberNormalizer`); British spellings become American (`american_spelling`); punctuation
     removed except in numbers ("3.5", "$20", "5%").
 
-Differences from Whisper's (whisper-normalizer 0.1.15, not a dependency; tests/test_normalize.py
+Differences from Whisper's (whisper-normalizer 0.1.15, not a dependency; tests/test_decode_score.py
 compares the two when it is installed): the spelling step maps British patterns by rule plus a
 short list of irregular words, where Whisper looks words up in a list of 1,739; the rules map
 1,472 of those words as the list does (the rest are rare: "pouffe", "gaging", "snowploughs").

@@ -18,7 +18,7 @@ Shapes are rounded up to buckets (rows to a power of two, decoder positions to a
 POSITION_BUCKET, encoder frames to a multiple of FRAME_BUCKET), so a few compiled graphs serve every
 batch. Each bucket's buffers are allocated on first use and reused by every later batch of that bucket:
 a CUDA graph reads and writes fixed addresses. Padded frames are masked out and padded rows are dropped,
-so the tokens are eager decoding's (tests/test_compiled.py; the attention sums over more, masked,
+so the tokens are eager decoding's (tests/test_decode_static.py; the attention sums over more, masked,
 positions, which may change the last bits of a logit but has not changed a token there).
 
 CompiledAED has what aed.decode_search uses of a model (cfg, encode_with_ctc, new_cache, decode_step); the

@@ -25,7 +25,7 @@ has no floor to measure (its quietest tenth is speech): its words shrink toward 
 frames, inside the same limits. Measured with bench/long_audio_bench.py on 60 generated files of the word
 clips with pauses (tests/fixtures/make_word_model.py's model, 58 transcribed right, 146 words): CTC spans
 alone median |error| 75 ms at starts / 76 ms at ends (largest 160 / 184 ms); snapped 3 / 3 ms
-(largest 19 / 11 ms). tests/test_timestamps.py asserts medians under 20 ms and every error under
+(largest 19 / 11 ms). tests/test_decode_timestamps.py asserts medians under 20 ms and every error under
 80 ms (one encoder frame) on ten such files. Between words spoken without a pause, the boundary
 is the CTC alignment's, with its 80 ms resolution.
 """

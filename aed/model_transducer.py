@@ -9,7 +9,7 @@ small joint inputs (B, T', H) and (B, U+1, H) are kept. The caller still writes 
 back from its backward, scaled by the incoming gradient.
 
 Blank is the LAST id (vocab_size - 1): tokenizer ids pass through unchanged and the joint gets one extra
-output, NeMo's convention. The CTC head (aed/model_ctc.py) uses the same blank id.
+output, NeMo's convention. The CTC head (aed/model.py) uses the same blank id.
 
 `TransducerASR` at the bottom is the encoder-pretraining model (`objective=rnnt` in train.py): the AED's
 FastConformer encoder under this head, with the AED's parameter names (`encoder.*`), so

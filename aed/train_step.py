@@ -35,8 +35,7 @@ from aed.config import ConfigError
 from aed.data_audio import SpecAugment
 from aed.data_bins import bucket_shapes
 from aed.data_tokenizer import Tokenizer
-from aed.model import AED, param_groups, text_targets
-from aed.model_ctc import infeasible
+from aed.model import AED, infeasible, param_groups, text_targets
 from aed.model_encoder import subsampled_length
 from aed.train_checkpoint import Checkpoint, CheckpointError, read_checkpoint
 from aed.train_config import OptimConfig, TrainConfig, load_train_config, resolve_model
@@ -180,7 +179,7 @@ def count_targets(model: nn.Module, batches: list) -> int:
 
 def count_ctc_skipped(model: nn.Module, batches: list) -> int:
     """Transcriptions in these batches that the CTC loss leaves out (more text tokens than encoder
-    frames allow, aed/model_ctc.py), counted from their lengths; 0 for a model without a CTC head.
+    frames allow, aed/model.py), counted from their lengths; 0 for a model without a CTC head.
     Translations, which CTC never learns from, are not counted."""
     if getattr(model, "ctc", None) is None:
         return 0

@@ -1,71 +1,74 @@
+import ast
 import os
-import re
-import subprocess
-import sys
+from dataclasses import dataclass, field
 
 import pytest
 
-from aed.config import ConfigError, describe
-from aed.train_config import TrainConfig, help_text, load_train_config
+from aed.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_model_fields_with_another_source_are_rejected_and_n_mels_follows_the_features():
-    cfg = load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), ["features.n_mels=64"])
-    assert cfg.model.n_mels == cfg.features.n_mels == 64
-    for key, source in [("model.n_mels=80", "features.n_mels"), ("model.vocab_size=528", "tokenizer"),
-                        ("model.pad_id=1", "tokenizer")]:
-        with pytest.raises(ConfigError, match=rf"{key.split('=')[0]} is set from .*{source}"):
-            load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), [key])
+@dataclass
+class Optim:
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.98)
 
 
-def test_later_yaml_files_override_earlier_ones_and_train_py_takes_them_in_order(tmp_path):
-    from train import parse_config
-
-    tiny = os.path.join(ROOT, "configs/tiny.yaml")
-    buckets = tmp_path / "buckets.yaml"  # what oom.py --out writes
-    buckets.write_text("train:\n  batch_sizes: b.json\n  max_tps: [20.5, 16]\n")
-    cfg, _ = parse_config([tiny, str(buckets), "train.num_buckets=3"])
-    assert cfg.train.batch_sizes == "b.json" and cfg.train.max_tps == [20.5, 16.0]
-    assert cfg.train.num_buckets == 3 and cfg.train.sub_buckets == 2 and cfg.model.enc_d_model == 144  # tiny's
-    with pytest.raises(ConfigError, match="max_tps"):
-        load_train_config([tiny, str(buckets)], ["train.max_tps=[fast]"])
-    with pytest.raises(ConfigError, match="missing.yaml: cannot read the config file"):
-        load_train_config([tiny, str(tmp_path / "missing.yaml")])
+@dataclass
+class Run:
+    name: str = "run"
+    steps: int = 10
+    bf16: bool = False
+    init_from: str | None = None
+    manifests: list[dict | str] = field(default_factory=list)
+    optim: Optim = field(default_factory=Optim)
 
 
-@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(ROOT, "configs"))))
-def test_every_shipped_config_loads(name):
-    cfg = load_train_config(os.path.join(ROOT, "configs", name))
-    assert cfg.model.n_mels == cfg.features.n_mels
+def test_precedence_defaults_yaml_overrides(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("steps: 20\noptim:\n  lr: 0.001\n")
+    cfg = load_config(Run, str(y), ["optim.lr=5e-4", "name=x"])
+    assert (cfg.steps, cfg.optim.lr, cfg.name, cfg.optim.betas) == (20, 5e-4, "x", (0.9, 0.98))
 
 
-def test_choices_are_checked_with_the_key_named():
-    for override, key in [("objective=ctc", "objective"), ("precision=int8", "precision"),
-                          ("train.allocation=loose", "train.allocation"), ("model.enc_heads=5", "model"),
-                          ("optim.schedule=linear", "optim.schedule"),
-                          ("spec_augment.freq_warp=1.0", "spec_augment")]:
-        with pytest.raises(ConfigError, match=key):
-            load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), [override])
+def test_list_and_mapping_overrides():
+    cfg = load_config(Run, None, ["manifests=[{path: a.jsonl, weight: 2}, b.jsonl]",
+                                  "init_from=ckpt.pt", "optim.betas=[0.8, 0.9]"])
+    assert cfg.manifests == [{"path": "a.jsonl", "weight": 2}, "b.jsonl"]
+    assert cfg.init_from == "ckpt.pt" and cfg.optim.betas == (0.8, 0.9)
 
 
-def test_every_key_is_described_with_type_and_default():
-    rows = describe(TrainConfig)
-    keys = {k for k, *_ in rows}
-    assert {"optim.lr", "train.manifests", "model.ctc_weight", "spec_augment.time_masks", "val.every"} <= keys
-    for key, type_name, default, text in rows:
-        assert type_name and default and len(text) > 10, (key, type_name, default, text)
-    lr = next(r for r in rows if r[0] == "optim.lr")
-    assert lr[1:3] == ("float", "0.0003") and "learning rate" in lr[3]
-    assert re.search(r"^  model\.vocab_size .*\n +\(set from the tokenizer", help_text(), re.M)
+def test_int_is_accepted_for_float():
+    assert load_config(Run, None, ["optim.lr=1"]).optim.lr == 1.0
 
 
-@pytest.mark.slow
-def test_train_py_imports_without_running_and_prints_its_keys():
-    p = subprocess.run([sys.executable, "-c", "import train, oom, infer, sampler; print('imported')"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and p.stdout == "imported\n" and "config" not in p.stderr, p.stderr
-    p = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0
-    assert re.search(r"^  optim\.warmup_steps +int = 2500\n +linear warmup", p.stdout, re.M), p.stdout[-2000:]
+@pytest.mark.parametrize("override, message", [
+    ("stepz=3", "stepz"),
+    ("optim.lrr=3", "optim.lrr"),
+    ("steps=abc", "steps"),
+    ("steps=true", "steps"),
+    ("bf16=1", "bf16"),
+    ("optim=3", "optim"),
+    ("name.x=3", "name"),
+    ("steps", "key=value"),
+])
+def test_errors_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(Run, None, [override])
+
+
+def test_yaml_unknown_key(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("optim:\n  momentum: 0.9\n")
+    with pytest.raises(ConfigError, match="optim.momentum"):
+        load_config(Run, str(y))
+
+
+def test_imports_nothing_from_aed():
+    """aed/model.py and aed/train_config.py both import it; an `aed` import here would bring back their cycle."""
+    with open(os.path.join(ROOT, "aed/config.py")) as f:
+        tree = ast.parse(f.read())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [n for n in names if n == "aed" or n.startswith("aed.")], names

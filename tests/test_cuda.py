@@ -211,7 +211,7 @@ def test_compiled_step_as_a_cuda_graph_gives_eager_tokens(tmp_path):
     (mode reduce-overhead); greedy, beam and joint decoding give eager decoding's transcripts, in fp32
     and under bf16 autocast. Its speed (target: >= 2x eager at batch 1) is the benchmark's to measure:
     bench/infer_speed_bench.py --device cuda, which make gpu-check runs."""
-    from test_compiled import SEARCHES, WORD_MODEL, word_files
+    from test_decode_static import SEARCHES, WORD_MODEL, word_files
     paths, _ = word_files(tmp_path, 6, seed=5)
     eager, compiled = load_model(WORD_MODEL, "cuda"), load_model(WORD_MODEL, "cuda", compile=True)
     assert compiled.compiled.mode == "reduce-overhead"
@@ -223,6 +223,6 @@ def test_compiled_step_as_a_cuda_graph_gives_eager_tokens(tmp_path):
 
 
 def test_int8_weights_are_refused_on_cuda():
-    from test_compiled import WORD_MODEL
+    from test_decode_static import WORD_MODEL
     with pytest.raises(ValueError, match="CPUs only"):
         load_model(WORD_MODEL, "cuda", int8=True)

@@ -23,8 +23,7 @@ from aed.decode_score import corpus_scores, wer
 from aed.decode_search import DecodingOptions, decode
 from aed.decode_transcribe import (LoadedModel, Request, chunk_length, expand_inputs, load_model, plan_chunks,
                                    quiet_point, read_requests, request_prompts, transcribe)
-from aed.model import AED, AEDConfig
-from aed.model_ctc import CTCHead
+from aed.model import AED, AEDConfig, CTCHead
 from aed.train_checkpoint import CheckpointError, pack_dir, save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -413,7 +413,7 @@ def test_utterances_longer_than_the_batch_limit_are_dropped_not_fatal(tmp_path, 
 
 def test_validation_runs_a_whole_model_itself_and_builds_no_copy():
     """One process or DDP: validation decodes with the training's own module (the one DDP wraps),
-    never a copy; only a model sharded with FSDP2 gets one (tests/test_fsdp.py)."""
+    never a copy; only a model sharded with FSDP2 gets one (tests/test_train_distributed.py)."""
     from aed.train_validation import whole_model
 
     model = torch.nn.Linear(2, 2)

@@ -9,8 +9,7 @@ from aed.data_audio import FeatureConfig, LogMel
 from aed.data_batch import Collate, ExampleDataset
 from aed.data_manifest import read_manifest
 from aed.data_tokenizer import Tokenizer
-from aed.model import AEDConfig, text_targets
-from aed.model_ctc import CTCHead, infeasible
+from aed.model import AEDConfig, CTCHead, infeasible, text_targets
 from aed.model_transducer import Transducer, TransducerASR, TransducerConfig, rnnt_nll
 
 MINI = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "mini")

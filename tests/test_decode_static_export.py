@@ -100,7 +100,7 @@ def test_the_searches_decode_with_the_exported_programs_as_with_the_eager_model(
 def test_eager_compiled_and_exported_greedy_decoding_give_the_same_tokens(exported):
     """One KVCache under all three: a Python-int length (eager), a tensor length in a torch.compile'd step
     (CompiledAED, really compiled here: two graphs, the prompt's and the step's, ~1 min on 2 CPU cores;
-    tests/test_compiled.py compiles the beam searches), and the exported step's."""
+    tests/test_decode_static.py compiles the beam searches), and the exported step's."""
     model, encoder, step = exported
     feats, feat_lens, prompt, eos = decoding_inputs()
     options = dataclasses.replace(SEARCHES["greedy"], **LIMITS)

@@ -184,7 +184,7 @@ def test_cli_writes_segments_and_subtitles(tmp_path, tokenizer):
 def test_overlapping_chunks_of_continuous_speech_merge_into_one_ordered_transcript(tmp_path, tokenizer, ctc_weight):
     """Words without pauses (and a noise floor, so no cut is a pause): the chunks overlap, and the
     merged words (by time with a CTC head, by text without) lie in order, each once, inside the
-    audio. An untrained model: the bookkeeping, not recognition (tests/test_merge.py has the rules)."""
+    audio. An untrained model: the bookkeeping, not recognition (tests/test_decode_merge.py has the rules)."""
     asr = load_model(checkpoint(tmp_path, tokenizer, ctc_weight=ctc_weight))
     path, truth = long_file(tmp_path, seconds_between=0.0)
     wav = load_audio(path)

@@ -9,7 +9,7 @@ import pytest
 import soundfile as sf
 import torch
 from fixtures.make_word_model import load_clips, word_sequence
-from test_decoding import batch, pick_eos, random_model
+from test_decode_search import batch, pick_eos, random_model
 from torch import nn
 
 from aed.decode_score import wer
