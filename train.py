@@ -387,6 +387,8 @@ def main(argv: list[str] | None = None) -> None:
             break
 
     # --- clean up
+    if skipped := data.skipped(unreadable):  # readers', sampler's and batches' skips, on this rank
+        log.info("rank %d skipped, by kind: %s", proc.rank, ", ".join(f"{k} {n:,}" for k, n in skipped.items()))
     writer.finish()  # the last checkpoint is complete before the process ends
     run_log.close()
     stop_workers()

@@ -13,8 +13,9 @@ config              typed dataclass configs: defaults, then YAML files, then key
 data in
   data_audio        audio files -> log-mel features (NeMo's), SpecAugment
   data_tokenizer    special tokens + SentencePiece models in one id space, Canary prompts
-  data_manifest     JSONL manifest lines -> checked Utterances; skips counted (Faults); items, Batch
-  data_stream       what the streamed readers share: shard order, mixing, decoding members
+  data_manifest     JSONL manifest lines -> checked Utterances; everything skipped counted (Faults)
+  data_batch        an example -> its item (audio checked, features, ids) -> a padded Batch
+  data_stream       what the streamed readers share: shard order and resume cursors, mixing
   data_shards       aed's own tar shards
   data_tarred       NeMo tarred datasets and Lhotse Shar, read in place
   data_parquet      Hugging Face parquet, read in place

@@ -68,17 +68,8 @@ class ShardSource:
         self.faults = Faults()
         self._handles = {}
 
-    @property
-    def stats(self) -> dict:
-        """The faults' counts under their former names (bad_shards, bad_examples)."""
-        return {"bad_shards": self.faults.counts["bad_shard"], "bad_examples": self.faults.counts["bad_example"]}
-
     def __len__(self) -> int:
         return sum(self.counts)
-
-    def _open(self, path):
-        """The one place a shard is opened (the I/O benchmark adds a latency here)."""
-        return open(path, "rb")
 
     def read(self, seed: int, rank: int, world_size: int, cursor=None):
         """Yields (key, cursor after this example, example) for this rank, from `cursor` on."""
@@ -86,7 +77,7 @@ class ShardSource:
                                                         self.index, cursor, (0, 0)):
             path, n = self.paths[shard], member
             try:
-                with self._open(path) as f:
+                with open(path, "rb") as f:
                     for key, (member, offset), ex in self._examples(shard, f, member, offset):
                         n = member
                         if ex is not None:
@@ -99,7 +90,7 @@ class ShardSource:
     def get(self, key) -> dict:
         shard, member, offset = key
         if shard not in self._handles:
-            self._handles[shard] = self._open(self.paths[shard])
+            self._handles[shard] = open(self.paths[shard], "rb")
         try:
             ex = next(self._examples(shard, self._handles[shard], member, offset, chunk=0))[2]
         except (StopIteration, OSError, EOFError, tarfile.TarError) as e:

@@ -12,7 +12,7 @@ copies the state to host memory, and that copy is what async_save blocks the tra
 Measured, each from a fresh directory:
 
   single      one torch.save of everything by one process: what a rank-0-only format costs
-  dcp/T       aed.checkpoint.write_tensors (DCP's save) with T writer threads: what the training
+  dcp/T       aed.train_checkpoint.write_tensors (DCP's save) with T writer threads: what the training
               loop waits for with train.async_checkpoint=false (T=2: two ranks on one node write at once)
   async       the same through DCP's async_save: "blocked" is when the training loop may go on
               (the state is copied, which needs as much free RAM again), "written" when the
@@ -36,11 +36,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from aed.checkpoint import (begin_checkpoint, publish_checkpoint, quiet_single_process, read_checkpoint,  # noqa: E402
+from aed.train_checkpoint import (begin_checkpoint, publish_checkpoint, quiet_single_process, read_checkpoint,  # noqa: E402
                             training_tensors, write_meta)
-from aed.config import OptimConfig  # noqa: E402
+from aed.train_config import OptimConfig  # noqa: E402
 from aed.model import AED, AEDConfig  # noqa: E402
-from aed.training import build_optimizer  # noqa: E402
+from aed.train_step import build_optimizer  # noqa: E402
 
 
 def training_state(config: str, device: str) -> tuple[AED, dict]:

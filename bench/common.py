@@ -1,17 +1,21 @@
-"""What the benchmarks share, so that each of them is only its experiment.
+"""What the benchmarks share, so that each of them is only its experiment; benchmarks import this
+file and never each other.
 
 Every benchmark is a straight-line script that prints progress on stderr, a table on stdout, and
-then its results as one JSON object on the last line, which bench/report.py parses. The pieces:
-paths in the checkout, progress lines, a fixed-width table and the JSON line; the command-line
-flags for width, threads and device, and random-weight models at a given layout; running the
-checkout's scripts (train.py, oom.py, tools/) as logged subprocesses and reading train.py's
-per-step metrics back; the batch-size arithmetic of bucketed schemes.
+then its results as one JSON object on the last line, which bench/report.py parses. A script with
+several experiments takes the experiment as its first argument (`run_modes`). The pieces: paths in
+the checkout, progress lines, a fixed-width table and the JSON line; the command-line flags for
+width, threads and device, and random-weight models at a given layout; synthetic workloads and a
+streamed JSONL source for the sampler; running the checkout's scripts (train.py, oom.py, tools/)
+as logged subprocesses and reading train.py's per-step metrics back; training runs of batch
+schemes (train_bench.py, report.py's E2 and E4); the batch-size arithmetic of bucketed schemes.
 
 Only the standard library is imported at the top: sampler_bench.py measures the memory of processes
-that import this file, and torch would add hundreds of MB to them. Functions that need torch, yaml
-or aed import them where they are used.
+that import this file, and torch would add hundreds of MB to them. Functions that need numpy,
+torch, yaml or aed import them where they are used.
 """
 
+import argparse
 import contextlib
 import importlib
 import json
@@ -20,6 +24,8 @@ import math
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -104,6 +110,23 @@ def device_from_args(args):
     return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+# --- several experiments in one script -----------------------------------------------------------
+
+def run_modes(doc: str, modes: dict, default: str, argv: list | None = None) -> None:
+    """`SCRIPT [MODE] [flags]`: MODE picks one of `modes` ({name: (add_flags(parser), run(args), help)}),
+    `default` when the first argument names none, so a script's flags from before it had modes keep
+    working without one. `SCRIPT --help` lists the modes, `SCRIPT MODE --help` a mode's flags."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = top.add_subparsers(dest="mode", metavar="MODE", help=f"one of {list(modes)} (default: {default})")
+    for name, (add_flags, _, what) in modes.items():
+        add_flags(sub.add_parser(name, help=what, description=what))
+    if not argv or (argv[0] not in modes and argv[0] not in ("-h", "--help")):
+        argv.insert(0, default)
+    args = top.parse_args(argv)
+    modes[args.mode][1](args)
+
+
 # --- random-weight models ------------------------------------------------------------------------
 
 def add_width_args(parser, d_model: int, subsampling_channels: int, heads: int = 8) -> None:
@@ -128,6 +151,155 @@ def random_aed(args, enc_layers: int, dec_layers: int, seed: int = 0, **config):
                        "dec_layers": dec_layers, **config})
     torch.manual_seed(seed)
     return AED(cfg)
+
+
+def simulated_step(cfg, strategy: str | None = None, world_size: int = 1):
+    """The training step of the memory model fits (oom_scale_bench.py fit) and their checks
+    (oom_bench.py --confirm), to be built inside SimulatedDevice() (and for fsdp inside
+    fake_world(world_size)): the AEDConfig's model, AdamW with train.py's defaults, bf16 autocast,
+    CUDA's 512-byte rounding, optimizer state created. ddp adds its gradient buckets; fsdp shards
+    the model as train.py does on CUDA (bf16 parameters, fp32 reductions)."""
+    import torch
+
+    from aed.memory_measure import CUDA_BLOCK
+    from aed.memory_oomptimizer import TrainingStep
+    from aed.model import AED
+    from aed.train_config import OptimConfig
+    from aed.train_distributed import shard
+    from aed.train_step import build_optimizer
+
+    model = AED(cfg).train()
+    if strategy == "fsdp":
+        shard(model, torch.device("cpu"), world_size, "bf16", bf16_params=True)
+    step = TrainingStep(model, build_optimizer(model, OptimConfig()), "bf16", ddp=strategy == "ddp",
+                        granularity=CUDA_BLOCK)
+    step.warm_up(101, 10)
+    return step
+
+
+# --- workloads: synthetic corpora, and a JSONL manifest streamed to the sampler -------------------
+
+def synthetic_corpus(n: int, seed: int = 0) -> list:
+    """A large ASR/AST corpus: 64% of utterances 2-20 s, 28% a tail to 40 s, 4% long recordings with
+    little speech, 3% under 2 s, 1% high-TPS outliers (2-4x); 3.4 +- 0.5 tokens/s plus a 6-token prompt."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    kind = rng.choice(5, size=n, p=[0.64, 0.28, 0.04, 0.03, 0.01])
+    d = np.empty(n)
+    tps = rng.normal(3.4, 0.5, n).clip(1.0, None)
+    m = kind == 0  # the bulk, skewed towards longer utterances
+    d[m] = 2 + 18 * rng.beta(2.5, 1.2, m.sum())
+    m = kind == 1  # tail up to 40 s
+    d[m] = 20 + 20 * rng.beta(1.0, 1.8, m.sum())
+    m = kind == 2  # long recordings with little speech
+    d[m] = rng.uniform(28, 40, m.sum())
+    tps[m] = rng.uniform(0.0, 1.2, m.sum())
+    m = kind == 3  # very short
+    d[m] = rng.uniform(0.5, 2.0, m.sum())
+    m = kind == 4  # long-transcript outliers (e.g. hallucinated synthetic labels)
+    d[m] = rng.uniform(1.0, 20.0, m.sum())
+    tps[m] *= rng.uniform(2.0, 4.0, m.sum())
+    d = d.round(2)
+    t = (tps * d).astype(int) + 6
+    return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
+
+
+def wide_corpus(n: int, seed: int = 0) -> list:
+    """A corpus whose speech rate varies widely: speakers, languages and tokenizations
+    from ~0.5 to ~6 tokens/s, 0.5-40 s, 6% long segments with little speech, 1% transcript
+    outliers (3-5x); plus the 6-token prompt and EOS as in synthetic_corpus."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    kind = rng.choice(3, size=n, p=[0.93, 0.06, 0.01])
+    d = np.clip(0.5 + 39.5 * rng.beta(1.3, 3.0, n), 0.5, 40.0)
+    tps = np.exp(rng.uniform(np.log(0.5), np.log(6.0), n))  # rates spread evenly on a log scale
+    m = kind == 1  # long recordings with little speech
+    d[m] = rng.uniform(15.0, 40.0, m.sum())
+    tps[m] = rng.uniform(0.02, 0.4, m.sum())
+    m = kind == 2  # long-transcript outliers (e.g. hallucinated synthetic labels)
+    tps[m] *= rng.uniform(3.0, 5.0, m.sum())
+    d = d.round(2)
+    t = (tps * d).astype(int) + 6
+    return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
+
+
+# Tokens per second of speech by language with Canary's tokenizer (1024 BPE per language): about
+# 2.7 words/s x 1.25 tokens/word in English, more tokens per word in German, Spanish and French.
+PAPER_LANGUAGES = {"en": (0.5, 3.4), "de": (0.17, 4.2), "es": (0.17, 4.4), "fr": (0.16, 4.0)}
+
+
+def paper_corpus(n: int, seed: int = 0) -> list:
+    """A workload shaped like Canary's training data (0.5-40 s, four languages), for the E2 table.
+
+    Durations: 3% very short (0.5-2 s); 62% segmented speech 2-20 s, skewed long (beta(2.5, 1.2));
+    28% a tail to 40 s (long-form audio segmented at 40 s); 6% long low-speech segments (20-40 s
+    of music, silence or a few words: 0.05-0.8 tokens/s); 1% long-transcript outliers (1-20 s whose
+    rate is 3-10x the speaker's: hallucinated or misaligned synthetic labels, mostly above the
+    paper's 25 tokens/s filter). Speech rate: the language's tokens/s (PAPER_LANGUAGES) times a
+    per-speaker log-normal factor (sigma 0.2). num_tokens adds the 5-token prompt and EOS.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    weights, rates = zip(*PAPER_LANGUAGES.values())
+    lang = rng.choice(len(rates), size=n, p=weights)
+    tps = np.array(rates)[lang] * np.exp(rng.normal(0.0, 0.2, n))
+    kind = rng.choice(5, size=n, p=[0.03, 0.62, 0.28, 0.06, 0.01])
+    d = np.empty(n)
+    m = kind == 0  # very short
+    d[m] = rng.uniform(0.5, 2.0, m.sum())
+    m = kind == 1  # segmented speech
+    d[m] = 2 + 18 * rng.beta(2.5, 1.2, m.sum())
+    m = kind == 2  # long-form tail
+    d[m] = 20 + 20 * rng.beta(1.0, 1.8, m.sum())
+    m = kind == 3  # long low-speech segments
+    d[m] = rng.uniform(20.0, 40.0, m.sum())
+    tps[m] = rng.uniform(0.05, 0.8, m.sum())
+    m = kind == 4  # long-transcript outliers
+    d[m] = rng.uniform(1.0, 20.0, m.sum())
+    tps[m] *= rng.uniform(3.0, 10.0, m.sum())
+    d = d.round(2)
+    t = np.round(tps * d).astype(int) + 6
+    return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
+
+
+def model_batch_sizes(bins, budget: float = 720.0) -> list:
+    """Stand-in for oom.py: memory ~ batch * (d + d^2/30 + tokens/6) with d, tokens the bucket bounds."""
+    sizes = [max(1, int(budget / (d + d * d / 30 + t / 6))) for d, t in bins.buckets()]
+    it = iter(sizes)
+    return [[next(it) for _ in range(k)] for k in bins.shape]
+
+
+class JsonlSource:
+    """A JSONL manifest as a streamed source of the sampler (the protocol in sampler.py's docstring),
+    read in file order: rank r of R keeps the lines i with i % R == r (the sampler's buffer
+    shuffles). Keys are (line number, byte offset), so `get` re-reads a line by seeking; a cursor is
+    the (line number, byte offset) of the next line. Examples are the lines' JSON objects."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        self._file = None
+
+    def read(self, seed: int, rank: int, world_size: int, cursor=None):
+        line_no, offset = cursor or (0, 0)
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            for line in f:
+                key = (line_no, offset)
+                line_no, offset = line_no + 1, offset + len(line)
+                if key[0] % world_size == rank and line.strip():
+                    yield key, (line_no, offset), json.loads(line)
+
+    def get(self, key) -> dict:
+        if self._file is None:
+            self._file = open(self.path, "rb")
+        self._file.seek(key[1])
+        return json.loads(self._file.readline())
+
+    def describe(self, key) -> str:
+        return f"{self.path}:{key[0] + 1}"
 
 
 # --- the checkout's scripts as subprocesses ------------------------------------------------------
@@ -156,13 +328,13 @@ def run_script(args: list, log_path: Path, threads: int = 1, append: bool = Fals
         script_failed(args[0], code, log_path)
 
 
-def python_script(args: list, log_path: Path, in_process: bool = False) -> None:
+def python_script(args: list, log_path: Path, in_process: bool = False, threads: int = 1) -> None:
     """`python SCRIPT ...` (args[0]: a script with a main(argv): train.py, oom.py, or a bench/ script
     that starts no processes of its own) as run_script runs it; or, in_process, that main() in this
     process with its log and output written to log_path, which spares a benchmark's short runs
     (--quick) importing torch and aed again each time."""
     if not in_process:
-        run_script(args, log_path)
+        run_script(args, log_path, threads)
         return
     if str(ROOT) not in sys.path:  # the root scripts import as modules (bench/ is on the path already)
         sys.path.insert(0, str(ROOT))
@@ -215,6 +387,109 @@ def step_totals(rows: list) -> dict:
             "audio_padding": 100 * (1 - sum(audio) / padded_audio),
             "text_padding": 100 * (1 - sum(tokens) / padded_tokens),
             "memory_gb": max(r["train/memory_gb"] for r in rows)}
+
+
+# --- batch schemes trained for real: train_bench.py and report.py's E2 and E4 ----------------------
+
+def fixed_overrides(batch_size: int) -> list:
+    """train.py overrides of the fixed scheme: one bucket, `batch_size` examples of any length per
+    batch, every batch padded to its longest."""
+    return ["train.num_buckets=1", "train.sub_buckets=1", f"train.batch_size={batch_size}", "train.max_duration=null"]
+
+
+def worst_bucket(setup, bins, sizes: list, max_tps=None, budget: int = 1 << 40) -> int:
+    """The memory a scheme must provision: the peak bytes of its worst bucket, one real step at every
+    bucket's bounds and batch size (aed.memory_oomptimizer.preflight; CPU: live tensor bytes).
+    setup: aed.train_step.load_training_setup of the run's config."""
+    from aed.memory_oomptimizer import TrainingStep, preflight
+
+    return max(preflight(TrainingStep.of(setup), setup.bucket_shapes(bins, max_tps), sizes, budget))
+
+
+def oom_sizes(config, outputs: list, budget: int, log_path: Path, *flags, threshold: float = 0.1,
+              device="cpu", threads: int = 1, in_process: bool = False) -> None:
+    """oom.py's per-bucket batch sizes of `config` for a memory budget that is already a measured
+    peak (margin 0); outputs: its -o and/or --out flags with their paths, flags: any others."""
+    python_script(["oom.py", "--config", config, *outputs, "--memory-budget", budget, "--margin", "0",
+                   "--threshold", threshold, "--device", device, *flags], log_path, in_process, threads)
+
+
+def train_run(name: str, config, overrides: list, work: Path, *, steps: int | None = None,
+              budget_s: float | None = None, val_every: int = 0, threads: int = 1, warmup: int = 0,
+              in_process: bool = False) -> dict:
+    """One train.py run of a scheme in work/runs/NAME, its log work/train_NAME.log: `steps` steps
+    (in this process with in_process), or stopped once its logged step times add up to `budget_s`
+    seconds of training (SIGTERM; then one more step, which ends with a validation at the budget).
+    val_every 0: no validation. Returns train_summary of its metrics, after `warmup` steps."""
+    run_dir = work / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run left by an earlier benchmark would be resumed
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    base = ["train.py", str(config), f"run_dir={run_dir}", "log_every=1", "keep_last=1", f"cpu_threads={threads}",
+            *overrides]
+    log_path = work / f"train_{name}.log"
+    t0 = time.time()
+    if budget_s is None:
+        python_script(base + [f"max_steps={steps}", f"val.every={val_every}", f"ckpt_every={steps}"], log_path,
+                      in_process, threads)
+        restarts = {1}
+    else:
+        last = _train_until(base + ["max_steps=10000000", f"val.every={val_every}", "ckpt_every=10000000"],
+                            run_dir, budget_s, threads, log_path)
+        # Resume for one more step, which ends with a validation at the budget.
+        run_script(base + [f"max_steps={last + 1}", f"val.every={last + 1}", f"ckpt_every={last + 1}"], log_path,
+                   threads, append=True)
+        restarts = {1, last + 1}
+    log(f"[{name}] done in {time.time() - t0:.0f} s")
+    return train_summary(read_metrics(run_dir), restarts, warmup) | {"wall_s": time.time() - t0}
+
+
+def _train_until(cmd: list, run_dir: Path, budget_s: float, threads: int, log_path: Path) -> int:
+    """`python *cmd` (train.py) stopped by SIGTERM once its training clock reaches budget_s; train.py
+    then saves a checkpoint and exits 0. Returns the last step it logged."""
+    log(f"$ {shlex.join(cmd)}  (SIGTERM after {budget_s:g} s of training)")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            time.sleep(1)
+            if max(step_clock(read_metrics(run_dir), {1}).values()) >= budget_s:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait()
+    if proc.returncode != 0:
+        script_failed("train.py", proc.returncode, log_path)
+    return max(r["step"] for r in read_metrics(run_dir) if "train/step_time" in r)
+
+
+def step_clock(rows: list, restarts: set) -> dict:
+    """step -> training seconds at its end: the running sum of logged step times, where a step
+    logged right after a validation or a (re)start counts as the median step (its logged time
+    includes the validation or the DataLoader start)."""
+    import statistics
+
+    train = [r for r in rows if "train/step_time" in r]
+    after = {r["step"] + 1 for r in rows if "val/dev/loss" in r} | restarts
+    median = statistics.median(r["train/step_time"] for r in train) if train else 0.0
+    clock, t = {0: 0.0}, 0.0
+    for r in train:
+        t += median if r["step"] in after else r["train/step_time"]
+        clock[r["step"]] = t
+    return clock
+
+
+def train_summary(rows: list, restarts: set, warmup: int = 0) -> dict:
+    """A run's training steps after the first `warmup` (step_totals: batch size, padding, memory),
+    their training seconds by step_clock, the rates per training second, and the validation curve."""
+    train = [r for r in rows if "train/step_time" in r]
+    if len(train) <= warmup:
+        raise SystemExit(f"{len(train)} training steps logged: none left after skipping {warmup} warm-up steps")
+    clock = step_clock(rows, restarts)
+    seconds = clock[train[-1]["step"]] - (clock[train[warmup - 1]["step"]] if warmup else 0.0)
+    totals = step_totals(train[warmup:])
+    val = [{"step": r["step"], "seconds": clock[r["step"]], "loss": r["val/dev/loss"], "wer": r.get("val/dev/wer")}
+           for r in rows if "val/dev/loss" in r]
+    return totals | {"seconds": seconds, "step_time": seconds / totals["steps"],
+                     "audio_s_per_s": totals["audio_s"] / seconds, "tokens_per_s": totals["tokens"] / seconds,
+                     "audio_hours": totals["audio_s"] / 3600, "val": val}
 
 
 # --- batch sizes of bucketed schemes ----------------------------------------------------------------

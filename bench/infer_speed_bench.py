@@ -1,10 +1,30 @@
-"""Inference speed against what users would pick: aed eager / compiled / int8 and faster-whisper fp32 / int8.
+"""Inference speed, in three modes (`python bench/infer_speed_bench.py MODE --help` lists a mode's flags):
 
-    python bench/infer_speed_bench.py                                  # CPU, 2 threads: ~25 min on a quiet 2-core machine
-                                                                       # (+ ~45 min with faster-whisper small, ~2 h medium)
-    python bench/infer_speed_bench.py --layouts canary-180m-flash --utterances 16 --long-seconds 300   # ~8 min
+    systems (default)  aed eager / compiled / int8 against what users would pick: faster-whisper fp32 /
+                       int8, and NeMo's own Canary; the Canary presets at full size
+    rtfx               infer.py's pipeline for the layouts 24+24, 24+4 and 32+4 at one CPU-sized width,
+                       greedy and beam, batch 1 and 16 (E3 of bench/report.py)
+    decode             the same layouts' encoder time, and decoder ms per step with and without the KV
+                       cache, on random features
+
+    python bench/infer_speed_bench.py                                  # systems, CPU, 2 threads
+    python bench/infer_speed_bench.py --layouts canary-180m-flash --utterances 16 --long-seconds 300
     python bench/infer_speed_bench.py --device cuda --no-peers         # make gpu-check: eager vs compiled (CUDA graphs)
+    python bench/infer_speed_bench.py rtfx                             # CPU-scaled: width 64
+    python bench/infer_speed_bench.py rtfx --d-model 1024 --subsampling-channels 256 --utterances 200 \\
+        --device cuda --dtype bf16
+    python bench/infer_speed_bench.py decode                           # CPU-scaled: width 256, 30 s inputs
+    python bench/infer_speed_bench.py decode --d-model 1024 --subsampling-channels 256 --batch 16 --device cuda
 
+Every model has random weights (speed does not depend on them, and a seed makes every run build the
+same one), and every system or layout does the same decoding work: EOS is never chosen, so each
+utterance decodes a fixed number of tokens. Each mode prints its tables, then its results as a JSON
+object on the last line, with ratios against a baseline measured in the same run (aed eager, or the
+24+24 layout). On a machine shared with other jobs absolute times are noisy: compare the ratios of
+one run, and rerun a row that looks off.
+
+systems
+-------
 Peers (optional, never in requirements.txt): faster-whisper, CTranslate2 and transformers, the last only
 to build a random Whisper that CTranslate2's own converter turns into a faster-whisper model:
     .venv/bin/pip install --target /tmp/aed-peers --no-deps -r bench/requirements-infer-peers.txt
@@ -13,21 +33,20 @@ Without them the aed rows are measured and the comparisons are left out (the JSO
 NeMo's own Canary at the same shapes (optional, its own install; bench/nemo_canary.py says how):
     PYTHONPATH=/tmp/nemo-peers .venv/bin/python bench/infer_speed_bench.py --nemo --no-peers --parts files
 
-Everything has random weights (speed does not depend on them), every system gets the same audio, the
-same number of decoded tokens (EOS suppressed, so every utterance decodes exactly --tokens) and the same
-threads. Greedy search, fp32 activations. Three parts:
+Every system gets the same audio, the same number of decoded tokens (every utterance decodes exactly
+--tokens) and the same threads. Greedy search, fp32 activations. Three parts:
 
 1. Decoder step: ms per step of the Canary layouts' decoders (both 4 x 1024; canary-180m-flash's encoder
    is 17 x 512, canary-1b-flash's 32 x 1024), 100 encoder frames, at batch 1 and 16: eager, compiled (the
-   static cache, aed/compiled.py) and int8 weights (aed.inference.quantize_int8); the systems take turns,
-   the fastest of --repeats runs kept. GB/s: the weight bytes a batch-1 step reads per second, beside the
-   CPU's read bandwidth (summing 512 MB), the rate a step bound by reading its weights cannot beat.
+   static cache, aed/decode_static.py) and int8 weights (aed.decode_transcribe.quantize_int8); the systems
+   take turns, the fastest of --repeats runs kept. GB/s: the weight bytes a batch-1 step reads per second,
+   beside the CPU's read bandwidth (summing 512 MB), the rate a step bound by reading its weights cannot beat.
 2. Short utterances: --utterances generated files of --min-seconds to --max-seconds through the real
-   pipeline (aed.inference.transcribe: files -> features -> encoder -> search), files sorted by length in
-   groups of 1 and 16. faster-whisper: WhisperModel.transcribe per file (batch 1); batch 16 runs its own
-   pieces the way its BatchedInferencePipeline does (features padded to 30 s, encode, generate), across
-   files. Whisper pads every input to 30 s: that is its cost on short utterances. NeMo (--nemo): the
-   same groups through NeMo's preprocessor, encoder and greedy search (bench/nemo_canary.py).
+   pipeline (aed.decode_transcribe.transcribe: files -> features -> encoder -> search), files sorted by
+   length in groups of 1 and 16. faster-whisper: WhisperModel.transcribe per file (batch 1); batch 16 runs
+   its own pieces the way its BatchedInferencePipeline does (features padded to 30 s, encode, generate),
+   across files. Whisper pads every input to 30 s: that is its cost on short utterances. NeMo (--nemo):
+   the same groups through NeMo's preprocessor, encoder and greedy search (bench/nemo_canary.py).
 3. Long form: one file of --long-seconds (the short files, repeated), 30 s windows, each window decoding
    as many tokens per second as the short utterances did. aed: transcribe(chunk_seconds=30), its chunks
    batched 16 at a time. faster-whisper: WhisperModel.transcribe (windows in sequence) and
@@ -41,8 +60,32 @@ high-water mark over each run (reset before it through /proc/self/clear_refs), w
 system's model alive (the others are freed and handed back to the OS first; aed's int8 system, last,
 quantizes the fp32 model in place): the model, its working memory, and the interpreter with torch
 and its kernels (~0.6 GB, the same for every system), on the CPU. Compilation happens in a warm-up
-before the timed runs (its seconds are printed). On a machine shared with other jobs absolute times
-are noisy: compare the ratios of one run, and rerun a row that looks off.
+before the timed runs (its seconds are printed).
+
+rtfx
+----
+The pipeline is the real one: generated 16 kHz WAV files on disk -> load -> log-mel -> encoder -> search,
+at one shared, CPU-sized width; each layout keeps its layer counts (24+24, 24+4, 32+4), and every
+utterance generates exactly --tokens tokens. Batches: utterances sorted by duration, cut into groups of
+exactly --batch-sizes files.
+- RTFx: audio seconds / wall seconds of transcribe() (load+features + encoder + decoder + planning).
+- encoder-only RTFx: the same run without its decoder time, the ceiling a free decoder would reach.
+Why width 64 on a CPU: the paper's ~3x (Table 3, GPU) exists because a GPU decoder step is latency-bound
+(its small kernels cannot fill the device), so decode time grows with the number of decoder layers, not
+their FLOPs. A narrow model reproduces that regime on a CPU at batch 1. At batch 16 a CPU decoder step is
+compute-bound like the encoder, and per audio second the encoder does ~4x the decoder's FLOPs per layer
+(12.5 frames/s vs ~3.6 tokens/s), so there the flash layout gains less (docs/REPORT.md, E3).
+
+decode
+------
+Each layout keeps its layer counts (24+24, 32+4, 24+4) at one shared width, so the comparison is about
+where the layers sit. Greedy decoding runs a fixed number of steps (no EOS).
+- encoder: model.encode on a batch of --seconds-long inputs.
+- decoder ms/step, cached: mean over --cache-tokens KV-cached greedy steps, and the single step that
+  produces token number --cache-tokens (cache rewound to that position and the step repeated).
+- decoder ms/step, recomputed: producing that same token without a cache, i.e. the full decoder over
+  prompt + all previous tokens, self- and cross-attention keys/values recomputed.
+- RTFx: audio seconds / (encoder + prompt + --tokens cached greedy steps), end to end.
 """
 
 import argparse
@@ -55,29 +98,50 @@ import re
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
 import torch
+from common import (LAYOUTS, MINI_TOKENIZER, ROOT, add_device_args, add_width_args, device_from_args, load_avg, log,
+                    print_json, print_table, random_aed, run_modes)
 
-from aed.audio import FeatureConfig
-from aed.compiled import CompiledAED
-from aed.decoding import DecodingOptions
-from aed.inference import LoadedModel, Timings, quantize_int8, transcribe
-from aed.model import AED, AEDConfig
-from aed.tokenizer import Tokenizer
-from common import MINI_TOKENIZER, ROOT, load_avg, log, print_json, print_table
-from rtfx_bench import make_audio
+from aed.data_audio import FeatureConfig
+from aed.data_tokenizer import Tokenizer
+from aed.decode_search import DecodingOptions
+from aed.decode_static import CompiledAED
+from aed.decode_transcribe import LoadedModel, Timings, quantize_int8, transcribe
+from aed.model import AED, AEDConfig, count_parameters
+from aed.model_encoder import subsampled_length
 
-LAYOUTS = {name: ROOT / "configs" / f"{name}.yaml" for name in ("canary-180m-flash", "canary-1b-flash")}
+PRESETS = {name: ROOT / "configs" / f"{name}.yaml" for name in ("canary-180m-flash", "canary-1b-flash")}
 WHISPER = {  # size: (d_model, layers of encoder and of decoder, heads), as in openai/whisper
     "base": (512, 6, 8), "small": (768, 12, 12), "medium": (1024, 24, 16)}
 COMPARABLE = {"canary-180m-flash": "small", "canary-1b-flash": "medium"}  # 182M vs 244M; 883M vs 769M parameters
 WINDOW_S = 30.0  # Whisper's window, and the chunk length both systems decode long audio in
+SYSTEMS = ["aed-eager", "aed-compiled", "aed-int8"]  # in this order: int8, last, quantizes in place
 
 
 # --- measuring ------------------------------------------------------------------------------------
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, repeats: int = 1) -> tuple:
+    """(best wall time of `repeats` runs, the last run's output): the minimum is the least disturbed by
+    other jobs."""
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        out = fn()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
 
 def reset_peak_memory(device) -> None:
     if device.type == "cuda":
@@ -110,15 +174,41 @@ def result(audio_s: float, wall_s: float, encoder_s: float, decoder_s: float, to
             "peak_gb": round(peak_gb, 2)}
 
 
+def make_audio(directory: Path, n: int, min_s: float, max_s: float, seed: int = 0) -> list[str]:
+    """n WAV files of uniform random duration: a gliding harmonic tone in syllable-rate bursts, plus noise."""
+    rng = np.random.default_rng(seed)
+    sr, paths = 16000, []
+    for i in range(n):
+        t = np.arange(int(rng.uniform(min_s, max_s) * sr)) / sr
+        f0 = rng.uniform(90, 250) * (1 + 0.1 * np.sin(2 * np.pi * rng.uniform(0.2, 1.0) * t))
+        phase = 2 * np.pi * np.cumsum(f0) / sr
+        voice = sum(np.sin(k * phase) / k for k in range(1, 6))
+        envelope = np.clip(np.sin(2 * np.pi * rng.uniform(3, 5) * t), 0, None)  # ~4 "syllables" per second
+        wav = 0.1 * voice * envelope + 0.003 * rng.standard_normal(t.size)
+        paths.append(str(directory / f"utt{i:04d}.wav"))
+        sf.write(paths[-1], wav.astype(np.float32), sr, subtype="PCM_16")
+    return paths
+
+
+def add_timings(total: Timings, t: Timings, fields=("audio", "wall", "load_features", "encoder", "decoder")) -> None:
+    for f in fields:
+        setattr(total, f, getattr(total, f) + getattr(t, f))
+
+
 # --- aed ------------------------------------------------------------------------------------------
 
-def random_asr(layout: str, tokenizer: Tokenizer, device) -> LoadedModel:
-    """The layout at full width (Canary's vocabulary and 128 mels), random weights, EOS never chosen."""
-    torch.manual_seed(0)
-    model = AED(AEDConfig.from_yaml(LAYOUTS[layout])).to(device).eval()
+def fixed_work(model: AED, tokenizer: Tokenizer) -> LoadedModel:
+    """A random-weight model as infer.py loads one, EOS never chosen: every utterance decodes all the
+    tokens it may (fixed work)."""
     with torch.no_grad():
-        model.decoder.output_proj.bias[tokenizer.eos] = -1e9  # fixed work: every utterance decodes all its tokens
+        model.decoder.output_proj.bias[tokenizer.eos] = -1e9
     return LoadedModel(model, tokenizer, FeatureConfig(), "random weights")
+
+
+def random_asr(preset: str, tokenizer: Tokenizer, device) -> LoadedModel:
+    """The preset at full width (Canary's vocabulary and 128 mels), random weights, EOS never chosen."""
+    torch.manual_seed(0)
+    return fixed_work(AED(AEDConfig.from_yaml(PRESETS[preset])).to(device).eval(), tokenizer)
 
 
 def aed_variant(asr: LoadedModel, system: str, in_place: bool = False) -> LoadedModel:
@@ -138,8 +228,7 @@ def run_aed(asr: LoadedModel, groups: list[list[str]], options: DecodingOptions,
     for group in groups:
         results, t = transcribe(asr, group, options, **({"batch_duration": math.inf} | kwargs))
         tokens += sum(len(r.tokens) for r in results)
-        for f in ("audio", "wall", "encoder", "decoder"):
-            setattr(total, f, getattr(total, f) + getattr(t, f))
+        add_timings(total, t, ("audio", "wall", "encoder", "decoder"))
     return result(total.audio, total.wall, total.encoder, total.decoder, tokens, peak_memory_gb(device))
 
 
@@ -151,16 +240,12 @@ def decoder_step_ms(model, batch: int, frames: int, steps: int, device) -> float
     with torch.inference_mode():
         cache = model.new_cache(memory, memory_lens, 5 + steps + 1)
         token = model.decode_step(prompt, cache).argmax(-1, keepdim=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         start = time.perf_counter()
         for _ in range(steps):
             token = model.decode_step(token, cache).argmax(-1, keepdim=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
     return 1000 * (time.perf_counter() - start) / steps
-
-
 def step_weight_bytes(model: AED, system: str) -> int:
     """Weight bytes one decoder step reads: every decoder Linear but the cross-attention key and value
     projections (made once per utterance); int8 keeps one byte per weight."""
@@ -324,13 +409,11 @@ def run_whisper_long(model, path: str, batch: int, tokens: int, audio_s: float, 
     return result(audio_s, time.perf_counter() - start, float("nan"), float("nan"), count, peak_memory_gb(device))
 
 
-# --- the run --------------------------------------------------------------------------------------
+# --- systems: aed against faster-whisper and NeMo ---------------------------------------------------
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
-    p.add_argument("--systems", nargs="+", default=["aed-eager", "aed-compiled", "aed-int8"],
-                   choices=["aed-eager", "aed-compiled", "aed-int8"])
+def systems_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layouts", nargs="+", choices=list(PRESETS), default=list(PRESETS))
+    p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     p.add_argument("--utterances", type=int, default=48, help="short files")
     p.add_argument("--min-seconds", type=float, default=2.0)
     p.add_argument("--max-seconds", type=float, default=14.0)
@@ -352,211 +435,460 @@ def main():
                    help="converted Whisper models are kept here between runs")
     p.add_argument("--threads", type=int, default=2, help="CPU threads, for every system")
     p.add_argument("--device", default="cpu")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    systems = sorted((s for s in args.systems if not (s == "aed-int8" and device.type != "cpu")),  # int8: CPU only
-                     key=["aed-eager", "aed-compiled", "aed-int8"].index)  # int8 last: it quantizes in place
-    tokenizer = Tokenizer.load(MINI_TOKENIZER)
-    work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    peers_missing = None
+
+
+@dataclass
+class Files:
+    """The audio every system transcribes: the short files, in groups per batch size, and the long file."""
+
+    paths: list
+    short_s: float  # their audio seconds
+    by_length: list  # longest first
+    groups: dict  # batch size -> the files in groups of that size, by length
+    rate: float  # decoded tokens per audio second of the short files, kept in the long file's windows
+    window_tokens: int
+    long_path: str
+
+
+@dataclass
+class Measured:
+    """Every system's numbers, by table: {system/layout: {batchN: ...}}."""
+
+    files: dict = field(default_factory=dict)  # short files: result()
+    long_form: dict = field(default_factory=dict)  # the long file: result()
+    steps: dict = field(default_factory=dict)  # decoder step: ms
+    weight_gbs: dict = field(default_factory=dict)  # {system/layout: GB/s at batch 1}
+    warmup_s: dict = field(default_factory=dict)  # warm-up and compilation seconds
+
+
+@dataclass
+class Peers:
+    whisper: bool  # faster-whisper measured
+    whisper_missing: str | None  # why it is not installed
+    nemo: object  # the nemo_canary module, or None
+    nemo_missing: str | None
+
+
+def find_peers(args, device) -> Peers:
+    whisper_missing = nemo_missing = nemo = None
     if args.peers:
         try:
             import faster_whisper  # noqa: F401
         except ImportError as e:
-            peers_missing = f"faster-whisper is not installed ({e}): see bench/requirements-infer-peers.txt"
-            log(peers_missing)
-    peers = args.peers and peers_missing is None and device.type == "cpu"
-    nemo_missing = None
+            whisper_missing = f"faster-whisper is not installed ({e}): see bench/requirements-infer-peers.txt"
+            log(whisper_missing)
     if args.nemo:
         try:
-            import nemo_canary
+            import nemo_canary as nemo
         except ImportError as e:
             nemo_missing = f"NeMo is not installed ({e}): see bench/requirements-nemo-peers.txt"
             log(nemo_missing)
+    return Peers(args.peers and whisper_missing is None and device.type == "cpu", whisper_missing, nemo, nemo_missing)
 
+
+def make_files(args, work: Path) -> Files:
+    """The short files and the long one (the short ones repeated), removed at exit."""
     audio_dir = Path(tempfile.mkdtemp(dir=work))
     atexit.register(shutil.rmtree, audio_dir, ignore_errors=True)  # the converted models stay, the audio goes
     paths = make_audio(audio_dir, args.utterances, args.min_seconds, args.max_seconds)
     durations = {q: sf.info(q).duration for q in paths}
     short_s = sum(durations.values())
     by_length = sorted(paths, key=durations.get, reverse=True)
-    groups = {bs: [by_length[i : i + bs] for i in range(0, len(paths), bs)] for bs in args.batch_sizes}
-    rate = args.tokens * len(paths) / short_s  # tokens per audio second of the short files, kept in long form
-    window_tokens = round(WINDOW_S * rate)
+    rate = args.tokens * len(paths) / short_s
     long_path = str(audio_dir / "long.wav")
     wavs = [sf.read(q, dtype="float32")[0] for q in paths]
     long_wav = np.concatenate(wavs * math.ceil(args.long_seconds / short_s))[: int(args.long_seconds * 16000)]
     sf.write(long_path, long_wav, 16000, subtype="PCM_16")
-    print(f"device {device}, {args.threads} threads, load {load_avg()}; {len(paths)} files / {short_s:.0f} s, "
-          f"{args.tokens} tokens each; long file {args.long_seconds:.0f} s in {WINDOW_S:.0f} s windows of "
-          f"{window_tokens} tokens")
+    return Files(paths, short_s, by_length,
+                 {bs: [by_length[i : i + bs] for i in range(0, len(paths), bs)] for bs in args.batch_sizes},
+                 rate, round(WINDOW_S * rate), long_path)
 
+
+def time_decoder_steps(base: LoadedModel, layout: str, systems: list, args, device, m: Measured) -> None:
+    """1. The decoder step of every system: they take turns, and each keeps its fastest of --repeats runs,
+    so that another job's burst of load does not land on one system only."""
+    variants = {f"{system}/{layout}": aed_variant(base, system) for system in systems}
+    for name, asr in variants.items():
+        m.steps[name] = {}
+        for bs in args.batch_sizes:
+            start = time.perf_counter()
+            decoder_step_ms(asr.compiled or asr.model, bs, args.step_frames, 3, device)  # warm-up; compiles
+            m.warmup_s[f"{name} step batch{bs}"] = round(time.perf_counter() - start, 1)
+    for _ in range(args.repeats):
+        for name, asr in variants.items():
+            for bs in args.batch_sizes:
+                ms = decoder_step_ms(asr.compiled or asr.model, bs, args.step_frames, args.steps, device)
+                m.steps[name][f"batch{bs}"] = round(min(ms, m.steps[name].get(f"batch{bs}", math.inf)), 2)
+    for name in variants if 1 in args.batch_sizes else []:
+        m.weight_gbs[name] = round(step_weight_bytes(base.model, name.split("/")[0]) / m.steps[name]["batch1"] / 1e6, 1)
+
+
+def time_aed_files(base: LoadedModel, layout: str, systems: list, f: Files, args, device, m: Measured) -> None:
+    """2. and 3., one system at a time with only its own model in memory (the peak GB column): each
+    system is made again, and int8 (last) quantizes the fp32 model."""
     short_opts = DecodingOptions(max_new_tokens=args.tokens, max_repeats=0, max_tokens_per_second=None, ctc_weight=0.0)
-    long_opts = DecodingOptions(max_repeats=0, max_tokens_per_second=rate, ctc_weight=0.0)  # tokens in proportion to a chunk's length
+    # the long file: tokens in proportion to a chunk's length
+    long_opts = DecodingOptions(max_repeats=0, max_tokens_per_second=f.rate, ctc_weight=0.0)
     long_batch = max(args.batch_sizes)
-    rows, steps, long_rows, compile_s, weight_gbs = {}, {}, {}, {}, {}
+    for system in systems:
+        name = f"{system}/{layout}"
+        asr = aed_variant(base, system, in_place=True)
+        release_memory()  # the fp32 weights int8 replaced
+        m.files[name] = {}
+        for bs in args.batch_sizes:
+            start = time.perf_counter()
+            run_aed(asr, [f.groups[bs][0], f.groups[bs][-1]], short_opts, device)  # warm-up: longest, shortest bucket
+            m.warmup_s[f"{name} batch{bs}"] = round(time.perf_counter() - start, 1)
+            m.files[name][f"batch{bs}"] = run_aed(asr, f.groups[bs], short_opts, device)
+            log(f"{name} batch {bs}: {m.files[name][f'batch{bs}']}")
+        kwargs = dict(chunk_seconds=WINDOW_S, batch_duration=long_batch * WINDOW_S)  # 30 s chunks, batched
+        if system == "aed-compiled":  # warm-up: every bucket of the file's batches compiles before the timed run
+            run_aed(asr, [[f.long_path]], long_opts, device, **kwargs)
+        m.long_form[name] = {f"batch{long_batch}": run_aed(asr, [[f.long_path]], long_opts, device, **kwargs)}
+        log(f"{name} long file: {m.long_form[name]}")
+        del asr
+
+
+def time_nemo(nemo, aed_cfg, aed_params: int, layout: str, f: Files, args, work: Path, device, m: Measured) -> None:
+    """NeMo's Canary at the layout's shapes on the short files."""
+    model = nemo.build(aed_cfg, aed_cfg.n_mels, work)
+    name = f"nemo-canary/{layout}"
+    log(f"{name}: {sum(q.numel() for q in model.parameters()):,} parameters (aed: {aed_params:,})")
+    nemo.transcribe_groups(model, [[f.by_length[0]], [f.by_length[-1]]], 4)  # warm-up
+    m.files[name] = {}
+    for bs in args.batch_sizes:
+        reset_peak_memory(device)
+        r = nemo.transcribe_groups(model, f.groups[bs], args.tokens)
+        m.files[name][f"batch{bs}"] = result(f.short_s, r["wall_s"], r["encoder_s"], r["decoder_s"], r["tokens"],
+                                             peak_memory_gb(device))
+    log(f"{name}: {m.files[name]}")
+    del model
+    release_memory()
+
+
+def time_whisper(layout: str, f: Files, args, work: Path, device, m: Measured) -> None:
+    """faster-whisper fp32 and int8 at the layout's comparable size (or --whisper), once per size."""
+    from faster_whisper import WhisperModel
+
+    size = args.whisper or COMPARABLE[layout]
+    ct2_dir = random_whisper(size, work)
+    long_batch = max(args.batch_sizes)
+    for compute in ("float32", "int8"):
+        name = f"faster-whisper-{'fp32' if compute == 'float32' else compute}/{size}"
+        if name in m.files:
+            continue
+        model = WhisperModel(str(ct2_dir), device="cpu", compute_type=compute, cpu_threads=args.threads)
+        short_new, long_new = fw_new_tokens(model, args.tokens), fw_new_tokens(model, f.window_tokens)
+        log(f"{name}: max_new_tokens {short_new} per short file, {long_new} per window")
+        run_whisper_files(model, [[f.by_length[-1]]], 1, 4, 1.0, device)  # warm-up
+        m.files[name] = {f"batch{bs}": run_whisper_files(model, f.groups[bs], bs, short_new, f.short_s, device)
+                         for bs in args.batch_sizes}
+        log(f"{name}: {m.files[name]}")
+        m.long_form[name] = {f"batch{bs}": run_whisper_long(model, f.long_path, bs, long_new, args.long_seconds, device)
+                             for bs in sorted({1, long_batch})}
+        log(f"{name} long file: {m.long_form[name]}")
+        del model
+        release_memory()
+
+
+def print_systems(m: Measured, f: Files, args, read_gbs) -> None:
+    """The tables; RTFx compares like with like only where every system decoded the same tokens."""
+    for table, expected in ((m.files, args.tokens * len(f.paths)), (m.long_form, round(f.rate * args.long_seconds))):
+        for n, by_batch in table.items():
+            for b, r in by_batch.items():
+                if abs(r["tokens"] - expected) > 0.05 * expected:
+                    log(f"WARNING: {n} {b} decoded {r['tokens']} tokens, not ~{expected}: its RTFx is not comparable")
+    columns = [("system", "<38"), ("batch", "5d"), ("RTFx", "8.1f"), ("wall s", "8.1f"), ("encoder s", "10.1f"),
+               ("decoder s", "10.1f"), ("tokens", "7d"), ("peak GB", "8.2f")]
+    print()
+    print_table(columns, [[n, int(b[5:]), r["rtfx"], r["wall_s"], r["encoder_s"], r["decoder_s"], r["tokens"],
+                           r["peak_gb"]] for n, by_batch in m.files.items() for b, r in by_batch.items()])
+    print(f"\nlong file ({args.long_seconds:.0f} s, {WINDOW_S:.0f} s windows of {f.window_tokens} tokens)")
+    print_table(columns, [[n, int(b[5:]), r["rtfx"], r["wall_s"], r["encoder_s"], r["decoder_s"], r["tokens"],
+                           r["peak_gb"]] for n, by_batch in m.long_form.items() for b, r in by_batch.items()])
+    if "step" in args.parts:
+        print(f"\ndecoder step, ms ({args.step_frames} encoder frames); weight GB/s at batch 1"
+              + (f" (CPU read bandwidth {read_gbs} GB/s)" if read_gbs else ""))
+        print_table([("system", "<38")] + [(f"batch {bs}", "9.2f") for bs in args.batch_sizes] + [("GB/s", "6.1f")],
+                    [[n] + [s[f"batch{bs}"] for bs in args.batch_sizes] + [m.weight_gbs.get(n, math.nan)]
+                     for n, s in m.steps.items()])
+    print(f"\nwarm-up and compilation seconds: {m.warmup_s}")
+
+
+def ratio(a, b):
+    return round(a / b, 2) if b else None
+
+
+def systems_summary(m: Measured, f: Files, args, systems: list, peers: Peers, read_gbs, device) -> dict:
+    """The JSON line: every table, and the ratios against aed eager of the same run."""
+    first, long_batch = args.layouts[0], max(args.batch_sizes)
+    summary = {"device": str(device), "threads": args.threads, "load": load_avg(), "utterances": len(f.paths),
+               "short_audio_s": round(f.short_s, 1), "tokens": args.tokens, "long_file_s": args.long_seconds,
+               "window_tokens": f.window_tokens, "systems": m.files, "long_form": m.long_form,
+               "decoder_step_ms": m.steps, "decoder_step_weight_gbs_batch1": m.weight_gbs, "cpu_read_gbs": read_gbs,
+               "warmup_s": m.warmup_s}
+    files, stepped = "files" in args.parts, "step" in args.parts
+    if "aed-compiled" in systems and "aed-eager" in systems and 1 in args.batch_sizes:
+        if stepped:
+            summary["compiled_vs_eager_decoder_step"] = {
+                f"{layout}/batch{bs}": ratio(m.steps[f"aed-eager/{layout}"][f"batch{bs}"],
+                                             m.steps[f"aed-compiled/{layout}"][f"batch{bs}"])
+                for layout in args.layouts for bs in args.batch_sizes}
+        # the decoder's seconds in the pipeline at batch 1 (the encoder is the same eager one in both),
+        # else the step timing's
+        summary["compiled_vs_eager_batch1"] = (
+            ratio(m.files[f"aed-eager/{first}"]["batch1"]["decoder_s"],
+                  m.files[f"aed-compiled/{first}"]["batch1"]["decoder_s"])
+            if files else summary["compiled_vs_eager_decoder_step"][f"{first}/batch1"])
+    if "aed-int8" in systems and "aed-eager" in systems and 1 in args.batch_sizes and stepped:
+        by_layout = {layout: ratio(m.steps[f"aed-eager/{layout}"]["batch1"], m.steps[f"aed-int8/{layout}"]["batch1"])
+                     for layout in args.layouts}
+        summary["int8_vs_eager_decoder_step_batch1"] = min(by_layout.values())  # the target holds for every layout
+        summary["int8_vs_eager_decoder_step_batch1_by_layout"] = by_layout
+    if peers.whisper and files:
+        def best(table, prefix):
+            return max(r["rtfx"] for n, by_batch in table.items() if n.startswith(prefix) for r in by_batch.values())
+
+        summary["vs_faster_whisper"] = {  # best aed system of the first layout vs the best faster-whisper at its size
+            "layout": first, "whisper": args.whisper or COMPARABLE[first],
+            "short_utterances": ratio(max(best(m.files, f"{s}/{first}") for s in systems),
+                                      best(m.files, "faster-whisper")),
+            "long_form": ratio(max(best(m.long_form, f"{s}/{first}") for s in systems),
+                               best(m.long_form, "faster-whisper"))}
+    else:
+        summary["vs_faster_whisper"] = {"skipped": peers.whisper_missing
+                                        or "--no-peers, --parts without files, or not on the CPU"}
+    if args.nemo and files and "aed-eager" in systems and device.type == "cpu":  # aed's eager fp32 against NeMo's
+        summary["vs_nemo"] = peers.nemo_missing or {
+            f"{layout}/batch{bs}": ratio(m.files[f"aed-eager/{layout}"][f"batch{bs}"]["rtfx"],
+                                         m.files[f"nemo-canary/{layout}"][f"batch{bs}"]["rtfx"])
+            for layout in args.layouts for bs in args.batch_sizes}
+    if files and "aed-eager" in systems and long_batch in args.batch_sizes:
+        summary["long_file_vs_short_files"] = ratio(m.long_form[f"aed-eager/{first}"][f"batch{long_batch}"]["rtfx"],
+                                                    m.files[f"aed-eager/{first}"][f"batch{long_batch}"]["rtfx"])
+    summary["targets"] = {"int8_vs_eager_decoder_step_batch1": 4.0, "compiled_vs_eager_batch1": 1.0,
+                          "vs_faster_whisper_short_utterances": 5.0, "vs_faster_whisper_long_form": 2.0,
+                          "long_file_vs_short_files": 0.8}
+    return summary
+
+
+def systems_mode(args) -> None:
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    systems = [s for s in SYSTEMS if s in args.systems and not (s == "aed-int8" and device.type != "cpu")]  # int8: CPU
+    tokenizer = Tokenizer.load(MINI_TOKENIZER)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    peers = find_peers(args, device)
+    f = make_files(args, work)
+    print(f"device {device}, {args.threads} threads, load {load_avg()}; {len(f.paths)} files / {f.short_s:.0f} s, "
+          f"{args.tokens} tokens each; long file {args.long_seconds:.0f} s in {WINDOW_S:.0f} s windows of "
+          f"{f.window_tokens} tokens")
+    m = Measured()
     read_gbs = round(read_bandwidth_gbs(), 1) if device.type == "cpu" and "step" in args.parts else None
     for layout in args.layouts:
         base = random_asr(layout, tokenizer, device)
         aed_params = sum(q.numel() for q in base.model.parameters())
         log(f"{layout}: {aed_params / 1e6:.0f}M parameters")
-        variants = {f"{system}/{layout}": aed_variant(base, system) for system in systems if "step" in args.parts}
-        # --- 1. decoder step: the systems take turns, and each keeps its fastest of --repeats runs, so
-        # that another job's burst of load does not land on one system only
-        for name, asr in variants.items():
-            steps[name] = {}
-            for bs in args.batch_sizes if "step" in args.parts else []:
-                start = time.perf_counter()
-                decoder_step_ms(asr.compiled or asr.model, bs, args.step_frames, 3, device)  # warm-up; compiles
-                compile_s[f"{name} step batch{bs}"] = round(time.perf_counter() - start, 1)
-        for _ in range(args.repeats if "step" in args.parts else 0):
-            for name, asr in variants.items():
-                for bs in args.batch_sizes:
-                    ms = decoder_step_ms(asr.compiled or asr.model, bs, args.step_frames, args.steps, device)
-                    steps[name][f"batch{bs}"] = round(min(ms, steps[name].get(f"batch{bs}", math.inf)), 2)
-        for name in variants if "step" in args.parts and 1 in args.batch_sizes else []:
-            weight_gbs[name] = round(step_weight_bytes(base.model, name.split("/")[0]) / steps[name]["batch1"] / 1e6, 1)
-        log(f"{layout}: decoder step ms {steps}")
-        # --- 2. and 3., one system at a time with only its own model in memory (the peak GB column):
-        # the step's variants go, each system is made again, and int8 (last) quantizes the fp32 model
-        variants.clear()
-        release_memory()
-        for system in systems if "files" in args.parts else []:
-            name = f"{system}/{layout}"
-            asr = aed_variant(base, system, in_place=True)
-            release_memory()  # the fp32 weights int8 replaced
-            # --- 2. short utterances
-            rows[name] = {}
-            for bs in args.batch_sizes:
-                start = time.perf_counter()
-                run_aed(asr, [groups[bs][0], groups[bs][-1]], short_opts, device)  # warm-up: longest and shortest bucket
-                compile_s[f"{name} batch{bs}"] = round(time.perf_counter() - start, 1)
-                rows[name][f"batch{bs}"] = run_aed(asr, groups[bs], short_opts, device)
-                log(f"{name} batch {bs}: {rows[name][f'batch{bs}']}")
-            # --- 3. long form: its 30 s chunks batched
-            kwargs = dict(chunk_seconds=WINDOW_S, batch_duration=long_batch * WINDOW_S)
-            if system == "aed-compiled":  # warm-up: every bucket of the file's batches compiles before the timed run
-                run_aed(asr, [[long_path]], long_opts, device, **kwargs)
-            long_rows[name] = {f"batch{long_batch}": run_aed(asr, [[long_path]], long_opts, device, **kwargs)}
-            log(f"{name} long file: {long_rows[name]}")
-            del asr
+        if "step" in args.parts:
+            time_decoder_steps(base, layout, systems, args, device, m)
+        log(f"{layout}: decoder step ms {m.steps}")
+        release_memory()  # the step's variants
+        if "files" in args.parts:
+            time_aed_files(base, layout, systems, f, args, device, m)
         aed_cfg = base.model.cfg
         del base  # the peers' peak GB counts their own model only
         release_memory()
+        if args.nemo and peers.nemo is not None and "files" in args.parts and device.type == "cpu":
+            time_nemo(peers.nemo, aed_cfg, aed_params, layout, f, args, work, device, m)
+        if peers.whisper and "files" in args.parts:
+            time_whisper(layout, f, args, work, device, m)
+    print_systems(m, f, args, read_gbs)
+    print_json(systems_summary(m, f, args, systems, peers, read_gbs, device))
+# --- rtfx: infer.py's pipeline for the Canary layouts at a CPU-sized width ----------------------------
 
-        if args.nemo and nemo_missing is None and "files" in args.parts and device.type == "cpu":
-            model = nemo_canary.build(aed_cfg, aed_cfg.n_mels, work)
-            name = f"nemo-canary/{layout}"
-            log(f"{name}: {sum(q.numel() for q in model.parameters()):,} parameters (aed: {aed_params:,})")
-            nemo_canary.transcribe_groups(model, [[by_length[0]], [by_length[-1]]], 4)  # warm-up
-            rows[name] = {}
-            for bs in args.batch_sizes:
-                reset_peak_memory(device)
-                r = nemo_canary.transcribe_groups(model, groups[bs], args.tokens)
-                rows[name][f"batch{bs}"] = result(short_s, r["wall_s"], r["encoder_s"], r["decoder_s"], r["tokens"],
-                                                  peak_memory_gb(device))
-            log(f"{name}: {rows[name]}")
-            del model
-            release_memory()
+def rtfx_flags(p: argparse.ArgumentParser) -> None:
+    add_width_args(p, d_model=64, subsampling_channels=16)  # why 64: the module docstring
+    p.add_argument("--utterances", type=int, default=48, help="generated files (the issue suggests 200 on a GPU)")
+    p.add_argument("--min-seconds", type=float, default=2.0)
+    p.add_argument("--max-seconds", type=float, default=20.0)
+    p.add_argument("--tokens", type=int, default=40, help="generated tokens per utterance (~11 s of speech)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--beams", type=int, nargs="+", default=[1, 4], help="1 = greedy")
+    add_device_args(p)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
 
-        if peers and "files" in args.parts:
-            size = args.whisper or COMPARABLE[layout]
-            from faster_whisper import WhisperModel
 
-            ct2_dir = random_whisper(size, work)
-            for compute in ("float32", "int8"):
-                name = f"faster-whisper-{'fp32' if compute == 'float32' else compute}/{size}"
-                if name in rows:
-                    continue
-                model = WhisperModel(str(ct2_dir), device="cpu", compute_type=compute, cpu_threads=args.threads)
-                short_new, long_new = fw_new_tokens(model, args.tokens), fw_new_tokens(model, window_tokens)
-                log(f"{name}: max_new_tokens {short_new} per short file, {long_new} per window")
-                run_whisper_files(model, [[by_length[-1]]], 1, 4, 1.0, device)  # warm-up
-                rows[name] = {f"batch{bs}": run_whisper_files(model, groups[bs], bs, short_new, short_s, device)
-                              for bs in args.batch_sizes}
-                log(f"{name}: {rows[name]}")
-                long_rows[name] = {f"batch{bs}": run_whisper_long(model, long_path, bs, long_new, args.long_seconds,
-                                                                  device)
-                                   for bs in sorted({1, long_batch})}
-                log(f"{name} long file: {long_rows[name]}")
-                del model
-                release_memory()
+def run_groups(asr: LoadedModel, groups: list[list[str]], beam_size: int, args) -> Timings:
+    """transcribe() once per group (one batch each); the timings summed."""
+    total = Timings()
+    for group in groups:
+        _, t = transcribe(asr, group, DecodingOptions(beam_size=beam_size, max_new_tokens=args.tokens),
+                          batch_duration=math.inf, dtype=torch.bfloat16 if args.dtype == "bf16" else None)
+        add_timings(total, t)
+    return total
 
-    # --- report: RTFx compares like with like only where every system decoded the same tokens
-    for table, expected in ((rows, args.tokens * len(paths)), (long_rows, round(rate * args.long_seconds))):
-        for n, by_batch in table.items():
-            for b, r in by_batch.items():
-                if abs(r["tokens"] - expected) > 0.05 * expected:
-                    log(f"WARNING: {n} {b} decoded {r['tokens']} tokens, not ~{expected}: its RTFx is not comparable")
-    print()
-    print_table([("system", "<38"), ("batch", "5d"), ("RTFx", "8.1f"), ("wall s", "8.1f"), ("encoder s", "10.1f"),
-                 ("decoder s", "10.1f"), ("tokens", "7d"), ("peak GB", "8.2f")],
-                [[n, int(b[5:]), r["rtfx"], r["wall_s"], r["encoder_s"], r["decoder_s"], r["tokens"], r["peak_gb"]]
-                 for n, by_batch in rows.items() for b, r in by_batch.items()])
-    print(f"\nlong file ({args.long_seconds:.0f} s, {WINDOW_S:.0f} s windows of {window_tokens} tokens)")
-    print_table([("system", "<38"), ("batch", "5d"), ("RTFx", "8.1f"), ("wall s", "8.1f"), ("encoder s", "10.1f"),
-                 ("decoder s", "10.1f"), ("tokens", "7d"), ("peak GB", "8.2f")],
-                [[n, int(b[5:]), r["rtfx"], r["wall_s"], r["encoder_s"], r["decoder_s"], r["tokens"], r["peak_gb"]]
-                 for n, by_batch in long_rows.items() for b, r in by_batch.items()])
-    if "step" in args.parts:
-        print(f"\ndecoder step, ms ({args.step_frames} encoder frames); weight GB/s at batch 1"
-              + (f" (CPU read bandwidth {read_gbs} GB/s)" if read_gbs else ""))
-        print_table([("system", "<38")] + [(f"batch {bs}", "9.2f") for bs in args.batch_sizes] + [("GB/s", "6.1f")],
-                    [[n] + [s[f"batch{bs}"] for bs in args.batch_sizes] + [weight_gbs.get(n, math.nan)]
-                     for n, s in steps.items()])
-    print(f"\nwarm-up and compilation seconds: {compile_s}")
 
-    def ratio(a, b):
-        return round(a / b, 2) if b else None
+def rtfx_row(name: str, beam: int, bs: int, t: Timings) -> dict:
+    row = {"layout": name, "search": "greedy" if beam == 1 else f"beam{beam}", "batch": bs,
+           "audio_s": round(t.audio, 1), "wall_s": round(t.wall, 3), "load_features_s": round(t.load_features, 3),
+           "encoder_s": round(t.encoder, 3), "decoder_s": round(t.decoder, 3), "rtfx": round(t.rtfx, 2),
+           "encoder_only_rtfx": round(t.audio / (t.wall - t.decoder), 2)}
+    return row | {"rtfx_of_encoder_only": round(row["rtfx"] / row["encoder_only_rtfx"], 3)}
 
-    first = args.layouts[0]
-    summary = {"device": str(device), "threads": args.threads, "load": load_avg(), "utterances": len(paths),
-               "short_audio_s": round(short_s, 1), "tokens": args.tokens, "long_file_s": args.long_seconds,
-               "window_tokens": window_tokens, "systems": rows, "long_form": long_rows, "decoder_step_ms": steps,
-               "decoder_step_weight_gbs_batch1": weight_gbs, "cpu_read_gbs": read_gbs,
-               "warmup_s": compile_s}
-    files, stepped = "files" in args.parts, "step" in args.parts
-    if "aed-compiled" in systems and "aed-eager" in systems and 1 in args.batch_sizes:
-        if stepped:
-            summary["compiled_vs_eager_decoder_step"] = {
-                f"{layout}/batch{bs}": ratio(steps[f"aed-eager/{layout}"][f"batch{bs}"],
-                                             steps[f"aed-compiled/{layout}"][f"batch{bs}"])
-                for layout in args.layouts for bs in args.batch_sizes}
-        # the decoder's seconds in the pipeline at batch 1 (the encoder is the same eager one in both),
-        # else the step timing's
-        summary["compiled_vs_eager_batch1"] = (
-            ratio(rows[f"aed-eager/{first}"]["batch1"]["decoder_s"], rows[f"aed-compiled/{first}"]["batch1"]["decoder_s"])
-            if files else summary["compiled_vs_eager_decoder_step"][f"{first}/batch1"])
-    if "aed-int8" in systems and "aed-eager" in systems and 1 in args.batch_sizes and stepped:
-        by_layout = {layout: ratio(steps[f"aed-eager/{layout}"]["batch1"], steps[f"aed-int8/{layout}"]["batch1"])
-                     for layout in args.layouts}
-        summary["int8_vs_eager_decoder_step_batch1"] = min(by_layout.values())  # the target holds for every layout
-        summary["int8_vs_eager_decoder_step_batch1_by_layout"] = by_layout
-    if peers and files:
-        size = args.whisper or COMPARABLE[first]
 
-        def best(table, prefix):
-            return max(r["rtfx"] for n, by_batch in table.items() if n.startswith(prefix) for r in by_batch.values())
+def rtfx_mode(args) -> None:
+    device = device_from_args(args)
+    tokenizer = Tokenizer.load(MINI_TOKENIZER)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = make_audio(Path(tmp), args.utterances, args.min_seconds, args.max_seconds)
+        durations = {p: sf.info(p).duration for p in paths}
+        by_length = sorted(paths, key=durations.get, reverse=True)
+        audio_s = sum(durations.values())
+        print(f"device {device}, threads {torch.get_num_threads()}, width {args.d_model}, {args.dtype}, "
+              f"{len(paths)} files / {audio_s:.0f} s of audio, {args.tokens} tokens each")
+        rows = []
+        for name, (enc_layers, dec_layers) in LAYOUTS.items():
+            asr = fixed_work(random_aed(args, enc_layers, dec_layers).to(device).eval(), tokenizer)
+            run_groups(asr, [by_length[-2:]], 1, args)  # warm-up: first-call allocations and kernel selection
+            for beam in args.beams:
+                for bs in args.batch_sizes:
+                    start = time.perf_counter()
+                    t = run_groups(asr, [by_length[i: i + bs] for i in range(0, len(paths), bs)], beam, args)
+                    rows.append(rtfx_row(name, beam, bs, t))
+                    log(f"done {name} {rows[-1]['search']} batch {bs}: RTFx {rows[-1]['rtfx']} "
+                        f"({time.perf_counter() - start:.0f} s)")
 
-        summary["vs_faster_whisper"] = {  # best aed system of the first layout vs the best faster-whisper at its size
-            "layout": first, "whisper": size,
-            "short_utterances": ratio(max(best(rows, f"{s}/{first}") for s in systems), best(rows, "faster-whisper")),
-            "long_form": ratio(max(best(long_rows, f"{s}/{first}") for s in systems), best(long_rows, "faster-whisper"))}
-    else:
-        summary["vs_faster_whisper"] = {"skipped": peers_missing or "--no-peers, --parts without files, or not on the CPU"}
-    if args.nemo and files and "aed-eager" in systems and device.type == "cpu":  # aed's eager fp32 against NeMo's
-        summary["vs_nemo"] = nemo_missing or {f"{layout}/batch{bs}": ratio(
-            rows[f"aed-eager/{layout}"][f"batch{bs}"]["rtfx"], rows[f"nemo-canary/{layout}"][f"batch{bs}"]["rtfx"])
-            for layout in args.layouts for bs in args.batch_sizes}
-    if files and "aed-eager" in systems and long_batch in args.batch_sizes:
-        summary["long_file_vs_short_files"] = ratio(long_rows[f"aed-eager/{first}"][f"batch{long_batch}"]["rtfx"],
-                                                    rows[f"aed-eager/{first}"][f"batch{long_batch}"]["rtfx"])
-    summary["targets"] = {"int8_vs_eager_decoder_step_batch1": 4.0, "compiled_vs_eager_batch1": 1.0,
-                          "vs_faster_whisper_short_utterances": 5.0, "vs_faster_whisper_long_form": 2.0,
-                          "long_file_vs_short_files": 0.8}
+    def row(layout, search, bs):
+        return next(r for r in rows if r["layout"].startswith(layout) and r["search"] == search and r["batch"] == bs)
+
+    for r in rows:
+        r["rtfx_vs_canary_1b"] = round(r["rtfx"] / row("canary-1b ", r["search"], r["batch"])["rtfx"], 2)
+    print_table([("layout", "<24"), ("search", ">7"), ("batch", "5d"), ("wall s", "8.2f"), ("load+feat s", "11.2f"),
+                 ("encoder s", "10.2f"), ("decoder s", "10.2f"), ("RTFx", "8.1f"), ("enc-only", "9.1f"),
+                 ("of enc", "7.2f"), ("vs 24+24", "9.2f")],
+                [[r["layout"], r["search"], r["batch"], r["wall_s"], r["load_features_s"], r["encoder_s"],
+                  r["decoder_s"], r["rtfx"], r["encoder_only_rtfx"], r["rtfx_of_encoder_only"], r["rtfx_vs_canary_1b"]]
+                 for r in rows])
+    flash = {f"{r['search']}/{r['batch']}": r["rtfx_vs_canary_1b"] for r in rows if "flash" in r["layout"]}
+    summary = {"device": str(device), "threads": torch.get_num_threads(), "d_model": args.d_model, "dtype": args.dtype,
+               "utterances": len(paths), "audio_s": round(audio_s, 1), "tokens": args.tokens, "rows": rows,
+               "flash_rtfx_vs_canary_1b": flash,  # by "search/batch"
+               "targets": {"flash_rtfx_vs_canary_1b": 2.5, "flash_rtfx_of_encoder_only_greedy_16": 0.5}}
+    if 1 in args.beams and 16 in args.batch_sizes:
+        summary["flash_rtfx_of_encoder_only_greedy_16"] = row("canary-1b-flash", "greedy", 16)["rtfx_of_encoder_only"]
+        summary["met"] = {
+            "flash_2.5x_greedy_1": flash.get("greedy/1", 0.0) >= 2.5,
+            "flash_2.5x_greedy_16": flash["greedy/16"] >= 2.5,
+            "flash_50pct_of_encoder_only_greedy_16": summary["flash_rtfx_of_encoder_only_greedy_16"] >= 0.5,
+        }
     print_json(summary)
+
+
+# --- decode: encoder time and the decoder step with and without the KV cache -------------------------
+
+def decode_flags(p: argparse.ArgumentParser) -> None:
+    add_width_args(p, d_model=256, subsampling_channels=64)
+    p.add_argument("--batch", type=int, default=2, help="utterances per batch")
+    p.add_argument("--seconds", type=float, default=30.0, help="duration of each input")
+    p.add_argument("--tokens", type=int, default=100, help="generated tokens per utterance for RTFx (~30 s of speech)")
+    p.add_argument("--cache-tokens", type=int, default=50, help="n: compare cached vs recomputed at the n-th token")
+    p.add_argument("--repeats", type=int, default=2, help="take the best of this many runs")
+    add_device_args(p)
+
+
+def greedy_cached(model, memory, memory_lens, prompt, steps):
+    """Prefill the prompt, then `steps` argmax steps with the KV cache (EOS ignored: fixed work)."""
+    cache = model.new_cache(memory, memory_lens, prompt.size(1) + steps)
+    logits = model.decode_step(prompt, cache)
+    for _ in range(steps):
+        logits = model.decode_step(logits.argmax(-1, keepdim=True), cache)
+    return logits
+
+
+def recompute_step(model, memory, memory_lens, tokens):
+    """One new token without a cache: the whole decoder over the prefix, logits of the last position."""
+    return model.decoder.output_proj(model.decoder(tokens, memory, memory_lens)[:, -1]).float()
+
+
+def decode_layout(name, enc_layers, dec_layers, args, device) -> dict:
+    model = random_aed(args, enc_layers, dec_layers).to(device).eval()
+    frames = int(args.seconds * 100)  # 10 ms feature hop
+    feats = torch.randn(args.batch, frames, 128, device=device)
+    feat_lens = torch.full((args.batch,), frames, device=device)
+    prompt = torch.randint(10, 5000, (args.batch, 5), device=device)  # the 5-token Canary prompt
+    with torch.inference_mode():
+        enc_s, (memory, memory_lens) = timed(lambda: model.encode(feats, feat_lens), device, args.repeats)
+
+        n = args.cache_tokens
+        prefill_s, _ = timed(lambda: greedy_cached(model, memory, memory_lens, prompt, 0), device, args.repeats)
+        cached_s, _ = timed(lambda: greedy_cached(model, memory, memory_lens, prompt, n), device, args.repeats)
+        cached_mean_ms = (cached_s - prefill_s) / n * 1e3
+
+        # The step that produces token n: its input is token n-1 at position P+n-2 (positions count from 0).
+        tokens = torch.cat([prompt, torch.randint(10, 5000, (args.batch, n - 1), device=device)], dim=1)
+        cache = model.new_cache(memory, memory_lens, tokens.size(1))
+        model.decode_step(tokens[:, :-1], cache)
+
+        def cached_step():
+            cache.length = tokens.size(1) - 1  # rewind: every repeat rewrites the same cache slot
+            return model.decode_step(tokens[:, -1:], cache)
+
+        cached_ms = timed(cached_step, device, args.repeats + 2)[0] * 1e3
+        recompute_ms = timed(lambda: recompute_step(model, memory, memory_lens, tokens), device,
+                             args.repeats + 2)[0] * 1e3
+
+        e2e_s, _ = timed(
+            lambda: greedy_cached(model, *model.encode(feats, feat_lens), prompt, args.tokens), device, args.repeats
+        )
+    return {
+        "layout": name,
+        "params_m": round(count_parameters(model) / 1e6, 2),
+        "encoder_s": round(enc_s, 4),
+        "dec_ms_per_step_cached_mean": round(cached_mean_ms, 3),
+        "dec_ms_at_token_n_cached": round(cached_ms, 3),
+        "dec_ms_at_token_n_recomputed": round(recompute_ms, 3),
+        "kv_cache_speedup_at_token_n": round(recompute_ms / cached_ms, 2),
+        "end_to_end_s": round(e2e_s, 4),
+        "rtfx": round(args.batch * args.seconds / e2e_s, 2),
+    }
+
+
+def decode_mode(args) -> None:
+    device = device_from_args(args)
+    print(f"device {device}, threads {torch.get_num_threads()}, width {args.d_model}, "
+          f"batch {args.batch} x {args.seconds:g} s ({subsampled_length(int(args.seconds * 100))} encoder frames), "
+          f"{args.tokens} tokens for RTFx")
+    rows = []
+    for name, (enc_layers, dec_layers) in LAYOUTS.items():
+        rows.append(decode_layout(name, enc_layers, dec_layers, args, device))
+        log(f"done {name}: rtfx {rows[-1]['rtfx']}")
+    for r in rows:
+        r["rtfx_vs_canary_1b"] = round(r["rtfx"] / rows[0]["rtfx"], 2)
+    n = args.cache_tokens
+    print_table([("layout", "<24"), ("params M", "9.2f"), ("encoder s", "10.3f"), ("cached ms/step", "15.2f"),
+                 (f"cached ms @{n}", "15.2f"), (f"recomp ms @{n}", "15.2f"), ("cache x", "8.1f"), ("e2e s", "8.2f"),
+                 ("RTFx", "8.1f"), ("vs 24+24", "9.2f")],
+                [[r["layout"], r["params_m"], r["encoder_s"], r["dec_ms_per_step_cached_mean"],
+                  r["dec_ms_at_token_n_cached"], r["dec_ms_at_token_n_recomputed"], r["kv_cache_speedup_at_token_n"],
+                  r["end_to_end_s"], r["rtfx"], r["rtfx_vs_canary_1b"]] for r in rows])
+    flash = next(r for r in rows if "flash" in r["layout"])
+    print_json({"device": str(device), "threads": torch.get_num_threads(), "d_model": args.d_model,
+                "batch": args.batch, "seconds": args.seconds, "tokens": args.tokens, "cache_tokens": args.cache_tokens,
+                "rows": rows, "min_kv_cache_speedup_at_token_n": min(r["kv_cache_speedup_at_token_n"] for r in rows),
+                "flash_rtfx_vs_canary_1b": flash["rtfx_vs_canary_1b"],
+                "targets": {"kv_cache_speedup_at_token_n": 5.0, "flash_rtfx_vs_canary_1b": 2.5}})
+
+
+MODES = {  # name: (its flags, its run, what it measures)
+    "systems": (systems_flags, systems_mode, "aed eager / compiled / int8 against faster-whisper and NeMo"),
+    "rtfx": (rtfx_flags, rtfx_mode, "infer.py's pipeline for the layouts 24+24, 24+4, 32+4 at a CPU-sized width"),
+    "decode": (decode_flags, decode_mode, "encoder time and decoder ms/step with and without the KV cache"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_modes(__doc__, MODES, "systems", argv)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
     python train.py configs/tiny.yaml max_steps=400 run_dir=runs/digits          # the digit strings
     python bench/joint_decoding_bench.py --ckpt runs/digits --manifest data/mini/digits/dev.jsonl
 
-Each checkpoint transcribes the manifest through infer.py's pipeline (aed.inference.transcribe) with:
+Each checkpoint transcribes the manifest through infer.py's pipeline (aed.decode_transcribe.transcribe) with:
 - attention: the attention decoder alone, no guards (the decoding before joint CTC/attention existed);
 - guards: + stop at an n-gram repeated more than 4 times or at 25 tokens per second of audio;
 - joint: + CTC prefix scores with weight 0.3 (the default of infer.py and validation);
@@ -21,11 +21,11 @@ import argparse
 from pathlib import Path
 
 import jiwer
-
-from aed.decoding import DecodingOptions
-from aed.inference import load_asr, read_requests, score, transcribe
-from aed.metrics import normalize_text
 from common import add_device_args, device_from_args, load_avg, log, print_json, print_table
+
+from aed.decode_score import simple
+from aed.decode_search import DecodingOptions
+from aed.decode_transcribe import load_model, read_requests, score, transcribe
 
 SETTINGS = {  # name: DecodingOptions fields other than beam_size
     "attention": dict(ctc_weight=0.0, max_repeats=0, max_tokens_per_second=None),
@@ -36,7 +36,7 @@ SETTINGS = {  # name: DecodingOptions fields other than beam_size
 
 def asr_errors(results) -> dict:
     """Corpus insertions, deletions, substitutions and word counts of the ASR results (normalised text)."""
-    pairs = [(normalize_text(r.request.text), normalize_text(r.pred_text)) for r in results
+    pairs = [(simple(r.request.text), simple(r.pred_text)) for r in results
              if r.error is None and r.request.taskname == "asr" and r.request.text]
     out = jiwer.process_words([ref for ref, _ in pairs], [hyp for _, hyp in pairs])
     return {"ins": out.insertions, "del": out.deletions, "sub": out.substitutions,
@@ -55,7 +55,7 @@ def main():
 
     rows = []
     for ckpt in args.ckpt:
-        asr = load_asr(ckpt, device)
+        asr = load_model(ckpt, device)
         requests = read_requests(args.manifest)
         for beam in args.beam_sizes:
             for name, fields in SETTINGS.items():

@@ -1,5 +1,5 @@
 """Word timestamps against known boundaries, and long-audio transcripts with and without chunk
-overlaps, on generated word audio with the word model (tools/make_word_model.py).
+overlaps, on generated word audio with the word model (tests/fixtures/make_word_model.py).
 
     python bench/long_audio_bench.py                                   # the committed model
     python bench/long_audio_bench.py --ckpt /tmp/word_model.pt --files 100
@@ -25,13 +25,13 @@ import jiwer
 import soundfile as sf
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tools/ is not installed
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # the fixtures
 
-import aed.inference  # noqa: E402
-from aed.inference import Request, load_asr, plan_chunks, transcribe  # noqa: E402
-from aed.timestamps import snap_to_speech  # noqa: E402
+import aed.decode_transcribe  # noqa: E402
+from aed.decode_transcribe import Request, load_model, plan_chunks, transcribe  # noqa: E402
+from aed.decode_timestamps import snap_to_speech  # noqa: E402
 from common import ROOT, log, print_json, print_table  # noqa: E402
-from tools.make_word_model import SAMPLE_RATE, load_clips, word_sequence  # noqa: E402
+from fixtures.make_word_model import SAMPLE_RATE, load_clips, word_sequence  # noqa: E402
 
 DEFAULT_CKPT = ROOT / "tests" / "fixtures" / "word_model.pt"
 
@@ -48,7 +48,7 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    asr, clips = load_asr(args.ckpt), load_clips()
+    asr, clips = load_model(args.ckpt), load_clips()
     rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     tmp = tempfile.mkdtemp()
 
@@ -64,8 +64,8 @@ def main():
     stats, rows = {}, []
     for name, snap in (("CTC spans", False), ("snapped to speech", True)):
         log(f"timestamps: {args.files} files, {name}")
-        # The CTC spans alone: aed.inference's narrowing to the speech in each span, switched off.
-        aed.inference.snap_to_speech = snap_to_speech if snap else (lambda words, speech, offset: words)
+        # The CTC spans alone: aed.decode_transcribe's narrowing to the speech in each span, switched off.
+        aed.decode_transcribe.snap_to_speech = snap_to_speech if snap else (lambda words, speech, offset: words)
         results, _ = transcribe(asr, paths, pnc=False, timestamps=True)
         starts, ends, right = [], [], 0
         for res, truth in zip(results, truths):
@@ -80,7 +80,7 @@ def main():
             stats[f"{name} {edge}"] = {k: round(float(v), 3) for k, v in (
                 ("median", errors.median()), ("p90", errors.quantile(0.9)), ("max", errors.max()))}
             rows.append([f"{name} {edge}", *stats[f"{name} {edge}"].values()])
-    aed.inference.snap_to_speech = snap_to_speech
+    aed.decode_transcribe.snap_to_speech = snap_to_speech
     print_table([("word boundary", "<24"), ("median s", ">9.3f"), ("p90 s", ">7.3f"), ("max s", ">7.3f")], rows)
     print(f"{right}/{args.files} files transcribed right; {len(starts)} words timed")
 

@@ -10,17 +10,17 @@
 Two modes.
 
 The small-scale table (default), every number from a real step on the CPU. Three ways to give
-each bucket its batch size, on the synthetic corpus of bench/sampler_bench.py and the same model,
+each bucket its batch size, on the synthetic corpus (common.synthetic_corpus) and the same model,
 optimizer and memory limit (budget minus oom.py's 10% margin):
 (a) 1D, 30 duration buckets, padded-duration heuristic: n = floor(M / d) with the largest M for
     which no bucket exceeds the limit: just below min over buckets of (oom.py's size + 1) x d,
-    then checked by running every bucket's worst-case batch once (aed.oomptimizer.preflight);
+    then checked by running every bucket's worst-case batch once (aed.memory_oomptimizer.preflight);
 (b) the same 1D buckets, sizes from oom.py;
 (c) 2D 30x2 buckets, sizes from oom.py.
 1D buckets are bounded in tokens by the bin's max tokens/s x d (bins.max_tps, as oom.py does).
 The mean batch size is what training sees: examples / batches, with every bucket's occupancy on
 the corpus (bins.counts). The paper: (b)/(a) = 3.4x, (c)/(a) = 5x; target here (c)/(a) >= 3x.
-Memory is measured on CPU (live tensor bytes, aed/memory.py), every number from a real step. The
+Memory is measured on CPU (live tensor bytes, aed/memory_measure.py), every number from a real step. The
 search runs ~400 steps, so the default model is Canary-1B's proportions at 1/16 width (d 64, one
 attention head per 64 dims as Canary's 8 per 1024, subsampling channels d/4, vocab 5d) with 4+4
 layers (Canary-1B: 24+24): 0.7M parameters, chosen so that attention (quadratic in duration),
@@ -28,8 +28,8 @@ per-frame and per-token memory keep roughly Canary's proportions. Timings share 
 other jobs.
 
 `--scale PRESET --memory-model FIT.json`: the paper's E2 table (sec. 4) for a 1B preset on an
-80 GiB CUDA device in bf16, simulated (aed/simulated_memory.py). The workload is
-sampler_bench.paper_corpus (0.5-40 s, four languages' speech rates, 6% long low-speech segments,
+80 GiB CUDA device in bf16, simulated (aed/memory_measure.py). The workload is
+common.paper_corpus (0.5-40 s, four languages' speech rates, 6% long low-speech segments,
 1% long-transcript outliers); examples longer than the decoder (model.dec_max_len) are dropped,
 as train.py does. Every batch of one full epoch of the real sampler (one rank) is checked against
 the limit (allocated_limit: 80 GiB minus the 10% margin, the CUDA context and cuBLAS) with the
@@ -66,19 +66,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import (add_width_args, epoch_batch, log, paper_corpus, print_json, print_table, random_aed,
+                    show_library_logs, simulated_step, synthetic_corpus)
 
-from aed.audio import FeatureConfig, num_frames
-from aed.config import load_train_config
-from aed.memory import format_bytes, parse_bytes
-from aed.memory_model import MemoryModel
+from aed.data_audio import FeatureConfig, num_frames
+from aed.data_bins import bucket_shapes
+from aed.memory_measure import SimulatedDevice, allocated_limit, format_bytes, parse_bytes
+from aed.memory_oomptimizer import (MemoryBudgetError, MemoryModel, TrainingStep, make_monotone, optimize,
+                                    optimize_with_model, preflight)
 from aed.model import AED, AEDConfig, count_parameters
-from aed.oomptimizer import (MemoryBudgetError, TrainingStep, bucket_shapes, make_monotone, optimize,
-                             optimize_with_model, preflight)
-from aed.simulated_memory import SimulatedDevice, allocated_limit
+from aed.train_config import load_train_config
 from bins import estimate_bins
-from common import add_width_args, epoch_batch, log, print_json, print_table, random_aed, show_library_logs
 from sampler import BucketingSampler
-from sampler_bench import paper_corpus, synthetic_corpus
 
 PAPER = {"C/A": 3.4, "D/A": 5.0, "tps_peak_reduction": 0.20}  # sec. 4, E2
 
@@ -231,10 +230,8 @@ def strategy_grid(args) -> None:
 
 
 def confirm(preset: AEDConfig, worst: dict, frames) -> list:
-    """Runs every scheme's worst predicted batches as simulated steps (bench/oom_scale_bench.py's
-    step, the one the memory model was fitted to): [{scheme, B, T, U, predicted, simulated, error}]."""
-    from oom_scale_bench import simulated_step
-
+    """Runs every scheme's worst predicted batches as simulated steps (common.simulated_step, the step
+    bench/oom_scale_bench.py fitted the memory model to): [{scheme, B, T, U, predicted, simulated, error}]."""
     rows = []
     with SimulatedDevice():
         step = simulated_step(preset)

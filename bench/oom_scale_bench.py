@@ -7,21 +7,21 @@
     python bench/oom_scale_bench.py fit configs/canary-1b.yaml --strategy fsdp --world-size 8 --out 1b.fsdp8.json
     python bench/oom_scale_bench.py validate-cuda configs/canary-1b.yaml --out 1b.cuda.json     # on a GPU: real steps
 
-`fit`: simulated training steps (aed/simulated_memory.py: the real train_step on fake CPU tensors,
+`fit`: simulated training steps (aed/memory_measure.py: the real train_step on fake CPU tensors,
 bf16 autocast, AdamW, SpecAugment, CUDA's 512-byte allocation rounding) of a preset at FIT shapes,
-a MemoryModel (aed/memory_model.py) fitted to them, and its error on HELD_OUT shapes it did not
+a MemoryModel (aed/memory_oomptimizer.py) fitted to them, and its error on HELD_OUT shapes it did not
 see. Batch sizes are picked so the steps are near an 80 GiB device's limit, where the fit matters.
 Writes the coefficients, every step and the errors as JSON.
 
-`validate`: the simulator against real CPU steps (aed/memory.py's LiveTensorMemory, the same count
+`validate`: the simulator against real CPU steps (aed/memory_measure.py's LiveTensorMemory, the same count
 of live tensor storages, exact to the byte against the c10 allocator) for small configs, both
 objectives, fp32 and bf16, long transcripts included. Both run on the CPU, so this checks the
 fake-tensor execution and the host values; what a CUDA device adds is checked by
 tests/test_cuda_oom.py on a GPU.
 
 `fit --strategy fsdp --world-size W`: the same steps on one rank of FSDP over W ranks: the model
-sharded as train.py shards it (aed/parallel.py, bf16 parameters as on CUDA) over a fake process
-group (aed/simulated_memory.py `fake_world`). `--strategy ddp` adds DDP's gradient buckets.
+sharded as train.py shards it (aed/train_distributed.py, bf16 parameters as on CUDA) over a fake process
+group (aed/memory_measure.py `fake_world`). `--strategy ddp` adds DDP's gradient buckets.
 
 `validate-fsdp`: a real FSDP step at world size 2 (torchrun, gloo; fp32, and/or bf16 parameters and
 autocast as train.py runs FSDP on CUDA; one world runs every precision asked for) measured on rank 0
@@ -46,17 +46,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import simulated_step
 from torch.nn.parallel import DistributedDataParallel
 
-from aed.config import OptimConfig
-from aed.memory_model import MemoryModel
+from aed.memory_measure import CUBLAS_WORKSPACE, LiveTensorMemory, SimulatedDevice, fake_world
+from aed.memory_oomptimizer import MemoryModel, TrainingStep
 from aed.model import AED, AEDConfig
-from aed.memory import LiveTensorMemory
-from aed.parallel import shard
-from aed.simulated_memory import CUBLAS_WORKSPACE, CUDA_BLOCK, SimulatedDevice, fake_world
-from aed.transducer import TransducerASR
-from aed.training import build_optimizer
-from aed.oomptimizer import TrainingStep
+from aed.model_transducer import TransducerASR
+from aed.train_config import OptimConfig
+from aed.train_distributed import shard
+from aed.train_step import build_optimizer
 
 # (seconds of audio, tokens per second, seconds in the batch): 0.5-40 s, 3-25 tokens/s, batches of
 # 500 or 900 s (Canary-1B fills 80 GiB near 900 s), and long-transcript outliers at 45-80 tokens/s
@@ -69,20 +68,6 @@ FRAMES_PER_SECOND = 100  # 10 ms hop
 
 def shape(d, tps, seconds, max_tokens):
     return max(1, int(seconds // d)), d * FRAMES_PER_SECOND + 1, max(2, min(max_tokens, round(d * tps)))
-
-
-def simulated_step(cfg: AEDConfig, strategy: str | None = None, world_size: int = 1) -> TrainingStep:
-    """The step the fit measures, built inside SimulatedDevice() (and for fsdp inside
-    fake_world(world_size)): the preset's AED, AdamW with train.py's defaults, bf16 autocast,
-    CUDA's 512-byte rounding, optimizer state created. ddp adds its gradient buckets; fsdp shards
-    the model as train.py does on CUDA (bf16 parameters, fp32 reductions)."""
-    model = AED(cfg).train()
-    if strategy == "fsdp":
-        shard(model, torch.device("cpu"), world_size, "bf16", bf16_params=True)
-    step = TrainingStep(model, build_optimizer(model, OptimConfig()), "bf16", ddp=strategy == "ddp",
-                        granularity=CUDA_BLOCK)
-    step.warm_up(101, 10)
-    return step
 
 
 def fit(args):
@@ -200,7 +185,7 @@ def fsdp_rank(args):
 
 def validate_fsdp(args):
     real = Path(args.out).with_suffix(".real.json")
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}  # RSS: see aed/memory.py
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}  # RSS: see aed/memory_measure.py
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                     str(args.world_size), __file__, "fsdp-rank", "--out", str(real), "--precision", *args.precision],
                    env=env, check=True)

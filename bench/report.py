@@ -5,8 +5,8 @@
     python bench/report.py --render docs/report_results.json   # re-render text and plots of the committed run
     pip install -r bench/requirements-report.txt        # matplotlib, for the plots (optional)
 
-The full mode took 29 min on a shared 2-core machine, plus 6 min the first time to generate the
-3-hour corpus into runs/report/data_3h (reused afterwards; --data DIR to put it elsewhere).
+The full mode generates a 3-hour corpus into runs/report/data_3h the first time (reused afterwards;
+--data DIR to put it elsewhere).
 
 Every number in the report comes from this run: the existing benchmarks run as subprocesses and
 their JSON last lines are parsed, and the training runs are real `train.py` runs.
@@ -16,16 +16,17 @@ their JSON last lines are parsed, and the training runs are real `train.py` runs
   2 and 4 gloo processes (1 thread each; 4 processes time-share 2 cores; --quick: 2 only).
 - E2 sampling schemes A-D: sampler-only figures from bench/sampler_bench.py and bench/oom_bench.py
   on the synthetic 100k corpus; then real training of configs/tiny.yaml's model on a corpus from
-  tools/make_mini_data.py (full: --hours 3; --quick: the bundled data/mini), one run per scheme,
-  each stopped (SIGTERM) when its logged step times add up to the same training-time budget:
+  data/make_mini_data.py (full: --hours 3; --quick: the bundled data/mini), one run per scheme
+  (common.train_run, as bench/train_bench.py trains its schemes), each stopped (SIGTERM) when its
+  logged step times add up to the same training-time budget:
     A  1D buckets, padded-duration budget (train.max_duration)
     B  A + tokens-per-second filter at 25 (train.max_tps)
     C  B with per-bucket batch sizes from oom.py, memory budget = A's measured worst bucket
     D  2D buckets (x2 token sub-buckets) + TPS filter + oom.py sizes for the same memory
   The E2 table at the paper's scale (bench/oom_bench.py --scale, an hour of CPU per preset) is not
   rerun: its saved results (docs/e2_scale.json) are rendered as they are.
-- E3 architecture: bench/rtfx_bench.py (24+24, 24+4, 32+4 at one CPU-sized width) and the
-  parameter counts of the full-size presets (built on the meta device).
+- E3 architecture: `bench/infer_speed_bench.py rtfx` (24+24, 24+4, 32+4 at one CPU-sized width) and
+  the parameter counts of the full-size presets (built on the meta device).
 - E4 convergence: a fixed batch size (one bucket, every batch padded to its longest; the largest
   size whose worst batch fits A's padded-duration budget) vs D, the same training-time budget.
 
@@ -41,8 +42,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -50,17 +49,17 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
 import torch
+from common import (MINI_TOKENIZER, ROOT, cores, epoch_batch, fixed_overrides, last_json, load_avg, log,
+                    max_duration_sizes, oom_sizes, python_script, run_script, script_failed, train_run, worst_bucket,
+                    write_config)
 
-from aed.data import encode_utterance, read_manifest
+from aed.data_batch import encode_utterance
+from aed.data_manifest import read_manifest
+from aed.data_tokenizer import Tokenizer
 from aed.model import AED, AEDConfig, count_parameters
-from aed.oomptimizer import TrainingStep, preflight
-from aed.tokenizer import Tokenizer
-from aed.training_setup import load_training_setup
-from bins import Bins, estimate_bins, load_batch_sizes
-from common import (MINI_TOKENIZER, ROOT, cores, epoch_batch, last_json, load_avg, log, max_duration_sizes,
-                    python_script, read_metrics, run_script, script_failed, step_totals, write_config)
+from aed.train_step import load_training_setup
+from bins import estimate_bins, load_batch_sizes
 
 PAPER = {"sync": {2: 7, 16: 13, 128: 20}, "b/a": 3.4, "c/a": 5.0,
          "rtfx": {"canary-1b (24+24)": 345, "24+4": 1097, "canary-1b-flash (32+4)": 992}}
@@ -72,7 +71,7 @@ MODES = {
         "sync_real_ranks": [2, 4],
         "sampler_bench": ["--synthetic", "100000", "--slow-examples", "5000"],
         "oom_bench": ["--threads", "1"],
-        "rtfx_bench": ["--utterances", "24", "--beams", "1"],
+        "rtfx": ["--utterances", "24", "--beams", "1"],
         "hours": 3.0, "buckets": 10, "budget_s": 120.0, "val_every": 40, "val_utterances": None,
         "max_duration": 60.0,
     },
@@ -83,8 +82,8 @@ MODES = {
         "sync_real_ranks": [2],  # 4 processes took 23 s of --quick's 140 on 2 cores
         "sampler_bench": ["--synthetic", "5000", "--slow-examples", "500", "--buffer-size", "2000"],
         "oom_bench": ["--threads", "1", "--synthetic", "5000", "--buckets", "2"],
-        "rtfx_bench": ["--utterances", "2", "--batch-sizes", "1", "--beams", "1", "--tokens", "5",
-                       "--min-seconds", "1", "--max-seconds", "3"],
+        "rtfx": ["--utterances", "2", "--batch-sizes", "1", "--beams", "1", "--tokens", "5",
+                 "--min-seconds", "1", "--max-seconds", "3"],
         "hours": 0.0, "buckets": 3, "budget_s": None, "steps": 4, "val_every": 4, "val_utterances": 8,
         "max_duration": 20.0,
     },
@@ -127,77 +126,19 @@ def machine() -> dict:
 
 
 def prepare_corpus(mode: dict, args, work: Path) -> tuple:
-    """(train manifest, dev manifest, how it was made)."""
+    """(train manifest, dev manifest, how it was made: the command, with the corpus's path relative to
+    the checkout when it is inside, as the report quotes it)."""
     if not mode["hours"]:
         return ROOT / "data/mini/train.jsonl", ROOT / "data/mini/dev.jsonl", "the bundled data/mini"
-    out = Path(args.data) if args.data else ROOT / "runs" / "report" / f"data_{mode['hours']:g}h"
-    cmd = ["tools/make_mini_data.py", "-o", str(out), "--hours", f"{mode['hours']:g}", "--num-workers", str(cores()),
-           "--seed", "0"]
+    out = Path(args.data).resolve() if args.data else ROOT / "runs" / "report" / f"data_{mode['hours']:g}h"
+    shown = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out  # commands run from the checkout
+    cmd = ["data/make_mini_data.py", "-o", str(shown), "--hours", f"{mode['hours']:g}", "--num-workers",
+           str(cores()), "--seed", "0"]
     how = f"`{shlex.join(cmd)}`"
     if (out / "train.jsonl").exists():
         return out / "train.jsonl", out / "dev.jsonl", how + " (reused from an earlier run)"
     run_script(cmd, work / "make_mini_data.log")
     return out / "train.jsonl", out / "dev.jsonl", how
-
-
-def step_clock(rows: list, restarts: set) -> dict:
-    """step -> training seconds at its end: the running sum of logged step times, where a step
-    logged right after a validation or a (re)start counts as the median step (its logged time
-    includes the validation or the DataLoader start)."""
-    train = [r for r in rows if "train/step_time" in r]
-    after = {r["step"] + 1 for r in rows if "val/dev/loss" in r} | restarts
-    median = float(np.median([r["train/step_time"] for r in train])) if train else 0.0
-    clock, t = {0: 0.0}, 0.0
-    for r in train:
-        t += median if r["step"] in after else r["train/step_time"]
-        clock[r["step"]] = t
-    return clock
-
-
-def train_run(name: str, config: Path, overrides: list, mode: dict, work: Path) -> dict:
-    """One train.py run stopped at the training-time budget, then one more step and a validation."""
-    run_dir = work / "runs" / name
-    shutil.rmtree(run_dir, ignore_errors=True)  # a run left by an earlier report would be resumed
-    base = ["train.py", str(config), f"run_dir={run_dir}", "log_every=1", "keep_last=1", "cpu_threads=1", *overrides]
-    log_path = work / f"train_{name}.log"
-    t0 = time.time()
-    if mode["budget_s"] is None:  # --quick: a fixed number of steps, in this process
-        python_script(base + [f"max_steps={mode['steps']}", f"val.every={mode['val_every']}",
-                               f"ckpt_every={mode['steps']}"], log_path, in_process=True)
-        restarts = {1}
-    else:
-        cmd = base + ["max_steps=10000000", f"val.every={mode['val_every']}", "ckpt_every=10000000"]
-        log(f"[{name}] $ {shlex.join(cmd)}  (SIGTERM after {mode['budget_s']:g} s of training)")
-        with open(log_path, "w") as f:
-            proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT)
-            while proc.poll() is None:
-                time.sleep(1)
-                if max(step_clock(read_metrics(run_dir), {1}).values()) >= mode["budget_s"]:
-                    proc.send_signal(signal.SIGTERM)  # train.py saves a checkpoint and exits 0
-                    proc.wait()
-        if proc.returncode != 0:
-            script_failed("train.py", proc.returncode, log_path)
-        # Resume for one more step, which ends with a validation at the budget.
-        last = max(r["step"] for r in read_metrics(run_dir) if "train/step_time" in r)
-        run_script(base + [f"max_steps={last + 1}", f"val.every={last + 1}", f"ckpt_every={last + 1}"], log_path,
-                   append=True)
-        restarts = {1, last + 1}
-    rows = read_metrics(run_dir)
-    log(f"[{name}] done in {time.time() - t0:.0f} s")
-    return summarize(rows, restarts) | {"wall_s": time.time() - t0}
-
-
-def summarize(rows: list, restarts: set) -> dict:
-    """Batch size, element-weighted padding, throughput, memory, and the validation curve."""
-    totals = step_totals([r for r in rows if "train/step_time" in r])
-    clock = step_clock(rows, restarts)
-    seconds = max(clock.values())
-    val = [{"step": r["step"], "seconds": clock[r["step"]], "loss": r["val/dev/loss"],
-            "wer": r.get("val/dev/wer")} for r in rows if "val/dev/loss" in r]
-    return {"steps": totals["steps"], "seconds": seconds, "batch": totals["batch"],
-            "audio_padding": totals["audio_padding"], "text_padding": totals["text_padding"],
-            "audio_s_per_s": totals["audio_s"] / seconds, "audio_hours": totals["audio_s"] / 3600,
-            "rss_gb": totals["memory_gb"], "val": val}
 
 
 def run_training(mode: dict, args, work: Path) -> dict:
@@ -214,44 +155,38 @@ def run_training(mode: dict, args, work: Path) -> dict:
                           val={"manifests": [str(dev_path)], "max_utterances": mode["val_utterances"]})
 
     nb, m = mode["buckets"], mode["max_duration"]
-    bins = {"1d": estimate_bins(durs, toks, nb, 1), "2d": estimate_bins(durs, toks, nb, 2, method="equal")}  # the paper's bins
+    bins = {"1d": estimate_bins(durs, toks, nb, 1),
+            "2d": estimate_bins(durs, toks, nb, 2, method="equal")}  # the paper's bins
     for k, b in bins.items():
         b.save(work / f"bins_{k}.json")
-    # Memory of a scheme = its worst bucket's peak, measured by aed.oomptimizer.preflight (CPU: live tensor bytes).
-    setup = load_training_setup(str(config), torch.device("cpu"))
-
-    def bound(b: Bins, sizes: list, max_tps=None) -> int:
-        return max(preflight(TrainingStep.of(setup), setup.bucket_shapes(b, max_tps), sizes, 1 << 40))
-
+    setup = load_training_setup(str(config), torch.device("cpu"))  # memory of a scheme: common.worst_bucket
     sizes_a = max_duration_sizes(bins["1d"], m)
-    budget = bound(bins["1d"], sizes_a)
+    budget = worst_bucket(setup, bins["1d"], sizes_a)
     fixed_n = max(1, int(m // max(durs)))  # the largest batch of the longest utterances inside A's budget
-    oom_sizes = {}
-    for k in ("1d", "2d"):
-        out = work / f"batch_sizes_{k}.json"
-        python_script(["oom.py", "--config", config, "--bins", work / f"bins_{k}.json", "-o", out, "--memory-budget",
-                       budget, "--margin", "0", "--threshold", "0.1", "--max-tps", TPS_FILTER, "--device", "cpu"],
-                      work / f"oom_{k}.log", in_process=args.quick)
-        oom_sizes[k] = out
+    oom = {k: work / f"batch_sizes_{k}.json" for k in ("1d", "2d")}
+    for k, out in oom.items():
+        oom_sizes(config, ["-o", out], budget, work / f"oom_{k}.log", "--bins", work / f"bins_{k}.json",
+                  "--max-tps", TPS_FILTER, in_process=args.quick)
 
     common = [f"train.num_buckets={nb}", f"train.buffer_size={len(utts)}"]
     schemes = {
-        "fixed": (["train.num_buckets=1", "train.sub_buckets=1", f"train.batch_size={fixed_n}",
-                   "train.max_duration=null"], estimate_bins(durs, toks, 1, 1), [fixed_n], None),
+        "fixed": (fixed_overrides(fixed_n), estimate_bins(durs, toks, 1, 1), [fixed_n], None),
         "A": ([f"train.bins={work / 'bins_1d.json'}", f"train.max_duration={m}"], bins["1d"], sizes_a, None),
         "B": ([f"train.bins={work / 'bins_1d.json'}", f"train.max_duration={m}", f"train.max_tps={TPS_FILTER}"],
               bins["1d"], sizes_a, TPS_FILTER),
-        "C": ([f"train.batch_sizes={oom_sizes['1d']}", f"train.max_tps={TPS_FILTER}"],
-              *load_batch_sizes(oom_sizes["1d"]), TPS_FILTER),
-        "D": ([f"train.batch_sizes={oom_sizes['2d']}", f"train.max_tps={TPS_FILTER}"],
-              *load_batch_sizes(oom_sizes["2d"]), TPS_FILTER),
+        "C": ([f"train.batch_sizes={oom['1d']}", f"train.max_tps={TPS_FILTER}"],
+              *load_batch_sizes(oom["1d"]), TPS_FILTER),
+        "D": ([f"train.batch_sizes={oom['2d']}", f"train.max_tps={TPS_FILTER}"],
+              *load_batch_sizes(oom["2d"]), TPS_FILTER),
     }
     runs = {}
     for name, (overrides, b, sizes, max_tps) in schemes.items():
         flat = [s for row in sizes for s in row] if isinstance(sizes[0], list) else list(sizes)
-        runs[name] = train_run(name, config, common + overrides, mode, work) | {
-            "buckets": len(flat), "sizes": flat, "bound_bytes": bound(b, sizes, max_tps),
-            "epoch_batch": epoch_batch(b, flat) if b.counts else None}
+        run = train_run(name, config, common + overrides, work, steps=mode.get("steps"), budget_s=mode["budget_s"],
+                        val_every=mode["val_every"], in_process=args.quick)
+        run["rss_gb"] = run.pop("memory_gb")  # the report's name for train.py's memory: a CPU process's RSS
+        runs[name] = run | {"buckets": len(flat), "sizes": flat, "bound_bytes": worst_bucket(setup, b, sizes, max_tps),
+                            "epoch_batch": epoch_batch(b, flat) if b.counts else None}
     return {"corpus": corpus, "budget_bytes": budget, "fixed_batch": fixed_n, "max_duration": m, "buckets": nb,
             "budget_s": mode["budget_s"], "val_every": mode["val_every"], "runs": runs}
 
@@ -342,7 +277,7 @@ def scale_section(path: Path = E2_SCALE) -> list:
     runs = json.loads(path.read_text())
     s = ["### E2 at the paper's scale: Canary-1B and Canary-1B-Flash on a simulated 80 GiB GPU", "",
          "Every batch of one epoch of the real sampler (one rank, a 100k-utterance workload shaped like the "
-         "paper's data: `sampler_bench.paper_corpus`) is checked against the tensor limit (80 GiB minus the 10% "
+         "paper's data: `common.paper_corpus`) is checked against the tensor limit (80 GiB minus the 10% "
          "margin, CUDA context and cuBLAS workspace; batches are sized to it less the model's worst held-out "
          "under-estimate) with a memory model fitted to simulated bf16 training steps of the preset "
          "(`bench/oom_scale_bench.py fit`); each scheme's two worst batches are then run as simulated steps. "
@@ -388,11 +323,23 @@ HAND_WRITTEN = "<!-- hand-written below this line: bench/report.py keeps it when
 
 
 def write_report(res: dict, out: Path, pngs: list) -> Path:
-    m, e2, runs = res["machine"], res["e2"], res["e2"]["runs"]
+    """REPORT.md in `out`: the generated sections, then whatever an older REPORT.md there holds below
+    HAND_WRITTEN."""
     def figure(name: str, alt: str) -> str:
         return f"![{alt}]({name})" if name in pngs else f"*(plot {name} skipped: matplotlib missing)*"
 
-    s = [f"# Reproducing the paper's experiments at CPU scale{' (--quick)' if res['quick'] else ''}", "",
+    s = (header_section(res) + e1_section(res, figure) + e2_section(res, figure) + scale_section()
+         + e3_section(res) + e4_section(res, figure))
+    path = out / "REPORT.md"
+    old = path.read_text() if path.exists() else ""
+    kept = "\n" + old[old.index(HAND_WRITTEN):] if HAND_WRITTEN in old else ""  # hand-written sections survive
+    path.write_text("\n".join(s) + "\n" + kept)
+    return path
+
+
+def header_section(res: dict) -> list:
+    m = res["machine"]
+    return [f"# Reproducing the paper's experiments at CPU scale{' (--quick)' if res['quick'] else ''}", "",
          "Generated by `bench/report.py`; every number below was measured by that run. The paper: Zelasko et al. "
          "2025, *Training and Inference Efficiency of Encoder-Decoder Speech Models* (GPU clusters, 1B models); "
          "here: a shared 2-core CPU and models of a few million parameters, so compare trends, not magnitudes.", "",
@@ -403,10 +350,11 @@ def write_report(res: dict, out: Path, pngs: list) -> Path:
                                                         "(the report itself keeps ~1 core busy; more means other jobs, and noisier timings)"],
                           ["total runtime", f"{res['seconds'] / 60:.1f} min"]]), ""]
 
-    # E1
+
+def e1_section(res: dict, figure) -> list:
     cost_model = ("cost model fitted to forward+backward times of configs/tiny.yaml on this CPU"
                   if res["e1a"]["cost_model"] != "flops" else "FLOP cost model of a 1B model on a GPU (--quick)")
-    s += ["## E1 Synchronized bucket selection", "",
+    s = ["## E1 Synchronized bucket selection", "",
           "Paper: drawing the same bucket on every rank at each step makes steps 7% / 13% / 20% faster at "
           "2 / 16 / 128 GPUs, because a DDP step waits for its slowest rank.", "",
           f"**(a) Simulated** (`bench/sync_bench.py`, {cost_model}; R samplers on the synthetic corpus, "
@@ -433,10 +381,20 @@ def write_report(res: dict, out: Path, pngs: list) -> Path:
           "(see busy); differences of a few percent are within the step-to-step noise of processes sharing "
           "2 cores. The simulation in (a) models a cluster's independent GPUs, which these processes are not.", "",
           figure("e1_sync.png", "E1"), ""]
+    return s
 
-    # E2 sampler-only
+
+def training_budget(e2: dict) -> str:
+    """What the E2 and E4 runs had in common: a training-time budget, or (--quick) a number of steps."""
+    if e2["budget_s"]:
+        return f"the same training-time budget of {e2['budget_s']:g} s (sum of step times, validation excluded)"
+    return f"{e2['runs']['A']['steps']} steps each (--quick: equal steps, not equal time)"
+
+
+def e2_section(res: dict, figure) -> list:
+    e2, runs = res["e2"], res["e2"]["runs"]
     sb = res["sampler"]["schemes"]
-    s += ["## E2 Sampling schemes A-D", "",
+    s = ["## E2 Sampling schemes A-D", "",
           "Paper: per-bucket batch sizes from the OOMptimizer give 3.4x the mean batch size of a 1D "
           "padded-duration heuristic (C vs A); 2D buckets 5x (D vs A).", "",
           f"**Sampler only**, {res['sampler']['workload']['data']} utterances (`bench/sampler_bench.py`, "
@@ -454,8 +412,6 @@ def write_report(res: dict, out: Path, pngs: list) -> Path:
                     ["(b) 1D + oom.py", f"{ob['b']['mean_batch']:.1f}", f"{ob['ratios']['b/a']:.2f}x", "3.4x"],
                     ["(c) 2D + oom.py", f"{ob['c']['mean_batch']:.1f}", f"{ob['ratios']['c/a']:.2f}x", "5x"]]))
     c = e2["corpus"]
-    budget = (f"the same training-time budget of {e2['budget_s']:g} s (sum of step times, validation excluded)"
-              if e2["budget_s"] else f"{runs['A']['steps']} steps each (--quick: equal steps, not equal time)")
     s += ["", f"**Training** the model of configs/tiny.yaml on {c['how']}: {c['utterances']} utterances, "
           f"{c['hours']:.2f} h, {c['min_s']:.2f}-{c['max_s']:.2f} s; dev {c['dev_utterances']} utterances (sentences "
           f"not in train). Buckets: {e2['buckets']} (1D) and {e2['buckets']}x2 (2D); A's budget "
@@ -464,26 +420,27 @@ def write_report(res: dict, out: Path, pngs: list) -> Path:
           f"{TPS_FILTER:g} tokens/s x its duration, the filter's limit, where A's memory was measured at the bins' "
           f"own max tokens/s, so C's search is the more conservative). The TPS filter at {TPS_FILTER:g} tokens/s "
           f"matches {c['over_tps_filter']} utterance(s) of this corpus (max {c['max_tps']:.1f} tokens/s). "
-          f"One torch thread and one loader worker per run; {budget}; validation every {e2['val_every']} steps and "
+          f"One torch thread and one loader worker per run; {training_budget(e2)}; validation every {e2['val_every']} steps and "
           "at the end.", ""]
     s.append(run_table(runs, ["A", "B", "C", "D"]))
     s += ["", "batch = mean examples per step during training; epoch batch = over an epoch from the bucket counts; "
           "padding is element-weighted (1 - real / padded); audio s/s = training audio seconds per second of "
-          "training; memory = the worst bucket's peak of live tensors (aed.oomptimizer.preflight), RSS = train.py's process "
+          "training; memory = the worst bucket's peak of live tensors (aed.memory_oomptimizer.preflight), RSS = train.py's process "
           "memory (includes ~1 GB of runtime).", "",
           "The runs ran one after another; whatever else used the 2 cores (see the load averages) changed how "
           "much CPU each run got: compare s/step of runs with similar batch sizes and padding. Steps, audio s/s "
           "and the curves against seconds therefore compare the runs only roughly; batch sizes, padding, memory "
           "and the curves against steps do not depend on the load.", "", figure("e2_schemes.png", "E2"), ""]
-    s += scale_section()
+    return s
 
-    # E3
+
+def e3_section(res: dict) -> list:
     rt = res["rtfx"]
-    s += ["## E3 Architecture: RTFx and parameters", "",
+    s = ["## E3 Architecture: RTFx and parameters", "",
           "Paper Table 3 (GPU): RTFx 345 (24+24), 1097 (24+4), 992 (32+4), i.e. the Flash layout ~3x the "
           "24+24 one.", "",
-          f"`bench/rtfx_bench.py`: infer.py's pipeline (WAV files -> features -> encoder -> greedy decoding) with "
-          f"random weights at width {rt['d_model']} (layer counts as the presets), {rt['utterances']} generated "
+          f"`bench/infer_speed_bench.py rtfx`: infer.py's pipeline (WAV files -> features -> encoder -> greedy "
+          f"decoding) with random weights at width {rt['d_model']} (layer counts as the presets), {rt['utterances']} generated "
           f"files / {rt['audio_s']:g} s of audio, {rt['tokens']} tokens per utterance, {rt['threads']} thread, "
           f"{rt['device']}:", ""]
     s.append(table(["layout", "search", "batch", "RTFx", "encoder-only RTFx", "vs 24+24", "paper RTFx"],
@@ -493,13 +450,16 @@ def write_report(res: dict, out: Path, pngs: list) -> Path:
     s.append(table(["preset", "layout", "encoder", "decoder", "total"],
                    [[r["preset"], r["layout"], f"{r['encoder']:,}", f"{r['decoder']:,}", f"{r['total']:,}"]
                     for r in res["params"]]))
+    return s
 
-    # E4
+
+def e4_section(res: dict, figure) -> list:
+    e2, runs = res["e2"], res["e2"]["runs"]
     f_, d_ = runs["fixed"], runs["D"]
-    s += ["", "## E4 Convergence: fixed batch size vs optimised 2D", "",
+    s = ["", "## E4 Convergence: fixed batch size vs optimised 2D", "",
           "Paper: the 2D setup reaches the same WER in about half the steps, with 4.5% / 19% audio / text "
           "padding vs 57% / 59% for fixed-size batches.", "",
-          f"Same model, data and {budget.split(';')[0]}. fixed = one bucket, batch size {e2['fixed_batch']} (the "
+          f"Same model, data and {training_budget(e2)}. fixed = one bucket, batch size {e2['fixed_batch']} (the "
           f"largest whose worst batch stays inside A's {e2['max_duration']:g} s budget), every batch padded to its "
           "longest utterance; D as above.", ""]
     s.append(run_table(runs, ["fixed", "D"]))
@@ -519,11 +479,7 @@ def write_report(res: dict, out: Path, pngs: list) -> Path:
           "convergence measure here; the WER columns are reported as measured.",
           "- Speeds were taken on 2 cores that other jobs may share (see the load averages); padding, batch sizes and counts are "
           "exact, time ratios are rough."]
-    path = out / "REPORT.md"
-    old = path.read_text() if path.exists() else ""
-    kept = "\n" + old[old.index(HAND_WRITTEN):] if HAND_WRITTEN in old else ""  # hand-written sections survive
-    path.write_text("\n".join(s) + "\n" + kept)
-    return path
+    return s
 
 
 def run_table(runs: dict, names: list) -> str:
@@ -572,7 +528,7 @@ def main():
     res["sampler"] = run_json(["bench/sampler_bench.py", *mode["sampler_bench"]], work / "sampler_bench.log")
     res["oom_bench"] = run_json(["bench/oom_bench.py", *mode["oom_bench"]], work / "oom_bench.log", args.quick)
     res["e2"] = run_training(mode, args, work)
-    res["rtfx"] = run_json(["bench/rtfx_bench.py", *mode["rtfx_bench"]], work / "rtfx_bench.log", args.quick)
+    res["rtfx"] = run_json(["bench/infer_speed_bench.py", "rtfx", *mode["rtfx"]], work / "infer_rtfx.log", args.quick)
     res["params"] = parameter_counts()
     res["machine"]["load_end"] = load_avg()
     res["seconds"] = time.time() - t0

@@ -8,7 +8,7 @@
 Schemes: fixed batch size (one bucket: the baseline that pads everything), 1D 30 buckets with a
 360 s padded-duration budget, 2D 30x2 equal-count (the paper's) strict / flexible with the same
 budget, 2D flexible plus the per-bucket TPS filter, 2D with per-bucket batch sizes
-(`--batch-sizes`, oom.py's JSON; by default a stand-in memory model, see `model_batch_sizes`),
+(`--batch-sizes`, oom.py's JSON; by default a stand-in memory model, `common.model_batch_sizes`),
 and `2d-optimised`: the same 60 buckets laid out for the least padding (bins.py), flexible.
 Padding is element-weighted over the epoch: 1 - sum(lengths) / sum(batch_size * max_length).
 Every scheme runs in a fresh process so its peak RSS is its own (the RSS includes the examples
@@ -18,11 +18,11 @@ producer thread: the first batch waits for start_fill x buffer_size examples, so
 example and 10% of 20000 it cannot come before 0.4 s (the table shows what the source alone took).
 `--frontier 30 40` adds the optimised bins' audio/text padding trade-off at 60 and 80 buckets.
 
-`--synthetic N` mimics a large ASR/AST corpus: 64% of utterances 2-20 s, 28% a tail to 40 s, 4%
-long recordings with little speech, 3% under 2 s, 1% high-TPS outliers (2-4x); 3.4 +- 0.5
-tokens/s plus a 6-token prompt. `--workload wide` is `wide_corpus` instead: speech rates spread
-from 0.5 to 6 tokens/s (see there); `--workload paper` is `paper_corpus`, the workload of
-bench/oom_bench.py's E2 table. Timings share 2 cores with whatever else runs: treat them as noisy.
+`--synthetic N` mimics a large ASR/AST corpus (common.synthetic_corpus): 64% of utterances 2-20 s,
+28% a tail to 40 s, 4% long recordings with little speech, 3% under 2 s, 1% high-TPS outliers
+(2-4x); 3.4 +- 0.5 tokens/s plus a 6-token prompt. `--workload wide` is `common.wide_corpus`
+instead: speech rates spread from 0.5 to 6 tokens/s (see there); `--workload paper` is
+`common.paper_corpus`, the workload of bench/oom_bench.py's E2 table. Timings share 2 cores with whatever else runs: treat them as noisy.
 The last line printed is a JSON object with every number.
 """
 
@@ -42,85 +42,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bins import Bins, estimate_bins, load_batch_sizes, save_batch_sizes  # noqa: E402
-from sampler import BucketingSampler, JsonlSource  # noqa: E402
-
-
-def synthetic_corpus(n: int, seed: int = 0) -> list:
-    rng = np.random.default_rng(seed)
-    kind = rng.choice(5, size=n, p=[0.64, 0.28, 0.04, 0.03, 0.01])
-    d = np.empty(n)
-    tps = rng.normal(3.4, 0.5, n).clip(1.0, None)
-    m = kind == 0  # the bulk, skewed towards longer utterances
-    d[m] = 2 + 18 * rng.beta(2.5, 1.2, m.sum())
-    m = kind == 1  # tail up to 40 s
-    d[m] = 20 + 20 * rng.beta(1.0, 1.8, m.sum())
-    m = kind == 2  # long recordings with little speech
-    d[m] = rng.uniform(28, 40, m.sum())
-    tps[m] = rng.uniform(0.0, 1.2, m.sum())
-    m = kind == 3  # very short
-    d[m] = rng.uniform(0.5, 2.0, m.sum())
-    m = kind == 4  # long-transcript outliers (e.g. hallucinated synthetic labels)
-    d[m] = rng.uniform(1.0, 20.0, m.sum())
-    tps[m] *= rng.uniform(2.0, 4.0, m.sum())
-    d = d.round(2)
-    t = (tps * d).astype(int) + 6
-    return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
-
-
-def wide_corpus(n: int, seed: int = 0) -> list:
-    """A corpus whose speech rate varies widely: speakers, languages and tokenizations
-    from ~0.5 to ~6 tokens/s, 0.5-40 s, 6% long segments with little speech, 1% transcript
-    outliers (3-5x); plus the 6-token prompt and EOS as in synthetic_corpus."""
-    rng = np.random.default_rng(seed)
-    kind = rng.choice(3, size=n, p=[0.93, 0.06, 0.01])
-    d = np.clip(0.5 + 39.5 * rng.beta(1.3, 3.0, n), 0.5, 40.0)
-    tps = np.exp(rng.uniform(np.log(0.5), np.log(6.0), n))  # rates spread evenly on a log scale
-    m = kind == 1  # long recordings with little speech
-    d[m] = rng.uniform(15.0, 40.0, m.sum())
-    tps[m] = rng.uniform(0.02, 0.4, m.sum())
-    m = kind == 2  # long-transcript outliers (e.g. hallucinated synthetic labels)
-    tps[m] *= rng.uniform(3.0, 5.0, m.sum())
-    d = d.round(2)
-    t = (tps * d).astype(int) + 6
-    return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
-
-
-# Tokens per second of speech by language with Canary's tokenizer (1024 BPE per language): about
-# 2.7 words/s x 1.25 tokens/word in English, more tokens per word in German, Spanish and French.
-PAPER_LANGUAGES = {"en": (0.5, 3.4), "de": (0.17, 4.2), "es": (0.17, 4.4), "fr": (0.16, 4.0)}
-
-
-def paper_corpus(n: int, seed: int = 0) -> list:
-    """A workload shaped like Canary's training data (0.5-40 s, four languages), for the E2 table.
-
-    Durations: 3% very short (0.5-2 s); 62% segmented speech 2-20 s, skewed long (beta(2.5, 1.2));
-    28% a tail to 40 s (long-form audio segmented at 40 s); 6% long low-speech segments (20-40 s
-    of music, silence or a few words: 0.05-0.8 tokens/s); 1% long-transcript outliers (1-20 s whose
-    rate is 3-10x the speaker's: hallucinated or misaligned synthetic labels, mostly above the
-    paper's 25 tokens/s filter). Speech rate: the language's tokens/s (PAPER_LANGUAGES) times a
-    per-speaker log-normal factor (sigma 0.2). num_tokens adds the 5-token prompt and EOS.
-    """
-    rng = np.random.default_rng(seed)
-    weights, rates = zip(*PAPER_LANGUAGES.values())
-    lang = rng.choice(len(rates), size=n, p=weights)
-    tps = np.array(rates)[lang] * np.exp(rng.normal(0.0, 0.2, n))
-    kind = rng.choice(5, size=n, p=[0.03, 0.62, 0.28, 0.06, 0.01])
-    d = np.empty(n)
-    m = kind == 0  # very short
-    d[m] = rng.uniform(0.5, 2.0, m.sum())
-    m = kind == 1  # segmented speech
-    d[m] = 2 + 18 * rng.beta(2.5, 1.2, m.sum())
-    m = kind == 2  # long-form tail
-    d[m] = 20 + 20 * rng.beta(1.0, 1.8, m.sum())
-    m = kind == 3  # long low-speech segments
-    d[m] = rng.uniform(20.0, 40.0, m.sum())
-    tps[m] = rng.uniform(0.05, 0.8, m.sum())
-    m = kind == 4  # long-transcript outliers
-    d[m] = rng.uniform(1.0, 20.0, m.sum())
-    tps[m] *= rng.uniform(3.0, 10.0, m.sum())
-    d = d.round(2)
-    t = np.round(tps * d).astype(int) + 6
-    return [{"id": i, "duration": float(a), "num_tokens": int(b)} for i, (a, b) in enumerate(zip(d, t))]
+from common import JsonlSource, model_batch_sizes, paper_corpus, synthetic_corpus, wide_corpus  # noqa: E402
+from sampler import BucketingSampler  # noqa: E402
 
 
 def load_examples(args) -> list:
@@ -129,13 +52,6 @@ def load_examples(args) -> list:
         return corpus(args.synthetic, args.seed)
     with open(args.manifest) as f:
         return [{"id": i, **json.loads(line)} for i, line in enumerate(f) if line.strip()]
-
-
-def model_batch_sizes(bins: Bins, budget: float = 720.0) -> list:
-    """Stand-in for oom.py: memory ~ batch * (d + d^2/30 + tokens/6) with d, tokens the bucket bounds."""
-    sizes = [max(1, int(budget / (d + d * d / 30 + t / 6))) for d, t in bins.buckets()]
-    it = iter(sizes)
-    return [[next(it) for _ in range(k)] for k in bins.shape]
 
 
 def rss_mb() -> float:

@@ -4,8 +4,8 @@ Self-Supervised Speech Foundation Models on a Compute Budget").
     python bench/ssl_budget.py --plot docs/ssl_budget.png     # the study: ~25 min on 2 loaded cores
     python bench/ssl_budget.py --quick                        # every run for a few steps, ~35 s (tests/test_ssl_budget.py)
 
-Every pretraining run is `train.py configs/tiny-ssl.yaml` (BEST-RQ, aed/ssl.py) stopped by the same
-FLOP budget (`budget_flops`, counted by aed/flops.py); every fine-tune is `train.py configs/tiny.yaml`
+Every pretraining run is `train.py configs/tiny-ssl.yaml` (BEST-RQ, aed/model_ssl.py) stopped by the same
+FLOP budget (`budget_flops`, counted by aed/train_progress.py); every fine-tune is `train.py configs/tiny.yaml`
 (AED + CTC head) on the labelled digits (data/mini/digits/train.jsonl, 8.8 min) for the same number
 of steps, with `init_from=<pretrained> init_encoder_only=true`, scored on the digits dev set. The
 paper's three findings, and the baseline:
@@ -16,7 +16,7 @@ paper's three findings, and the baseline:
     the reference encoder fine-tuned from scratch (random init), at two seeds for the spread (--quick: one)
 
 Pretraining audio (text dropped): data/mini/train.jsonl and data/mini/digits/train.jsonl, plus a
-digits corpus from tools/make_digits_data.py (five languages, --seed 1; generated into --data on the
+digits corpus from data/make_digits_data.py (five languages, --seed 1; generated into --data on the
 first run, reused after) without the strings of the fine-tuning dev set. --quick: the bundled
 sentences only, tiny models, a few steps.
 
@@ -56,7 +56,7 @@ def encoder_params(dims) -> int:
     """Parameters of the encoder alone (what init_from carries over), counted on the meta device."""
     import torch
 
-    from aed.encoder import ConformerEncoder
+    from aed.model_encoder import ConformerEncoder
 
     d, layers, heads = dims
     with torch.device("meta"):
@@ -91,7 +91,7 @@ def pretraining_sets(quick: bool, data: Path, work: Path) -> dict:
     sources = [MINI / "train.jsonl"]
     how = "data/mini/train.jsonl"
     if not quick:
-        cmd = ["tools/make_digits_data.py", "-o", str(data), "--seed", "1", "--train-per-lang", "600",
+        cmd = ["data/make_digits_data.py", "-o", str(data), "--seed", "1", "--train-per-lang", "600",
                "--dev-per-lang", "2", "--langs", "de", "en", "es", "fr", "it", "--num-workers", str(cores())]
         if not (data / "train.jsonl").exists():
             run_script(cmd, work / "make_digits_data.log")

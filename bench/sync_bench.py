@@ -5,7 +5,7 @@
     python bench/sync_bench.py --table agreement    # same-bucket steps vs buffer size
 
 R ranks each run their own BucketingSampler (rank r of R, infinite mode) on their own slice of
-the synthetic corpus of sampler_bench.py, with and without `sync_buckets`. A DDP step lasts as
+the synthetic corpus (common.synthetic_corpus), with and without `sync_buckets`. A DDP step lasts as
 long as its slowest rank, so we report the mean over steps of the max over ranks of a per-batch
 cost model, and the share of steps where every rank drew from the same bucket.
 
@@ -42,9 +42,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sampler_bench import model_batch_sizes, synthetic_corpus  # noqa: E402
-
 from bins import estimate_bins  # noqa: E402
+from common import model_batch_sizes, synthetic_corpus  # noqa: E402
 from sampler import BucketingSampler  # noqa: E402
 
 
@@ -101,9 +100,9 @@ def calibrated_cost(config_path: str, reps: int = 2):
 
 
 def simulate(args, cost, ex, bins, kw, ranks: int, sync: bool) -> dict:
-    base = BucketingSampler(ex, bins, rank=0, world_size=ranks, infinite=True, sync_buckets=sync,
-                            buffer_size=args.buffer_size, seed=args.seed, yield_indices=True, **kw)
-    samplers = [base] + [base.for_rank(r) for r in range(1, ranks)]
+    samplers = [BucketingSampler(ex, bins, rank=r, world_size=ranks, infinite=True, sync_buckets=sync,
+                                 buffer_size=args.buffer_size, seed=args.seed, yield_indices=True, **kw)
+                for r in range(ranks)]
     iters = [iter(s) for s in samplers]
     slowest, mean, same = [], [], 0
     for _ in range(args.steps):
@@ -121,9 +120,10 @@ def simulate(args, cost, ex, bins, kw, ranks: int, sync: bool) -> dict:
 
 
 def agreement(args, ex, bins, ranks: int, buffer_size: int, overfill: float) -> dict:
-    base = BucketingSampler(ex, bins, rank=0, world_size=ranks, infinite=True, buffer_size=buffer_size,
-                            overfill=overfill, seed=args.seed, yield_indices=True, max_duration=args.max_duration)
-    samplers = [base] + [base.for_rank(r) for r in range(1, ranks)]
+    samplers = [BucketingSampler(ex, bins, rank=r, world_size=ranks, infinite=True, buffer_size=buffer_size,
+                                 overfill=overfill, seed=args.seed, yield_indices=True, max_duration=args.max_duration)
+                for r in range(ranks)]
+    base = samplers[0]
     iters = [iter(s) for s in samplers]
     ramp = 100  # 1 / fill_ramp: the batches before the buffer reaches its fill target
     same = held = 0
@@ -135,7 +135,7 @@ def agreement(args, ex, bins, ranks: int, buffer_size: int, overfill: float) -> 
         if step >= ramp:
             same += len(buckets) == 1
             held += base._live.occupancy
-    hits = np.mean([s._num_hits / len(s._hits) for s in samplers])
+    hits = np.mean([s._agreement.rate for s in samplers])
     n = args.agreement_steps
     return {"ranks": ranks, "buffer_size": buffer_size, "overfill": overfill, "same_bucket": same / n,
             "rank_hit": float(hits), "held": held / n, "suggested_buffer_size": base.suggested_buffer_size()}

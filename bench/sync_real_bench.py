@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 bench/sync_real_bench.py
     python -m torch.distributed.run --standalone --nproc_per_node 4 bench/sync_real_bench.py --steps 300
 
-The workload is bench/sync_bench.py's synthetic corpus (the same 2D 30x2 bins, padded-duration
+The workload is bench/sync_bench.py's synthetic corpus (common.synthetic_corpus) (the same 2D 30x2 bins, padded-duration
 budget per batch), with every duration divided by --time-scale so that a CPU runs a few hundred
 steps in minutes: a 40 s utterance becomes 10 s, and its token count shrinks in proportion (the
 prompt kept). Every rank holds two BucketingSamplers over the same examples (rank r of R,
@@ -35,11 +35,10 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sampler_bench import synthetic_corpus  # noqa: E402
-
-from aed.distributed import cleanup, init_distributed  # noqa: E402
+from aed.train_distributed import cleanup, init_distributed  # noqa: E402
 from aed.model import AED, AEDConfig  # noqa: E402
 from bins import estimate_bins  # noqa: E402
+from common import synthetic_corpus  # noqa: E402
 from sampler import BucketingSampler  # noqa: E402
 
 PROMPT_TOKENS = 6  # synthetic_corpus adds a 6-token prompt to every example

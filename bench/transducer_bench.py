@@ -40,7 +40,7 @@ def run_worker(args):
     """One measurement in this process; prints a JSON line."""
     import torch
 
-    from aed.transducer import Transducer, TransducerConfig
+    from aed.model_transducer import Transducer, TransducerConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     B, T, U, V = args.shape

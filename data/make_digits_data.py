@@ -12,8 +12,8 @@ utterance (as for the sentences). Text is written in words with PnC, e.g. "Drei 
 no string appears in both train and dev.
 
     apt-get install espeak-ng
-    python tools/make_digits_data.py -o data/mini/digits --seed 0     # the committed set, ~20 s
-    python tools/make_digits_data.py -o /tmp/it_digits --langs it     # Italian, for the new-language recipe
+    python data/make_digits_data.py -o data/mini/digits --seed 0     # the committed set, ~20 s
+    python data/make_digits_data.py -o /tmp/it_digits --langs it     # Italian, for the new-language recipe
 
 Output (an existing audio/ sub-folder is replaced): train.jsonl, dev.jsonl and audio/*.flac,
 in the format of the sentence manifests (audio paths relative to the output folder).

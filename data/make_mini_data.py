@@ -15,20 +15,20 @@ Dependencies (Debian/Ubuntu):
         gnome-user-docs libreoffice-help-fr
 
 The committed data/mini/ was produced by (about 30 s on 2 cores; it predates the LibreOffice source):
-    python tools/make_mini_data.py -o data/mini --seed 0 --french-text gnome-help
+    python data/make_mini_data.py -o data/mini --seed 0 --french-text gnome-help
 
 A larger corpus for benchmarks, about 10 hours (~15 minutes on 2 cores; sentences repeat with
 fresh voices, and train and dev still share no sentence):
-    python tools/make_mini_data.py -o /tmp/mini10h --hours 10 --num-workers 2
+    python data/make_mini_data.py -o /tmp/mini10h --hours 10 --num-workers 2
 
 The laptop recipe's corpus (configs/laptop.yaml; ~5 minutes): 9 hours of train, 150 dev and 240 test
 utterances; the test sentences are in neither train nor dev, and are spoken by voice variants
 (TEST_VARIANTS) that no train or dev utterance uses:
-    python tools/make_mini_data.py -o data/sentences --hours 9 --dev-per-lang 25 --test-per-lang 40
+    python data/make_mini_data.py -o data/sentences --hours 9 --dev-per-lang 25 --test-per-lang 40
 
 The same with sentences of 3-30 words (mean ~11 words, ~4.5 s; up to ~17 s), nearer real users'
 utterances; a second seed draws other sentences, voices and splits:
-    python tools/make_mini_data.py -o data/long --hours 9 --dev-per-lang 25 --test-per-lang 40 --words 3-30
+    python data/make_mini_data.py -o data/long --hours 9 --dev-per-lang 25 --test-per-lang 40 --words 3-30
 
 Output (existing audio/ and examples/ sub-folders of the output folder are replaced):
     train.jsonl, dev.jsonl   one utterance per line: audio_filepath (relative to the manifest's

@@ -188,7 +188,7 @@ def test_corrupt_and_truncated_shards_are_skipped(shards, tmp_path, caplog):
         f.truncate(fourth[2])
     with caplog.at_level(logging.WARNING, logger="aed.data_shards"):
         got = read_all(src)
-    assert src.faults.counts["bad_shard"] == 4 and src.stats["bad_shards"] == 4
+    assert src.faults.counts["bad_shard"] == 4
     for t in tars[:4]:
         assert t in caplog.text
     assert "ended after 3 of 7 examples" in caplog.text

@@ -183,6 +183,7 @@ def test_unreadable_audio_is_logged_once_per_run_however_often_it_is_drawn(tmp_p
         drawn = [json.loads(line)["train/skipped_audio"] for line in f][-1]
     assert drawn >= 2  # 6 steps x 8 of 13 utterances: the bad one comes round more than once
     assert p.stderr.count("skipped unreadable audio") == 1 and "corrupt.flac" in p.stderr
+    assert "rank 0 skipped, by kind: unreadable_audio 1" in p.stderr  # the run's one summary of its skips
 
 
 @pytest.mark.slow

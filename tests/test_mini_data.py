@@ -3,6 +3,7 @@
 Reads only the committed files (json + soundfile), so it runs without espeak-ng or Apertium.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -14,6 +15,14 @@ MINI = os.path.join(os.path.dirname(__file__), "..", "data", "mini")
 LANGS = {"en", "de", "fr", "es"}
 AST_DIRECTIONS = {("en", "es"), ("es", "en")}
 FIELDS = {"audio_filepath", "duration", "text", "source_lang", "target_lang", "pnc", "taskname"}
+
+
+def generator():
+    """data/make_mini_data.py, the generator of the set, loaded from its file."""
+    spec = importlib.util.spec_from_file_location("make_mini_data", os.path.join(MINI, "..", "make_mini_data.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def read_manifest(name):
@@ -103,7 +112,8 @@ def test_test_split_has_its_own_sentences_and_voices():
     import argparse
     import random
 
-    from tools.make_mini_data import TEST_VARIANTS, VARIANTS, plan_jobs, split_pool
+    tool = generator()
+    TEST_VARIANTS, VARIANTS, plan_jobs, split_pool = tool.TEST_VARIANTS, tool.VARIANTS, tool.plan_jobs, tool.split_pool
 
     assert not set(TEST_VARIANTS) & set(VARIANTS)
     sentences = [f"sentence number {i}" for i in range(200)]
@@ -123,7 +133,7 @@ def test_test_split_has_its_own_sentences_and_voices():
 
 def test_help_pages_give_paragraphs_without_markup(tmp_path):
     """French text comes from GNOME's Mallard pages and LibreOffice's HTML pages (in sub-folders)."""
-    from tools.make_mini_data import read_help_pages
+    read_help_pages = generator().read_help_pages
 
     (tmp_path / "files.page").write_text(
         "<page><title>Fichiers</title><p>Ouvrez le dossier.</p><p>Cliquez sur <gui>Ouvrir</gui>.</p></page>",
@@ -138,10 +148,8 @@ def test_help_pages_give_paragraphs_without_markup(tmp_path):
 
 def test_words_option_sets_the_sentence_length_range():
     import argparse
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("make_mini_data", os.path.join(MINI, "..", "..", "tools", "make_mini_data.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+
+    tool = generator()
     sentence = "The early bird gets the worm, but the second mouse gets the cheese."  # 13 words
     assert tool.clean_sentence(sentence, "en", tool.words_range("3-8")) is None
     assert tool.clean_sentence(sentence, "en", tool.words_range("3-30")) == sentence

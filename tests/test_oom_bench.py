@@ -10,12 +10,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from aed.memory_model import MemoryModel  # noqa: E402
-from aed.oomptimizer import bucket_shapes  # noqa: E402
-from aed.audio import FeatureConfig, num_frames  # noqa: E402
+from aed.memory_oomptimizer import MemoryModel  # noqa: E402
+from aed.data_bins import bucket_shapes  # noqa: E402
+from aed.data_audio import FeatureConfig, num_frames  # noqa: E402
 from bins import estimate_bins  # noqa: E402
+from common import paper_corpus  # noqa: E402
 from oom_bench import largest_batch_duration, memory_of, model_sizes, run_epoch  # noqa: E402
-from sampler_bench import paper_corpus  # noqa: E402
 
 # A memory function with the shape terms of a real step (bytes; T frames, U tokens): text-heavy,
 # so that long-transcript outliers matter as at Canary-1B scale.

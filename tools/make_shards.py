@@ -10,7 +10,8 @@ Writes DIR/shard-000000.tar, ... (layout in aed/data_shards.py) and the index DI
   offset (a segment of a longer recording) is cut and stored as FLAC; `--reencode` stores every
   utterance as FLAC. FLAC keeps 8/16/24-bit PCM exactly; float sources become 24-bit.
 - `--tokenizer DIR` stores `num_tokens` (prompt + text + EOS, as train.py counts) so the bucketing
-  sampler never tokenizes. Shards made without it need the sampler's num_tokens_fn.
+  sampler never tokenizes. Shards made without it are tokenised as they stream by
+  (`aed.data_sources.CountTokens`).
 - `--shuffle` mixes speakers and languages across shards; the reader only shuffles shard order
   and a local buffer, so a manifest sorted by language should be shuffled here.
 - Invalid manifest lines and unreadable audio are reported with file and line and skipped; the
