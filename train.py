@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
             log.warning("step %d: non-finite gradient norm, update skipped (%d in a row)", step + 1, bad_steps)
             if bad_steps >= cfg.max_bad_steps:
                 sys.exit(f"aborting: {bad_steps} consecutive non-finite steps (lower optim.lr, check the "
-                         f"data, or use precision=fp32); last batch: {micro[-1].paths}")
+                         f"data, or use precision=fp32); last batch: {micro[-1].where}")
         setup.scheduler.step()
         step += 1
 

@@ -124,23 +124,23 @@ class Batch:
     tokens: torch.Tensor       # (B, U) prompt + text + EOS, right padded with pad_id
     token_lens: torch.Tensor   # (B,)
     prompt_lens: torch.Tensor  # (B,)
-    paths: list[str]
+    where: list[str]           # each row's location, for messages: its file, or its shard member / row
     indices: list[int]
     errors: list[str]          # items dropped from this batch (unreadable audio), with reasons
     transcribed: torch.Tensor | None = None  # (B,) bool: the text is the spoken words (ASR, not AST); None: every row
 
     def __len__(self):
-        return len(self.paths)
+        return len(self.where)
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
         kw = {"device": device, "non_blocking": non_blocking}
         return Batch(self.feats.to(**kw), self.feat_lens.to(**kw), self.tokens.to(**kw),
-                     self.token_lens.to(**kw), self.prompt_lens.to(**kw), self.paths,
+                     self.token_lens.to(**kw), self.prompt_lens.to(**kw), self.where,
                      self.indices, self.errors, None if self.transcribed is None else self.transcribed.to(**kw))
 
     def pin_memory(self) -> "Batch":  # called by DataLoader(pin_memory=True)
         return Batch(self.feats.pin_memory(), self.feat_lens, self.tokens.pin_memory(),
-                     self.token_lens, self.prompt_lens, self.paths, self.indices, self.errors, self.transcribed)
+                     self.token_lens, self.prompt_lens, self.where, self.indices, self.errors, self.transcribed)
 
 
 class Collate:

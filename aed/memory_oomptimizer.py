@@ -153,7 +153,7 @@ def artificial_batch(batch_size: int, frames: int, tokens: int, n_mels: int, voc
                  tokens=torch.randint(0, vocab_size, (B, U), device=device),  # (B, U)
                  token_lens=torch.full((B,), U, device=device),
                  prompt_lens=torch.ones(B, dtype=torch.long, device=device),
-                 paths=[f"<artificial {T} frames, {U} tokens>"] * B, indices=list(range(B)), errors=[])
+                 where=[f"<artificial {T} frames, {U} tokens>"] * B, indices=list(range(B)), errors=[])
 
 
 class TrainingStep:

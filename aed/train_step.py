@@ -228,7 +228,7 @@ def train_step(model: nn.Module, batches: list, optimizer, scaler, spec_augment,
                 log.error("training step stopped: a peer rank exited or lost its connection (%s)",
                           str(e).splitlines()[0][:200])
             else:
-                log.error("training step failed on batch %s: feats %s, tokens %s", b.paths,
+                log.error("training step failed on batch %s: feats %s, tokens %s", b.where,
                           tuple(b.feats.shape), tuple(b.tokens.shape))
             raise
         loss_sum += loss.detach().float()

@@ -211,7 +211,7 @@ def test_shard_dataset_matches_per_file_dataset(shards):
     batch = next(iter(loader))
     assert len(batch) == 4 and not batch.errors
     where = {ex["where"]: ex for ex in read_all(ShardSource(out))}
-    ex = where[batch.paths[0]]
+    ex = where[batch.where[0]]
     i = next(i for i, u in enumerate(utts) if (u.audio_filepath, u.duration) == (ex["audio_filepath"], ex["duration"]))
     item = per_file[i]
     n = batch.feat_lens[0]

@@ -378,6 +378,7 @@ def test_a_checkpoint_restores_weights_and_optimizer_exactly(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.model.state_dict().values()))
 
 
+@pytest.mark.slow(seconds=15)
 def test_a_checkpoint_from_before_dcp_is_refused_then_converted_exactly(tmp_path):
     """aed wrote per-rank shard files before DCP: reading one names the command that converts it,
     and the converted checkpoint resumes the run's model and optimizer bit for bit."""
