@@ -33,9 +33,10 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 test: venv
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
-# Under a minute on 2 CPU cores: all but the tests marked slow (training runs, scripts in subprocesses, overfitting).
+# About a minute on 2 CPU cores: all but the tests marked slow (training runs, scripts in subprocesses,
+# overfitting), on both cores as `make test` runs.
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow" tests
 
 # The CUDA paths (bf16 step, NCCL, real OOMs, bf16 inference, GPU<->CPU checkpoints and NeMo models,
 # the simulated device against the real one, the compiled decoder step as a CUDA graph), the inference
