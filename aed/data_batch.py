@@ -175,19 +175,34 @@ def ignore_stop_signals(worker_id: int) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def decode_audio(example: dict, sample_rate: int = 16000, tolerance: float = DURATION_TOLERANCE) -> torch.Tensor:
-    """An example's audio bytes -> mono float32 (S,) at `sample_rate`, by the rule the per-file
-    check (`aed.data_manifest.check_audio`) applies to files: the audio must agree with the
-    metadata's `duration` to within `tolerance` (a fraction), or AudioError (reason starting with
-    `AUDIO_LENGTH`) says it does not, so a wrong duration never silently cuts the audio.
+ROUNDING_SLACK = 0.01  # seconds: metadata durations are rounded, NeMo's to 2-3 decimals; one 10 ms feature frame
 
-    - a whole member (`segment` false: the row gave no offset) is decoded whole, and its length
-      must be `duration`;
-    - a segment (`segment` true: a member shared by the rows of one file, NeMo's offsets) is
-      decoded for `duration` from `offset`, and must end inside the member;
-    - `segment` unknown (None: aed's shards, whose writer stores a line at offset 0 as its whole
-      file): decoded whole; a member longer than `duration` holds more than this utterance and is
-      cut to it, a shorter one is an error as for a whole member."""
+
+def fit_duration(data, rate: int, duration: float, segment: bool | None, where: str, tolerance: float,
+                 offset: float = 0.0):
+    """Samples (S, ...) of an utterance checked against its `duration`, then cut to at most it.
+
+    The check, one rule for files and streamed members: a whole one (`segment` False: the line
+    gave no offset) must last `duration` to within `tolerance` (a fraction of its length); a
+    segment (True: read from its offset) must not end more than that short of it; None (aed shards
+    written before members were cut to their utterance) only must not be short. A mismatch is an
+    AudioError whose reason starts with `AUDIO_LENGTH`: skipped and counted, never a silent cut.
+    Audio that checks out is kept whole up to ROUNDING_SLACK past `duration` (manifests round
+    durations: those samples are the utterance's), and cut beyond it: bucketing placed the item by
+    its duration, and the batch sizes (oom.py's included) were measured at that bound."""
+    real = len(data) / rate
+    too_short = duration - real > tolerance * duration
+    wrong = abs(duration - real) > tolerance * real if segment is False else too_short
+    if wrong:
+        raise AudioError(where, f"{AUDIO_LENGTH}: duration {duration:.3f} s, but the audio "
+                                f"{'from its offset ' if offset else ''}lasts {real:.3f} s")
+    return data[: round((duration + ROUNDING_SLACK) * rate)]
+
+
+def decode_audio(example: dict, sample_rate: int = 16000, tolerance: float = DURATION_TOLERANCE) -> torch.Tensor:
+    """An example's audio bytes -> mono float32 (S,) at `sample_rate`: a whole member decoded whole,
+    a segment (NeMo's members shared by the rows of one file) for its duration from its offset,
+    then checked and cut by `fit_duration`."""
     where = example.get("where", "example")
     duration, offset = example["duration"], example.get("offset", 0.0)
     segment = example.get("segment", offset > 0)
@@ -198,8 +213,7 @@ def decode_audio(example: dict, sample_rate: int = 16000, tolerance: float = DUR
                 raise AudioError(where, f"offset {offset}s is beyond the end ({f.frames / f.samplerate:.3f}s)")
             if start:
                 f.seek(start)
-            wanted = round(duration * f.samplerate)
-            data = f.read(wanted if segment else -1, dtype="float32", always_2d=True)
+            data = f.read(round(duration * f.samplerate) if segment else -1, dtype="float32", always_2d=True)
             file_rate = f.samplerate
     except AudioError:
         raise
@@ -207,12 +221,7 @@ def decode_audio(example: dict, sample_rate: int = 16000, tolerance: float = DUR
         raise AudioError(where, f"cannot decode ({e})") from e
     if data.shape[0] == 0:
         raise AudioError(where, "no samples")
-    real = data.shape[0] / file_rate
-    if segment is None and real - duration > tolerance * duration:
-        data, real = data[:wanted], min(real, wanted / file_rate)
-    if duration - real > tolerance * duration if segment is not False else abs(duration - real) > tolerance * real:
-        raise AudioError(where, f"{AUDIO_LENGTH}: duration {duration:.3f} s, but the audio "
-                                f"{'from its offset ' if offset else ''}lasts {real:.3f} s")
+    data = fit_duration(data, file_rate, duration, segment, where, tolerance, offset)
     wav = torch.from_numpy(data).mean(dim=1)  # average channels: (S, channels) -> (S,)
     if file_rate != sample_rate:
         wav = AF.resample(wav, file_rate, sample_rate)
@@ -220,17 +229,12 @@ def decode_audio(example: dict, sample_rate: int = 16000, tolerance: float = DUR
 
 
 def file_audio(utt: Utterance, sample_rate: int, tolerance: float) -> torch.Tensor:
-    """A manifest utterance's samples, by `decode_audio`'s rule: a whole file decoded whole, a
-    segment (a line with an offset) for its duration from its offset, each checked against the
-    duration (the start-of-run header check, when on, has already left out most mismatches)."""
+    """A manifest utterance's samples by the same rule: a whole file decoded whole, a segment (a
+    line with an offset) for its duration from its offset, then checked and cut by `fit_duration`
+    (the start-of-run header check, when on, has already left out most mismatches)."""
     wav = load_audio(utt.audio_filepath, offset=utt.offset, duration=utt.duration if utt.segment else None,
                      sample_rate=sample_rate)
-    real = wav.numel() / sample_rate
-    if (utt.duration - real > tolerance * utt.duration if utt.segment
-            else abs(utt.duration - real) > tolerance * real):
-        raise AudioError(utt.audio_filepath, f"{AUDIO_LENGTH}: duration {utt.duration:.3f} s, but the audio "
-                                             f"{'from its offset ' if utt.segment else ''}lasts {real:.3f} s")
-    return wav
+    return fit_duration(wav, sample_rate, utt.duration, utt.segment, utt.audio_filepath, tolerance, utt.offset)
 
 
 class ExampleDataset(Dataset):

@@ -133,7 +133,7 @@ class ShardSource:
                 continue
             ex["audio"] = data
             ex["where"] = self.describe(key)
-            ex.setdefault("segment", None)  # tools/make_shards.py stores a line at offset 0 as its whole file
+            ex.setdefault("segment", None)  # shards written before members were cut to their utterance
             yield key, (member, end), ex
 
     def _bad(self, shard: int, member: int, why: str) -> None:

@@ -7,7 +7,9 @@ import soundfile as sf
 import torch
 
 from aed.data_audio import FeatureConfig, LogMel, load_audio
-from aed.data_batch import Collate, ExampleDataset, duration_batches, encode_utterance, make_item
+from aed.data_audio import AudioError
+from aed.data_batch import (ROUNDING_SLACK, Collate, ExampleDataset, duration_batches, encode_utterance,
+                            fit_duration, make_item)
 from aed.data_manifest import ManifestError, iter_manifest, read_manifest
 from aed.data_tokenizer import Tokenizer
 from aed.decode_transcribe import read_requests, request_prompts
@@ -289,3 +291,17 @@ def test_faults_count_by_kind_log_once_and_add_up(caplog):
     assert dict(Faults.merged(a, None, b)) == {"bad_shard": 1, "unreadable_audio": 1, "audio_length": 1}
     assert caplog.text.count("s0.tar") == 1 and caplog.text.count("x.flac") == 1
     assert b.summary() == "1 audio length, 1 unreadable audio"
+
+
+def test_audio_is_checked_against_its_duration_then_held_to_its_bucket_bound():
+    """Within the tolerance a whole file's samples are kept up to the rounding slack past its duration
+    and cut beyond it (its bucket's batch size was measured at that duration); outside it, an error."""
+    rate, audio = 16000, np.zeros(16000 * 10)  # 10 s
+    assert len(fit_duration(audio, rate, 10.0, False, "a", 0.1)) == 16000 * 10  # exact
+    assert len(fit_duration(audio, rate, 9.996, False, "a", 0.1)) == 16000 * 10  # rounded down: every sample
+    assert len(fit_duration(audio, rate, 9.5, False, "a", 0.1)) == round((9.5 + ROUNDING_SLACK) * rate)
+    for duration, segment in ((8.5, False), (11.5, False), (11.5, True), (11.5, None)):
+        with pytest.raises(AudioError, match="audio length"):
+            fit_duration(audio, rate, duration, segment, "a", 0.1)
+    assert len(fit_duration(audio, rate, 5.0, True, "a", 0.1)) == round(5.01 * rate)  # a segment of a longer read
+

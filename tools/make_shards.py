@@ -87,7 +87,7 @@ def write_shard(job: tuple) -> tuple:
                 continue
             meta = {"audio_filepath": utt.audio_filepath, "duration": utt.duration, "text": utt.text,
                     "source_lang": utt.source_lang, "target_lang": utt.target_lang, "pnc": utt.pnc,
-                    "taskname": utt.taskname}
+                    "taskname": utt.taskname, "segment": False}  # the member holds exactly this utterance
             if num_tokens is not None:
                 meta["num_tokens"] = num_tokens
             add_member(tf, f"{idx:09d}.json", json.dumps(meta, ensure_ascii=False).encode())
