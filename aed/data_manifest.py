@@ -215,8 +215,7 @@ class Faults:
         self.seen[(kind, where)] = why
         self.counts[kind] += 1
         if not quiet:
-                log.warning("%sskipped %s: %s (%s)", f"{context}: " if context else "", where, why,
-                        kind.replace("_", " "))
+            log.warning("%sskipped %s: %s (%s)", f"{context}: " if context else "", where, why, kind.replace("_", " "))
         return True
 
     def fields(self, d: dict, where: str) -> dict | None:
@@ -232,9 +231,7 @@ class Faults:
         context: training or validation."""
         for err in errors:
             kind = "audio_length" if AUDIO_LENGTH in err else "unreadable_audio"
-            if (kind, err) not in self.seen:
-                self.seen[(kind, err)] = err
-                self.counts[kind] += 1
+            if self.skip(kind, err, err, quiet=True):
                 log.warning("%s: skipped %s (logged once per run): %s", context,
                             "audio whose length disagrees with its duration" if kind == "audio_length"
                             else "unreadable audio", err)
@@ -251,8 +248,6 @@ class Faults:
             if f is not None:
                 total.update(f.counts)
         return total
-
-
 
 
 def read_rows(path: str, parse, skip_invalid: bool = False, faults: Faults | None = None) -> Iterator:
