@@ -8,12 +8,19 @@
     python infer.py --ckpt runs/flash --int8 ...             # CPU: int8 Linear weights (bench/infer_speed_bench.py)
     python infer.py --ckpt runs/flash --device cuda --compile ...   # compiled decoder step, a CUDA graph
     python infer.py --ckpt runs/tiny --timestamps word --out hyp.jsonl --subtitles subs/ talk.wav  # .srt + .vtt
+    python infer.py --ckpt runs/tiny --stream --manifest test.jsonl --out hyp.jsonl   # streamed, latency measured
+    arecord -f S16_LE -r 16000 -c 1 | python infer.py --ckpt runs/tiny --stream -     # live captions
 
-Inputs: files in any format, rate and channel count soundfile reads (resampled to the model's rate,
-channels averaged), directories (searched recursively for audio files), glob patterns, and/or a
+Inputs: files in any format, rate and channel count soundfile reads, or the ffmpeg command where it
+is installed (m4a/AAC, mp4, webm, ...), resampled to the model's rate, channels averaged; directories (searched recursively for audio files), glob patterns, and/or a
 NeMo-style manifest whose per-line task fields override the command line; `text` (or `answer`),
 when present, is the reference for WER (ASR, per language, normalised and with punctuation/case)
 and BLEU (AST, per language pair). Long inputs are cut at pauses (see --chunk-seconds, --chunk-overlap).
+
+Streaming (--stream): each input is decoded while its audio arrives, a chunk at a time
+(aed/decode_stream.py): the hypothesis grows on the terminal, one line per file; --out adds each
+token's and word's emission time and the latency (AL, LAAL, in ms of audio). `--stream -` reads raw
+16-bit mono PCM at the model's rate (16 kHz) from standard input and captions it as it comes.
 
 Timestamps (--timestamps word|segment) are the hypothesis force-aligned to the CTC head's frame
 posteriors (aed/decode_timestamps.py), in seconds from the start of each file, to a resolution of one
@@ -28,15 +35,19 @@ stdout: one `path<TAB>text` line per transcribed file, in input order. stderr: p
 import argparse
 import json
 import logging
+import math
 import os
 import pickle
 import sys
 import time
 
+import numpy as np
 import torch
 
+from aed.data_manifest import PROMPT_TASKS
 from aed.decode_score import NORMALIZERS
 from aed.decode_search import DecodingOptions
+from aed.decode_stream import POLICIES, StreamConfig, Streamer, stream_latency, stream_requests
 from aed.decode_timestamps import srt, to_segments, webvtt
 from aed.decode_transcribe import (check_loading, check_settings, expand_inputs, known_languages, load_model,
                                    make_request, read_requests, score, transcribe)
@@ -103,21 +114,55 @@ def parse_args(argv: list[str] | None = None):
                        help="add `segments` (text, start, end; with `word`, each segment's `words` too) to the "
                             "--out lines; the cue level of --subtitles")
     times.add_argument("--subtitles", metavar="DIR", help="with --timestamps: write <audio name>.srt and .vtt here")
+    live = p.add_argument_group("streaming (greedy over the attention decoder: aed/decode_stream.py)")
+    live.add_argument("--stream", nargs="?", const="files", metavar="-",
+                      help="decode the inputs as streams, a chunk at a time as their audio would arrive; "
+                           "`--stream -`: raw 16-bit mono PCM at the model's rate from standard input")
+    live.add_argument("--stream-chunk", type=float, default=StreamConfig.chunk, help="seconds decoded per step")
+    live.add_argument("--left-context", type=float, default=StreamConfig.left,
+                      help="seconds before each chunk that the encoder hears again with it")
+    live.add_argument("--right-context", type=float, default=StreamConfig.right,
+                      help="look-ahead: seconds after each chunk the encoder hears before the chunk is decoded; "
+                           "chunk + right context is the latency the buffer adds")
+    live.add_argument("--policy", choices=POLICIES, default=StreamConfig.policy,
+                      help="alignatt: commit tokens while the decoder's cross-attention looks at older audio; "
+                           "waitk: a fixed number of tokens per chunk after a lag")
+    live.add_argument("--alignatt-threshold", type=float, default=StreamConfig.alignatt_frames,
+                      help="alignatt: seconds before the chunk's end that a token's attention peak must lie")
+    live.add_argument("--waitk-lag", type=int, default=StreamConfig.waitk_lag, help="wait-k: chunks before the first token")
+    live.add_argument("--waitk-tokens", type=int, default=StreamConfig.waitk_tokens, help="wait-k: tokens per chunk")
+    live.add_argument("--streams", type=int, default=16, help="files decoded at once, as one batch of streams")
+    live.add_argument("--realtime", action="store_true", help="feed files no faster than they play")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--skip-invalid", action="store_true",
                      help="skip manifest lines that are malformed or name a language the model lacks (logged, counted)")
     args = p.parse_args(argv)
-    if not args.inputs and not args.manifest:
+    if args.stream not in (None, "files", "-"):  # `--stream x.wav`: the file is an input
+        args.inputs.insert(0, args.stream)
+        args.stream = "files"
+    if args.stream == "-" and (args.inputs or args.manifest):
+        p.error("--stream - reads standard input: give no files or manifests with it")
+    if not args.inputs and not args.manifest and args.stream != "-":
         p.error("give audio files/directories/patterns and/or --manifest")
+    if args.stream and (args.beam_size != 1 or args.timestamps or args.compile):
+        p.error("--stream decodes greedily, eager: not with --beam-size > 1, --timestamps or --compile")
     if args.subtitles and not args.timestamps:
         p.error("--subtitles needs --timestamps word or segment")
     try:  # the ranges of the values are the library's to check
         check_loading(args.device, args.compile, args.int8)
         decoding_options(args)  # DecodingOptions checks its own ranges
         check_settings(args.batch_duration, args.chunk_seconds, args.chunk_overlap)
+        if args.stream:
+            stream_config(args)
     except ValueError as e:
         p.error(str(e))
     return args
+
+
+def stream_config(args) -> StreamConfig:
+    return StreamConfig(chunk=args.stream_chunk, left=args.left_context, right=args.right_context, policy=args.policy,
+                        waitk_lag=args.waitk_lag, waitk_tokens=args.waitk_tokens,
+                        alignatt_frames=args.alignatt_threshold)
 
 
 def decoding_options(args) -> DecodingOptions:
@@ -161,6 +206,146 @@ def write_subtitles(results, directory: str, level: str) -> None:
                     f.write(fmt(cues))
 
 
+def print_scores(results, normalizer: str) -> None:
+    """WER per language and BLEU per pair of the results with references, on stderr."""
+    for key, m in score(results, normalizer).items():
+        if "wer" in m:
+            print(f"{key}: WER {m['wer']:.2f}% ({normalizer}-normalised; raw text, punctuation and case "
+                  f"{m['wer_pnc']:.2f}%) on {m['n']} file(s)", file=sys.stderr)
+        else:
+            print(f"{key}: BLEU {m['bleu']:.2f} on {m['n']} file(s)", file=sys.stderr)
+
+
+# --- streaming --------------------------------------------------------------------------------
+
+CONTAINERS = {b"RIFF": "a WAV file", b"fLaC": "a FLAC file", b"OggS": "an Ogg file", b"ID3": "an MP3 file",
+              b"\x1aE\xdf\xa3": "a WebM/Matroska file"}
+
+
+def container(head: bytes) -> str | None:
+    """What the first bytes of a stream say it is, when it is a known audio container, not raw PCM."""
+    if head[4:8] == b"ftyp":
+        return "an MP4/M4A file"
+    return next((name for magic, name in CONTAINERS.items() if head.startswith(magic)), None)
+
+
+class LiveLines:
+    """The growing hypotheses of a batch of streams on a terminal, one line per file, redrawn in place."""
+
+    def __init__(self):
+        self.batch, self.drawn = None, 0
+
+    def __call__(self, pairs) -> None:
+        width = os.get_terminal_size(sys.stdout.fileno()).columns - 1
+        if pairs[0][1] is not self.batch:  # a new batch of files: draw below the last one
+            self.batch, self.drawn = pairs[0][1], 0
+        out = f"\x1b[{self.drawn}F" if self.drawn else ""
+        for res, s in pairs:
+            name = os.path.basename(res.request.audio_filepath)
+            text = s.text
+            room = max(10, width - len(name) - 2)
+            out += f"\x1b[2K{name}: {text if len(text) <= room else '…' + text[-room + 1:]}\n"
+        sys.stdout.write(out)
+        sys.stdout.flush()
+        self.drawn = len(pairs)
+
+
+def run_stream(args, loaded, requests) -> int:
+    """--stream: decode files, or standard input, as streams. Returns the exit code."""
+    config = stream_config(args)
+    streamer = Streamer(loaded, config, decoding_options(args))
+    print(f"model {loaded.path} on {loaded.device}, streamed: {config.policy}, chunk {streamer.chunk / streamer.rate:g} s,"
+          f" left {streamer.left / streamer.rate:g} s, right {streamer.right / streamer.rate:g} s (the buffer adds "
+          f"{(streamer.chunk + streamer.right) / streamer.rate:g} s of latency)", file=sys.stderr)
+    if args.stream == "-":
+        return caption_stdin(streamer, args)
+    live = LiveLines() if sys.stdout.isatty() and not args.quiet else None
+    pairs = stream_requests(streamer, requests, args.streams, args.realtime, live)
+    results = [res for res, _ in pairs]
+    if live is None:
+        for r in results:
+            if r.error is None:
+                print(f"{r.request.audio_filepath}\t{r.pred_text}")
+    failed = [r for r in results if r.error is not None]
+    for r in failed:
+        print(f"FAILED {r.request.audio_filepath}: {r.error}", file=sys.stderr)
+    latencies = {id(res): stream_latency(s, res.duration, res.request.text) for res, s in pairs if s is not None}
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            for res, s in pairs:
+                line = res.to_json()
+                if s is not None:
+                    line["tokens"] = [{"token": loaded.tokenizer.id_to_token(t.id), "time": round(t.time, 3),
+                                       "compute": round(t.compute, 4)} for t in s.tokens]
+                    line["words"] = [{"text": w, "time": round(t, 3), "compute": round(c, 4)} for w, t, c in s.words()]
+                    line["latency"] = {k: None if math.isnan(v) else round(v, 1) for k, v in latencies[id(res)].items()}
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    print_scores(results, args.normalizer)
+    if latencies:
+        def mean(key):
+            values = [m[key] for m in latencies.values() if not math.isnan(m[key])]
+            return sum(values) / len(values) if values else math.nan
+        print(f"latency, ms of audio (mean of {len(latencies)} file(s)): AL {mean('al'):.0f}, LAAL {mean('laal'):.0f}; "
+              f"with computation: AL {mean('al_ca'):.0f}, LAAL {mean('laal_ca'):.0f}; first word {mean('first_word'):.0f}; "
+              f"real-time factor per chunk: mean {mean('rtf_mean'):.3f}, max {mean('rtf_max'):.3f}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def caption_stdin(streamer, args) -> int:
+    """Raw 16-bit mono PCM from standard input, captioned as it arrives: on a terminal one line
+    redrawn in place, else the text printed as it grows."""
+    req = make_request("<stdin>", source_lang=args.source_lang, target_lang=args.target_lang, task=args.task,
+                       pnc=args.pnc)
+    stream = streamer.open(req.source_lang, req.target_lang, req.pnc, PROMPT_TASKS[req.taskname])
+    tty, shown = sys.stdout.isatty(), ""
+    piece = streamer.rate // 10 * 2  # bytes: 0.1 s
+
+    def show(final: bool = False):
+        nonlocal shown
+        text = stream.text
+        if tty:
+            width = os.get_terminal_size(sys.stdout.fileno()).columns - 1
+            sys.stdout.write("\r\x1b[2K" + (text if len(text) <= width else "…" + text[-width + 1:]))
+        elif text.startswith(shown):
+            sys.stdout.write(text[len(shown):])
+        else:  # the decoded text changed before its end (a word-piece joined differently): start a new line
+            sys.stdout.write("\n" + text)
+        shown = text
+        sys.stdout.write("\n" if final else "")
+        sys.stdout.flush()
+
+    stdin = sys.stdin.buffer
+    buffered = stdin.read(8)
+    kind = container(buffered)
+    if kind:
+        sys.exit(f"error: standard input is {kind}, not raw PCM: pipe raw 16-bit mono samples at {streamer.rate} Hz "
+                 f"(arecord -t raw -f S16_LE -r {streamer.rate} -c 1, or ffmpeg -i FILE -f s16le -ac 1 -ar "
+                 f"{streamer.rate} -), or give the file as an input")
+    while True:
+        usable = len(buffered) // 2 * 2
+        if usable:
+            samples = np.frombuffer(buffered[:usable], dtype="<i2").astype(np.float32) / 32768
+            buffered = buffered[usable:]
+            if stream.feed(samples):
+                show()
+        data = stdin.read1(piece)
+        if not data:
+            break
+        buffered += data
+    if buffered:
+        print("standard input ended inside a sample (an odd number of bytes): its last byte is dropped", file=sys.stderr)
+    stream.finish()
+    show(final=True)
+    seconds = stream.received / streamer.rate
+    if not seconds:
+        print("no audio on standard input", file=sys.stderr)
+        return 0
+    m = stream_latency(stream, seconds)
+    print(f"{seconds:.1f} s of audio, {len(stream.tokens)} tokens; first word after {m['first_word']:.0f} ms of audio; "
+          f"real-time factor per chunk: mean {m['rtf_mean']:.3f}, max {m['rtf_max']:.3f}", file=sys.stderr)
+    return 0
+
+
 # --- the run ----------------------------------------------------------------------------------
 
 
@@ -175,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
         requests += [make_request(path, **defaults) for path in expand_inputs(args.inputs)]
     except (OSError, ValueError) as e:
         sys.exit(f"error: {e}")
-    if not requests:
+    if not requests and args.stream != "-":
         sys.exit("error: no inputs (empty manifest or directory)")
 
     device = torch.device(args.device)
@@ -189,6 +374,8 @@ def main(argv: list[str] | None = None) -> None:
         requests = known_languages(requests, loaded.tokenizer)
         if not requests:
             sys.exit("error: no valid inputs left")
+    if args.stream:
+        sys.exit(run_stream(args, loaded, requests))
     dtype = {"bf16": torch.bfloat16, "fp32": None}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     options = decoding_options(args)
     joint = f" + CTC {options.ctc_weight:g}" if loaded.model.ctc is not None and options.ctc_weight > 0 else ""
@@ -226,12 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.subtitles:
         write_subtitles(results, args.subtitles, args.timestamps)
 
-    for key, m in score(results, args.normalizer).items():
-        if "wer" in m:
-            print(f"{key}: WER {m['wer']:.2f}% ({args.normalizer}-normalised; raw text, punctuation and case "
-                  f"{m['wer_pnc']:.2f}%) on {m['n']} file(s)", file=sys.stderr)
-        else:
-            print(f"{key}: BLEU {m['bleu']:.2f} on {m['n']} file(s)", file=sys.stderr)
+    print_scores(results, args.normalizer)
     t = timings
     print(f"RTFx {t.rtfx:.1f}: {t.audio:.1f} s of audio in {t.wall:.2f} s (load+features {t.load_features:.2f} s, "
           f"encoder {t.encoder:.2f} s, decoder {t.decoder:.2f} s"

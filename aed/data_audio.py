@@ -11,9 +11,13 @@ Padding never changes the answer: an utterance alone and inside a padded batch g
 features (tests/test_data_audio.py checks it).
 """
 
+import json
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 
+import numpy as np
 import soundfile as sf
 import torch
 import torch.nn as nn
@@ -29,12 +33,17 @@ class AudioError(RuntimeError):
         self.reason = reason
 
 
+# Containers soundfile does not read and the ffmpeg command does: what phones and video record in.
+FFMPEG_EXTENSIONS = {".m4a", ".mp4", ".aac", ".webm", ".mkv", ".mov", ".wma", ".amr", ".3gp"}
+
+
 def load_audio(path, offset=0.0, duration=None, sample_rate=16000):
     """Read `duration` seconds from `offset` (whole file by default) as mono float32 (S,) at `sample_rate`.
 
     Only the requested frames are decoded, so cutting a segment from a long recording is cheap.
     A duration reaching past the end of the file returns what is there: manifest durations are
-    rounded, and a few missing milliseconds are not worth failing a batch over.
+    rounded, and a few missing milliseconds are not worth failing a batch over. What soundfile
+    cannot decode (m4a/AAC, mp4, webm, ...) is decoded by the ffmpeg command where it is installed.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -57,13 +66,58 @@ def load_audio(path, offset=0.0, duration=None, sample_rate=16000):
     except AudioError:
         raise
     except (RuntimeError, ValueError) as e:  # sf.LibsndfileError is a RuntimeError
-        raise AudioError(path, f"cannot decode ({e})") from e
+        data, file_rate = ffmpeg_read(path, offset, duration, reason=str(e))
     if data.shape[0] == 0:  # compressed formats may report an estimated frame count
         raise AudioError(path, "no samples")
     wav = torch.from_numpy(data).mean(dim=1)  # average channels: (S, channels) -> (S,)
     if file_rate != sample_rate:
         wav = AF.resample(wav, file_rate, sample_rate)
     return wav
+
+
+def ffmpeg_probe(path: str, reason: str) -> tuple[int, int, float]:
+    """(sample rate, channels, seconds) of a file's first audio stream, by ffprobe (installed with
+    ffmpeg); AudioError naming ffmpeg where it is not installed, with soundfile's `reason`."""
+    if shutil.which("ffprobe") is None or shutil.which("ffmpeg") is None:
+        raise AudioError(path, f"cannot decode ({reason}); formats soundfile does not read (m4a/AAC, mp4, webm, "
+                               f"...) need the ffmpeg command (e.g. apt-get install ffmpeg)")
+    out = subprocess.run(["ffprobe", "-v", "error", "-select_streams", "a:0", "-show_entries",
+                          "stream=sample_rate,channels:format=duration", "-of", "json", path],
+                         capture_output=True, text=True)
+    try:
+        info = json.loads(out.stdout)
+        stream = info["streams"][0]
+        return int(stream["sample_rate"]), int(stream["channels"]), float(info["format"]["duration"])
+    except (ValueError, KeyError, IndexError) as e:
+        raise AudioError(path, f"cannot decode: neither soundfile ({reason}) nor ffmpeg "
+                               f"({out.stderr.strip() or 'no audio stream'}) reads it") from e
+
+
+def ffmpeg_read(path: str, offset: float, duration: float | None, reason: str):
+    """`duration` s from `offset` decoded by the ffmpeg command at the file's own rate and channels:
+    (S, channels) float32 and the rate, mixed down and resampled by `load_audio` as soundfile's are."""
+    rate, channels, seconds = ffmpeg_probe(path, reason)
+    if offset >= seconds:
+        raise AudioError(path, f"offset {offset}s is beyond the end ({seconds:.3f}s)")
+    cut = ["-ss", str(offset)] + (["-t", str(duration)] if duration is not None else [])
+    out = subprocess.run(["ffmpeg", "-nostdin", "-v", "error", *cut, "-i", path, "-vn", "-f", "f32le",
+                          "-acodec", "pcm_f32le", "-"], capture_output=True)
+    if out.returncode != 0:
+        raise AudioError(path, f"ffmpeg cannot decode it: {out.stderr.decode(errors='replace').strip()}")
+    data = np.frombuffer(out.stdout, dtype="<f4")
+    return data[: data.size // channels * channels].reshape(-1, channels), rate  # interleaved -> (S, channels)
+
+
+def audio_seconds(path: str) -> float:
+    """A file's duration from its header (soundfile, else ffprobe), without decoding it."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise AudioError(path, "file not found")
+    try:
+        info = sf.info(path)
+        return info.frames / info.samplerate
+    except (RuntimeError, ValueError) as e:  # sf.LibsndfileError is a RuntimeError
+        return ffmpeg_probe(path, str(e))[2]
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@
     results, timings = transcribe(loaded, read_requests("test.jsonl"), DecodingOptions(beam_size=4))
     print(results[0].pred_text, timings.rtfx, score(results))
 
-Inputs are files (any rate and channel count soundfile reads), directories, glob patterns, or
+Inputs are files (any rate and channel count soundfile reads, or the ffmpeg command where it is
+installed: m4a, mp4, webm, ...), directories, glob patterns, or
 `Request`s (one per manifest line, with per-line task fields). Every input gets one `Result`, in
 input order; an unreadable file gets `error` set instead of a transcript, never dropped.
 
@@ -49,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aed.data_audio import AudioError, FeatureConfig, LogMel, load_audio, num_frames
+from aed.data_audio import FFMPEG_EXTENSIONS, AudioError, FeatureConfig, LogMel, audio_seconds, load_audio, num_frames
 from aed.data_batch import duration_batches
 from aed.data_manifest import PROMPT_TASKS, check_task, read_rows, request_fields
 from aed.data_tokenizer import Tokenizer
@@ -225,7 +226,7 @@ def expand_inputs(specs: list[str]) -> list[str]:
     """Paths, directories (searched recursively for files with an audio extension soundfile knows)
     and glob patterns -> file paths. A pattern matching nothing is kept as is, so it is reported as
     "file not found" like any other missing path instead of vanishing."""
-    audio_ext = {"." + ext.lower() for ext in sf.available_formats()} | {".opus"}
+    audio_ext = {"." + ext.lower() for ext in sf.available_formats()} | {".opus"} | FFMPEG_EXTENSIONS
     paths = []
     for spec in specs:
         if os.path.isdir(spec):
@@ -327,15 +328,10 @@ def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int,
     if req.duration is not None:
         total = req.duration
     else:
-        if not os.path.isfile(req.audio_filepath):
-            raise AudioError(req.audio_filepath, "file not found")
-        try:
-            info = sf.info(req.audio_filepath)
-        except (RuntimeError, ValueError) as e:  # sf.LibsndfileError is a RuntimeError
-            raise AudioError(req.audio_filepath, f"cannot decode ({e})") from e
-        total = info.frames / info.samplerate - req.offset
+        seconds = audio_seconds(req.audio_filepath)
+        total = seconds - req.offset
         if total <= 0:
-            raise AudioError(req.audio_filepath, f"no audio after offset {req.offset}s ({info.frames} samples)")
+            raise AudioError(req.audio_filepath, f"no audio after offset {req.offset}s ({seconds:.3f} s)")
     if total <= chunk_seconds:
         return [(req.offset, req.duration, total)]
     chunks, start, end = [], req.offset, req.offset + total

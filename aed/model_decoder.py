@@ -39,6 +39,8 @@ class KVCache:
           positions, masked to those written, so no shape and no Python value changes from one step
           to the next: the step compiles whole (fullgraph), a CUDA graph replays it on the same
           buffers, and torch.export takes the position as an input.
+        - an (R,) long tensor: the same, each row at its own position (streams whose committed
+          prefixes differ in length, decoded as one batch: aed/decode_stream.py).
     R and T' may be padded past the real rows and frames (a padded frame is False in memory_mask).
 
     A decoder step calls `update` once per layer with the new positions' keys and values, then
@@ -54,6 +56,10 @@ class KVCache:
         return isinstance(self.length, torch.Tensor)
 
     @property
+    def length_per_row(self) -> bool:
+        return self.static and self.length.dim() == 1
+
+    @property
     def rows(self) -> int:
         return self.keys[0].size(0)
 
@@ -66,11 +72,11 @@ class KVCache:
         return self.cross_kv[layer, 0], self.cross_kv[layer, 1]
 
     def positions(self, u: int):
-        """The next u positions: a slice (Python-int length), or a (U,) long tensor. The tensor is not
-        bound-checked (that would read the device): the search sizes the cache, and indexing rejects a
-        position past U_max."""
+        """The next u positions: a slice (Python-int length), or a (U,) long tensor, or (R, U) for
+        per-row lengths. The tensor is not bound-checked (that would read the device): the search sizes
+        the cache, and indexing rejects a position past U_max."""
         if self.static:
-            return self.length + torch.arange(u, device=self.length.device)
+            return self.length[..., None] + torch.arange(u, device=self.length.device)
         assert self.length + u <= self.max_len, f"cache holds {self.max_len} positions, need {self.length + u}"
         return slice(self.length, self.length + u)
 
@@ -79,8 +85,13 @@ class KVCache:
         attention reads: keys and values of positions [0, length + U) (R, H, length + U, d_k) each, or
         the whole buffers (R, H, U_max, d_k), to be read through `self_attn_mask`."""
         index = self.positions(k.size(2))
-        self.keys[layer][:, :, index] = k  # indexed assignment, as gpt-fast writes its cache: a slice or index_put_
-        self.values[layer][:, :, index] = v
+        if self.length_per_row:  # buffer[r, :, index[r, u]] = k[r, :, u]: the indexed dims lead, (R, U, H, d_k)
+            rows = torch.arange(self.rows, device=index.device)[:, None]
+            self.keys[layer][rows, :, index] = k.transpose(1, 2)
+            self.values[layer][rows, :, index] = v.transpose(1, 2)
+        else:  # indexed assignment, as gpt-fast writes its cache: a slice or index_put_
+            self.keys[layer][:, :, index] = k
+            self.values[layer][:, :, index] = v
         if self.static:
             return self.keys[layer], self.values[layer]
         return self.keys[layer][:, :, : index.stop], self.values[layer][:, :, : index.stop]
@@ -88,11 +99,12 @@ class KVCache:
     def self_attn_mask(self, u: int):
         """What the next u positions may see: None where `update` returns only the filled positions (a
         single token sees all of them, a prompt chunk, which starts at 0, needs just the causal mask);
-        else (1, 1, U, U_max), True up to position length + j for the new position j (causal in a chunk)."""
+        else (1, 1, U, U_max), True up to position length + j for the new position j (causal in a chunk),
+        or (R, 1, U, U_max) for per-row lengths."""
         if not self.static:
             return None
-        filled = torch.arange(self.max_len, device=self.length.device)[None, :] <= self.positions(u)[:, None]  # (U, U_max)
-        return filled[None, None]
+        filled = torch.arange(self.max_len, device=self.length.device) <= self.positions(u)[..., None]  # ([R,] U, U_max)
+        return filled[:, None] if self.length_per_row else filled[None, None]
 
     def advance(self, n: int) -> None:
         """Commit the n positions every layer has just written with `update`."""
