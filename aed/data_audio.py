@@ -104,7 +104,7 @@ def ffmpeg_read(path: str, offset: float, duration: float | None, reason: str):
                           "-acodec", "pcm_f32le", "-"], capture_output=True)
     if out.returncode != 0:
         raise AudioError(path, f"ffmpeg cannot decode it: {out.stderr.decode(errors='replace').strip()}")
-    data = np.frombuffer(out.stdout, dtype="<f4")
+    data = np.frombuffer(bytearray(out.stdout), dtype="<f4")  # writable, as torch.from_numpy wants
     return data[: data.size // channels * channels].reshape(-1, channels), rate  # interleaved -> (S, channels)
 
 

@@ -1,11 +1,14 @@
 import math
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
 import soundfile as sf
 import torch
 
-from aed.data_audio import AudioError, FeatureConfig, LogMel, SpecAugment, SpecAugmentConfig, load_audio, num_frames
+from aed.data_audio import (AudioError, FeatureConfig, LogMel, SpecAugment, SpecAugmentConfig, audio_seconds, load_audio,
+                            num_frames)
 
 
 def pcm16(n, seed=0):
@@ -141,6 +144,37 @@ def padded_batch(waves):
     for i, w in enumerate(waves):
         batch[i, : len(w)] = w
     return batch, lens
+
+
+RATE_16K = 16000
+
+
+@pytest.mark.skipif(shutil.which("ffmpeg") is None, reason="needs the ffmpeg command (apt-get install ffmpeg)")
+@pytest.mark.parametrize("ext,codec", [(".m4a", "aac"), (".webm", "libopus")])
+def test_containers_soundfile_cannot_read_are_decoded_by_ffmpeg(tmp_path, ext, codec):
+    """A stereo 44.1 kHz tone in a phone's m4a/AAC and a webm/Opus: length, rate and tone as from the
+    FLAC it was encoded from (lossy codecs: the waveforms agree to a correlation, not sample by sample)."""
+    t = np.arange(44100 * 2) / 44100
+    tone = 0.3 * np.sin(2 * np.pi * 440 * t)
+    sf.write(tmp_path / "a.flac", np.stack([tone, tone], axis=1), 44100)
+    subprocess.run(["ffmpeg", "-v", "error", "-i", str(tmp_path / "a.flac"), "-c:a", codec, str(tmp_path / f"a{ext}")],
+                   check=True)
+    ref, wav = load_audio(tmp_path / "a.flac"), load_audio(tmp_path / f"a{ext}")
+    assert audio_seconds(str(tmp_path / f"a{ext}")) == pytest.approx(2.0, abs=0.05)
+    assert abs(wav.numel() - ref.numel()) <= 0.03 * RATE_16K
+    n = min(wav.numel(), ref.numel()) - 4000
+    lag = max(range(-1600, 1600, 8), key=lambda k: float((ref[2000: 2000 + n - 1600] * wav[2000 + k: 2000 + k + n - 1600]).sum()))
+    a, b = ref[2000: 2000 + n - 1600], wav[2000 + lag: 2000 + lag + n - 1600]
+    assert float(torch.corrcoef(torch.stack([a, b]))[0, 1]) > 0.95
+    part = load_audio(tmp_path / f"a{ext}", offset=0.5, duration=1.0)
+    assert abs(part.numel() - RATE_16K) <= 0.03 * RATE_16K
+
+
+def test_without_ffmpeg_a_container_soundfile_cannot_read_names_ffmpeg(tmp_path, monkeypatch):
+    (tmp_path / "a.m4a").write_bytes(b"\x00\x00\x00\x20ftypM4A " + bytes(200))
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(AudioError, match="ffmpeg"):
+        load_audio(tmp_path / "a.m4a")
 
 
 @pytest.mark.parametrize("n_mels", [128, 80])

@@ -1,0 +1,299 @@
+"""aed/decode_stream.py and `infer.py --stream`: streamed decoding against offline decoding, slicing,
+causality, batches of streams, the guards, latency, bad input."""
+
+import io
+import logging
+import math
+import os
+import random
+import sys
+
+import infer
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from fixtures.make_word_model import load_clips, word_sequence
+from test_train import run_in_process
+
+from aed.data_audio import FeatureConfig
+from aed.data_tokenizer import Tokenizer
+from aed.decode_score import wer
+from aed.decode_search import DecodingOptions
+from aed.decode_stream import StreamConfig, Streamer, average_lagging, stream_latency
+from aed.decode_transcribe import LoadedModel, load_model, transcribe
+from aed.model import AED, AEDConfig
+from aed.model_decoder import KVCache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORD_MODEL = os.path.join(ROOT, "tests", "fixtures", "word_model.pt")  # tests/fixtures/make_word_model.py
+RATE = 16000
+GREEDY = DecodingOptions(ctc_weight=0.0)  # streams decode with the attention decoder alone
+
+
+@pytest.fixture(scope="module")
+def word_model():
+    return load_model(WORD_MODEL)
+
+
+@pytest.fixture(scope="module")
+def sequences():
+    """Eight files of 3-6 of the word model's words with pauses: (waveform, [(word, start, end)])."""
+    clips, rng, gen = load_clips(), random.Random(0), torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(8):
+        words = [rng.choice(sorted(clips)) for _ in range(rng.randint(3, 6))]
+        out.append(word_sequence(clips, words, [rng.uniform(0.1, 0.5) for _ in words], rng.uniform(0.0, 1.0), 1e-3,
+                                 gen))
+    return out
+
+
+def streamed(loaded, wav, config=StreamConfig(), piece: float | None = None, options=GREEDY):
+    """The stream of `wav` fed in pieces of `piece` seconds (None: in one piece), finished."""
+    stream = Streamer(loaded, config, options).open("en", pnc=False)
+    step = wav.numel() if piece is None else max(1, round(piece * RATE))
+    for i in range(0, wav.numel(), step):
+        stream.feed(wav[i: i + step])
+    stream.finish()
+    return stream
+
+
+def timed(stream):
+    return [(t.id, t.time) for t in stream.tokens]
+
+
+# --- the decoder cache with a position per row ------------------------------------------------
+
+
+def test_rows_at_their_own_positions_decode_as_each_row_alone():
+    torch.manual_seed(0)
+    cfg = AEDConfig(n_mels=16, vocab_size=40, enc_d_model=32, enc_layers=1, enc_heads=2, subsampling_channels=8,
+                    dec_d_model=32, dec_layers=2, dec_heads=2, dec_max_len=32, dec_dropout=0.0, dec_dropout_att=0.0)
+    model = AED(cfg).eval()
+    memory, memory_lens = torch.randn(3, 9, 32), torch.tensor([9, 6, 4])
+    prefixes = [[2, 5, 7], [3, 4, 8, 9, 10], [6]]
+    steps = [[11, 12], [13, 14], [15, 16]]
+    alone = []
+    for r, prefix in enumerate(prefixes):
+        cache = model.new_cache(memory[r: r + 1], memory_lens[r: r + 1], 12)
+        logits = [model.decode_step(torch.tensor([prefix]), cache)]
+        logits += [model.decode_step(torch.tensor([[t]]), cache) for t in steps[r]]
+        alone.append(torch.cat(logits))  # (3, V)
+    c = model.new_cache(memory, memory_lens, 12)
+    cache = KVCache(c.keys, c.values, c.cross_kv, c.memory_mask, torch.zeros(3, dtype=torch.long))
+    padded = torch.tensor([p + [0] * (5 - len(p)) for p in prefixes])  # (3, 5) right-padded
+    hidden = model.decoder.forward_cached(padded, cache)
+    lens = torch.tensor([len(p) for p in prefixes])
+    cache.length.copy_(lens)
+    together = [model.decoder.output_proj(hidden[torch.arange(3), lens - 1])]
+    together += [model.decode_step(torch.tensor([[s[i]] for s in steps]), cache) for i in range(2)]
+    together = torch.stack(together, dim=1)  # (3 rows, 3 steps, V)
+    for r in range(3):
+        torch.testing.assert_close(together[r], alone[r], atol=1e-5, rtol=1e-5)
+
+
+# --- streams against offline decoding ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["alignatt", "waitk"])
+def test_a_stream_whose_chunk_holds_all_its_audio_is_offline_greedy_decoding(word_model, sequences, tmp_path,
+                                                                             policy):
+    paths = []
+    for i, (wav, _) in enumerate(sequences):
+        paths.append(str(tmp_path / f"s{i}.wav"))
+        sf.write(paths[-1], wav.numpy(), RATE, subtype="FLOAT")
+    offline, _ = transcribe(word_model, paths, GREEDY, pnc=False)
+    for (wav, _), res in zip(sequences, offline):
+        stream = streamed(word_model, wav, StreamConfig(chunk=60.0, policy=policy))
+        assert stream.ids == res.tokens and stream.text == res.pred_text
+        assert all(t.time == pytest.approx(wav.numel() / RATE) for t in stream.tokens)  # all at the end
+
+
+@pytest.mark.parametrize("config", [StreamConfig(chunk=0.5, right=0.25), StreamConfig(chunk=1.0, left=2.0),
+                                    StreamConfig(policy="waitk", chunk=0.5, waitk_tokens=2)],
+                         ids=["alignatt-0.5", "alignatt-1.0-left-2", "waitk-0.5"])
+def test_how_the_caller_slices_the_audio_never_matters(word_model, sequences, config):
+    wav = torch.cat([sequences[0][0], sequences[1][0]])  # ~10 s: the 2 s left context slides
+    whole = streamed(word_model, wav, config)
+    assert len(whole.tokens) >= 6
+    for piece in (0.01, 0.37, 3.0):
+        stream = streamed(word_model, wav, config, piece)
+        assert timed(stream) == timed(whole) and stream.chunks == whole.chunks, piece
+
+
+def test_streamed_words_are_those_of_offline_decoding_and_arrive_during_the_audio(word_model, sequences, tmp_path):
+    """AlignAtt at 1 s chunks + 0.5 s look-ahead on the eight files: words no worse than offline greedy
+    decoding of the same model, most committed before the audio ends."""
+    refs = [" ".join(w for w, _, _ in truth) for _, truth in sequences]
+    streams = [streamed(word_model, wav, StreamConfig(chunk=1.0, right=0.5)) for wav, _ in sequences]
+    paths = []
+    for i, (wav, _) in enumerate(sequences):
+        paths.append(str(tmp_path / f"s{i}.wav"))
+        sf.write(paths[-1], wav.numpy(), RATE, subtype="FLOAT")
+    offline = [res.pred_text for res in transcribe(word_model, paths, GREEDY, pnc=False)[0]]
+    assert wer(refs, [s.text for s in streams]) <= wer(refs, offline) + 5.0
+    early = sum(t < wav.numel() / RATE - 1e-6 for s, (wav, _) in zip(streams, sequences) for _, t, _ in s.words())
+    assert early >= 0.5 * sum(len(s.words()) for s in streams)
+
+
+def test_tokens_are_timed_in_order_by_the_audio_they_waited_for(word_model, sequences):
+    config = StreamConfig(chunk=0.5, right=0.25)
+    streamer = Streamer(word_model, config, GREEDY)
+    for wav, _ in sequences[:4]:
+        stream, received = streamer.open("en", pnc=False), 0
+        for i in range(0, wav.numel(), 4000):
+            for t in stream.feed(wav[i: i + 4000]):
+                received = min(i + 4000, wav.numel())
+                assert t.time <= received / RATE + 1e-9  # never later than what had arrived: it was heard
+        stream.finish()
+        times = [t.time for t in stream.tokens]
+        assert times == sorted(times) and times[-1] <= wav.numel() / RATE + 1e-9
+        chunk_ends = {round((k + 1) * streamer.chunk + streamer.right) for k in range(stream.chunks)}
+        assert all(round(t * RATE) in chunk_ends | {wav.numel()} for t in times)  # the end of a chunk's look-ahead
+
+
+def test_no_token_depends_on_audio_after_its_time(word_model, sequences):
+    """Two streams share their first 3 s and then differ: every token committed by the time
+    3 s had been heard is the same in both."""
+    config = StreamConfig(chunk=0.5, right=0.25)
+    head = sequences[2][0][: 3 * RATE]
+    a = streamed(word_model, torch.cat([head, sequences[3][0]]), config)
+    b = streamed(word_model, torch.cat([head, sequences[4][0].flip(0)]), config)
+    early_a = [(t.id, t.time) for t in a.tokens if t.time <= 3.0]
+    assert early_a and early_a == [(t.id, t.time) for t in b.tokens if t.time <= 3.0]
+
+
+def test_a_batch_of_streams_decodes_each_as_it_decodes_alone(word_model, sequences):
+    config = StreamConfig(chunk=0.5, right=0.25)
+    alone = [streamed(word_model, wav, config) for wav, _ in sequences[:5]]
+    streamer = Streamer(word_model, config, GREEDY)
+    streams = [streamer.open("en", pnc=False) for _ in alone]
+    wavs = [wav for wav, _ in sequences[:5]]
+    for start in range(0, max(w.numel() for w in wavs), 4800):  # 0.3 s per round, to every stream at once
+        for s, w in zip(streams, wavs):
+            if start < w.numel():
+                s.push(w[start: start + 4800])
+        streamer.run(streams)
+    streamer.run(streams, final=True)
+    for s, ref in zip(streams, alone):
+        assert timed(s) == timed(ref)
+
+
+def test_a_larger_alignatt_threshold_commits_later(word_model, sequences):
+    mean_time = []
+    for threshold in (0.0, 0.64, 100.0):
+        streams = [streamed(word_model, wav, StreamConfig(chunk=0.5, right=0.25, alignatt_frames=threshold))
+                   for wav, _ in sequences[:4]]
+        mean_time.append(sum(t.time for s in streams for t in s.tokens) / sum(len(s.tokens) for s in streams))
+    assert mean_time[0] <= mean_time[1] < mean_time[2]
+    ends = [wav.numel() / RATE for wav, _ in sequences[:4]]
+    assert all(t.time == pytest.approx(end) for s, end in zip(streams, ends) for t in s.tokens)  # all in the last chunk
+
+
+# --- guards and bad input ---------------------------------------------------------------------
+
+
+def test_a_looping_decoder_is_held_at_max_repeats_and_the_stall_is_logged(caplog):
+    """A decoder that can only say one token: the stream commits max_repeats of them, holds the next,
+    says that it stalls once, and the last chunk ends the hypothesis as offline search does."""
+    tokenizer = Tokenizer.load(os.path.join(ROOT, "data", "mini", "tokenizer"))
+    cfg = AEDConfig(n_mels=80, vocab_size=tokenizer.padded_vocab_size, pad_id=tokenizer.pad, enc_d_model=32,
+                    enc_layers=1, enc_heads=2, subsampling_channels=8, dec_d_model=32, dec_layers=1, dec_heads=2,
+                    dec_max_len=128)
+    model = AED(cfg).eval()
+    word = tokenizer.encode("a", "en")[-1]
+    with torch.no_grad():
+        model.decoder.output_proj.bias[word] = 100.0
+    loaded = LoadedModel(model, tokenizer, FeatureConfig(n_mels=80), "looping")
+    config = StreamConfig(policy="waitk", waitk_lag=1, waitk_tokens=3, chunk=0.5, right=0.0)
+    stream = Streamer(loaded, config, DecodingOptions(ctc_weight=0.0, max_repeats=4)).open("en")
+    with caplog.at_level(logging.WARNING, logger="aed.decode_stream"):
+        stream.feed(0.01 * torch.randn(8 * RATE))
+        assert stream.ids == [word] * 4 and stream.stalls == 1
+        assert sum("stream stalls" in r.message for r in caplog.records) == 1
+    stream.finish()
+    assert stream.ids == [word] * 5
+
+
+def test_what_a_stream_cannot_take_gets_a_clear_error_or_an_empty_result(word_model):
+    streamer = Streamer(word_model)
+    stream = streamer.open("en")
+    with pytest.raises(ValueError, match="mono"):
+        stream.feed(torch.zeros(1600, 2))
+    with pytest.raises(ValueError, match="float samples"):
+        stream.feed(np.zeros(1600, dtype=np.int16))
+    with pytest.raises(ValueError, match="16000 Hz"):
+        stream.feed(np.zeros(800, dtype=np.float32), sample_rate=8000)
+    assert stream.finish() == [] and stream.text == "" and stream.received == 0  # an empty stream
+    with pytest.raises(ValueError, match="finished"):
+        stream.feed(np.zeros(100, dtype=np.float32))
+    tiny = streamer.open("en")
+    tiny.feed(np.zeros(100, dtype=np.float32))  # under one encoder frame
+    assert tiny.finish() == []
+    with pytest.raises(ValueError, match="policy"):
+        StreamConfig(policy="greedy")
+    with pytest.raises(ValueError, match="chunk"):
+        StreamConfig(chunk=0)
+    with pytest.raises(ValueError, match="beam"):
+        Streamer(word_model, options=DecodingOptions(beam_size=4))
+
+
+# --- latency ----------------------------------------------------------------------------------
+
+
+def test_average_lagging_as_simuleval_defines_it():
+    # Words at 1, 2 and 3 s of a 3 s source with a 3-word reference: each word 1 s after its ideal time.
+    assert average_lagging([1000, 2000, 3000], 3000, 3, length_adaptive=False) == pytest.approx(1000)
+    # tau stops the sum at the first word emitted at the end: the 4th word does not count.
+    assert average_lagging([500, 3000, 3000, 3000], 3000, 2, length_adaptive=False) == pytest.approx((500 + 1500) / 2)
+    # LAAL: 4 output words against a 2-word reference use rate 4/3000, which AL's 2/3000 would under-count.
+    assert average_lagging([500, 3000, 3000, 3000], 3000, 2) == pytest.approx((500 + 3000 - 750) / 2)
+    assert average_lagging([3500], 3000, 1) == 3500  # after the source ended: that delay
+    assert math.isnan(average_lagging([], 3000, 2))
+
+
+def test_a_streams_latency_counts_its_words_and_chunks(word_model, sequences):
+    wav, truth = sequences[0]
+    stream = streamed(word_model, wav, StreamConfig(chunk=0.5, right=0.25))
+    m = stream_latency(stream, wav.numel() / RATE, " ".join(w for w, _, _ in truth))
+    words = stream.words()
+    assert m["first_word"] == pytest.approx(words[0][1] * 1000)
+    assert 0 < m["laal"] <= m["laal_ca"] and m["al"] <= m["al_ca"]
+    assert m["rtf_mean"] > 0 and m["rtf_max"] >= m["rtf_mean"]
+
+
+# --- infer.py --stream ------------------------------------------------------------------------
+
+
+def test_infer_streams_files_and_standard_input(word_model, sequences, tmp_path, monkeypatch):
+    import json
+    paths = []
+    for i, (wav, _) in enumerate(sequences[:3]):
+        paths.append(str(tmp_path / f"s{i}.wav"))
+        sf.write(paths[-1], wav.numpy(), RATE, subtype="FLOAT")
+    out = tmp_path / "hyp.jsonl"
+    flags = ["--ckpt", WORD_MODEL, "--no-pnc", "--stream-chunk", "0.5", "--right-context", "0.25"]
+    proc = run_in_process(infer.main, flags + ["--stream", "--out", str(out)] + paths)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    for line, (wav, _) in zip(lines, sequences):
+        alone = streamed(word_model, wav, StreamConfig(chunk=0.5, right=0.25))
+        assert line["pred_text"] == alone.text and [t["time"] for t in line["tokens"]] == [
+            round(t.time, 3) for t in alone.tokens]
+        assert set(line["latency"]) >= {"al", "laal", "al_ca", "laal_ca", "first_word"}
+    assert "LAAL" in proc.stderr
+
+    pcm = (sequences[0][0].clamp(-1, 1) * 32767).round().short().numpy().tobytes()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(io.BytesIO(pcm))))
+    proc = run_in_process(infer.main, flags + ["--stream", "-"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == lines[0]["pred_text"]  # 16-bit rounding changes nothing here
+
+    with open(paths[0], "rb") as f:  # a WAV file is not raw PCM
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(io.BytesIO(f.read()))))
+    proc = run_in_process(infer.main, flags + ["--stream", "-"])
+    assert proc.returncode != 0 and "not raw PCM" in proc.stderr and "Traceback" not in proc.stderr
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(io.BytesIO(b""))))
+    proc = run_in_process(infer.main, flags + ["--stream", "-"])
+    assert proc.returncode == 0 and "no audio" in proc.stderr
