@@ -1,0 +1,122 @@
+"""Streaming speed: how many real-time streams one machine decodes at once (aed/decode_stream.py).
+
+    python bench/stream_bench.py                                   # both Canary Flash presets, CPU, 2 threads
+    python bench/stream_bench.py --presets canary-180m-flash --streams 1 2 4 8 16 --device cuda
+
+Each preset at full size (Canary's vocabulary and 128 mels) with random weights, streamed as
+`infer.py --stream` streams (10 s left context, 1 s chunks, 0.5 s look-ahead, AlignAtt): speed does
+not depend on the weights, and the work is fixed: EOS is never chosen, the AlignAtt threshold is 0
+(its cross-attention is still read at every step), and every chunk commits --tokens-per-second
+x chunk tokens, so the decoder re-reads about that many tokens per second of its left context.
+
+B streams of --seconds of noise are fed a chunk at a time and decoded as one batch. Timed: each
+chunk's processing once the buffer is full (left context + chunk + look-ahead: the steady state
+of a long stream), its median per batch; the real-time factor is that over the chunk's duration,
+and a batch of B streams is real time when it is <= 1. Baseline in the same run: offline decoding
+(infer.py's transcribe, greedy, the same tokens per second) of the same audio, batch B, whose cost
+per second of audio the streaming figure is set against (streaming re-encodes the 11.5 s buffer
+for every 1 s chunk: about 11x the encoder work of offline decoding).
+
+Prints a table, then a JSON object as the last line.
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import soundfile as sf
+import torch
+from common import MINI_TOKENIZER, add_device_args, device_from_args, load_avg, log, print_json, print_table
+from infer_speed_bench import random_asr
+
+from aed.data_tokenizer import Tokenizer
+from aed.decode_search import DecodingOptions
+from aed.decode_stream import StreamConfig, Streamer
+from aed.decode_transcribe import transcribe
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=["canary-180m-flash", "canary-1b-flash"])
+    p.add_argument("--streams", nargs="+", type=int, default=[1, 2, 4, 8], help="batch sizes: concurrent streams")
+    p.add_argument("--seconds", type=float, default=14.0, help="audio per stream (> 11.5 s reaches the steady state)")
+    p.add_argument("--tokens-per-second", type=float, default=4.0,
+                   help="tokens committed per second of audio (Canary's tokenizers: about 4 on real speech)")
+    p.add_argument("--chunk", type=float, default=StreamConfig.chunk)
+    p.add_argument("--left", type=float, default=StreamConfig.left)
+    p.add_argument("--right", type=float, default=StreamConfig.right)
+    p.add_argument("--max-rtf", type=float, default=2.0,
+                   help="stop growing the batch once a batch's real-time factor passes this")
+    add_device_args(p, threads=2)
+    return p.parse_args(argv)
+
+
+def stream_batch(streamer: Streamer, wavs: list[torch.Tensor]) -> list[float]:
+    """Seconds of processing of each steady-state chunk of the batch of streams fed `wavs`."""
+    streams = [streamer.open("en") for _ in wavs]
+    steady_from = -(-(streamer.left + streamer.right) // streamer.chunk)  # chunks before the buffer is full
+    n = wavs[0].numel()
+    for start in range(0, n, streamer.chunk):
+        for s, w in zip(streams, wavs):
+            s.push(w[start: start + streamer.chunk])
+        streamer.run(streams)
+    streamer.run(streams, final=True)
+    return streams[0].chunk_compute[steady_from:-1]
+
+
+def offline(loaded, wavs: list[torch.Tensor], options: DecodingOptions) -> float:
+    """RTFx of transcribing the same audio offline as one batch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = []
+        for i, w in enumerate(wavs):
+            paths.append(f"{tmp}/{i}.wav")
+            sf.write(paths[-1], w.numpy(), 16000, subtype="FLOAT")
+        _, timings = transcribe(loaded, paths, options, batch_duration=1e9)
+    return timings.rtfx
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = device_from_args(args)
+    tokenizer = Tokenizer.load(MINI_TOKENIZER)
+    config = StreamConfig(chunk=args.chunk, left=args.left, right=args.right, alignatt_frames=0.0)
+    options = DecodingOptions(ctc_weight=0.0, max_repeats=0, max_tokens_per_second=args.tokens_per_second)
+    gen = torch.Generator().manual_seed(0)
+    rows, out = [], {}
+    with torch.inference_mode():
+        for preset in args.presets:
+            loaded = random_asr(preset, tokenizer, device)
+            streamer = Streamer(loaded, config, options)
+            chunk_s = streamer.chunk / streamer.rate
+            result = {"chunk_s": chunk_s, "buffer_s": (streamer.left + streamer.chunk + streamer.right) / streamer.rate,
+                      "batches": {}}
+            stream_batch(streamer, [0.01 * torch.randn(round(4 * streamer.rate), generator=gen)])  # warm-up
+            realtime = 0
+            for b in args.streams:
+                wavs = [0.01 * torch.randn(round(args.seconds * streamer.rate), generator=gen) for _ in range(b)]
+                log(f"{preset}: {b} stream(s) of {args.seconds:g} s")
+                t0 = time.perf_counter()
+                times = stream_batch(streamer, wavs)
+                ms = 1000 * statistics.median(times)
+                rtf = ms / 1000 / chunk_s
+                offline_rtfx = offline(loaded, wavs, options)
+                # per second of audio: streaming's processing over offline decoding's
+                cost = (ms / 1000 / (b * chunk_s)) * offline_rtfx
+                result["batches"][b] = {"ms_per_chunk": ms, "rtf": rtf, "offline_rtfx": offline_rtfx,
+                                        "cost_vs_offline": cost, "wall_s": time.perf_counter() - t0}
+                rows.append([preset, b, ms, rtf, "yes" if rtf <= 1 else "no", offline_rtfx, cost])
+                if rtf <= 1:
+                    realtime = b
+                if rtf > args.max_rtf:
+                    break
+            result["realtime_streams"] = realtime  # the largest measured batch at real-time factor <= 1
+            out[preset] = result
+    print_table([("preset", "<20"), ("streams", ">7d"), ("ms/chunk", ">9.0f"), ("RTF", ">6.2f"), ("real time", ">9"),
+                 ("offline RTFx", ">12.1f"), ("cost vs offline", ">15.1f")], rows)
+    print_json({"device": str(device), "threads": args.threads, "load_avg": load_avg(), "tokens_per_second":
+                args.tokens_per_second, "presets": out})
+
+
+if __name__ == "__main__":
+    main()
