@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import pickle
+import shutil
 import sys
 import time
 
@@ -236,7 +237,7 @@ class LiveLines:
         self.batch, self.drawn = None, 0
 
     def __call__(self, pairs) -> None:
-        width = os.get_terminal_size(sys.stdout.fileno()).columns - 1
+        width = shutil.get_terminal_size().columns - 1
         if pairs[0][1] is not self.batch:  # a new batch of files: draw below the last one
             self.batch, self.drawn = pairs[0][1], 0
         out = f"\x1b[{self.drawn}F" if self.drawn else ""
@@ -260,8 +261,8 @@ def run_stream(args, loaded, requests) -> int:
     if args.stream == "-":
         return caption_stdin(streamer, args)
     live = LiveLines() if sys.stdout.isatty() and not args.quiet else None
-    pairs = stream_requests(streamer, requests, args.streams, args.realtime, live)
-    results = [res for res, _ in pairs]
+    decoded = stream_requests(streamer, requests, args.streams, args.realtime, live)
+    results = [res for res, _, _ in decoded]
     if live is None:
         for r in results:
             if r.error is None:
@@ -269,10 +270,10 @@ def run_stream(args, loaded, requests) -> int:
     failed = [r for r in results if r.error is not None]
     for r in failed:
         print(f"FAILED {r.request.audio_filepath}: {r.error}", file=sys.stderr)
-    latencies = {id(res): stream_latency(s, res.duration, res.request.text) for res, s in pairs if s is not None}
+    latencies = {id(res): latency for res, _, latency in decoded if latency is not None}
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            for res, s in pairs:
+            for res, s, _ in decoded:
                 line = res.to_json()
                 if s is not None:
                     line["tokens"] = [{"token": loaded.tokenizer.id_to_token(t.id), "time": round(t.time, 3),
@@ -287,6 +288,7 @@ def run_stream(args, loaded, requests) -> int:
             return sum(values) / len(values) if values else math.nan
         print(f"latency, ms of audio (mean of {len(latencies)} file(s)): AL {mean('al'):.0f}, LAAL {mean('laal'):.0f}; "
               f"with computation: AL {mean('al_ca'):.0f}, LAAL {mean('laal_ca'):.0f}; first word {mean('first_word'):.0f}; "
+              f"words committed {mean('spoken_lag'):.0f} after they were spoken (CTC alignment); "
               f"real-time factor per chunk: mean {mean('rtf_mean'):.3f}, max {mean('rtf_max'):.3f}", file=sys.stderr)
     return 1 if failed else 0
 
@@ -304,7 +306,7 @@ def caption_stdin(streamer, args) -> int:
         nonlocal shown
         text = stream.text
         if tty:
-            width = os.get_terminal_size(sys.stdout.fileno()).columns - 1
+            width = shutil.get_terminal_size().columns - 1
             sys.stdout.write("\r\x1b[2K" + (text if len(text) <= width else "…" + text[-width + 1:]))
         elif text.startswith(shown):
             sys.stdout.write(text[len(shown):])

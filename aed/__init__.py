@@ -5,6 +5,8 @@
     results, timings = aed.transcribe(model, ["a.wav", "clips/"], source_lang="en")
     results, _ = aed.transcribe(model, ["talk.wav"], aed.DecodingOptions(beam_size=4), target_lang="de")
     print(results[0].pred_text, timings.rtfx)
+    stream = aed.Streamer(model, aed.StreamConfig(chunk=1.0)).open(source_lang="en")
+    stream.feed(samples); stream.finish(); print(stream.text)   # mono float samples at 16 kHz, any pieces
 
 The package, one module per concept, in the order data flows through it. A module imports only
 modules of its own group or of the groups above it; the two exceptions are named below.
@@ -43,6 +45,7 @@ decoding
   decode_merge      joining the hypotheses of overlapping chunks of a long file
   decode_score      WER and BLEU, and the text normalisers leaderboards use
   decode_transcribe files -> Results: the API behind infer.py (load_model, transcribe)
+  decode_stream     streams: decoding while the audio arrives (wait-k, AlignAtt), and its latency
 memory
   memory_measure    peak memory of a step, on the real device or a simulated CUDA device
   memory_oomptimizer the largest batch of every bucket (oom.py), and the memory model
@@ -53,6 +56,7 @@ The scripts at the top level use the package: train.py, infer.py, oom.py. `sampl
 (2D bucketing) import nothing from it.
 """
 from aed.decode_search import DecodingOptions
+from aed.decode_stream import StreamConfig, Streamer
 from aed.decode_transcribe import load_model, transcribe
 
-__all__ = ["DecodingOptions", "load_model", "transcribe"]
+__all__ = ["DecodingOptions", "StreamConfig", "Streamer", "load_model", "transcribe"]

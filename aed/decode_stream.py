@@ -50,7 +50,7 @@ import torch
 from aed.data_audio import AudioError, LogMel, load_audio
 from aed.data_manifest import PROMPT_TASKS
 from aed.decode_search import DecodingOptions, ends_in_repeats, token_budget
-from aed.decode_timestamps import frame_seconds, word_spans
+from aed.decode_timestamps import align, feasible, frame_seconds, to_words, word_spans
 from aed.decode_transcribe import Result
 from aed.model_decoder import KVCache
 
@@ -399,7 +399,7 @@ def stream_requests(streamer: Streamer, requests: list, batch: int = 16, realtim
     """Decode `requests` (aed.decode_transcribe.Request) as streams, `batch` at a time as one batch of
     streams, their audio fed a chunk per round as it would arrive (realtime: no faster than that);
     show(pairs) is called after every round with the batch's (Result, Stream) pairs. Returns
-    (Result, Stream or None if it failed) per request."""
+    (Result, Stream, `stream_latency`) per request; Stream and latency are None where it failed."""
     out = []
     for first in range(0, len(requests), batch):
         group = [(Result(r), None, None) for r in requests[first: first + batch]]
@@ -425,10 +425,12 @@ def stream_requests(streamer: Streamer, requests: list, batch: int = 16, realtim
             if realtime:
                 time.sleep(max(0.0, start + fed / streamer.rate - time.perf_counter()))
         for res, s, wav in group:
+            latency = None
             if s is not None:
                 res.pred_text, res.tokens = s.text, s.ids
                 res.duration, res.decode_time = wav.numel() / streamer.rate, s.compute
-            out.append((res, s))
+                latency = stream_latency(s, res.duration, res.request.text, wav)
+            out.append((res, s, latency))
     return out
 
 
@@ -459,11 +461,32 @@ def average_lagging(delays: list[float], source: float, reference_len: int | Non
     return total / len(delays)
 
 
-def stream_latency(stream: Stream, seconds: float, reference: str | None = None) -> dict:
+@torch.inference_mode()
+def spoken_ends(stream: Stream, wav: torch.Tensor) -> list[float] | None:
+    """When each committed word was spoken: the end of its span in the CTC head's forced alignment of
+    the stream's text to the whole audio `wav` (S,) (aed/decode_timestamps.py), in seconds; None
+    without a CTC head, or where no CTC path through the audio fits the text."""
+    streamer, model = stream.streamer, stream.streamer.model
+    ids = streamer.tokenizer.text_ids(stream.ids)
+    if model.ctc is None or not ids or wav.numel() < streamer.frame:
+        return None
+    feats, lens = streamer.logmel(wav[None].to(streamer.loaded.device), torch.tensor([wav.numel()]))
+    _, enc_lens, log_probs = model.encode_with_ctc(feats, lens)
+    frames = log_probs[0, : int(enc_lens[0])].cpu()
+    if not feasible(frames.size(0), ids):
+        return None
+    words = to_words(streamer.tokenizer, ids, align(frames, ids, model.ctc.blank), streamer.frame_s)
+    return [w.end for w in words] if len(words) == len(stream.words()) else None
+
+
+def stream_latency(stream: Stream, seconds: float, reference: str | None = None,
+                   wav: torch.Tensor | None = None) -> dict:
     """A finished stream's latency in ms of audio: AL and LAAL over its words (each word timed by its
     last token), computation-unaware and -aware (`_ca`: SimulEval's, the processing time the
-    stream had waited for added); the first word's delay; and the real-time factor of its chunks
-    (processing seconds per second of chunk audio: mean and max, the last chunk excluded)."""
+    stream had waited for added); the first word's delay; with the stream's audio `wav` and a CTC
+    head, `spoken_lag`: the mean time from the end of each word in the audio (`spoken_ends`) to its
+    commit; and the real-time factor of its chunks (processing seconds per second of chunk audio:
+    mean and max, the last chunk excluded)."""
     words = stream.words()
     ref_len = len(reference.split()) if reference else None
     source = seconds * 1000
@@ -471,7 +494,9 @@ def stream_latency(stream: Stream, seconds: float, reference: str | None = None)
     aware = [(t + c) * 1000 for _, t, c in words]
     chunk_s = stream.streamer.chunk / stream.streamer.rate
     rtf = [c / chunk_s for c in stream.chunk_compute[:-1]]
+    ends = spoken_ends(stream, wav) if wav is not None else None
+    lag = sum(t - end for (_, t, _), end in zip(words, ends)) / len(ends) * 1000 if ends else math.nan
     return {"al": average_lagging(unaware, source, ref_len, False), "laal": average_lagging(unaware, source, ref_len),
             "al_ca": average_lagging(aware, source, ref_len, False), "laal_ca": average_lagging(aware, source, ref_len),
-            "first_word": unaware[0] if unaware else math.nan,
+            "first_word": unaware[0] if unaware else math.nan, "spoken_lag": lag,
             "rtf_mean": sum(rtf) / len(rtf) if rtf else math.nan, "rtf_max": max(rtf, default=math.nan)}

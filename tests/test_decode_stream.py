@@ -255,9 +255,13 @@ def test_average_lagging_as_simuleval_defines_it():
 def test_a_streams_latency_counts_its_words_and_chunks(word_model, sequences):
     wav, truth = sequences[0]
     stream = streamed(word_model, wav, StreamConfig(chunk=0.5, right=0.25))
-    m = stream_latency(stream, wav.numel() / RATE, " ".join(w for w, _, _ in truth))
+    m = stream_latency(stream, wav.numel() / RATE, " ".join(w for w, _, _ in truth), wav)
     words = stream.words()
     assert m["first_word"] == pytest.approx(words[0][1] * 1000)
+    # Committed after it was spoken, within the chunk, look-ahead and AlignAtt threshold that a word waits for.
+    assert [w for w, _, _ in words] == [w for w, _, _ in truth]
+    true_lag = sum(t - end for (_, t, _), (_, _, end) in zip(words, truth)) / len(words) * 1000
+    assert 0 < m["spoken_lag"] < 2500 and abs(m["spoken_lag"] - true_lag) < 200, (m["spoken_lag"], true_lag)
     assert 0 < m["laal"] <= m["laal_ca"] and m["al"] <= m["al_ca"]
     assert m["rtf_mean"] > 0 and m["rtf_max"] >= m["rtf_mean"]
 
