@@ -264,7 +264,7 @@ class Streamer:
     def context(self, s: Stream, start: int) -> list[int]:
         """The committed tokens the decoder re-reads: those committed after the buffer's start (the
         audio of older ones has left it), cut to the newest that fit the decoder's positions."""
-        since = next((i for i, t in enumerate(s.tokens) if t.time * self.rate > start), len(s.tokens))
+        since = next((i for i, t in enumerate(s.tokens) if round(t.time * self.rate) > start), len(s.tokens))
         room = self.model.cfg.dec_max_len - len(s.prompt) - self.chunk_cap(final=False, frames=0)
         return [t.id for t in s.tokens[since:]][-room:] if room > 0 else []
 

@@ -1,6 +1,7 @@
 """Streaming speed: how many real-time streams one machine decodes at once (aed/decode_stream.py).
 
     python bench/stream_bench.py                                   # both Canary Flash presets, CPU, 2 threads
+    python bench/stream_bench.py --int8                            # int8 Linear weights, as infer.py --int8
     python bench/stream_bench.py --presets canary-180m-flash --streams 1 2 4 8 16 --device cuda
 
 Each preset at full size (Canary's vocabulary and 128 mels) with random weights, streamed as
@@ -33,7 +34,7 @@ from infer_speed_bench import random_asr
 from aed.data_tokenizer import Tokenizer
 from aed.decode_search import DecodingOptions
 from aed.decode_stream import StreamConfig, Streamer
-from aed.decode_transcribe import transcribe
+from aed.decode_transcribe import quantize_int8, transcribe
 
 
 def parse_args(argv=None):
@@ -46,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=float, default=StreamConfig.chunk)
     p.add_argument("--left", type=float, default=StreamConfig.left)
     p.add_argument("--right", type=float, default=StreamConfig.right)
+    p.add_argument("--int8", action="store_true", help="int8 Linear weights (CPU only; as infer.py --int8)")
     p.add_argument("--max-rtf", type=float, default=2.0,
                    help="stop growing the batch once a batch's real-time factor passes this")
     add_device_args(p, threads=2)
@@ -87,6 +89,8 @@ def main(argv=None):
     with torch.inference_mode():
         for preset in args.presets:
             loaded = random_asr(preset, tokenizer, device)
+            if args.int8:
+                loaded.model = quantize_int8(loaded.model)
             streamer = Streamer(loaded, config, options)
             chunk_s = streamer.chunk / streamer.rate
             result = {"chunk_s": chunk_s, "buffer_s": (streamer.left + streamer.chunk + streamer.right) / streamer.rate,
@@ -114,7 +118,7 @@ def main(argv=None):
             out[preset] = result
     print_table([("preset", "<20"), ("streams", ">7d"), ("ms/chunk", ">9.0f"), ("RTF", ">6.2f"), ("real time", ">9"),
                  ("offline RTFx", ">12.1f"), ("cost vs offline", ">15.1f")], rows)
-    print_json({"device": str(device), "threads": args.threads, "load_avg": load_avg(), "tokens_per_second":
+    print_json({"device": str(device), "threads": args.threads, "int8": args.int8, "load_avg": load_avg(), "tokens_per_second":
                 args.tokens_per_second, "presets": out})
 
 
