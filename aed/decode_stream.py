@@ -158,8 +158,7 @@ class Streamer:
         self.rate = loaded.features.sample_rate
         self.frame_s = frame_seconds(loaded.features, self.model.cfg.subsampling_factor)
         self.options = replace(options, frame_seconds=self.frame_s)
-        frame = loaded.features.hop_length * self.model.cfg.subsampling_factor  # samples per encoder frame
-        self.frame = frame
+        self.frame = frame = loaded.features.hop_length * self.model.cfg.subsampling_factor  # samples per encoder frame
         self.chunk = max(1, round(config.chunk / self.frame_s)) * frame  # sizes in samples, whole frames
         self.left = round(config.left / self.frame_s) * frame
         self.right = round(config.right / self.frame_s) * frame
@@ -193,20 +192,16 @@ class Streamer:
 
     # --- one decoding step of many streams --------------------------------------------------
 
-    def ready(self, stream: Stream, final: bool) -> bool:
-        """Whether `stream` has a chunk to decode now: its look-ahead has arrived, or it is finishing."""
-        if stream.finished:
-            return False
-        if final:
-            return True
-        return stream.received >= (stream.chunks + 1) * self.chunk + self.right
+    def ready(self, stream: Stream) -> bool:
+        """Whether `stream` has a chunk to decode now: the chunk and its look-ahead have arrived."""
+        return not stream.finished and stream.received >= (stream.chunks + 1) * self.chunk + self.right
 
     def run(self, streams: list[Stream], final: bool = False) -> list[list[StreamToken]]:
         """Decode every ready chunk of `streams`, one batch per round; final: then their last chunks.
         Returns the tokens each stream committed."""
         committed = [[] for _ in streams]
         while True:
-            batch = [i for i, s in enumerate(streams) if self.ready(s, final=False)]
+            batch = [i for i, s in enumerate(streams) if self.ready(s)]
             if not batch:
                 break
             for i, new in zip(batch, self.step([streams[i] for i in batch], final=False)):
@@ -224,7 +219,7 @@ class Streamer:
         t0 = time.perf_counter()
         device = self.loaded.device
         spans = [self.window(s, final) for s in streams]  # (start, chunk end, end) in stream samples
-        live = [i for i, s in enumerate(streams) if spans[i][2] - spans[i][0] >= self.frame]  # under one encoder frame: nothing to decode
+        live = [i for i, (start, _, end) in enumerate(spans) if end - start >= self.frame]  # less: nothing to decode
         new = [[] for _ in streams]
         if live:
             wavs = [streams[i].audio[spans[i][0] - streams[i].kept_from: spans[i][2] - streams[i].kept_from]
@@ -241,6 +236,8 @@ class Streamer:
             for b, tokens in zip(live, self.decode_chunk([streams[i] for i in live], [spans[i] for i in live],
                                                           memory, attend, final)):
                 new[b] = tokens
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the time of the work, not of queueing it
         elapsed = time.perf_counter() - t0  # each stream of the batch waited for all of it
         committed = []
         for s, (start, chunk_end, end), ids in zip(streams, spans, new):
@@ -265,14 +262,14 @@ class Streamer:
         """The committed tokens the decoder re-reads: those committed after the buffer's start (the
         audio of older ones has left it), cut to the newest that fit the decoder's positions."""
         since = next((i for i, t in enumerate(s.tokens) if round(t.time * self.rate) > start), len(s.tokens))
-        room = self.model.cfg.dec_max_len - len(s.prompt) - self.chunk_cap(final=False, frames=0)
+        room = self.model.cfg.dec_max_len - len(s.prompt) - self.chunk_cap()
         return [t.id for t in s.tokens[since:]][-room:] if room > 0 else []
 
-    def chunk_cap(self, final: bool, frames: int) -> int:
-        """Most tokens one chunk may commit: max_tokens_per_second of its audio, at least one."""
-        seconds = frames * self.frame_s if final else self.chunk / self.rate
+    def chunk_cap(self) -> int:
+        """Most tokens a chunk before the last may commit: max_tokens_per_second of its audio, at
+        least one (without that bound: max_delta, offline decoding's allowance past the frames)."""
         per_second = self.options.max_tokens_per_second
-        return max(1, math.floor(per_second * seconds) if per_second else frames + self.options.max_delta)
+        return max(1, math.floor(per_second * self.chunk / self.rate)) if per_second else self.options.max_delta
 
     def decode_chunk(self, streams, spans, memory, attend, final: bool) -> list[list[int]]:
         """Greedy steps under the policy for each row (a stream), from its prefix; memory (B, T', D),
@@ -285,7 +282,7 @@ class Streamer:
             budget = [max(1, int(token_budget(self.model, attend[r: r + 1], len(p), self.options)[0]) - len(c))
                       for r, (p, c) in enumerate(zip(prefixes, contexts))]
         else:
-            budget = [self.chunk_cap(False, 0)] * b
+            budget = [self.chunk_cap()] * b
         steps = max(budget)
         cache = self.new_cache(memory, attend, max(len(p) + n for p, n in zip(prefixes, budget)))
         padded = torch.full((b, int(prefix_lens.max())), eos, dtype=torch.long, device=device)
