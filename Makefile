@@ -19,12 +19,15 @@ setup: venv
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt pyproject.toml
+$(VENV)/.installed: requirements.txt pyproject.toml tests/requirements-hf.txt tests/requirements-onnx.txt
 	$(PYTHON) -m venv $(VENV)
 	@if [ -n "$(TORCH_PINS)$(CPU)" ]; then $(VENV)/bin/pip install -q $(TORCH_SOURCE) $(or $(TORCH_PINS),torch torchaudio); fi
 	$(VENV)/bin/pip install -q -e .
 	# Optional at run time (parquet sources name it when missing); the suite tests that reader too.
 	$(VENV)/bin/pip install -q pyarrow
+	# The runtimes the exports are checked by (transformers, onnxruntime, sherpa-onnx: ~2 minutes);
+	# NeMo's (bench/requirements-nemo-peers.txt, ~780 MB) is left to those who run its tests.
+	$(VENV)/bin/pip install -q -r tests/requirements-hf.txt -r tests/requirements-onnx.txt
 	touch $@
 
 # Two workers: the suite is mostly single-threaded subprocesses. Slow tests are collected first
@@ -40,11 +43,12 @@ test-fast: venv
 
 # The CUDA paths (bf16 step, NCCL, real OOMs, bf16 inference, GPU<->CPU checkpoints and NeMo models,
 # the simulated device against the real one, the compiled decoder step as a CUDA graph), the inference
-# speed of eager and compiled decoding, then which GPU and torch build they ran on.
+# speed of eager and compiled decoding and of streams, then which GPU and torch build they ran on.
 gpu-check: venv
 	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('gpu-check: torch sees no CUDA GPU')"
 	$(PY) -m pytest -q -rfEs tests/test_cuda.py tests/test_cuda_oom.py
 	$(PY) bench/infer_speed_bench.py --device cuda --no-peers --utterances 16 --long-seconds 300  # eager vs CUDA graphs
+	$(PY) bench/stream_bench.py --device cuda --streams 1 4 16 64  # concurrent real-time streams
 	@$(PY) -c "import torch; print('gpu-check passed on', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| CUDA', torch.version.cuda)"
 
 # Trains the tiny model on the bundled digits set (~6 min on 2 CPU cores; dev WER before/after is

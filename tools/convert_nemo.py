@@ -276,18 +276,31 @@ def convert_tokenizer(opt: Options, files: dict) -> Tokenizer:
 
 # --- weights ----------------------------------------------------------------------------------
 
-DECODER_RENAMES = [  # (NeMo pattern, ours), applied in order; see aed/model_decoder.py
-    (r"^transf_decoder\._embedding\.position_embedding\.pos_enc$", "decoder.embedding.pos_enc"),
-    (r"^transf_decoder\._embedding\.", "decoder.embedding."),
-    (r"^transf_decoder\._decoder\.final_layer_norm\.", "decoder.final_layer_norm."),
-    (r"^transf_decoder\._decoder\.layers\.(\d+)\.layer_norm_1\.", r"decoder.layers.\1.norm_self_attn."),
-    (r"^transf_decoder\._decoder\.layers\.(\d+)\.first_sub_layer\.", r"decoder.layers.\1.self_attn."),
-    (r"^transf_decoder\._decoder\.layers\.(\d+)\.layer_norm_2\.", r"decoder.layers.\1.norm_cross_attn."),
-    (r"^transf_decoder\._decoder\.layers\.(\d+)\.second_sub_layer\.", r"decoder.layers.\1.cross_attn."),
-    (r"^transf_decoder\._decoder\.layers\.(\d+)\.layer_norm_3\.", r"decoder.layers.\1.norm_ffn."),
-    (r"^transf_decoder\._decoder\.layers\.(\d+)\.third_sub_layer\.", r"decoder.layers.\1.ffn."),
-    (r"^log_softmax\.mlp\.layer0\.", "decoder.output_proj."),
+NAMES = [  # (NeMo prefix, aed prefix), tried in order, {n} a layer index; see aed/model_decoder.py.
+    # Encoder names are the same on both sides. tools/export_nemo.py reads this table the other way.
+    ("transf_decoder._embedding.position_embedding.pos_enc", "decoder.embedding.pos_enc"),
+    ("transf_decoder._embedding.", "decoder.embedding."),
+    ("transf_decoder._decoder.final_layer_norm.", "decoder.final_layer_norm."),
+    ("transf_decoder._decoder.layers.{n}.layer_norm_1.", "decoder.layers.{n}.norm_self_attn."),
+    ("transf_decoder._decoder.layers.{n}.first_sub_layer.", "decoder.layers.{n}.self_attn."),
+    ("transf_decoder._decoder.layers.{n}.layer_norm_2.", "decoder.layers.{n}.norm_cross_attn."),
+    ("transf_decoder._decoder.layers.{n}.second_sub_layer.", "decoder.layers.{n}.cross_attn."),
+    ("transf_decoder._decoder.layers.{n}.layer_norm_3.", "decoder.layers.{n}.norm_ffn."),
+    ("transf_decoder._decoder.layers.{n}.third_sub_layer.", "decoder.layers.{n}.ffn."),
+    ("log_softmax.mlp.layer0.", "decoder.output_proj."),
 ]
+
+
+def rename(key: str, to_aed: bool = True) -> str:
+    """A NeMo state-dict name in aed's naming (to_aed), or an aed name in NeMo's: NAMES read either way."""
+    for nemo, ours in NAMES:
+        source, target = (nemo, ours) if to_aed else (ours, nemo)
+        m = re.match(re.escape(source).replace(re.escape("{n}"), r"(\d+)"), key)
+        if m:
+            return target.replace("{n}", "".join(m.groups())) + key[m.end():]
+    return key
+
+
 # NeMo tensors with no counterpart in aed: recomputed (features, encoder positions) or unused at
 # inference (token types are never passed by EncDecMultiTaskModel).
 DROPPED = re.compile(r"^(preprocessor\.|encoder\.pos_enc\.|transf_decoder\._embedding\.token_type_embedding\.)")
@@ -300,11 +313,7 @@ def convert_weights(state: dict, model: AED) -> dict:
     for key, value in state.items():
         if DROPPED.match(key):
             continue
-        new = key
-        for pattern, repl in DECODER_RENAMES:
-            new, n = re.subn(pattern, repl, new)
-            if n:
-                break
+        new = rename(key)
         if new not in own:
             unknown.append(key)
             continue

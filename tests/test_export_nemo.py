@@ -1,0 +1,233 @@
+"""tools/export_nemo.py: aed checkpoints as NeMo .nemo archives, the inverse of tools/convert_nemo.py.
+
+Without NeMo: the fixtures (tests/fixtures/nemo, written by NeMo 3.0.0) converted to aed and exported
+back hold NeMo's tensors bit for bit, and the same config and tokenizer; a model trained by train.py
+(DCP checkpoint directories, averaged) exports and reads back through tools/convert_nemo.py to the same weights
+and greedy tokens; what NeMo cannot hold is named. With NeMo (the tests that need it skip without it;
+install as bench/requirements-nemo-peers.txt says):
+    .venv/bin/pip install --target /tmp/nemo-peers --no-deps -r bench/requirements-nemo-peers.txt
+    PYTHONPATH=/tmp/nemo-peers .venv/bin/python -m pytest tests/test_export_nemo.py
+NeMo's restore_from loads the export, and its features and greedy tokens are aed's.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from convert_nemo import ConversionError, convert, read_nemo  # noqa: E402
+import export_nemo  # noqa: E402
+from export_nemo import export  # noqa: E402
+
+from aed.data_audio import LogMel, load_audio  # noqa: E402
+from aed.decode_search import DecodingOptions  # noqa: E402
+from aed.decode_transcribe import load_model, make_request, transcribe  # noqa: E402
+from aed.train_checkpoint import list_checkpoints  # noqa: E402
+from test_train import run_in_process, train_in_process  # noqa: E402
+
+FIXTURES = ROOT / "tests" / "fixtures" / "nemo"
+MINI = ROOT / "data" / "mini"
+NEMO_GREEDY = dict(ctc_weight=0.0, max_repeats=0, max_tokens_per_second=None)  # NeMo's greedy search: no limits
+MAX_DELTA = 50  # NeMo's max_generation_delta in the released configs
+# ASR in the four languages, and AST both ways: (audio stem, source, target)
+UTTERANCES = [("dev_en_000006", "en", "en"), ("dev_de_000008", "de", "de"), ("dev_fr_000002", "fr", "fr"),
+              ("dev_es_000008", "es", "es"), ("dev_en-es_000004", "en", "es"), ("dev_es-en_000003", "es", "en")]
+
+
+def nemo_members(path) -> tuple[dict, dict, dict]:
+    """(config, state dict, {tokenizer block: {config key: member bytes}}) of a .nemo archive."""
+    config, state, files = read_nemo(path)
+    tokenizer = {lang: {key: files[ref.removeprefix("nemo:")] for key, ref in entry.items()
+                        if isinstance(ref, str) and ref.startswith("nemo:")}
+                 for lang, entry in config["tokenizer"]["langs"].items()}
+    return config, state, tokenizer
+
+
+def pieces(model: bytes) -> list:
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+
+
+@pytest.fixture(scope="module", params=["canary", "canary2"])
+def round_trip(request, tmp_path_factory):
+    """A fixture .nemo converted to aed and exported back."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    convert(FIXTURES / f"{request.param}.nemo", tmp / "aed.pt")
+    export(tmp / "aed.pt", tmp / "back.nemo")
+    return FIXTURES / f"{request.param}.nemo", tmp / "back.nemo", tmp
+
+
+def test_round_trip_weights_are_bit_identical(round_trip):
+    original, exported, _ = round_trip
+    _, state, _ = nemo_members(original)
+    _, back, _ = nemo_members(exported)
+    assert sorted(back) == sorted(state)  # window, filterbank, position table and tied output layer included
+    for key, value in state.items():
+        assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
+
+
+def test_round_trip_config_and_tokenizer_are_nemos(round_trip):
+    original, exported, _ = round_trip
+    config, _, tokenizer = nemo_members(original)
+    back, _, back_tokenizer = nemo_members(exported)
+    assert back["target"] == config["target"] and back["nemo_version"] == "3.0.0"
+    for key in ("prompt_format", "sample_rate", "label_smoothing", "model_defaults"):
+        assert back[key] == config[key], key
+    for section in ("preprocessor", "encoder", "head", "transf_decoder", "transf_decoder.config_dict"):
+        ours, theirs = back, config
+        for part in section.split("."):
+            ours, theirs = ours[part], theirs[part]
+        for key, value in theirs.items():  # every key NeMo wrote, with its value (the vocabulary NeMo fills in)
+            if not isinstance(value, dict) and not (key == "vocab_size" and value is None):
+                assert ours[key] == value, f"{section}.{key}"
+    assert back["transf_encoder"]["num_layers"] == 0 and back["tokenizer"]["type"] == "agg"
+    assert back["tokenizer"]["custom_tokenizer"] == config["tokenizer"]["custom_tokenizer"]
+    assert list(back_tokenizer) == list(tokenizer)  # the block order is the id layout
+    for lang, files in tokenizer.items():
+        mine = back_tokenizer[lang]
+        assert set(mine) == {"model_path", "vocab_path", "spe_tokenizer_vocab"}
+        if lang == "spl_tokens":  # rebuilt from the token list: the same pieces, and NeMo's vocab.txt
+            assert pieces(mine["model_path"]) == pieces(files["model_path"])
+            assert mine["vocab_path"] == files["vocab_path"]
+            names = [[line.split(b"\t")[0] for line in f["spe_tokenizer_vocab"].splitlines()] for f in (mine, files)]
+            assert names[0] == names[1]  # the scores of a model never used to encode are not kept
+        else:
+            assert mine["model_path"] == files["model_path"]
+            assert mine["spe_tokenizer_vocab"] == files["spe_tokenizer_vocab"]
+
+
+def test_round_trip_converts_back_to_the_same_aed_checkpoint(round_trip):
+    _, exported, tmp = round_trip
+    first = torch.load(tmp / "aed.pt", weights_only=False)
+    second = convert(exported, tmp / "again.pt")
+    for key in ("model_config", "features", "tokenizer"):
+        assert second[key] == first[key], key
+    assert all(torch.equal(second["model"][k], v) for k, v in first["model"].items())
+
+
+# --- a model trained by train.py ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two steps of fine-tuning of the converted canary2 fixture with a CTC head: two checkpoints."""
+    tmp = tmp_path_factory.mktemp("trained")
+    convert(FIXTURES / "canary2.nemo", tmp / "init.pt")
+    run = tmp / "run"
+    p = train_in_process([str(tmp / "init.yaml"), f"init_from={tmp / 'init.pt'}", f"run_dir={run}",
+                          "model.ctc_weight=0.3", "max_steps=2", "ckpt_every=1",
+                          "val.every=0", f"train.manifests=[{MINI / 'train.jsonl'}]", "train.num_buckets=2",
+                          "train.max_duration=8", "train.num_workers=0", "optim.warmup_steps=1", "optim.lr=1e-3"])
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert len(list_checkpoints(run)) == 2
+    lines = []
+    export(run, tmp / "avg.nemo", average=2, log=lines.append)
+    return run, tmp, lines
+
+
+def greedy(loaded, stem, source, target, limit=None):
+    """aed's greedy tokens (no prompt, no EOS) on one data/mini/dev utterance."""
+    options = DecodingOptions(max_delta=MAX_DELTA, max_new_tokens=limit, **NEMO_GREEDY)
+    request = make_request(str(MINI / "audio" / f"{stem}.flac"), source, target)
+    return transcribe(loaded, [request], options)[0][0].tokens
+
+
+def test_trained_model_exports_and_reads_back(trained):
+    run, tmp, lines = trained
+    assert len(lines) == 1 and "dropped the CTC head (ctc.proj.weight (449, 48), ctc.proj.bias (449,))" in lines[0]
+    averaged = load_model(str(run), average=2)
+    convert(tmp / "avg.nemo", tmp / "back.pt")
+    back = load_model(str(tmp / "back.pt"))
+    assert back.model.cfg.ctc_weight == 0 and averaged.model.cfg.ctc_weight == 0.3
+    state = averaged.model.state_dict()
+    assert sorted(back.model.state_dict()) == sorted(k for k in state if not k.startswith("ctc."))
+    assert all(torch.equal(v, state[k]) for k, v in back.model.state_dict().items())
+    for stem, source, target in UTTERANCES[:2]:
+        assert greedy(back, stem, source, target) == greedy(averaged, stem, source, target)
+    # A checkpoint directory of the run (DCP, the format of DDP and FSDP runs alike) exports as well.
+    export(list_checkpoints(run)[-1], tmp / "last.nemo", log=lambda _: None)
+    _, last, _ = nemo_members(tmp / "last.nemo")
+    newest = load_model(list_checkpoints(run)[-1]).model.state_dict()
+    assert torch.equal(last["encoder.layers.0.self_attn.linear_q.weight"], newest["encoder.layers.0.self_attn.linear_q.weight"])
+
+
+def test_what_nemo_cannot_hold_is_named(tmp_path):
+    # The word model's tokenizer is aed's "single" layout: one SentencePiece model for every language.
+    with pytest.raises(ConversionError, match="tokenizer block 'all'"):
+        export(ROOT / "tests" / "fixtures" / "word_model.pt", tmp_path / "x.nemo")
+    convert(FIXTURES / "canary.nemo", tmp_path / "c.pt")
+    ckpt = torch.load(tmp_path / "c.pt", weights_only=False)
+    ckpt["model_config"]["pad_id"] = 0
+    torch.save(ckpt, tmp_path / "bad.pt")
+    with pytest.raises(ConversionError, match=r"model\.pad_id=0: NeMo uses the tokenizer's <pad> \(2\)"):
+        export(tmp_path / "bad.pt", tmp_path / "x.nemo")
+    assert not (tmp_path / "x.nemo").exists()
+    p = run_in_process(export_nemo.main, ["--ckpt", "tests/fixtures/word_model.pt", "-o", str(tmp_path / "x.nemo")])
+    assert p.returncode == 1 and "one SentencePiece model per language" in p.stderr
+
+
+# --- NeMo itself ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nemo():
+    if importlib.util.find_spec("nemo") is None:
+        pytest.skip("needs NeMo (pip package nemo-toolkit==3.0.0): .venv/bin/pip install --target /tmp/nemo-peers "
+                    "--no-deps -r bench/requirements-nemo-peers.txt, then run with PYTHONPATH=/tmp/nemo-peers")
+    from nemo.collections.asr.models import EncDecMultiTaskModel
+    from nemo.utils import logging
+
+    logging.setLevel(logging.ERROR)
+    return EncDecMultiTaskModel
+
+
+def nemo_greedy(model, wav, source, target):
+    """NeMo's features of `wav` and its greedy tokens (no prompt, no EOS) with its default prompt
+    slots, and the token budget NeMo allowed (prompt excluded)."""
+    slots = {"source_lang": source, "target_lang": target, "pnc": "yes"}
+    if model.cfg.prompt_format == "canary":
+        slots["task"] = "asr" if source == target else "ast"
+    else:
+        slots.update(decodercontext="", emotion="<|emo:undefined|>", itn="no", timestamp="no", diarize="no")
+    prompt = model.prompt.encode_dialog([{"role": "user", "slots": slots}])["context_ids"][None]
+    with torch.no_grad():
+        feats, feat_lens = model.preprocessor(input_signal=wav[None], length=torch.tensor([wav.numel()]))
+        encoded, enc_lens = model.encoder(audio_signal=feats, length=feat_lens)
+        memory = model.encoder_decoder_proj(encoded.transpose(1, 2))  # (1, T', D_dec)
+        mask = (torch.arange(memory.shape[1]) < enc_lens[:, None]).to(memory.dtype)
+        best = model.decoding.decoding.greedy_search(encoder_hidden_states=memory, encoder_input_mask=mask,
+                                                     decoder_input_ids=prompt)[0]
+    tokens = best[0, prompt.shape[1]:].tolist()
+    eos = model.tokenizer.eos_id
+    limit = min(model.transf_decoder.max_sequence_length, memory.shape[1] + MAX_DELTA) - prompt.shape[1]
+    return feats[0, :, : feat_lens[0]].T, tokens[: tokens.index(eos)] if eos in tokens else tokens, limit
+
+
+@pytest.mark.parametrize("which", ["trained", "canary"])
+def test_nemo_restores_the_export_and_decodes_as_aed(nemo, which, trained, tmp_path):
+    if which == "trained":
+        path, loaded = trained[1] / "avg.nemo", load_model(str(trained[0]), average=2)
+    else:
+        convert(FIXTURES / "canary.nemo", tmp_path / "c.pt")
+        export(tmp_path / "c.pt", tmp_path / "c.nemo")
+        path, loaded = tmp_path / "c.nemo", load_model(str(tmp_path / "c.pt"))
+    torch.manual_seed(0)
+    model = nemo.restore_from(str(path), map_location="cpu").eval()
+    decoding = model.cfg.decoding
+    decoding.strategy, decoding.greedy.max_generation_delta = "greedy", MAX_DELTA
+    model.change_decoding_strategy(decoding)
+    model.eval()
+    logmel = LogMel(loaded.features).eval()
+    for stem, source, target in UTTERANCES:
+        wav = load_audio(MINI / "audio" / f"{stem}.flac")
+        feats, tokens, limit = nemo_greedy(model, wav, source, target)
+        ours, _ = logmel(wav[None], torch.tensor([wav.numel()]))
+        torch.testing.assert_close(ours[0], feats, atol=1e-4, rtol=0)
+        assert greedy(loaded, stem, source, target, limit) == tokens, stem
+        model.eval()  # NeMo's greedy search leaves its decoder in training mode
