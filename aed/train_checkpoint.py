@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from aed.data_audio import FeatureConfig
 from aed.data_tokenizer import Tokenizer
@@ -452,7 +453,9 @@ def init_from_checkpoint(model: torch.nn.Module, path: str, encoder_only: bool =
     if mismatched:
         raise ValueError(f"init_from={path}: shape mismatches:\n  " + "\n  ".join(mismatched))
     loadable = {k: v for k, v in src.items() if k.startswith(prefix) and k in own}
-    model.load_state_dict(loadable, strict=False)
+    # An FSDP2 model's parameters are DTensors: each full tensor is sharded as its parameter is.
+    model.load_state_dict({k: distribute_tensor(v.to(own[k].dtype), own[k].device_mesh, own[k].placements)
+                           if isinstance(own[k], DTensor) else v for k, v in loadable.items()}, strict=False)
     fresh = sorted({".".join(k.split(".")[:3]) for k in own if k.startswith(prefix) and k not in loadable})
     dropped = sorted({k.split(".")[0] for k in src if k not in own})
     return (f"loaded {len(loadable)} tensors{' (encoder only)' if encoder_only else ''}"

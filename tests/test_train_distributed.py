@@ -116,6 +116,20 @@ def test_fsdp_on_one_process_shards_over_a_group_of_one_and_trains_like_ddp(tmp_
     assert not torch.distributed.is_initialized()  # train.py's group of one ends with the run
 
 
+def test_init_from_loads_into_a_sharded_model_as_into_a_whole_one(ddp_run, tmp_path):
+    """init_from under train.strategy=fsdp: each full tensor of the checkpoint is sharded as its
+    parameter is, and a head the checkpoint lacks stays random, as under DDP: the first step's loss
+    (the loaded weights') is DDP's."""
+    first = {}
+    for strategy in ("ddp", "fsdp"):
+        run = tmp_path / strategy
+        p = run_train(run, f"train.strategy={strategy}", f"init_from={ddp_run[0] / 'ckpt-00000006'}", "max_steps=1",
+                      "val.every=100")
+        assert "init_from" in p.stderr and "loaded" in p.stderr
+        first[strategy] = losses(run)[1]
+    assert abs(first["ddp"] - first["fsdp"]) < LOSS_TOLERANCE, first
+
+
 def test_fsdp_resumes_exactly_mid_epoch(fsdp_run, tmp_path):
     run = tmp_path / "run"
     copy_until(fsdp_run, run, 3)
