@@ -119,20 +119,23 @@ def parse_args(argv: list[str] | None = None):
     live.add_argument("--stream", nargs="?", const="files", metavar="-",
                       help="decode the inputs as streams, a chunk at a time as their audio would arrive; "
                            "`--stream -`: raw 16-bit mono PCM at the model's rate from standard input")
-    live.add_argument("--stream-chunk", type=float, default=StreamConfig.chunk, help="seconds decoded per step")
+    live.add_argument("--stream-chunk", type=float, default=StreamConfig.chunk, metavar="S", help="seconds decoded per step (default: %(default)s)")
     live.add_argument("--left-context", type=float, default=StreamConfig.left,
-                      help="seconds before each chunk that the encoder hears again with it")
-    live.add_argument("--right-context", type=float, default=StreamConfig.right,
+                      metavar="S", help="seconds before each chunk that the encoder hears again with it "
+                                        "(default: %(default)s)")
+    live.add_argument("--right-context", type=float, default=StreamConfig.right, metavar="S",
                       help="look-ahead: seconds after each chunk the encoder hears before the chunk is decoded; "
-                           "chunk + right context is the latency the buffer adds")
+                           "chunk + right context is the latency the buffer adds (default: %(default)s)")
     live.add_argument("--policy", choices=POLICIES, default=StreamConfig.policy,
                       help="alignatt: commit tokens while the decoder's cross-attention looks at older audio; "
                            "waitk: a fixed number of tokens per chunk after a lag")
     live.add_argument("--alignatt-threshold", type=float, default=StreamConfig.alignatt_frames,
-                      help="alignatt: seconds before the chunk's end that a token's attention peak must lie")
-    live.add_argument("--waitk-lag", type=int, default=StreamConfig.waitk_lag, help="wait-k: chunks before the first token")
-    live.add_argument("--waitk-tokens", type=int, default=StreamConfig.waitk_tokens, help="wait-k: tokens per chunk")
-    live.add_argument("--streams", type=int, default=16, help="files decoded at once, as one batch of streams")
+                      metavar="S", help="alignatt: seconds before the chunk's end that a token's attention peak "
+                                        "must lie (default: %(default)s)")
+    live.add_argument("--waitk-lag", type=int, default=StreamConfig.waitk_lag, metavar="N", help="wait-k: chunks heard before the first token (default: %(default)s)")
+    live.add_argument("--waitk-tokens", type=int, default=StreamConfig.waitk_tokens, metavar="N", help="wait-k: tokens per chunk after the lag (default: %(default)s)")
+    live.add_argument("--streams", type=int, default=16, metavar="N",
+                      help="files decoded at once, as one batch of streams (default: %(default)s)")
     live.add_argument("--realtime", action="store_true", help="feed files no faster than they play")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--skip-invalid", action="store_true",
@@ -145,6 +148,8 @@ def parse_args(argv: list[str] | None = None):
         p.error("--stream - reads standard input: give no files or manifests with it")
     if not args.inputs and not args.manifest and args.stream != "-":
         p.error("give audio files/directories/patterns and/or --manifest")
+    if args.stream and args.streams < 1:
+        p.error(f"--streams {args.streams}: decode at least one stream at a time")
     if args.stream and (args.beam_size != 1 or args.timestamps or args.compile):
         p.error("--stream decodes greedily, eager: not with --beam-size > 1, --timestamps or --compile")
     if args.subtitles and not args.timestamps:
