@@ -223,7 +223,8 @@ class TransformerEmbedding(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, tokens, positions=None):
-        """tokens (B, U) at `positions` (KVCache.positions: a slice or a (U,) long tensor), or None for 0..U-1."""
+        """tokens (B, U) at `positions` (KVCache.positions: a slice, a (U,) or a per-row (B, U) long tensor),
+        or None for 0..U-1."""
         u = tokens.size(1)
         assert u <= self.pos_enc.size(0), f"{u} positions exceed decoder max length {self.pos_enc.size(0)}"
         x = self.token_embedding(tokens)  # (B, U, D)
