@@ -237,7 +237,8 @@ def test_sherpa_onnx_recognises_a_trained_models_words_as_aed_does(tmp_path):
     """sherpa-onnx's OfflineRecognizer on the export of a trained canary2 model (the word model trained
     with the canary2 tokenizer of tests/fixtures/nemo/canary2.nemo: tests/fixtures/make_word_model.py
     --tokenizer): on word sequences it did not train on, its tokens are aed's greedy tokens on most files,
-    though it computes its own features (kaldi-native-fbank, not NeMo's). Measured: 19 of 20."""
+    though it computes its own features (kaldi-native-fbank, not NeMo's); docs/REPORT.md has the count
+    on 20 files."""
     sherpa_onnx = pytest.importorskip("sherpa_onnx", reason="pip install sherpa-onnx (tests/requirements-onnx.txt)")
     import random
 
