@@ -249,12 +249,15 @@ class ExampleDataset(Dataset):
     - ExampleDataset(None, ...): the index is the example dict itself, as a streamed sampler's
       batches hand it (`DataLoader(..., batch_sampler=BucketingSampler(source, ...))`); dither
       seeded by (seed, its location), stable across processes and resumes.
+
+    `augment` (aed.data_augment.Augment, training only): the waveform degraded after speed
+    perturbation and before the features, its draws seeded by (seed, index) as the dither is.
     """
 
     def __init__(self, examples: list | None, tokenizer, logmel, seed: int = 0,
-                 tolerance: float = DURATION_TOLERANCE):
+                 tolerance: float = DURATION_TOLERANCE, augment=None):
         self.examples, self.tokenizer, self.logmel = examples, tokenizer, logmel
-        self.seed, self.tolerance = seed, tolerance
+        self.seed, self.tolerance, self.augment = seed, tolerance, augment
         self.utterances = None if examples is None else [
             ex if isinstance(ex, Utterance) else as_utterance(ex) for ex in examples]
 
@@ -277,6 +280,8 @@ class ExampleDataset(Dataset):
                     "audio_filepath": utt.audio_filepath}
         if utt.speed != 1.0:
             wav = perturb_speed(wav, utt.speed)
+        if self.augment is not None:
+            wav = self.augment(wav, self.seed, index)
         return make_item(wav, utt, index, self.tokenizer, self.logmel, self.seed)
 
 

@@ -167,6 +167,24 @@ def parse_fields(d: dict, where: str, base_dir: str, needs_text: bool = True) ->
     return Utterance(path, duration, text, *task, offset or 0.0, where, segment=offset is not None)
 
 
+def nonspeech_fields(d: dict, where: str, base_dir: str) -> Utterance:
+    """A non-speech manifest line's object (noise, music, silence: `train.manifests` entries with
+    nonspeech: true) -> Utterance with an empty text. audio_filepath, duration and offset follow the
+    training rules; a `text` (or `answer`) must be empty or absent, as the model learns to say nothing.
+    The prompt's fields (source_lang / target_lang or lang, pnc, taskname) are checked when the line
+    names a language, else left empty ("") for the caller to choose (aed/data_mixing.py)."""
+    path = audio_path(d, where, base_dir)
+    duration = seconds(d, "duration", where, positive=True, required=True)
+    offset = seconds(d, "offset", where, positive=False)
+    text = reference_text(d)
+    if text is not None and (not isinstance(text, str) or text.strip()):
+        fail(where, "text", f"a non-speech line has no transcript (empty or absent), got {text!r}")
+    source_lang, target_lang = languages(d)
+    task = ("", "", True, "asr") if source_lang is None and target_lang is None else \
+        check_task(where, source_lang, target_lang, d.get("pnc", "yes"), d.get("taskname"))
+    return Utterance(path, duration, "", *task, offset or 0.0, where, segment=offset is not None)
+
+
 def text_and_task(d: dict, where: str) -> tuple[str, str, str, bool, str]:
     """(text, source_lang, target_lang, pnc, taskname) of a line, checked; shared with the readers
     of other formats (aed/data_sources.py), so every format follows the manifest's rules."""

@@ -8,7 +8,10 @@
 
 Every kind but a manifest is streamed: `open_source` gives an object of the sampler's
 streamed-source protocol (aed/data_stream.py has what those readers share). Each takes `weight`
-(examples drawn in proportion when several are mixed).
+(examples drawn in proportion when several are mixed), and the tags that group entries for
+`train.mix_temperature` (aed/data_mixing.py): `dataset` and `language`. A streamed entry may declare
+its size, `hours` and `examples` (read from the source's metadata otherwise); a manifest may be
+non-speech, `{path: noise.jsonl, nonspeech: true, rate: 0.05}`: audio whose target is empty.
 """
 
 from array import array
@@ -23,13 +26,15 @@ from aed.data_shards import ShardSource
 from aed.data_tarred import NemoTarredSource, SharSource
 
 PARQUET_KEYS = {"parquet", "audio_column", *(f"{f}_column" for f in FIELDS), *FIELDS}
-KINDS = {  # kind: (the key that names it, every key it accepts)
-    "shards": ("shards", {"shards"}),
-    "nemo": ("tarred_audio_filepaths", {"manifest_filepath", "tarred_audio_filepaths"}),
-    "shar": ("shar", {"shar"}),
-    "parquet": ("parquet", PARQUET_KEYS),
-    "manifest": ("path", {"path"}),
+SIZE_KEYS = {"hours", "examples"}  # a streamed source's declared size (aed/data_mixing.py: stream_weights)
+KINDS = {  # kind: (the key that names it, every key it accepts besides TAG_KEYS)
+    "shards": ("shards", {"shards"} | SIZE_KEYS),
+    "nemo": ("tarred_audio_filepaths", {"manifest_filepath", "tarred_audio_filepaths"} | SIZE_KEYS),
+    "shar": ("shar", {"shar"} | SIZE_KEYS),
+    "parquet": ("parquet", PARQUET_KEYS | SIZE_KEYS),
+    "manifest": ("path", {"path", "nonspeech", "rate"}),
 }
+TAG_KEYS = {"weight", "dataset", "language"}  # every kind: its mixing weight and its group's tags
 
 
 def spec_kind(spec) -> str:
@@ -39,14 +44,46 @@ def spec_kind(spec) -> str:
     if isinstance(spec, dict):
         for kind, (marker, keys) in KINDS.items():
             if marker in spec:
-                if unknown := set(spec) - keys - {"weight"}:
+                if unknown := set(spec) - keys - TAG_KEYS:
                     raise ConfigError(f"train.manifests entry {spec!r}: unknown key(s) {sorted(unknown)} for a "
-                                      f"{kind} entry (accepted: {sorted(keys | {'weight'})})")
+                                      f"{kind} entry (accepted: {sorted(keys | TAG_KEYS)})")
                 if kind == "nemo" and "manifest_filepath" not in spec:
                     raise ConfigError(f"train.manifests entry {spec!r}: a NeMo tarred set needs manifest_filepath")
+                check_tags(spec, spec[marker])
                 return kind
     raise ConfigError(f"train.manifests entry {spec!r}: expected a manifest path or a mapping with one of "
                       f"{[marker for marker, _ in KINDS.values()]} (README: Your data as it is)")
+
+
+def check_tags(spec: dict, name) -> None:
+    """ConfigError naming the entry (`name`: its path) and the field when a tag or size has a wrong value."""
+    def bad(key, why):
+        raise ConfigError(f"train.manifests entry {name}: field '{key}': {why}, got {spec[key]!r}")
+
+    def number(key):
+        return isinstance(spec[key], (int, float)) and not isinstance(spec[key], bool)
+
+    for key in ("dataset", "language"):
+        if key in spec and (not isinstance(spec[key], str) or not spec[key]):
+            bad(key, "must be a non-empty string")
+    for key in ("weight", "hours", "examples"):
+        if key in spec and not (number(key) and spec[key] > 0):
+            bad(key, "must be a positive number")
+    if ("hours" in spec) != ("examples" in spec):
+        raise ConfigError(f"train.manifests entry {name}: a declared size needs both 'hours' and 'examples' "
+                          "(examples are drawn by count, so hours alone cannot set the mix)")
+    if "nonspeech" in spec and not isinstance(spec["nonspeech"], bool):
+        bad("nonspeech", "must be true or false")
+    if spec.get("nonspeech"):
+        if "rate" not in spec:
+            raise ConfigError(f"train.manifests entry {name}: field 'rate': a non-speech manifest needs the "
+                              "fraction of training examples it makes up, e.g. rate: 0.05")
+        if "weight" in spec:
+            bad("weight", "a non-speech manifest is mixed in by its rate, not a weight")
+    if "rate" in spec and not spec.get("nonspeech"):
+        bad("rate", "only a non-speech manifest (nonspeech: true) has a rate")
+    if "rate" in spec and not (number("rate") and 0 < spec["rate"] < 1):
+        bad("rate", "must lie strictly between 0 and 1")
 
 
 def parse_spec(text: str):

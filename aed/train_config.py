@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from aed.config import ConfigError, describe, dotted_keys, from_dict, help_table, merged_dict, user_dict
+from aed.data_augment import CODECS
 from aed.data_audio import FeatureConfig, SpecAugmentConfig
 from aed.data_manifest import DURATION_TOLERANCE
 from aed.decode_score import NORMALIZERS
@@ -38,7 +39,7 @@ class TrainSection:
     """The `train:` section: what is trained on and how it is batched, curricula, data workers, and
     how the ranks share the model."""
 
-    manifests: list[dict | str] = field(default_factory=lambda: ["data/mini/train.jsonl"])  # paths, {path, weight}, or streamed: {shards: DIR}, {shar: DIR}, a NeMo tarred set, {parquet: GLOB} (aed/data_sources.py)
+    manifests: list[dict | str] = field(default_factory=lambda: ["data/mini/train.jsonl"])  # paths, {path, weight, dataset, language}, non-speech {path, nonspeech: true, rate}, or streamed: {shards: DIR}, {shar: DIR}, a NeMo tarred set, {parquet: GLOB} (aed/data_sources.py)
     tokenizer: str = "data/mini/tokenizer"  # directory written by tools/train_tokenizer.py; sets the model's vocabulary
     skip_invalid: bool = True  # bad manifest lines are skipped with a warning and counted, not fatal
     check_audio: bool = True  # read every audio header at start (docs/data.md has its speed): unreadable files and wrong durations are skipped
@@ -59,6 +60,8 @@ class TrainSection:
     sortagrad: bool = False  # first pass over the data from the shortest bucket to the longest (a curriculum)
     short_first: list[float] | None = None  # [seconds, steps]: the first steps train only on utterances up to that long, passing over them repeatedly (a curriculum; in-memory manifests; docs/training.md)
     speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]: every utterance once at each speed (Kaldi, ESPnet, icefall); in-memory manifests
+    mix_temperature: float | None = None  # balance sources and languages: each (dataset, language) group of train.manifests gets a share of the audio proportional to hours^(1/T); 1: natural proportions, .inf: uniform; None: the entries' weights (aed/data_mixing.py)
+    mix_log_every: int = 100000  # streamed sources: examples between log lines of the realised mix (in-memory manifests: one line per pass)
     num_workers: int = 2  # DataLoader workers decoding audio and computing features
     strategy: str = "ddp"  # ddp: every rank holds the whole model and optimizer | fsdp: FSDP2 shards parameters, gradients and AdamW state over the ranks (aed/train_distributed.py); on one process, over a group of one
     reshard_after_forward: bool = True  # fsdp: free each layer's gathered parameters after its forward (less memory; false: one all-gather less per layer)
@@ -75,6 +78,59 @@ class TrainSection:
             raise ConfigError(f"train.short_first: expected [seconds > 0, steps >= 1], got {self.short_first}")
         if any(not 0.5 <= f <= 2.0 or abs(100 * f - round(100 * f)) > 1e-6 for f in self.speed_perturb):
             raise ConfigError(f"train.speed_perturb: factors between 0.5 and 2 in steps of 0.01, got {self.speed_perturb}")
+        if self.mix_temperature is not None and not self.mix_temperature > 0:
+            raise ConfigError(f"train.mix_temperature: a positive number (1: natural proportions), got {self.mix_temperature}")
+
+
+@dataclass
+class AugmentConfig:
+    """The `augment:` section (aed/data_augment.py, docs/training.md): degradations of the training
+    audio, each applied to an utterance with its probability, its strength drawn uniformly from its
+    range, in the DataLoader workers (training data only); every probability 0 (off) by default."""
+
+    reverb_prob: float = 0.0  # chance an utterance is convolved with a room impulse response (direct path kept at time 0, level kept)
+    rir_manifests: list[str] = field(default_factory=list)  # JSONL manifests of room impulse responses (audio_filepath, duration): tools/make_noise.py generate writes simulated ones
+    noise_prob: float = 0.0  # chance an utterance gets additive noise
+    noise_manifests: list[str] = field(default_factory=list)  # JSONL manifests of noise recordings (audio_filepath, duration[, offset]): MUSAN's, or tools/make_noise.py generate's; looped and cut at a random offset
+    snr_db: tuple[float, float] = (0.0, 20.0)  # signal-to-noise ratio in dB, over the whole utterance
+    gain_prob: float = 0.0  # chance of a level change
+    gain_db: tuple[float, float] = (-12.0, 6.0)  # the level change in dB
+    clip_prob: float = 0.0  # chance of hard clipping (an overdriven recording)
+    clip_level: tuple[float, float] = (0.1, 0.5)  # clipping threshold as a fraction of the utterance's peak
+    lowpass_prob: float = 0.0  # chance of a low-pass, by resampling down to twice the cutoff and back up
+    lowpass_hz: tuple[float, float] = (2000.0, 6000.0)  # the cutoff in Hz (below half features.sample_rate)
+    codec_prob: float = 0.0  # chance of a codec, one of `codecs` picked uniformly
+    codecs: list[str] = field(default_factory=lambda: ["telephone", "mulaw"])  # telephone: 300 Hz high-pass, 8 kHz, G.711 mu-law | mulaw: 8-bit mu-law at the training rate | mp3, opus: encoded and decoded in memory by libsndfile
+    codec_level: tuple[float, float] = (0.5, 0.95)  # mp3/opus: libsndfile's compression level (0: highest bitrate, 1: lowest; opus at 16 kHz spans ~250 to ~9 kbit/s, mp3 ~70 to ~25)
+    cache_mb: int = 256  # per DataLoader worker: decoded noise and RIRs kept in memory (the least recently used dropped first)
+
+    def __post_init__(self):
+        for name in ("reverb_prob", "noise_prob", "gain_prob", "clip_prob", "lowpass_prob", "codec_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"augment.{name}: a probability in [0, 1], got {getattr(self, name)}")
+        for name in ("snr_db", "gain_db", "clip_level", "lowpass_hz", "codec_level"):
+            bounds = getattr(self, name)
+            if len(bounds) != 2 or bounds[0] > bounds[1]:
+                raise ConfigError(f"augment.{name}: expected [low, high] with low <= high, got {list(bounds)}")
+        if not (0 < self.clip_level[0] and self.clip_level[1] <= 1):
+            raise ConfigError(f"augment.clip_level: fractions of the peak in (0, 1], got {list(self.clip_level)}")
+        if not (0 <= self.codec_level[0] and self.codec_level[1] <= 1):
+            raise ConfigError(f"augment.codec_level: compression levels in [0, 1], got {list(self.codec_level)}")
+        if self.lowpass_hz[0] <= 0:
+            raise ConfigError(f"augment.lowpass_hz: cutoffs above 0 Hz, got {list(self.lowpass_hz)}")
+        if unknown := sorted(set(self.codecs) - set(CODECS)):
+            raise ConfigError(f"augment.codecs: {unknown} unknown; expected some of {', '.join(CODECS)}")
+        if self.codec_prob > 0 and not self.codecs:
+            raise ConfigError("augment.codec_prob > 0 needs at least one of augment.codecs")
+        for prob, manifests in (("reverb_prob", "rir_manifests"), ("noise_prob", "noise_manifests")):
+            if getattr(self, prob) > 0 and not getattr(self, manifests):
+                raise ConfigError(f"augment.{prob} > 0 needs augment.{manifests} (tools/make_noise.py generate "
+                                  "writes a set)")
+
+    @property
+    def enabled(self) -> bool:
+        return any(p > 0 for p in (self.reverb_prob, self.noise_prob, self.gain_prob, self.clip_prob,
+                                   self.lowpass_prob, self.codec_prob))
 
 
 @dataclass
@@ -135,6 +191,7 @@ class TrainConfig:
     model: AEDConfig = field(default_factory=AEDConfig)  # architecture (aed/model.py)
     features: FeatureConfig = field(default_factory=FeatureConfig)  # log-mel features (aed/data_audio.py)
     spec_augment: SpecAugmentConfig = field(default_factory=SpecAugmentConfig)  # masking in training
+    augment: AugmentConfig = field(default_factory=AugmentConfig)  # degradations of the training audio: noise, reverberation, codecs (aed/data_augment.py)
     train: TrainSection = field(default_factory=TrainSection)  # training data, batching and parallelism
     val: ValConfig = field(default_factory=ValConfig)  # validation
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer and schedule

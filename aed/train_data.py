@@ -17,8 +17,11 @@ from torch.utils.data import DataLoader
 
 from aed.config import ConfigError
 from aed.data_audio import LogMel
+from aed.data_augment import Augment
 from aed.data_batch import Collate, ExampleDataset, encodable, ignore_stop_signals
-from aed.data_manifest import Faults, ManifestError, check_audio, read_manifest
+from aed.data_manifest import Faults, ManifestError, check_audio, nonspeech_fields, read_manifest, read_rows
+from aed.data_mixing import (MixLog, Tagged, audio_shares, group_of, nonspeech_examples, repeat, stream_weights,
+                             temperature_mix)
 from aed.data_sources import CountTokens, is_streamed, open_source, source_faults, spec_kind
 from aed.data_stream import MixedSource
 from aed.train_config import TrainConfig
@@ -32,19 +35,38 @@ log = logging.getLogger(__name__)
 
 def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_size: int,
                   faults: Faults | None = None) -> tuple[list, list]:
-    """Manifests (paths or {path, weight}) -> (utterances carrying their token ids, token counts);
-    weight w repeats a manifest's utterances int(w) times per epoch plus a random fraction w - int(w)
-    of them. Invalid lines, lines the tokenizer cannot encode and (with check_audio) utterances whose
-    audio is unreadable or disagrees with its duration are skipped and counted in `faults`, or stop
-    the run without skip_invalid. tokenizer None (objective=ssl): audio-only lines are read, and
-    every token count is 0."""
+    """Manifests (paths or {path, weight, dataset, language}, and non-speech {path, nonspeech, rate})
+    -> (utterances carrying their token ids, token counts) of one epoch; weight w repeats a manifest's
+    utterances int(w) times per epoch plus a random fraction w - int(w) of them, or with
+    data_cfg.mix_temperature each (dataset, language) group gets its temperature share of the hours,
+    and non-speech lines (target: prompt + EOS) make up their rates of the examples
+    (aed/data_mixing.py). Invalid lines, lines the tokenizer cannot encode and (with check_audio)
+    utterances whose audio is unreadable or disagrees with its duration are skipped and counted in
+    `faults`, or stop the run without skip_invalid. tokenizer None (objective=ssl): audio-only lines
+    are read, and every token count is 0."""
     rng = random.Random(seed)
     faults = Faults() if faults is None else faults
-    out, out_tokens = [], []
+    temperature = data_cfg.mix_temperature
+    speech, nonspeech = [], []  # (spec, utterances, token counts) per manifest; (spec, utterances)
     for spec in specs:
         if spec_kind(spec) != "manifest":
             raise ConfigError(f"train.manifests entry {spec!r} is streamed: every entry must then be streamed")
         spec = {"path": spec} if isinstance(spec, str) else spec
+        if spec.get("nonspeech"):
+            if tokenizer is None:
+                raise ConfigError(f"train.manifests entry {spec['path']}: non-speech examples teach the decoder to "
+                                  "stop at once; an objective that reads no text has no use for them")
+            if data_cfg.min_tps is not None:
+                raise ConfigError(f"train.manifests entry {spec['path']}: train.min_tps would drop the non-speech "
+                                  "examples (their target is the prompt and EOS alone); unset one of them")
+            utts = list(read_rows(spec["path"], nonspeech_fields, data_cfg.skip_invalid, faults))
+            if data_cfg.check_audio:
+                utts, _ = with_valid_audio(spec["path"], utts, [0] * len(utts), data_cfg, rank, world_size, faults)
+            nonspeech.append((spec, utts))
+            continue
+        if temperature is not None and "weight" in spec:
+            raise ConfigError(f"train.manifests entry {spec['path']}: field 'weight': train.mix_temperature sets "
+                              "the weights from the hours; remove one of them")
         utts = read_manifest(spec["path"], data_cfg.skip_invalid, tokenizer is not None, faults)
         if tokenizer is not None:
             utts, num_tokens = encodable(utts, tokenizer, data_cfg.skip_invalid, faults)
@@ -52,13 +74,21 @@ def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_
             num_tokens = [0] * len(utts)
         if data_cfg.check_audio:
             utts, num_tokens = with_valid_audio(spec["path"], utts, num_tokens, data_cfg, rank, world_size, faults)
-        weight = float(spec.get("weight", 1.0))
-        picked = list(range(len(utts))) * int(weight) + rng.sample(range(len(utts)),
-                                                                   round((weight - int(weight)) * len(utts)))
-        out += [utts[i] for i in picked]
-        out_tokens += [num_tokens[i] for i in picked]
-        log.info("%s: %d utterances, %.2f h, weight %g", spec["path"], len(utts),
-                 sum(u.duration for u in utts) / 3600, weight)
+        speech.append((spec, utts, num_tokens))
+        log.info("%s: %d utterances, %.2f h%s", spec["path"], len(utts), sum(u.duration for u in utts) / 3600,
+                 "" if temperature is not None else f", weight {float(spec.get('weight', 1.0)):g}")
+    if temperature is not None:
+        out, out_tokens = temperature_mix(speech, temperature, rng)
+    else:
+        out, out_tokens = [], []
+        for spec, utts, num_tokens in speech:
+            picked = repeat(list(zip(utts, num_tokens)), float(spec.get("weight", 1.0)), rng)
+            out += [u for u, _ in picked]
+            out_tokens += [n for _, n in picked]
+    if nonspeech:
+        extra, extra_tokens = encodable(nonspeech_examples(nonspeech, out, rng), tokenizer, data_cfg.skip_invalid,
+                                        faults)
+        out, out_tokens = out + extra, out_tokens + extra_tokens
     if data_cfg.speed_perturb:
         out = [replace(u, speed=f) for f in data_cfg.speed_perturb for u in out]
         out_tokens = out_tokens * len(data_cfg.speed_perturb)
@@ -107,6 +137,8 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
     manifests are saved to `bins_out` when given. ConfigError / ManifestError name what is wrong."""
     reads_text = OBJECTIVES[cfg.objective].reads_text
     logmel = LogMel(cfg.features).train()  # train mode: dither
+    # Degradations in the workers, training data only; the noise/RIR manifests are read (and checked) now.
+    augment = Augment(cfg.augment, cfg.features.sample_rate) if cfg.augment.enabled else None
     sampler_args = dict(allocation=cfg.train.allocation, min_tps=cfg.train.min_tps,
                         max_tps=cfg.train.max_tps, buffer_size=cfg.train.buffer_size, seed=cfg.seed,
                         rank=rank, world_size=world_size, sync_buckets=cfg.train.sync_buckets,
@@ -137,12 +169,20 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
         if longest is None or longest > cfg.model.dec_max_len:
             raise ConfigError(f"streamed training needs 2D bins whose token bounds fit "
                               f"model.dec_max_len={cfg.model.dec_max_len} (the sampler drops longer examples)")
-        sources = [CountTokens(open_source(s), tokenizer) for s in streamed]
-        source = sources[0] if len(sources) == 1 else MixedSource(
-            sources, [float(s.get("weight", 1.0)) for s in streamed])
+        opened = [open_source(s) for s in streamed]
+        sources = [CountTokens(s, tokenizer) for s in opened]
+        weights, mix = [float(s.get("weight", 1.0)) for s in streamed], None
+        if cfg.train.mix_temperature is not None:
+            if weighted := [s for s in streamed if "weight" in s]:
+                raise ConfigError(f"train.manifests entry {weighted[0]!r}: field 'weight': train.mix_temperature "
+                                  "sets the weights from the hours; remove one of them")
+            weights, shares, groups = stream_weights(streamed, opened, cfg.train.mix_temperature)
+            sources = [Tagged(s, i) for i, s in enumerate(sources)]
+            mix = MixLog(lambda ex: (groups[ex["mix_source"]], ex["duration"]), shares, cfg.train.mix_log_every)
+        source = sources[0] if len(sources) == 1 else MixedSource(sources, weights)
         sampler = BucketingSampler(source, bins, **sampler_args)
-        dataset = ExampleDataset(None, tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance)
-        return TrainingData(sampler, dataset, bins, BatchCounter(sampler), **data,
+        dataset = ExampleDataset(None, tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance, augment)
+        return TrainingData(sampler, dataset, bins, BatchCounter(sampler, mix), **data,
                             faults=tuple(f for s in sources for f in source_faults(s)))
 
     text_tokenizer = tokenizer if reads_text else None
@@ -169,20 +209,36 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
         raise ConfigError(f"train: {e}") from None
     if faults.counts:
         log.warning("train.manifests: skipped %s", faults.summary())
-    dataset = ExampleDataset(utts, text_tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance)
-    return TrainingData(sampler, dataset, bins, BatchCounter(sampler), **data, faults=(faults,))
+    dataset = ExampleDataset(utts, text_tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance, augment)
+    return TrainingData(sampler, dataset, bins, BatchCounter(sampler, epoch_mix_log(cfg.train, utts)), **data,
+                        faults=(faults,))
+
+
+def epoch_mix_log(train, utts: list) -> MixLog | None:
+    """The realised-mix log of in-memory manifests mixed by temperature or with non-speech entries:
+    a line per pass (as many examples as the epoch holds), beside the epoch's own composition."""
+    specs = [{"path": s} if isinstance(s, str) else s for s in train.manifests]
+    if train.mix_temperature is None and not any(s.get("nonspeech") for s in specs):
+        return None
+    by_path = {s["path"]: s for s in specs}
+    groups = [group_of(by_path[u.where.rsplit(":", 1)[0]], u) for u in utts]  # where: "path:line"
+    seconds = [u.perturbed_duration for u in utts]
+    return MixLog(lambda i: (groups[i], seconds[i]), audio_shares(groups, seconds), len(utts))
 
 
 class BatchCounter:
     """Counts the batches the DataLoader has taken from the sampler: the DataLoader prefetches,
-    so a checkpoint rewinds the sampler by (taken - trained) batches to resume exactly."""
+    so a checkpoint rewinds the sampler by (taken - trained) batches to resume exactly. A MixLog,
+    when given, sees every batch (the realised mix of sources and languages)."""
 
-    def __init__(self, sampler):
-        self.sampler, self.taken = sampler, 0
+    def __init__(self, sampler, mix: MixLog | None = None):
+        self.sampler, self.taken, self.mix = sampler, 0, mix
 
     def __iter__(self):
         for batch in self.sampler:
             self.taken += 1
+            if self.mix is not None:
+                self.mix.see(batch)
             yield batch
 
 

@@ -1,0 +1,242 @@
+"""Mixing training data: temperature-balanced shares of sources and languages, and non-speech
+examples whose target is empty.
+
+    shares = temperature_shares({("ls", "en"): 960.0, ("mls", "de"): 2000.0}, temperature=2.0)
+    utts, num_tokens = temperature_mix(entries, 2.0, rng)      # in-memory manifests (train_data.load_examples)
+    weights, shares, groups = stream_weights(specs, sources, 2.0)   # streamed sources (MixedSource's weights)
+
+Groups. Every example belongs to a (dataset, language) group: `dataset` is its train.manifests entry's
+tag (default: the entry's path), `language` the entry's tag, else the utterance's own (its
+source_lang; "src-tgt" for a translation). With `train.mix_temperature: T` a group's share of the
+training audio is hours^(1/T) / sum over groups: T=1 keeps the natural proportions, a large T
+approaches uniform. This is NeMo's `reweight_temperature` (w^tau with tau = 1/T) and the
+(n/N)^alpha of Canary-1B-v2's data balancing (alpha = 1/T). An epoch of in-memory manifests keeps
+the data's total hours, redistributed; inside one streamed source languages are not separated (give
+each language its own entry to balance them).
+
+Non-speech (`{path: noise.jsonl, nonspeech: true, rate: 0.05}`): the lines are audio without
+speech; each becomes prompt + EOS (an empty text), so the decoder learns to stop at once. A line's
+prompt is its own (when it names a language), else the entry's `language` (transcription), else
+that of a speech example drawn at random, so non-speech meets every task and language the model
+is trained on. `rate` is the fraction of the epoch's examples (all non-speech entries together
+below 1).
+
+Every draw uses the seeded RNG that load_examples passes, so every rank and every restart builds
+the same epoch, and the sampler's state resumes it exactly.
+"""
+
+import json
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+from aed.config import ConfigError
+from aed.data_manifest import Utterance
+from aed.data_shards import ShardSource
+from aed.data_sources import KINDS, metadata, spec_kind
+
+log = logging.getLogger(__name__)
+
+
+def temperature_shares(hours: dict, temperature: float) -> dict:
+    """group -> target share: hours^(1/T) / sum of them. T=1: natural; T=inf (YAML .inf): uniform."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    powered = {g: h ** (1.0 / temperature) for g, h in hours.items()}
+    total = sum(powered.values())
+    return {g: p / total for g, p in powered.items()}
+
+
+def entry_name(spec) -> str:
+    """The path (or directory, glob) that names a train.manifests entry in logs and errors."""
+    if isinstance(spec, str):
+        return spec
+    return str(spec[KINDS[spec_kind(spec)][0]])
+
+
+def utterance_language(u: Utterance) -> str:
+    return u.source_lang if u.taskname == "asr" else f"{u.source_lang}-{u.target_lang}"
+
+
+def group_of(spec, u: Utterance | None = None) -> tuple[str, str]:
+    """(dataset, language) of an example of `spec` (u None: a streamed entry, its language tag or "*")."""
+    spec = {"path": spec} if isinstance(spec, str) else spec
+    dataset = spec.get("dataset", entry_name(spec))
+    if spec.get("nonspeech"):
+        return dataset, "nonspeech"
+    return dataset, spec.get("language") or (utterance_language(u) if u is not None else "*")
+
+
+def label(group: tuple[str, str]) -> str:
+    return f"{group[0]} [{group[1]}]"
+
+
+def repeat(items: list, factor: float, rng: random.Random) -> list:
+    """`items` int(factor) times, plus a random fraction factor - int(factor) of them (seeded)."""
+    return items * int(factor) + rng.sample(items, round((factor - int(factor)) * len(items)))
+
+
+def log_table(title: str, hours: dict, shares: dict, realised: dict | None = None) -> None:
+    """The mix at start: per group its hours, natural share, target share (and this epoch's share)."""
+    total = sum(hours.values())
+    width = max(len(label(g)) for g in hours)
+    head = f"  {'group':{width}s} {'hours':>10s} {'natural':>8s} {'target':>8s}" + (" epoch" if realised else "")
+    rows = [f"  {label(g):{width}s} {hours[g]:10.2f} {hours[g] / total:8.1%} {shares[g]:8.1%}"
+            + (f" {realised.get(g, 0.0):6.1%}" if realised else "") for g in sorted(hours)]
+    log.info("%s: %d groups, %.2f h\n%s", title, len(hours), total, "\n".join([head, *rows]))
+
+
+def audio_shares(groups: list, seconds: list) -> dict:
+    """group -> share of the audio, over examples of the given groups and durations."""
+    total = Counter()
+    for g, s in zip(groups, seconds):
+        total[g] += s
+    whole = sum(total.values()) or 1.0
+    return {g: s / whole for g, s in total.items()}
+
+
+# --- in-memory manifests --------------------------------------------------------------------------
+
+
+def temperature_mix(entries: list, temperature: float, rng: random.Random) -> tuple[list, list]:
+    """entries: (spec, utterances, token counts) per speech manifest -> (utterances, token counts) of
+    one epoch. The epoch keeps the data's total hours; a group's utterances are repeated by
+    factor = target hours / its hours (`repeat`), so each group's share of the audio is its
+    temperature share (to within the fractional draw)."""
+    members = {}  # group -> [(utterance, token count)]
+    for spec, utts, num_tokens in entries:
+        for u, n in zip(utts, num_tokens):
+            members.setdefault(group_of(spec, u), []).append((u, n))
+    if not members:
+        return [], []
+    hours = {g: sum(u.duration for u, _ in m) / 3600 for g, m in members.items()}
+    shares = temperature_shares(hours, temperature)
+    total = sum(hours.values())
+    picked, groups = [], []
+    for g in sorted(members):
+        got = repeat(members[g], shares[g] * total / hours[g], rng)
+        picked += got
+        groups += [g] * len(got)
+    log_table(f"train.mix_temperature={temperature:g}", hours, shares,
+              audio_shares(groups, [u.duration for u, _ in picked]))
+    return [u for u, _ in picked], [n for _, n in picked]
+
+
+def nonspeech_examples(entries: list, speech: list, rng: random.Random) -> list:
+    """entries: (spec, utterances) per non-speech manifest; speech: the epoch's speech utterances ->
+    the epoch's non-speech utterances, entry i's count rate_i / (1 - sum of rates) x len(speech) (so
+    it makes up rate_i of all examples), each with its prompt fields set (module docstring)."""
+    rates = [spec["rate"] for spec, _ in entries]
+    if sum(rates) >= 1:
+        raise ConfigError(f"train.manifests: the non-speech rates add up to {sum(rates):g}; they are fractions "
+                          "of all training examples and must add up to less than 1")
+    if not speech:
+        raise ConfigError("train.manifests: non-speech entries need speech examples to mix into")
+    out = []
+    for (spec, utts), rate in zip(entries, rates):
+        if not utts:
+            raise ConfigError(f"train.manifests entry {spec['path']}: a non-speech manifest with no usable line")
+        count = round(rate / (1 - sum(rates)) * len(speech))
+        for u in repeat(utts, count / len(utts), rng):
+            if not u.source_lang:  # the line named no language: the entry's, or a speech example's prompt
+                lang = spec.get("language")
+                p = replace(u, source_lang=lang, target_lang=lang, taskname="asr") if lang else rng.choice(speech)
+                u = replace(u, source_lang=p.source_lang, target_lang=p.target_lang, pnc=p.pnc, taskname=p.taskname)
+            out.append(u)
+        log.info("%s: %d non-speech utterances, %.2f h; %d in the epoch (rate %g)", spec["path"], len(utts),
+                 sum(u.duration for u in utts) / 3600, count, rate)
+    return out
+
+
+# --- streamed sources -----------------------------------------------------------------------------
+
+
+def stream_size(spec: dict, source) -> tuple[int, float]:
+    """(examples, hours) of a streamed source: declared on its entry (`examples`, `hours`), from an aed
+    shard index (its per-shard count and duration), or counted from the source's metadata (NeMo
+    manifests, Shar cuts, parquet columns: no audio read; logged, as it reads every row)."""
+    if "hours" in spec:
+        return int(spec["examples"]), float(spec["hours"])
+    name = entry_name(spec)
+    if isinstance(source, ShardSource):
+        try:
+            lines = [json.loads(line) for line in Path(source.index).read_text().splitlines() if line.strip()]
+            return sum(d["count"] for d in lines), sum(d["duration"] for d in lines) / 3600
+        except KeyError:
+            raise ConfigError(f"train.manifests entry {name}: train.mix_temperature needs its size, and "
+                              f"{source.index} has no per-shard 'duration': declare it on the entry, hours: H and "
+                              "examples: N") from None
+    t0, examples, seconds = time.time(), 0, 0.0
+    for _, fields in metadata(source):
+        examples, seconds = examples + 1, seconds + fields["duration"]
+    if not examples:
+        raise ConfigError(f"train.manifests entry {name}: its metadata lists no example, so it has no size to mix by")
+    log.info("%s: %d examples, %.2f h (read from its metadata in %.1f s; declare hours and examples on the "
+             "entry to skip this)", name, examples, seconds / 3600, time.time() - t0)
+    return examples, seconds / 3600
+
+
+def stream_weights(specs: list, sources: list, temperature: float) -> tuple[list, dict, list]:
+    """The MixedSource weights (they count examples) that give each (dataset, language) group its
+    temperature share of the audio: entry e of group g draws p_g x (e's hours / g's hours) of the
+    audio, so its weight is that over e's mean duration. Also returns the target shares and each
+    entry's group, for the log."""
+    sizes = [stream_size(spec, source) for spec, source in zip(specs, sources)]
+    groups = [group_of(spec) for spec in specs]
+    hours = Counter()
+    for g, (_, h) in zip(groups, sizes):
+        hours[g] += h
+    shares = temperature_shares(dict(hours), temperature)
+    weights = [shares[g] * n / hours[g] for g, (n, _) in zip(groups, sizes)]
+    log_table(f"train.mix_temperature={temperature:g} (streamed)", dict(hours), shares)
+    return weights, shares, groups
+
+
+class Tagged:
+    """A streamed source whose examples carry `mix_source` (its index in the mix), so the batches can
+    be counted by group (MixLog); a wrapper of the streamed-source protocol."""
+
+    def __init__(self, source, index: int):
+        self.source, self.index = source, index
+
+    def read(self, seed: int, rank: int, world_size: int, cursor=None):
+        for key, cur, ex in self.source.read(seed, rank, world_size, cursor):
+            ex["mix_source"] = self.index
+            yield key, cur, ex
+
+    def get(self, key) -> dict:
+        return {**self.source.get(key), "mix_source": self.index}
+
+    def describe(self, key) -> str:
+        return self.source.describe(key)
+
+
+class MixLog:
+    """The realised mix: each group's share of the audio in the batches taken from the sampler, one
+    log line per `every` examples, beside its target. `item` maps a batch element (an index into
+    the in-memory examples, or a streamed example dict) to (group, seconds)."""
+
+    def __init__(self, item, targets: dict, every: int):
+        self.item, self.targets, self.every = item, targets, max(1, every)
+        self.seconds, self.count, self.lines = Counter(), 0, 0
+
+    def see(self, batch: list) -> None:
+        for element in batch:
+            group, seconds = self.item(element)
+            self.seconds[group] += seconds
+            self.count += 1
+            if self.count >= self.every:
+                self.flush()
+
+    def flush(self) -> None:
+        total = sum(self.seconds.values()) or 1.0
+        self.lines += 1
+        parts = [f"{label(g)} {self.seconds[g] / total:.1%} (target {self.targets.get(g, 0.0):.1%})"
+                 for g in sorted(set(self.targets) | set(self.seconds))]
+        log.info("realised mix #%d (share of the audio), %d examples, %.2f h: %s", self.lines, self.count,
+                 total / 3600, ", ".join(parts))
+        self.seconds, self.count = Counter(), 0
+

@@ -1,0 +1,199 @@
+import json
+import logging
+import math
+import os
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from aed.config import ConfigError
+from aed.data_audio import FeatureConfig, LogMel, load_audio
+from aed.data_augment import AllBad, Augment, RecordingPool, add_noise, lossy, read_recordings, reverberate
+from aed.data_batch import ExampleDataset
+from aed.data_manifest import ManifestError, read_manifest
+from aed.train_config import AugmentConfig, TrainConfig
+from tools.make_noise import main as make_noise
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MINI = os.path.join(ROOT, "data", "mini")
+RATE = 16000
+
+
+def write_set(tmp_path, name: str, signals: dict) -> str:
+    """Writes {stem: samples} as wavs and their manifest tmp_path/name.jsonl; bytes are written as
+    they are, and a None signal is listed but never written (a missing file)."""
+    lines = []
+    for stem, x in signals.items():
+        if isinstance(x, bytes):
+            (tmp_path / f"{stem}.wav").write_bytes(x)
+        elif x is not None:
+            sf.write(tmp_path / f"{stem}.wav", x, RATE, subtype="FLOAT")
+        lines.append(json.dumps({"audio_filepath": f"{stem}.wav", "duration": 1.0}))
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def sets(tmp_path):
+    """A noise set and a RIR set of two files each."""
+    rng = np.random.default_rng(0)
+    decay = np.exp(-np.arange(1600) / 200.0)
+    rirs = {f"rir{i}": np.concatenate([np.zeros(20 * i), [1.0], 0.3 * rng.standard_normal(1600) * decay])
+            for i in range(2)}
+    noise = {f"noise{i}": rng.standard_normal(RATE // 2 + 1000 * i).astype(np.float32) for i in range(2)}
+    return write_set(tmp_path, "noise", noise), write_set(tmp_path, "rir", rirs)
+
+
+def speech(seconds: float = 1.0, seed: int = 1) -> torch.Tensor:
+    """A tone with a syllable-like envelope and a little noise, (S,)."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.arange(round(seconds * RATE)) / RATE
+    return (0.3 * torch.sin(2 * math.pi * 220 * t) * torch.sin(2 * math.pi * 3 * t).abs()
+            + 0.01 * torch.randn(t.numel(), generator=g))
+
+
+def everything(noise: str, rir: str, **kw) -> AugmentConfig:
+    return AugmentConfig(**{"reverb_prob": 1.0, "rir_manifests": [rir], "noise_prob": 1.0, "noise_manifests": [noise],
+                            "gain_prob": 1.0, "clip_prob": 1.0, "lowpass_prob": 1.0, "codec_prob": 1.0, **kw})
+
+
+def test_reproducible_from_seed_and_index(sets):
+    noise, rir = sets
+    wav = speech()
+    a, resumed = Augment(everything(noise, rir), RATE), Augment(everything(noise, rir), RATE)
+    first = a(wav, 3, 7)
+    for i in range(5):  # fill the cache in another order: the draws must not depend on it
+        a(wav, 3, i)
+    assert first.shape == wav.shape and first.dtype == torch.float32
+    assert torch.equal(first, a(wav, 3, 7)) and torch.equal(first, resumed(wav, 3, 7))
+    assert not torch.equal(first, a(wav, 3, 8))
+    assert not torch.equal(first, a(wav, 4, 7))
+    assert not torch.allclose(first, wav, atol=1e-3)
+
+
+def snr_db(clean: torch.Tensor, mixed: torch.Tensor) -> float:
+    return 10 * math.log10(clean.double().pow(2).mean() / (mixed.double() - clean.double()).pow(2).mean())
+
+
+@pytest.mark.parametrize("target", [-5.0, 0.0, 7.5, 20.0])
+def test_realised_snr(target):
+    wav = speech(1.3)
+    noise = torch.randn(RATE // 3)  # shorter than the utterance: looped
+    assert abs(snr_db(wav, add_noise(wav, noise, target, start=1234)) - target) < 0.1
+
+
+def test_snr_through_augment(sets):
+    noise, rir = sets
+    wav = speech()
+    a = Augment(AugmentConfig(noise_prob=1.0, noise_manifests=[noise], snr_db=(12.0, 12.0)), RATE)
+    for index in range(4):
+        assert abs(snr_db(wav, a(wav, 0, index)) - 12.0) < 0.1
+
+
+def test_rir_keeps_length_and_alignment():
+    wav = speech(0.5)
+    for at in (0, 37):  # a delta, with or without leading silence, gives the input back
+        delta = torch.zeros(400)
+        delta[at] = 1.0
+        assert torch.allclose(reverberate(wav, delta), wav, atol=1e-5)
+    click = torch.zeros(4000)
+    click[100] = 1.0
+    rir = torch.cat([0.05 * torch.ones(50), torch.tensor([1.0]), 0.5 * torch.exp(-torch.arange(800) / 100.0)])
+    wet = reverberate(click, rir)  # the peak at 50 with taps before it: the direct path stays at time 0
+    assert wet.shape == click.shape and int(wet.abs().argmax()) == 100
+    assert math.isclose(wet.pow(2).mean(), click.pow(2).mean(), rel_tol=1e-4)  # the level is kept
+
+
+def test_bad_files_skipped_counted_named_once(tmp_path, caplog):
+    bad = {"missing": None, "empty": b"", "nosamples": np.zeros(0, dtype=np.float32),
+           "silent": np.zeros(800, dtype=np.float32)}
+    good = {"good": np.random.default_rng(0).standard_normal(800).astype(np.float32)}
+    pool = RecordingPool([write_set(tmp_path, "noise", bad | good)], "noise", RATE, cache_bytes=2**20)
+    with caplog.at_level(logging.WARNING):
+        for index in range(30):  # any draw before "good" walks on to it
+            assert torch.equal(pool.pick(np.random.default_rng(index)), load_audio(tmp_path / "good.wav"))
+    assert pool.faults.counts["unreadable_audio"] == len(bad) and set(pool.bad) == {0, 1, 2, 3}
+    for stem in bad:
+        assert sum(f"{stem}.wav" in r.getMessage() for r in caplog.records) == 1, stem
+
+    only_bad = write_set(tmp_path, "bad", {"missing": None})
+    with pytest.raises(AllBad, match=r"all 1 noise recording\(s\) of .*bad.jsonl.* unreadable"):
+        Augment(AugmentConfig(noise_prob=1.0, noise_manifests=[only_bad]), RATE)(speech(), 0, 0)
+
+
+def test_manifest_and_config_errors(tmp_path):
+    (tmp_path / "n.jsonl").write_text('{"audio_filepath": "a.wav", "duration": 1}\n{"audio_filepath": "b.wav"}\n')
+    with pytest.raises(ManifestError, match=r"n.jsonl:2: field 'duration'"):
+        read_recordings([str(tmp_path / "n.jsonl")], "noise")
+    with pytest.raises(ManifestError, match="no such.jsonl"):
+        read_recordings([str(tmp_path / "no such.jsonl")], "noise")
+    assert not TrainConfig().augment.enabled  # off by default: existing runs are unchanged
+    for bad in ({"noise_prob": 0.5}, {"snr_db": (20.0, 0.0)}, {"gain_prob": 1.5}, {"codecs": ["gsm"]},
+                {"clip_level": (0.0, 0.5)}):
+        with pytest.raises(ConfigError, match="augment."):
+            AugmentConfig(**bad)
+    with pytest.raises(ConfigError, match="lowpass_hz"):
+        Augment(AugmentConfig(lowpass_prob=1.0, lowpass_hz=(2000.0, 9000.0)), RATE)
+
+
+@pytest.mark.parametrize("codec", ["mp3", "opus"])
+def test_lossy_codecs_keep_length_and_alignment(codec):
+    wav = speech(1.0)
+    out = lossy(wav, RATE, codec, 0.5)
+    assert out.shape == wav.shape and not torch.equal(out, wav)
+    corr = torch.fft.irfft(torch.fft.rfft(out, 2 * RATE) * torch.fft.rfft(wav, 2 * RATE).conj(), 2 * RATE)
+    assert int(corr.argmax()) == 0  # no encoder delay left in
+
+
+def test_dataset_item_replays_with_augment(sets):
+    """A resumed run (a new dataset, a new Augment with an empty cache) gets the very same features."""
+    noise, rir = sets
+    utts = read_manifest(os.path.join(MINI, "train.jsonl"))[:2]
+    logmel = LogMel(FeatureConfig(n_mels=32)).train()  # train mode: dither on too
+
+    def dataset(augment=True):
+        return ExampleDataset(utts, None, logmel, seed=5,
+                              augment=Augment(everything(noise, rir), RATE) if augment else None)
+
+    first = dataset()[1]["feats"]
+    assert torch.equal(first, dataset()[1]["feats"]) and torch.equal(first, dataset()[1]["feats"])
+    assert first.shape == dataset(augment=False)[1]["feats"].shape
+    assert not torch.allclose(first, dataset(augment=False)[1]["feats"], atol=1e-2)
+
+
+def test_make_noise_writes_readable_sets(tmp_path):
+    out = tmp_path / "noise"
+    make_noise(["generate", "-o", str(out), "--speech", os.path.join(MINI, "train.jsonl"), "--types", "pink", "babble",
+                "--talkers", "2", "2", "--noise-count", "1", "--seconds", "0.5", "--rir-count", "2",
+                "--simulator", "decay", "--rt60", "0.1", "0.3"])
+    noises = read_recordings([str(out / "noise.jsonl")], "noise")
+    rirs = read_recordings([str(out / "rir.jsonl")], "rir")
+    assert len(noises) == 2 and len(rirs) == 2
+    for r in noises + rirs:
+        assert load_audio(r.path).abs().max() > 0
+    for r in rirs:  # the direct path is the peak
+        h = load_audio(r.path)
+        assert h.abs().max() == h.abs()[int(h.abs().argmax())] and h.abs().max() == 1.0
+
+    test = tmp_path / "test.jsonl"
+    test.write_text("".join((open(os.path.join(MINI, "dev.jsonl")).readlines()[:2])).replace(
+        '"audio/', f'"{MINI}/audio/'))
+    make_noise(["degrade", "--manifest", str(test), "--noise", str(out / "noise.jsonl"), "--rir",
+                str(out / "rir.jsonl"), "--snr", "5", "5", "-o", str(tmp_path / "noisy")])
+    clean, noisy = read_manifest(str(test)), read_manifest(str(tmp_path / "noisy" / "manifest.jsonl"))
+    assert [u.text for u in noisy] == [u.text for u in clean]
+    for c, n in zip(clean, noisy):
+        assert abs(load_audio(n.audio_filepath).numel() / RATE - n.duration) < 1e-3
+        assert not torch.allclose(load_audio(n.audio_filepath), load_audio(c.audio_filepath), atol=1e-3)
+
+
+def test_make_noise_rooms_by_pyroomacoustics(tmp_path):
+    pytest.importorskip("pyroomacoustics")
+    make_noise(["generate", "-o", str(tmp_path), "--noise-count", "0", "--rir-count", "1", "--rt60", "0.2", "0.25",
+                "--room", "3", "4", "--height", "2.5", "3"])
+    line = json.loads((tmp_path / "rir.jsonl").read_text())
+    assert line["simulator"] == "pyroomacoustics" and len(line["room"]) == 3
+    assert load_audio(tmp_path / line["audio_filepath"]).abs().max() == 1.0

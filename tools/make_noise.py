@@ -1,0 +1,280 @@
+"""Noise and room impulse responses for `augment:` when MUSAN and real RIRs are not at hand, and
+degraded copies of test manifests.
+
+    # a training set: coloured noise, babble from the training speech, simulated rooms
+    python tools/make_noise.py generate -o data/noise/train --speech data/mini/train.jsonl --seed 0
+    # a held-out set for a degraded test set: other noise colours, other rooms, other talkers
+    python tools/make_noise.py generate -o data/noise/heldout --split heldout --speech data/mini/dev.jsonl
+    # a degraded copy of a test manifest (wavs + manifest), noise at 0-20 dB SNR in a room
+    python tools/make_noise.py degrade --manifest data/mini/dev.jsonl --noise data/noise/heldout/noise.jsonl \\
+        --rir data/noise/heldout/rir.jsonl --snr 0 20 -o data/mini_dev_noisy
+
+`generate` writes DIR/noise/*.wav with DIR/noise.jsonl and DIR/rir/*.wav with DIR/rir.jsonl (the
+manifest format of augment.noise_manifests / augment.rir_manifests: audio_filepath, duration, plus
+what made each file):
+- coloured noise: Gaussian noise shaped to a power spectrum 1/f^beta: white (0), pink (1), brown (2),
+  blue (-1), violet (-2);
+- babble: the sum of several utterances (equal loudness, each looped from a random point) of
+  `--speech`, a speech manifest; give the held-out split other speakers than the training set's;
+- rooms: pyroomacoustics' image-source model of a shoebox room (RT60, size, source and microphone
+  drawn at random) where it is installed (pip install -r tests/requirements-augment.txt), else a
+  direct path plus exponentially decaying Gaussian noise with the drawn RT60 and direct-to-reverberant
+  ratio; `--simulator` picks, and every rir.jsonl line names the one that ran.
+
+`--split heldout` draws from another random stream than `train` for the same --seed (other rooms,
+other noise) and defaults to noise types the training split lacks (blue, violet, babble).
+
+`degrade` runs aed.data_augment.Augment (the training chain) once per utterance, seeded by (--seed,
+line number), and writes DIR/audio/*.wav (float WAV, the degradation exactly) and DIR/manifest.jsonl:
+each line as it was, with the degraded audio's path and duration (a segment's offset is dropped).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import soundfile as sf
+import torch
+
+from aed.config import ConfigError
+from aed.data_audio import AudioError, load_audio
+from aed.data_augment import Augment, looped, read_recordings
+from aed.data_manifest import ManifestError, audio_path, json_object, manifest_lines, seconds
+from aed.train_config import AugmentConfig
+
+COLOURS = {"white": 0.0, "pink": 1.0, "brown": 2.0, "blue": -1.0, "violet": -2.0}  # power spectrum ~ 1/f^beta
+SPLIT_TYPES = {"train": ["white", "pink", "brown", "babble"], "heldout": ["blue", "violet", "babble"]}
+SPLIT_STREAM = {"train": 0, "heldout": 1}  # the second word of every generator's seed
+LN_1000 = 6.907755  # ln(1000): an amplitude decaying as exp(-LN_1000 t / rt60) is 60 dB down at rt60
+PEAK = 0.5  # generated noise is written at this peak: 16-bit PCM without clipping; its level is set by the SNR
+
+
+def progress(label: str, done: int, total: int, t0: float) -> None:
+    """A progress line at every tenth of the work, and at the end."""
+    if done == total or done % max(1, total // 10) == 0:
+        print(f"{label}: {done}/{total} ({time.time() - t0:.1f} s)", file=sys.stderr, flush=True)
+
+
+def coloured(rng: np.random.Generator, n: int, beta: float) -> np.ndarray:
+    """n samples of Gaussian noise with power spectrum ~ 1/f^beta (no DC), peak PEAK."""
+    spec = np.fft.rfft(rng.standard_normal(n))
+    f = np.arange(spec.size, dtype=np.float64)
+    spec[1:] *= f[1:] ** (-beta / 2)  # amplitude ~ f^(-beta/2): power ~ f^(-beta)
+    spec[0] = 0
+    x = np.fft.irfft(spec, n)
+    return (PEAK * x / np.abs(x).max()).astype(np.float32)
+
+
+def babble(rng: np.random.Generator, speech: list, n: int, talkers: int, rate: int, bad: dict) -> np.ndarray:
+    """n samples: `talkers` readable utterances of `speech` at equal power, each looped from a random
+    point, summed, peak PEAK. Unreadable ones are recorded in `bad` (where -> why) and skipped."""
+    mix = torch.zeros(n, dtype=torch.float64)
+    voices, order = 0, rng.permutation(len(speech))
+    for i in order:
+        r = speech[i]
+        if r.where in bad:
+            continue
+        try:
+            wav = load_audio(r.path, r.offset, r.duration, rate).double()
+        except AudioError as e:
+            bad[r.where] = str(e)
+            print(f"skipping {r.where}: {e}", file=sys.stderr)
+            continue
+        if not wav.abs().max() > 0:
+            continue
+        mix += looped(wav / wav.pow(2).mean().sqrt(), n, int(rng.integers(wav.numel())))
+        voices += 1
+        if voices == talkers:
+            return (PEAK * mix / mix.abs().max()).float().numpy()
+    raise SystemExit(f"babble needs {talkers} readable utterances in --speech; found {voices}")
+
+
+def decay_rir(rng: np.random.Generator, rate: int, rt60: float, drr_db: float, delay: float) -> np.ndarray:
+    """A direct path of amplitude 1 after `delay` s, then Gaussian noise decaying 60 dB in `rt60` s
+    whose energy is `drr_db` below the direct path's: late reverberation's statistics (Polack's model)
+    without a room's early reflections."""
+    d, n = round(delay * rate), round(rt60 * rate)
+    t = np.arange(1, n + 1) / rate
+    tail = rng.standard_normal(n) * np.exp(-LN_1000 * t / rt60)
+    tail *= np.sqrt(10 ** (-drr_db / 10) / np.sum(tail**2))
+    h = np.zeros(d + 1 + n)
+    h[d] = 1.0
+    h[d + 1:] = np.clip(tail, -0.9, 0.9)  # the direct path stays the peak: augment aligns on it
+    return h.astype(np.float32)
+
+
+def room_rir(rng: np.random.Generator, rate: int, rt60: float, size: tuple, height: tuple) -> tuple[np.ndarray, dict]:
+    """pyroomacoustics' image-source RIR of a random shoebox room with reverberation time `rt60`, and
+    what was drawn. Rooms too large for that RT60 (wall absorption above 1) are drawn again."""
+    import pyroomacoustics as pra
+
+    for _ in range(100):
+        dims = [rng.uniform(*size), rng.uniform(*size), rng.uniform(*height)]
+        try:
+            absorption, max_order = pra.inverse_sabine(rt60, dims)  # Sabine's formula -> wall absorption
+        except ValueError:
+            continue
+        room = pra.ShoeBox(dims, fs=rate, materials=pra.Material(absorption), max_order=max_order)
+        source, mic = ([rng.uniform(0.5, x - 0.5) for x in dims] for _ in range(2))  # 0.5 m from the walls
+        room.add_source(source)
+        room.add_microphone(mic)
+        room.compute_rir()
+        h = np.asarray(room.rir[0][0], dtype=np.float32)
+        distance = float(np.linalg.norm(np.subtract(source, mic)))
+        info = {"room": [round(x, 2) for x in dims], "distance": round(distance, 2)}
+        return h / np.abs(h).max(), info
+    raise SystemExit(f"no room of sides {size} m and height {height} m has RT60 {rt60:.2f} s; widen --room")
+
+
+def write_set(out_dir: str, name: str, items, total: int, rate: int, subtype: str) -> None:
+    """Writes each (stem, samples, fields) of `items` to out_dir/name/stem.wav, and their manifest
+    out_dir/name.jsonl (paths relative to it) to a temporary name renamed when complete."""
+    os.makedirs(os.path.join(out_dir, name), exist_ok=True)
+    manifest = os.path.join(out_dir, f"{name}.jsonl")
+    t0 = time.time()
+    with open(manifest + ".tmp", "w") as f:
+        for done, (stem, x, fields) in enumerate(items, 1):
+            rel = f"{name}/{stem}.wav"
+            sf.write(os.path.join(out_dir, rel), x, rate, subtype=subtype)
+            f.write(json.dumps({"audio_filepath": rel, "duration": round(len(x) / rate, 4), **fields}) + "\n")
+            progress(name, done, total, t0)
+    os.replace(manifest + ".tmp", manifest)
+    print(f"wrote {manifest}", file=sys.stderr)
+
+
+def generate(args) -> None:
+    types = (args.types or SPLIT_TYPES[args.split]) if args.noise_count else []
+    if unknown := sorted(set(types) - set(COLOURS) - {"babble"}):
+        raise SystemExit(f"--types: unknown {unknown}; expected some of {', '.join([*COLOURS, 'babble'])}")
+    if "babble" in types and not args.speech:
+        raise SystemExit("babble needs --speech MANIFEST (speech to mix; for --split heldout, other speakers than "
+                         "the training set's); or leave babble out of --types")
+    simulator = args.simulator
+    if simulator == "auto":
+        try:
+            import pyroomacoustics  # noqa: F401 - only whether it is installed
+            simulator = "pyroomacoustics"
+        except ImportError:
+            simulator = "decay"
+    print(f"split {args.split}: noise {types}, rooms by {simulator}", file=sys.stderr)
+    stream = SPLIT_STREAM[args.split]
+    speech = read_recordings([args.speech], "speech") if "babble" in types else []
+    n, bad = round(args.seconds * args.rate), {}
+
+    def noises():
+        for k, kind in enumerate(types):
+            for i in range(args.noise_count):
+                rng = np.random.default_rng([args.seed, stream, 1, k, i])
+                if kind == "babble":
+                    talkers = int(rng.integers(args.talkers[0], args.talkers[1] + 1))
+                    yield f"babble_{i:04d}", babble(rng, speech, n, talkers, args.rate, bad), {"type": kind,
+                                                                                              "talkers": talkers}
+                else:
+                    yield f"{kind}_{i:04d}", coloured(rng, n, COLOURS[kind]), {"type": kind}
+
+    def rirs():
+        for i in range(args.rir_count):
+            rng = np.random.default_rng([args.seed, stream, 2, i])
+            rt60 = float(rng.uniform(*args.rt60))
+            if simulator == "pyroomacoustics":
+                h, info = room_rir(rng, args.rate, rt60, tuple(args.room), tuple(args.height))
+            else:
+                drr = float(rng.uniform(*args.drr))
+                h = decay_rir(rng, args.rate, rt60, drr, delay=float(rng.uniform(0.001, 0.02)))
+                info = {"drr_db": round(drr, 2)}
+            yield f"rir_{i:04d}", h, {"simulator": simulator, "rt60": round(rt60, 3), **info}
+
+    if args.noise_count:
+        write_set(args.out, "noise", noises(), len(types) * args.noise_count, args.rate, "PCM_16")
+    if args.rir_count:
+        write_set(args.out, "rir", rirs(), args.rir_count, args.rate, "FLOAT")  # RIR taps need more than 16 bits
+    if bad:
+        print(f"skipped {len(bad)} unreadable utterance(s) of {args.speech}", file=sys.stderr)
+
+
+def degrade(args) -> None:
+    cfg = AugmentConfig(noise_prob=args.noise_prob if args.noise else 0.0, noise_manifests=args.noise,
+                        snr_db=tuple(args.snr), reverb_prob=args.reverb_prob if args.rir else 0.0,
+                        rir_manifests=args.rir, codec_prob=args.codec_prob if args.codecs else 0.0,
+                        codecs=args.codecs, lowpass_prob=args.lowpass_prob)
+    if not cfg.enabled:
+        raise SystemExit("nothing to do: give --noise, --rir, --codecs or --lowpass-prob")
+    augment = Augment(cfg, args.rate)
+    lines = list(manifest_lines(args.manifest))
+    base_dir = os.path.dirname(os.path.abspath(args.manifest))
+    os.makedirs(os.path.join(args.out, "audio"), exist_ok=True)
+    manifest, skipped, t0 = os.path.join(args.out, "manifest.jsonl"), 0, time.time()
+    with open(manifest + ".tmp", "w") as f:
+        for i, (where, line) in enumerate(lines):
+            try:
+                d = json_object(line, where)
+                offset = seconds(d, "offset", where, positive=False)
+                duration = seconds(d, "duration", where, positive=True) if offset is not None else None
+                wav = load_audio(audio_path(d, where, base_dir), offset or 0.0, duration, args.rate)
+            except (ManifestError, AudioError) as e:
+                print(f"skipping {where}: {e}", file=sys.stderr)
+                skipped += 1
+                continue
+            x = augment(wav, args.seed, i)
+            rel = f"audio/{i:06d}.wav"
+            sf.write(os.path.join(args.out, rel), x.numpy(), args.rate, subtype="FLOAT")
+            d.pop("offset", None)
+            f.write(json.dumps({**d, "audio_filepath": rel, "duration": round(x.numel() / args.rate, 4)},
+                               ensure_ascii=False) + "\n")
+            progress("degrade", i + 1, len(lines), t0)
+    os.replace(manifest + ".tmp", manifest)
+    print(f"wrote {manifest}: {len(lines) - skipped} utterance(s), {skipped} skipped", file=sys.stderr)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="write a noise set and a RIR set with their manifests")
+    g.add_argument("-o", "--out", required=True, help="output directory (noise.jsonl, rir.jsonl, noise/, rir/)")
+    g.add_argument("--split", choices=list(SPLIT_STREAM), default="train",
+                   help="train, or heldout: another random stream and other default noise types")
+    g.add_argument("--types", nargs="+", help=f"noise types (default per split: {SPLIT_TYPES}); "
+                                              f"of {', '.join([*COLOURS, 'babble'])}")
+    g.add_argument("--noise-count", type=int, default=10, help="files per noise type (0: no noise set)")
+    g.add_argument("--seconds", type=float, default=30.0, help="length of each noise file")
+    g.add_argument("--speech", help="speech manifest that babble is mixed from")
+    g.add_argument("--talkers", type=int, nargs=2, default=[3, 7], metavar=("MIN", "MAX"),
+                   help="voices per babble file")
+    g.add_argument("--rir-count", type=int, default=50, help="room impulse responses (0: no RIR set)")
+    g.add_argument("--rt60", type=float, nargs=2, default=[0.2, 0.9], metavar=("MIN", "MAX"),
+                   help="reverberation time (s, 60 dB decay)")
+    g.add_argument("--room", type=float, nargs=2, default=[3.0, 10.0], metavar=("MIN", "MAX"),
+                   help="pyroomacoustics: room length and width (m)")
+    g.add_argument("--height", type=float, nargs=2, default=[2.5, 4.0], metavar=("MIN", "MAX"),
+                   help="pyroomacoustics: room height (m)")
+    g.add_argument("--drr", type=float, nargs=2, default=[-3.0, 12.0], metavar=("MIN", "MAX"),
+                   help="decay model: direct-to-reverberant ratio (dB)")
+    g.add_argument("--simulator", choices=["auto", "pyroomacoustics", "decay"], default="auto",
+                   help="auto: pyroomacoustics where installed, else the decay model")
+    g.add_argument("--rate", type=int, default=16000, help="sample rate of the files written")
+    g.add_argument("--seed", type=int, default=0)
+    d = sub.add_parser("degrade", help="write a degraded copy of a manifest (wavs + manifest.jsonl)")
+    d.add_argument("--manifest", required=True, help="the manifest to degrade (e.g. a test set)")
+    d.add_argument("-o", "--out", required=True, help="output directory (manifest.jsonl, audio/)")
+    d.add_argument("--noise", nargs="+", default=[], help="noise manifests (generate's noise.jsonl, MUSAN's)")
+    d.add_argument("--snr", type=float, nargs=2, default=[0.0, 20.0], metavar=("MIN", "MAX"), help="SNR range (dB)")
+    d.add_argument("--noise-prob", type=float, default=1.0, help="share of utterances given noise")
+    d.add_argument("--rir", nargs="+", default=[], help="room impulse response manifests")
+    d.add_argument("--reverb-prob", type=float, default=1.0, help="share of utterances reverberated")
+    d.add_argument("--codecs", nargs="+", default=[], help="codecs to pick from: telephone, mulaw, mp3, opus")
+    d.add_argument("--codec-prob", type=float, default=1.0, help="share of utterances through a codec")
+    d.add_argument("--lowpass-prob", type=float, default=0.0, help="share of utterances low-passed (2-6 kHz)")
+    d.add_argument("--rate", type=int, default=16000, help="sample rate of the files written")
+    d.add_argument("--seed", type=int, default=0, help="with the line number, seeds each utterance's degradation")
+    args = p.parse_args(argv)
+    try:
+        generate(args) if args.command == "generate" else degrade(args)
+    except (ManifestError, ConfigError) as e:  # a bad manifest line or setting, named
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()
