@@ -42,13 +42,15 @@ test-fast: venv
 	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow" tests
 
 # The CUDA paths (bf16 step, NCCL, real OOMs, bf16 inference, GPU<->CPU checkpoints and NeMo models,
-# the simulated device against the real one, the compiled decoder step as a CUDA graph), the inference
-# speed of eager and compiled decoding and of streams, then which GPU and torch build they ran on.
+# the simulated device against the real one, the compiled decoder step as a CUDA graph, compiled and
+# checkpointed training steps), the inference speed of eager and compiled decoding and of streams, the
+# training step's speed, then which GPU and torch build they ran on.
 gpu-check: venv
 	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('gpu-check: torch sees no CUDA GPU')"
 	$(PY) -m pytest -q -rfEs tests/test_cuda.py tests/test_cuda_oom.py
 	$(PY) bench/infer_speed_bench.py --device cuda --no-peers --utterances 16 --long-seconds 300  # eager vs CUDA graphs
 	$(PY) bench/stream_bench.py --device cuda --streams 1 4 16 64  # concurrent real-time streams
+	$(PY) bench/train_speed_bench.py configs/canary-180m-flash.yaml --device cuda --compile both --checkpointing none both  # the training step
 	@$(PY) -c "import torch; print('gpu-check passed on', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| CUDA', torch.version.cuda)"
 
 # Trains the tiny model on the bundled digits set (~6 min on 2 CPU cores; dev WER before/after is

@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class KVCache:
@@ -194,7 +195,11 @@ class DecoderBlock(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)
             mask = cache.self_attn_mask(u)
-        x = x + self.dropout(self.self_attn(h, k, v, attn_mask=mask, is_causal=mask is None and u > 1))
+        # Unmasked: causal where queries and keys are the same positions (no cache, or a prompt chunk into an
+        # empty one); a single query after the cached keys attends to all of them. Decided without reading
+        # u in training, where torch.compile keeps it symbolic and SDPA takes no symbolic is_causal.
+        causal = mask is None and (cache is None or u > 1)
+        x = x + self.dropout(self.self_attn(h, k, v, attn_mask=mask, is_causal=causal))
         return self._cross_attn_and_ffn(x, cross_k, cross_v, memory_mask)
 
     def _cross_attn_and_ffn(self, x, cross_k, cross_v, memory_mask):
@@ -243,6 +248,9 @@ class TransformerDecoder(nn.Module):
         self.output_proj = nn.Linear(d_model, vocab_size)
         self.apply(self._init_weights)
         self.output_proj.weight = self.embedding.token_embedding.weight  # tied, with its own bias (as in Canary)
+        # Set by train.py (activation_checkpointing): recompute each block in backward instead of storing
+        # its activations, the B x H x U x T' cross-attention among them.
+        self.checkpoint_activations = False
 
     @staticmethod
     def _init_weights(module):
@@ -265,8 +273,12 @@ class TransformerDecoder(nn.Module):
         )
         memory_mask = self.memory_mask(memory_lens, memory.size(1))
         x = self.embedding(tokens)
+        recompute = self.checkpoint_activations and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, None, None, memory_mask, memory=memory)
+            if recompute:
+                x = checkpoint(layer, x, None, None, memory_mask, memory=memory, use_reentrant=False)
+            else:
+                x = layer(x, None, None, memory_mask, memory=memory)
         return self.final_layer_norm(x)
 
     def forward_cached(self, tokens, cache: KVCache):

@@ -138,7 +138,9 @@ def rel_shift(x):
     """
     b, h, t, p = x.shape
     x = x.contiguous()
-    return x.as_strided((b, h, t, t), (h * t * p, t * p, p - 1, 1), x.storage_offset() + t - 1)
+    # torch.compile cannot trace storage_offset(); there x is the graph's own fresh product, at offset 0.
+    offset = 0 if torch.compiler.is_dynamo_compiling() else x.storage_offset()
+    return x.as_strided((b, h, t, t), (h * t * p, t * p, p - 1, 1), offset + t - 1)
 
 
 class RelPositionMultiHeadAttention(nn.Module):
@@ -222,6 +224,20 @@ class MaskedBatchNorm1d(nn.Module):
         return (xf * self.weight[None, :, None] + self.bias[None, :, None]).to(x.dtype)
 
 
+def depthwise_by_shifts(x, conv: nn.Conv1d):
+    """`conv` (depthwise, odd kernel k, same padding) of x (B, D, T) as a sum of k shifted copies of x
+    scaled per channel: what torch.compile (train.compile) runs. Inductor's lowering of a
+    convolution's backward fixes the sequence length (torch 2.14: a recompile per batch shape);
+    these elementwise products fuse into one kernel and stay dynamic."""
+    k, t = conv.kernel_size[0], x.size(2)
+    padded = F.pad(x, (k // 2, k // 2))  # (B, D, T + k - 1)
+    w = conv.weight[:, 0, :, None]  # (D, 1, k) -> (D, k, 1)
+    out = conv.bias[:, None] + padded[:, :, :t] * w[:, 0]
+    for i in range(1, k):
+        out = out + padded[:, :, i:i + t] * w[:, i]
+    return out
+
+
 class ConformerConvolution(nn.Module):
     """Pointwise conv + GLU, depthwise conv (same padding), norm, Swish, pointwise conv: (B, T', D) -> same."""
 
@@ -242,7 +258,7 @@ class ConformerConvolution(nn.Module):
     def forward(self, x, pad_mask):
         x = F.glu(self.pointwise_conv1(x.transpose(1, 2)), dim=1)  # (B, T', D) -> (B, 2D, T') -> (B, D, T')
         x = x.masked_fill(pad_mask[:, None, :], 0.0)  # padded frames must not reach valid ones through the kernel
-        x = self.depthwise_conv(x)
+        x = depthwise_by_shifts(x, self.depthwise_conv) if torch.compiler.is_dynamo_compiling() else self.depthwise_conv(x)
         if isinstance(self.batch_norm, nn.LayerNorm):
             x = self.batch_norm(x.transpose(1, 2)).transpose(1, 2)  # normalise over D: (B, T', D) and back
         else:
@@ -288,8 +304,9 @@ class ConformerEncoder(nn.Module):
             ConformerLayer(d_model, n_heads, ff_mult, conv_kernel, conv_norm, dropout, dropout_att)
             for _ in range(n_layers)
         )
-        # Set by train.py: recompute each layer in backward instead of storing its activations. The
-        # recomputation updates BatchNorm running statistics a second time with the same batch statistics.
+        # Set by train.py (activation_checkpointing): recompute each layer in backward instead of storing
+        # its activations. The recomputation updates BatchNorm running statistics a second time with the
+        # same batch statistics.
         self.checkpoint_activations = False
 
     def forward(self, x, x_lens):
@@ -300,8 +317,9 @@ class ConformerEncoder(nn.Module):
         pad_mask = padding_mask(x_lens, x.size(1))
         pos_emb = rel_positional_encoding(x.size(1), self.d_model, x.device, x.dtype)
         x = self.pre_dropout(x * self.xscale)
+        recompute = self.checkpoint_activations and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            if self.checkpoint_activations and self.training and torch.is_grad_enabled():
+            if recompute:
                 x = checkpoint(layer, x, pos_emb, pad_mask, use_reentrant=False)
             else:
                 x = layer(x, pos_emb, pad_mask)

@@ -29,6 +29,7 @@ from aed.train_objective import OBJECTIVES
 
 
 FREEZE = ("none", "encoder", "all_but_new_tokens")  # TrainConfig.freeze (aed/train_step.py: build_model)
+CHECKPOINTED = ("none", "encoder", "decoder", "both")  # TrainConfig.activation_checkpointing: which layers recompute
 
 
 # --- the training run ---------------------------------------------------------------------------
@@ -180,8 +181,8 @@ class TrainConfig:
     keep_last: int = 3  # checkpoints kept in run_dir
     async_checkpoint: bool = True  # write checkpoints in the background: the loop waits only for the copy of the state (torch.distributed.checkpoint.async_save)
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
-    compile: bool = False  # torch.compile the model (checkpoints still save the raw module)
-    activation_checkpointing: bool = False  # recompute encoder layers in backward: less memory, ~30% slower
+    compile: bool = False  # torch.compile every encoder layer and decoder block, with dynamic shapes (aed/train_step.py compile_layers; docs/training.md has its cost and gain)
+    activation_checkpointing: str = "none"  # none | encoder | decoder | both: recompute these layers in backward instead of keeping their activations (less memory, more compute; docs/training.md)
     init_from: str | None = None  # initialise weights from this checkpoint (a fresh run, new optimizer)
     init_encoder_only: bool = False  # with init_from: only encoder weights; extra layers stay random
     freeze: str = "none"  # none | encoder: it runs as at inference (fixed weights and BatchNorm statistics, no dropout); decoder and CTC head train | all_but_new_tokens: only the rows tools/add_language.py added to init_from (embedding/output/CTC) train
@@ -207,6 +208,12 @@ class TrainConfig:
             raise ConfigError("freeze=all_but_new_tokens needs objective=aed, init_from=<the checkpoint "
                               "tools/add_language.py wrote> and init_encoder_only=false: it trains the token rows "
                               "add_language.py added to that checkpoint")
+        if self.activation_checkpointing not in CHECKPOINTED:
+            raise ConfigError(f"activation_checkpointing: expected one of {', '.join(CHECKPOINTED)}, "
+                              f"got {self.activation_checkpointing!r}")
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ConfigError(f"ema_decay: expected a value between 0 and 1 (e.g. 0.9999) or null, "
+                              f"got {self.ema_decay}")
         if self.precision not in ("auto", "fp32", "bf16", "fp16"):
             raise ConfigError(f"precision: expected auto, fp32, bf16 or fp16, got {self.precision!r}")
 

@@ -70,6 +70,7 @@ class Progress:
         self.total_flops = total_flops  # all ranks, the whole run including what it resumed from
         self.run_flops = self.window_flops = 0.0  # since this process started / since the last line
         self.skipped_audio = 0  # utterances whose audio could not be read, on this rank, this process
+        self.data_wait_s = 0.0  # seconds this rank waited for the DataLoader's batches in the window
         self.start_step, self.window_steps = step, 0
         self.paused_s = 0.0
         self.t_start = self.t_window = time.time()
@@ -126,6 +127,7 @@ class Progress:
                   "train/text_padding": 100 * (1 - t["tokens"] / t["padded_tokens"]) if t["padded_tokens"] else 0.0,
                   "train/audio_s_per_s": t["audio_s"] / dt, "train/tokens_per_s": t["tokens"] / dt,
                   "train/step_time": dt / steps, "train/memory_gb": mem, "train/skipped_audio": skipped,
+                  "train/data_wait": 100 * self.data_wait_s / dt,  # % of rank 0's training time spent waiting for data
                   "train/ctc_skipped": int(t["ctc_skipped"]),  # utterances left out of the CTC loss
                   "train/flops": self.total_flops, "train/flops_per_s": self.window_flops / dt,  # all ranks
                   "train/mfu": self.window_flops / dt / self.world_size / self.peak_flops,
@@ -134,12 +136,13 @@ class Progress:
                 f"gnorm {values['train/grad_norm']:.2f} | bs {values['train/batch_size']:.1f} | "
                 f"pad audio {values['train/audio_padding']:.1f}% text {values['train/text_padding']:.1f}% | "
                 f"{values['train/audio_s_per_s']:.1f} audio s/s | {values['train/tokens_per_s']:.0f} tok/s | "
-                f"{values['train/step_time']:.2f} s/step | {self.total_flops:.3g} FLOPs | "
+                f"{values['train/step_time']:.2f} s/step | data wait {values['train/data_wait']:.0f}% | "
+                f"{self.total_flops:.3g} FLOPs | "
                 f"{values['train/flops_per_s'] / 1e9:.2f} GFLOP/s | MFU {100 * values['train/mfu']:.1f}% | "
                 f"mem {mem:.2f} GB | eta {eta / 60:.1f} min"
                 + (f" | {int(t['ctc_skipped'])} utts too short for CTC" if t["ctc_skipped"] else ""))
         self.totals.zero_()
-        self.window_flops, self.window_steps = 0.0, 0
+        self.window_flops, self.window_steps, self.data_wait_s = 0.0, 0, 0.0
         self.t_window, self.paused_at_window = time.time(), self.paused_s
         return values, line
 

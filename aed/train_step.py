@@ -90,7 +90,12 @@ def build_model(cfg: TrainConfig, text_vocab_size: int, added_tokens: dict | Non
     checkpointing and `freeze` applied. text_vocab_size: the tokenizer's real ids.
     added_tokens: `new_tokens(cfg, ...)`, required by freeze=all_but_new_tokens."""
     model = OBJECTIVES[cfg.objective].build(cfg, text_vocab_size)
-    model.encoder.checkpoint_activations = cfg.activation_checkpointing
+    model.encoder.checkpoint_activations = cfg.activation_checkpointing in ("encoder", "both")
+    if cfg.activation_checkpointing in ("decoder", "both"):
+        if not hasattr(model, "decoder"):
+            raise ConfigError(f"activation_checkpointing={cfg.activation_checkpointing}: objective={cfg.objective} "
+                              f"has no transformer decoder; use encoder")
+        model.decoder.checkpoint_activations = True
     if cfg.freeze == "encoder":  # no gradients: AdamW skips the parameters (see train_mode for the rest)
         model.encoder.requires_grad_(False)
     elif cfg.freeze == "all_but_new_tokens":
@@ -98,6 +103,21 @@ def build_model(cfg: TrainConfig, text_vocab_size: int, added_tokens: dict | Non
             raise ValueError("freeze=all_but_new_tokens needs the added tokens (aed.train_step.new_tokens)")
         train_only_rows(model, added_tokens)
     return model
+
+
+def compile_layers(model: nn.Module, backend: str = "inductor") -> int:
+    """torch.compile the forward of every encoder layer and decoder block, as torchtitan compiles
+    per block: the blocks hold nearly all of a step's compute, while what sits between them (length
+    arithmetic on the host, masks, the losses) would break a whole-model graph into pieces. Shapes
+    are dynamic (batch, frames, tokens), so one compiled graph serves every bucket instead of one
+    recompile per shape; the layers of a stack share it. Replacing `forward` on the instance keeps
+    the module itself, so state_dict keys, FSDP's hooks around each block and activation
+    checkpointing stay as they are. Returns the number of blocks compiled. `backend`: torch.compile's
+    (the tests' aot_eager traces the same graphs without generating code)."""
+    blocks = [*model.encoder.layers, *(model.decoder.layers if hasattr(model, "decoder") else [])]
+    for block in blocks:
+        block.forward = torch.compile(block.forward, dynamic=True, backend=backend)
+    return len(blocks)
 
 
 def train_only_rows(model: AED, added: dict) -> None:

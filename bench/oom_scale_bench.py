@@ -5,6 +5,7 @@
     python bench/oom_scale_bench.py validate-fsdp --out fsdp.json    # real 2-rank FSDP vs simulated, fp32, ~1 min
     python bench/oom_scale_bench.py validate-fsdp --precision fp32 bf16 --out fsdp.json    # and bf16, as on CUDA
     python bench/oom_scale_bench.py fit configs/canary-1b.yaml --strategy fsdp --world-size 8 --out 1b.fsdp8.json
+    python bench/oom_scale_bench.py fit configs/canary-1b.yaml --strategy ddp --activation-checkpointing both --out 1b.ddp.ckpt.json
     python bench/oom_scale_bench.py validate-cuda configs/canary-1b.yaml --out 1b.cuda.json     # on a GPU: real steps
 
 `fit`: simulated training steps (aed/memory_measure.py: the real train_step on fake CPU tensors,
@@ -75,7 +76,7 @@ def fit(args):
     steps = []
     t0 = time.time()
     with fake_world(args.world_size) if args.strategy == "fsdp" else nullcontext(), SimulatedDevice():
-        step = simulated_step(cfg, args.strategy, args.world_size)
+        step = simulated_step(cfg, args.strategy, args.world_size, args.activation_checkpointing)
         for name, shapes in (("fit", FIT), ("held_out", HELD_OUT)):
             for d, tps, seconds in shapes:
                 B, T, U = shape(d, tps, seconds, cfg.dec_max_len)
@@ -87,7 +88,7 @@ def fit(args):
     mm = MemoryModel.fit(samples["fit"])
     errors = {s: mm.relative_errors(samples[s]) for s in samples}
     out = {"config": args.config, "strategy": args.strategy, "world_size": args.world_size if args.strategy == "fsdp"
-           else None, "model": mm.to_dict(), "steps": steps, "errors": errors,
+           else None, "activation_checkpointing": args.activation_checkpointing, "model": mm.to_dict(), "steps": steps, "errors": errors,
            "held_out_max_abs_error": max(map(abs, errors["held_out"])), "seconds": time.time() - t0}
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(mm)
@@ -264,6 +265,8 @@ if __name__ == "__main__":
     f.add_argument("--out", required=True)
     f.add_argument("--strategy", choices=["ddp", "fsdp"], default=None, help="default: one device, no data parallelism")
     f.add_argument("--world-size", type=int, default=8, help="--strategy fsdp: ranks the model is sharded over")
+    f.add_argument("--activation-checkpointing", choices=["none", "encoder", "decoder", "both"], default="none",
+                   help="train.py's activation_checkpointing: layers recomputed in backward")
     v = sub.add_parser("validate", help="simulated vs measured peaks of real CPU steps")
     v.add_argument("--out", required=True)
     vf = sub.add_parser("validate-fsdp", help="simulated vs measured peaks of a real 2-rank FSDP step (gloo)")

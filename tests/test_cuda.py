@@ -6,6 +6,7 @@ written on the GPU read on the CPU, and a converted NeMo model giving the same a
 """
 
 import dataclasses
+import json
 import logging
 import subprocess
 import sys
@@ -132,6 +133,44 @@ def test_train_py_fsdp_over_nccl_in_bf16_then_infer_reads_it_on_cpu(tmp_path):
     asr = load_model(str(tmp_path), device="cpu")
     results, _ = transcribe(asr, [str(MINI / "examples" / "en_asr_16k.wav")], DecodingOptions(max_new_tokens=5))
     assert results[0].error is None
+
+
+def test_compiled_bf16_blocks_train_as_eager_ones():
+    """train.compile on CUDA: inductor's Triton kernels in bf16 autocast, against the eager step at
+    the same weights and batch (bf16 rounding: the loss within 1%), then two more shapes."""
+    from test_train_compile import SHAPES, padded_batch, setup_of
+
+    from aed.train_step import compile_layers, count_targets
+
+    losses = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        setup = setup_of("precision=bf16", device="cuda")
+        if compiled:
+            compile_layers(setup.model)
+        losses[compiled] = []
+        for i, shape in enumerate(SHAPES[:3]):
+            batch = padded_batch(setup, *shape, seed=i).to("cuda")
+            n = count_targets(setup.model, [batch])
+            torch.manual_seed(100 + i)
+            result = train_step(setup.model, [batch], setup.optimizer, setup.scaler, setup.spec_augment, "bf16",
+                                clip_grad=1e9, num_targets=n)
+            losses[compiled].append(result.loss.item() / n)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-2), losses
+
+
+def test_checkpointed_fsdp_step_over_nccl_trains_as_the_plain_one(tmp_path):
+    """activation_checkpointing=both under FSDP2 in bf16 over NCCL: FSDP gathers each layer again
+    to recompute it; the losses equal the plain run's (same seeds, no dropout in configs/tiny.yaml)."""
+    losses = {}
+    for ckpt in ("none", "both"):
+        run_dir = tmp_path / ckpt
+        run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py",
+             "configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, "max_steps=4", "precision=bf16",
+             "train.strategy=fsdp", f"activation_checkpointing={ckpt}"])
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        losses[ckpt] = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert len(losses["none"]) == 4 and losses["both"] == pytest.approx(losses["none"], rel=1e-3), losses
 
 
 def test_oom_search_bisects_on_real_out_of_memory_errors(caplog):

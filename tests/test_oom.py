@@ -405,6 +405,30 @@ def test_simulated_step_on_fake_tensors_matches_the_real_step():
             assert all(0.99 < s / m <= 1.0 for s, m in zip(simulated, measured)), (simulated, measured)
 
 
+@pytest.mark.parametrize("where", ["encoder", "both"])
+def test_simulated_checkpointed_step_matches_the_real_step_and_needs_less(where):
+    """Activation checkpointing on fake tensors: the recomputation in backward is counted as the real
+    step's is (to the byte, fp32), and the peak is lower than the plain step's."""
+    shape = (3, 400, 60)
+
+    def checkpointed(step):
+        step.module.encoder.checkpoint_activations = True
+        step.module.decoder.checkpoint_activations = where == "both"
+        return step
+
+    model, optimizer = tiny_setup()
+    real = TrainingStep(model, optimizer)
+    real.warm_up(50, 5)
+    plain = real.peak(*shape)
+    measured = checkpointed(real).peak(*shape)
+    with SimulatedDevice():
+        fake = checkpointed(TrainingStep(*tiny_setup()))
+        fake.warm_up(50, 5)
+        simulated = fake.peak(*shape)
+    assert simulated == measured
+    assert measured < 0.8 * plain, (measured, plain)
+
+
 @pytest.mark.slow
 def test_simulated_rnnt_step_is_close_to_the_real_one():
     def setup():

@@ -1,0 +1,283 @@
+"""The training step's own speed: per bucket, step time, audio seconds and output tokens per second,
+model TFLOP/s and MFU, peak memory and where the time goes; eager against compiled, with and
+without activation checkpointing.
+
+    python bench/train_speed_bench.py configs/tiny.yaml                                   # CPU, 4 buckets
+    python bench/train_speed_bench.py configs/tiny.yaml --compile both --checkpointing none both
+    python oom.py --config configs/canary-1b-flash.yaml --manifest train.jsonl -o bs.json   # on the GPU
+    python bench/train_speed_bench.py configs/canary-1b-flash.yaml --batch-sizes bs.json --compile both
+
+The step is train.py's (`aed.train_step.train_step`: the config's precision policy, SpecAugment,
+the CTC head where configured, AdamW with gradient clipping), built by the same
+`build_training_setup`, under DDP or FSDP2 over a process group of one (the config's
+train.strategy). `--compile on` compiles every encoder layer and decoder block as
+`train.compile=true` does; `--checkpointing` sets `activation_checkpointing`.
+
+Shapes: every measured bucket's upper bounds (duration, feature frames, tokens) at its batch size,
+from oom.py's output (--batch-sizes) or, without it, from bins estimated on the config's
+train.manifests and train.max_duration's sizes; --buckets picks that many spread from the shortest
+to the longest. Batches are artificial (random features and tokens, every row at the bounds), so
+audio seconds and tokens per second are those of full buckets: real batches hold a little less.
+Each bucket runs --warmup steps (the first compiles a new shape), then --steps timed ones.
+
+Columns: step ms (median); audio s/s and tokens/s (batch x bounds / step time); TFLOP/s from
+aed's FLOP counter (matmuls, convolutions and attention, counted once per shape on the eager plain
+step: model FLOPs, without the recomputation of checkpointing); MFU against the device's dense
+peak from `PEAKS` (GPUs) and against the matmul peak measured here (train.py's progress line's);
+peak memory (CUDA: max allocated; CPU: live tensors, eager steps only); forward, backward and
+optimizer ms from steps timed phase by phase (train_step's calls in its order, the device synchronised
+between them: medians, which need not add up to the step's). Waiting for data is not part of a step: train.py's progress line reports it for a real
+run (`data` share). "all" rows: the measured buckets together (equal steps per bucket). Last
+line: JSON with every row, per variant and the compiled/eager ratios of audio seconds per second.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from common import ROOT, cores, load_avg, log, max_duration_sizes, print_json, print_table, show_library_logs
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.flop_counter import FlopCounterMode
+
+from aed.data_bins import bins_from_manifests
+from aed.memory_measure import format_bytes, peak_memory
+from aed.memory_oomptimizer import artificial_batch
+from aed.train_config import load_train_config
+from aed.train_distributed import init_distributed
+from aed.train_progress import CPU_ATTENTION, matmul_peak
+from aed.train_step import autocast, build_training_setup, compile_layers, count_targets, train_step
+from bins import load_batch_sizes
+
+# Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from the vendors' data sheets; matched by name.
+PEAKS = {"H200": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0,
+         "L4": 121.0}
+
+
+def device_peak(device: torch.device) -> float | None:
+    """The data-sheet bf16 peak of a CUDA device in FLOP/s (first matching name in PEAKS), or None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops * 1e12 for key, tflops in PEAKS.items() if key in name), None)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
+    return f"{cpu}, {torch.get_num_threads()} threads"
+
+
+def bucket_table(cfg, setup, batch_sizes: str | None) -> list:
+    """[(duration s, frames, tokens, batch size)] of every bucket that takes batches."""
+    if batch_sizes:
+        bins, sizes = load_batch_sizes(batch_sizes)
+    else:
+        specs = [s if isinstance(s, str) else s["path"] for s in cfg.train.manifests]
+        bins, _ = bins_from_manifests([str(ROOT / s) for s in specs], setup.tokenizer, cfg.train.num_buckets,
+                                      cfg.train.sub_buckets, cfg.train.bin_method, seed=cfg.seed)
+        sizes = max_duration_sizes(bins, cfg.train.max_duration)
+    flat = [s for row in sizes for s in row] if isinstance(sizes[0], list) else list(sizes)
+    return [(*shape, n) for shape, n in zip(setup.bucket_shapes(bins, cfg.train.max_tps), flat) if n > 0]
+
+
+def spread(items: list, k: int) -> list:
+    """k items spread evenly from the first to the last."""
+    return items if k >= len(items) else [items[round(i * (len(items) - 1) / max(1, k - 1))] for i in range(k)]
+
+
+class Bench:
+    """One variant's model and optimizer (compiled or not, checkpointed or not) and its timed steps."""
+
+    def __init__(self, cfg, device, strategy: str, compiled: bool):
+        self.setup = build_training_setup(cfg, device)
+        self.device, self.compiled = device, compiled
+        self.module = self.setup.model
+        self.model = DistributedDataParallel(self.module) if strategy == "ddp" else self.module
+        if compiled:
+            compile_layers(self.module)
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def batch(self, batch_size, frames, tokens):
+        return artificial_batch(batch_size, frames, tokens, self.module.cfg.n_mels, self.setup.tokenizer.vocab_size,
+                                self.device)
+
+    def step(self, batch):
+        """train.py's step on `batch`."""
+        s = self.setup
+        return train_step(self.model, [batch], s.optimizer, s.scaler, s.spec_augment, s.precision,
+                          s.cfg.optim.clip_grad, count_targets(self.module, [batch]))
+
+    def phases(self, batch) -> tuple[float, float, float]:
+        """Seconds of the forward (SpecAugment, model, loss), the backward and the update (unscale, clip,
+        AdamW) of one step, each timed to its end: train_step's calls, in its order, stopped between."""
+        s, n = self.setup, count_targets(self.module, [batch])
+        times = [self.clock()]
+        s.optimizer.zero_grad(set_to_none=True)
+        with autocast(self.device, s.precision):
+            loss, _ = self.model(s.spec_augment(batch.feats, batch.feat_lens), batch.feat_lens, batch.tokens,
+                                 batch.token_lens, batch.prompt_lens, batch.transcribed)
+        times.append(self.clock())
+        s.scaler.scale(loss / n).backward()
+        times.append(self.clock())
+        s.scaler.unscale_(s.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.module.parameters(), s.cfg.optim.clip_grad)
+        s.scaler.step(s.optimizer)
+        s.scaler.update()
+        times.append(self.clock())
+        return tuple(b - a for a, b in zip(times, times[1:]))
+
+    def clock(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+    def timed(self, batch, reps: int) -> float:
+        """Median seconds of `reps` steps."""
+        times = []
+        for _ in range(reps):
+            t0 = self.clock()
+            self.step(batch)
+            times.append(self.clock() - t0)
+        return statistics.median(times)
+
+    def model_flops(self, batch) -> float:
+        """FLOPs of one plain eager step at this shape (compiled blocks run eagerly, nothing is recomputed)."""
+        flags = [(m, m.checkpoint_activations) for m in (self.module.encoder, getattr(self.module, "decoder", None))
+                 if m is not None]
+        for m, _ in flags:
+            m.checkpoint_activations = False
+        try:
+            with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False,
+                                                                            custom_mapping=CPU_ATTENTION) as c:
+                self.step(batch)
+        finally:
+            for m, on in flags:
+                m.checkpoint_activations = on
+        return c.get_total_flops()
+
+    def peak_bytes(self, batch) -> int | None:
+        """Peak tensor memory of one step: CUDA's allocator, or on the CPU the live-tensor tracker
+        (eager only: a compiled step's buffers are not all tensors the tracker sees)."""
+        if self.device.type == "cpu" and self.compiled:
+            return None
+        state = [v for st in self.setup.optimizer.state.values() for v in st.values()]
+        existing = [*self.module.parameters(), *self.module.buffers(), *state]
+        self.setup.optimizer.zero_grad(set_to_none=True)
+        return peak_memory(lambda: self.step(batch), self.device, None, existing)
+
+
+def measure(bench: Bench, bucket, args, peaks) -> dict:
+    d, frames, tokens, batch_size = bucket
+    batch = bench.batch(batch_size, frames, tokens)
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        bench.step(batch)
+    bench.sync()
+    warmup_s = time.perf_counter() - t0
+    step_s = bench.timed(batch, args.steps)
+    forward_s, backward_s, update_s = map(statistics.median, zip(*(bench.phases(batch) for _ in range(args.steps))))
+    flops = bench.model_flops(batch)
+    peak = bench.peak_bytes(batch)
+    row = {"duration": d, "frames": frames, "tokens": tokens, "batch": batch_size, "step_ms": 1e3 * step_s,
+           "audio_s_per_s": batch_size * d / step_s, "tokens_per_s": batch_size * tokens / step_s,
+           "tflops": flops / step_s / 1e12, "flops": flops, "peak_bytes": peak, "warmup_s": warmup_s,
+           "forward_ms": 1e3 * forward_s, "backward_ms": 1e3 * backward_s, "optimizer_ms": 1e3 * update_s}
+    row["mfu_sheet"] = flops / step_s / peaks["sheet"] if peaks["sheet"] else None
+    row["mfu_measured"] = flops / step_s / peaks["measured"]
+    log(f"  bucket {d:.2f} s, {tokens} tokens, batch {batch_size}: {row['step_ms']:.1f} ms, "
+        f"{row['audio_s_per_s']:.1f} audio s/s, MFU {100 * row['mfu_measured']:.1f}% of measured "
+        f"(warm-up {warmup_s:.1f} s)")
+    return row
+
+
+def overall(rows: list) -> dict:
+    """The measured buckets together, one step each: totals over total time."""
+    seconds = sum(r["step_ms"] for r in rows) / 1e3
+    return {"audio_s_per_s": sum(r["batch"] * r["duration"] for r in rows) / seconds,
+            "tokens_per_s": sum(r["batch"] * r["tokens"] for r in rows) / seconds,
+            "tflops": sum(r["flops"] for r in rows) / seconds / 1e12,
+            "peak_bytes": max((r["peak_bytes"] for r in rows if r["peak_bytes"] is not None), default=None),
+            "warmup_s": sum(r["warmup_s"] for r in rows)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                epilog=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="train.py YAML (model, precision, optimizer, train.strategy)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides, as train.py takes them")
+    p.add_argument("--batch-sizes", help="oom.py's -o output (bins and per-bucket batch sizes); default: bins "
+                   "estimated from train.manifests with train.max_duration's sizes")
+    p.add_argument("--buckets", type=int, default=4, help="buckets measured, spread from shortest to longest")
+    p.add_argument("--compile", choices=["off", "on", "both"], default="off", help="train.compile variants")
+    p.add_argument("--checkpointing", nargs="+", default=["none"], choices=["none", "encoder", "decoder", "both"],
+                   help="activation_checkpointing variants")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per bucket (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per bucket first (compiles a new shape)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
+    args = p.parse_args(argv)
+    show_library_logs()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.set_num_threads(args.threads or cores())
+    cfg = load_train_config(args.config, args.overrides)
+    init_distributed(group_of_one=True)  # DDP or FSDP2 over a group of one, as train.py runs one process
+    peaks = {"sheet": device_peak(device), "measured": None}
+    results, variants = [], [(c, ck) for c in {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+                             for ck in args.checkpointing]
+    buckets = None
+    for compiled, checkpointing in variants:
+        name = f"{'compiled' if compiled else 'eager'}, checkpointing {checkpointing}"
+        log(f"{name}: building {args.config} on {device}")
+        variant_cfg = load_train_config(args.config, [*args.overrides, f"activation_checkpointing={checkpointing}"])
+        bench = Bench(variant_cfg, device, cfg.train.strategy, compiled)
+        if buckets is None:
+            buckets = spread(bucket_table(variant_cfg, bench.setup, args.batch_sizes), args.buckets)
+            peaks["measured"] = matmul_peak(device, bench.setup.precision)
+            log(f"matmul peak {peaks['measured'] / 1e12:.3g} TFLOP/s measured ({bench.setup.precision})"
+                + (f", {peaks['sheet'] / 1e12:.4g} on the data sheet" if peaks["sheet"] else ""))
+        rows = [measure(bench, b, args, peaks) for b in buckets]
+        results.append({"variant": name, "compiled": compiled, "checkpointing": checkpointing, "buckets": rows,
+                        "all": overall(rows)})
+        del bench
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def gib(b):
+        return "-" if b is None else format_bytes(b)
+
+    columns = [("variant", "<30"), ("bucket", "<14"), ("batch", ">5"), ("step ms", ">9.1f"), ("audio s/s", ">9.1f"),
+               ("tokens/s", ">9.0f"), ("TFLOP/s", ">8.3f"), ("MFU sheet", ">9"), ("MFU meas.", ">9"),
+               ("peak", ">10"), ("fwd ms", ">8.1f"), ("bwd ms", ">8.1f"), ("opt ms", ">7.1f"), ("warm-up s", ">9.1f")]
+    table = []
+    for res in results:
+        for r in res["buckets"]:
+            table.append([res["variant"], f"{r['duration']:.2f} s {r['tokens']} tok", r["batch"], r["step_ms"],
+                          r["audio_s_per_s"], r["tokens_per_s"], r["tflops"],
+                          "-" if r["mfu_sheet"] is None else f"{100 * r['mfu_sheet']:.1f}%",
+                          f"{100 * r['mfu_measured']:.1f}%", gib(r["peak_bytes"]), r["forward_ms"], r["backward_ms"],
+                          r["optimizer_ms"], r["warmup_s"]])
+        a = res["all"]
+        table.append([res["variant"], "all", "", float("nan"), a["audio_s_per_s"], a["tokens_per_s"], a["tflops"],
+                      "-" if not peaks["sheet"] else f"{100 * a['tflops'] * 1e12 / peaks['sheet']:.1f}%",
+                      f"{100 * a['tflops'] * 1e12 / peaks['measured']:.1f}%", gib(a["peak_bytes"]),
+                      float("nan"), float("nan"), float("nan"), a["warmup_s"]])
+    print(f"{args.config} on {device_name(device)}, torch {torch.__version__}, strategy {cfg.train.strategy} "
+          f"(group of one), load average {load_avg()}")
+    print_table(columns, table)
+    eager = {r["checkpointing"]: r["all"]["audio_s_per_s"] for r in results if not r["compiled"]}
+    ratios = {f"compiled/eager, checkpointing {r['checkpointing']}": r["all"]["audio_s_per_s"] / eager[r["checkpointing"]]
+              for r in results if r["compiled"] and r["checkpointing"] in eager}
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x audio seconds per second")
+    print_json({"config": args.config, "device": device_name(device), "torch": torch.__version__,
+                "strategy": cfg.train.strategy, "peak_flops_sheet": peaks["sheet"], "peak_flops_measured": peaks["measured"],
+                "load_avg": load_avg(), "variants": results, "ratios": ratios})
+
+
+if __name__ == "__main__":
+    main()

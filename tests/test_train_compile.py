@@ -1,0 +1,118 @@
+"""train.compile and activation_checkpointing on the CPU: compiled blocks train as eager ones do,
+new batch shapes stop recompiling once the shapes are dynamic, and checkpointed steps give the
+plain step's losses, under FSDP2 too.
+
+The tests compile with the aot_eager backend: the graphs dynamo captures and AOTAutograd's forward
+and backward, without inductor's code generation, which takes minutes per shape on 2 cores (and
+with torch 2.14 recompiles each new length: docs/training.md). tests/test_cuda.py runs inductor's
+kernels in bf16 on a GPU."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.distributed.tensor import DTensor
+
+from aed.memory_oomptimizer import artificial_batch
+from aed.train_config import load_train_config
+from aed.train_distributed import cleanup, init_distributed
+from aed.train_step import build_training_setup, compile_layers, count_targets, train_step
+
+SMALL = ["model.enc_d_model=64", "model.enc_layers=2", "model.enc_heads=2", "model.dec_d_model=64",
+         "model.dec_layers=2", "model.dec_heads=2", "model.subsampling_channels=16", "model.dec_max_len=128"]
+# Dropout on: recomputation must replay its masks. Off where compiled: a compiled graph draws its own.
+DROPOUT = ["model.enc_dropout=0.1", "model.dec_dropout=0.1"]
+# (batch, frames, tokens): buckets of several lengths; the last row of each batch is shorter (padding)
+SHAPES = [(4, 300, 20), (3, 420, 31), (6, 200, 12), (2, 610, 44), (5, 260, 17)]
+# Reductions are reordered by the compiled graphs and by recomputation: equal up to float rounding.
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4  # of the whole gradient's norm: single near-zero entries are rounding noise
+
+
+def setup_of(*overrides, seed=0, device="cpu"):
+    """configs/tiny.yaml with SMALL, trained by SGD: AdamW's first updates are +-lr whatever a
+    gradient's size, so the rounding noise of gradients that are zero in exact arithmetic (keys'
+    biases, a convolution's bias before BatchNorm) would become differences in the weights; SGD's
+    updates keep them as small as the noise, and later steps still check that the compiled blocks
+    read the updated weights."""
+    torch.manual_seed(seed)
+    setup = build_training_setup(load_train_config("configs/tiny.yaml", [*SMALL, *overrides]), torch.device(device))
+    setup.optimizer = torch.optim.SGD(setup.model.parameters(), lr=0.05)
+    return setup
+
+
+def padded_batch(setup, batch_size, frames, tokens, seed):
+    torch.manual_seed(seed)
+    b = artificial_batch(batch_size, frames, tokens, setup.cfg.model.n_mels, setup.tokenizer.vocab_size, "cpu")
+    b.feat_lens[-1], b.token_lens[-1] = frames * 2 // 3, tokens - 3
+    return b
+
+
+def train(setup, shapes=SHAPES, first=0):
+    """Steps at each shape, SHAPES[first] on: [(loss per target, flat gradient)], with the same batch,
+    SpecAugment and dropout masks per step in every run."""
+    out = []
+    for i, shape in enumerate(shapes, first):
+        batch = padded_batch(setup, *shape, seed=i)
+        n = count_targets(setup.model, [batch])
+        torch.manual_seed(100 + i)
+        result = train_step(setup.model, [batch], setup.optimizer, setup.scaler, setup.spec_augment, setup.precision,
+                            clip_grad=1e9, num_targets=n)
+        grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in setup.model.parameters()]
+        grad = torch.cat([g.reshape(-1) for g in grads if g is not None])
+        out.append((result.loss.item() / n, grad.clone()))
+    return out
+
+
+def assert_same_training(a, b):
+    for step, ((la, ga), (lb, gb)) in enumerate(zip(a, b)):
+        assert lb == pytest.approx(la, rel=LOSS_RTOL), step
+        assert (ga - gb).norm() <= GRAD_RTOL * ga.norm(), (step, ((ga - gb).norm() / ga.norm()).item())
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return train(setup_of())
+
+
+@pytest.fixture(scope="module")
+def eager_dropout():
+    return train(setup_of(*DROPOUT))
+
+
+def test_compiled_blocks_train_as_eager_ones_and_stop_recompiling(eager):
+    torch._dynamo.reset()
+    counters.clear()
+    setup = setup_of()
+    assert compile_layers(setup.model, backend="aot_eager") == 4  # 2 encoder layers + 2 decoder blocks
+    compiled = train(setup, SHAPES[:2])
+    graphs = counters["stats"]["unique_graphs"]
+    compiled += train(setup, SHAPES[2:], first=2)
+    # The second shape may recompile once with its dimensions dynamic; three new shapes after it add nothing.
+    assert counters["stats"]["unique_graphs"] == graphs > 0
+    assert_same_training(eager, compiled)
+    assert all(k.startswith(("encoder.", "decoder.", "ctc.")) for k in setup.model.state_dict())  # keys unchanged
+
+
+@pytest.mark.parametrize("where", ["encoder", "decoder", "both"])
+def test_checkpointed_steps_train_as_plain_ones(eager_dropout, where):
+    assert_same_training(eager_dropout, train(setup_of(*DROPOUT, f"activation_checkpointing={where}")))
+
+
+def test_fsdp_step_compiled_and_checkpointed_trains_as_eager_plain_one(eager):
+    """FSDP2 over a group of one, as train.strategy=fsdp runs on one process: compiled blocks inside
+    fully_shard's hooks, and checkpointed ones that gather their weights again to recompute."""
+    init_distributed(group_of_one=True)
+    try:
+        setup = setup_of("train.strategy=fsdp", "activation_checkpointing=both")
+        compile_layers(setup.model, backend="aot_eager")
+        fsdp = train(setup, SHAPES[:2])
+    finally:
+        cleanup()
+    assert_same_training(eager, fsdp)
+
+
+def test_activation_checkpointing_is_checked():
+    with pytest.raises(Exception, match="activation_checkpointing: expected one of none, encoder, decoder, both"):
+        load_train_config("configs/tiny.yaml", ["activation_checkpointing=all"])
+    with pytest.raises(Exception, match="has no transformer decoder"):
+        setup_of("objective=rnnt", "activation_checkpointing=decoder")
