@@ -6,6 +6,7 @@
     python infer.py --ckpt runs/flash --beam-size 4 --device cuda --dtype bf16 --batch-duration 1200 ...
     python infer.py --ckpt runs/tiny --ctc-weight 0 ...     # attention decoder alone (default: joint with CTC)
     python infer.py --ckpt runs/flash --int8 ...             # CPU: int8 Linear weights (bench/infer_speed_bench.py)
+    python infer.py --ckpt runs/flash --ema ...              # the EMA of the weights (a run with ema_decay)
     python infer.py --ckpt runs/flash --device cuda --compile ...   # compiled decoder step, a CUDA graph
     python infer.py --ckpt runs/tiny --timestamps word --out hyp.jsonl --subtitles subs/ talk.wav  # .srt + .vtt
     python infer.py --ckpt runs/tiny --stream --manifest test.jsonl --out hyp.jsonl   # streamed, latency measured
@@ -95,6 +96,9 @@ def parse_args(argv: list[str] | None = None):
     run.add_argument("--average", type=int, default=1, metavar="N",
                      help="with a run directory as --ckpt: decode with the mean weights of its newest N valid "
                           "checkpoints (train.keep_last must keep them)")
+    run.add_argument("--ema", action="store_true",
+                     help="decode with the checkpoint's exponential moving average of the weights (a run trained "
+                          "with ema_decay); not with --average")
     run.add_argument("--int8", action="store_true",
                      help="int8 weights for every Linear layer (torch's dynamic quantization), CPU only: a "
                           "batch-1 decoder step on a CPU is bound by reading its weights. Not with --compile")
@@ -155,7 +159,7 @@ def parse_args(argv: list[str] | None = None):
     if args.subtitles and not args.timestamps:
         p.error("--subtitles needs --timestamps word or segment")
     try:  # the ranges of the values are the library's to check
-        check_loading(args.device, args.compile, args.int8)
+        check_loading(args.device, args.compile, args.int8, args.average, args.ema)
         decoding_options(args)  # DecodingOptions checks its own ranges
         check_settings(args.batch_duration, args.chunk_seconds, args.chunk_overlap)
         if args.stream:
@@ -373,7 +377,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     t_load = time.perf_counter()
     try:
-        loaded = load_model(args.ckpt, device, compile=args.compile, int8=args.int8, average=args.average)
+        loaded = load_model(args.ckpt, device, compile=args.compile, int8=args.int8, average=args.average,
+                            ema=args.ema)
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:  # missing, not ours, or corrupt
         sys.exit(f"error: cannot load --ckpt {args.ckpt}: {e}")
     t_load = time.perf_counter() - t_load

@@ -37,7 +37,8 @@ second step may hold once while it rebuilds them); fsdp shards the model as trai
 `fake_world`: collectives move no data) and measures rank 0: parameters, gradients and AdamW
 state divided by the world size, plus whatever FSDP gathers and reduces a layer or two at a time,
 by running its real step, not a formula. On a real device that too is one process: one GPU sizes
-a rank of an 8-GPU FSDP run.
+a rank of an 8-GPU FSDP run. A config with ema_decay adds its EMA of the weights (aed/train_ema.py):
+one more fp32 copy of the trainable parameters, of this rank's shards under fsdp.
 """
 
 import argparse
@@ -59,6 +60,7 @@ from aed.memory_measure import CUDA_BLOCK, SimulatedDevice, allocated_limit, fak
 from aed.memory_oomptimizer import (MemoryBudgetError, TrainingStep, fit_memory_model, make_monotone, optimize,
                                     optimize_with_model)
 from aed.train_config import load_train_config
+from aed.train_ema import ExponentialMovingAverage
 from aed.train_step import AMP_DTYPES, load_training_setup
 from bins import Bins, save_batch_sizes
 
@@ -184,14 +186,17 @@ def main(argv=None) -> None:
         if device.type == "cuda":  # real OOMs at the limit, like a GPU that is this size
             torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
         parallel = {"ddp": " + DDP buckets", "fsdp": f", FSDP rank 0 of {args.world_size}", None: ""}[args.strategy]
-        log.info("model %.1fM parameters, %s%s, %s%s; budget %s -> limit %s (margin %.0f%%); %d buckets",
+        # made here, inside the simulation: on fake tensors (and sharded) like the parameters it copies
+        ema = ExponentialMovingAverage(model, setup.cfg.ema_decay) if setup.cfg.ema_decay else None
+        log.info("model %.1fM parameters, %s%s, %s%s%s; budget %s -> limit %s (margin %.0f%%); %d buckets",
                  sum(p.numel() for p in model.parameters()) / 1e6, device, " (simulated CUDA)" if simulated else "",
-                 precision, parallel, format_bytes(budget_bytes), format_bytes(limit), 100 * args.margin, len(shapes))
+                 precision, parallel, " + EMA of the weights" if ema else "", format_bytes(budget_bytes),
+                 format_bytes(limit), 100 * args.margin, len(shapes))
 
         if args.strategy == "ddp":
             warn_ddp_rebuild(model, budget_bytes, args.margin)
         t0 = time.time()
-        step = TrainingStep.of(setup, args.strategy == "ddp", granularity=CUDA_BLOCK if simulated else 1)
+        step = TrainingStep.of(setup, args.strategy == "ddp", granularity=CUDA_BLOCK if simulated else 1, ema=ema)
         try:
             if args.memory_model:
                 chunk = getattr(model, "chunk_size", 0)  # a transducer computes its joint this many samples at a time

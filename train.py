@@ -27,6 +27,7 @@ import signal
 import sys
 import time
 import warnings
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import numpy as np
@@ -42,9 +43,10 @@ from aed.train_checkpoint import (Checkpoint, CheckpointError, CheckpointWriter,
 from aed.train_config import help_text, load_train_config
 from aed.train_data import TrainingData, build_training_data
 from aed.train_distributed import (all_reduce, cleanup, gather_objects, init_distributed, is_distributed, peer_lost,
-                                   share_rank0_buffers, wrap)
+                                   share_rank0_buffers, torchrun_restart, wrap)
+from aed.train_ema import ExponentialMovingAverage
 from aed.train_progress import Progress, RunLog, StepFlops, matmul_peak
-from aed.train_step import TrainingSetup, build_training_setup, count_targets, train_step
+from aed.train_step import TrainingSetup, build_training_setup, compile_layers, count_targets, train_step
 from aed.train_validation import evaluate, whole_model
 
 log = logging.getLogger("train")
@@ -145,13 +147,14 @@ def build(cfg, proc: Process) -> tuple[TrainingSetup, TrainingData]:
     return setup, data
 
 
-def check_memory(setup: TrainingSetup, data: TrainingData, proc: Process) -> None:
+def check_memory(setup: TrainingSetup, data: TrainingData, proc: Process, ema: ExponentialMovingAverage | None) -> None:
     """memory_budget: the worst batch of every bucket runs once before step 0 (aed/memory_oomptimizer.py).
     Before the DDP wrap, whose gradient hooks must not fire during the check; an FSDP model runs
-    its real, sharded step."""
+    its real, sharded step. The EMA of the weights, if kept, counts as state held through it."""
     cfg = setup.cfg
     try:
-        peaks = preflight(TrainingStep.of(setup, ddp=proc.world_size > 1 and setup.cfg.train.strategy == "ddp"),
+        peaks = preflight(TrainingStep.of(setup, ddp=proc.world_size > 1 and setup.cfg.train.strategy == "ddp",
+                                          ema=ema),
                           setup.bucket_shapes(data.bins, cfg.train.max_tps), data.sampler.sizes,
                           parse_bytes(cfg.memory_budget))
     except MemoryBudgetError as e:
@@ -210,15 +213,21 @@ class DataPosition:
                 "sampler": self.data.sampler.state_dict(rewind=self.data.counter.taken - self.consumed)}
 
 
-def resume(setup: TrainingSetup, position: DataPosition, proc: Process) -> tuple[int, float]:
+def resume(setup: TrainingSetup, position: DataPosition, proc: Process,
+           ema: ExponentialMovingAverage | None) -> tuple[int, float]:
     """(step, FLOPs so far) of the newest valid checkpoint in run_dir, with the weights, optimizer,
-    schedule, sampler and RNG states restored; (0, 0.0) for a new run, whose weights may come from
-    init_from. A checkpoint of another world size continues its interrupted pass in other batches."""
+    schedule, sampler and RNG states and the EMA of the weights restored; (0, 0.0) for a new run,
+    whose weights may come from init_from. A checkpoint of another world size continues its
+    interrupted pass in other batches; one written without an EMA starts the EMA at its weights."""
     cfg = setup.cfg
     try:
         path, saved = load_latest(cfg.run_dir, with_tensors=False)
     except CheckpointError as e:
         sys.exit(f"cannot resume: {e}")
+    restart, max_restarts = torchrun_restart()
+    if restart:  # a rank failed, and torchrun stopped the others and started them all again
+        log.info("restart %d of torchrun's --max-restarts %d: resuming from %s", restart, max_restarts,
+                 path or "step 0 (no checkpoint yet)")
     if saved is None:
         if cfg.init_from:
             try:
@@ -227,7 +236,9 @@ def resume(setup: TrainingSetup, position: DataPosition, proc: Process) -> tuple
             except ValueError as e:
                 sys.exit(str(e))
         return 0, 0.0
-    load_training_state(setup.model, setup.optimizer, path)
+    if not load_training_state(setup.model, setup.optimizer, path, ema) and ema is not None:
+        ema.reset(setup.model)
+        log.info("%s has no EMA of the weights (written without ema_decay): the EMA starts from its weights", path)
     ckpt = Checkpoint.from_dict(saved | {"model": None})  # meta.pt: the tensors are loaded
     setup.scheduler.load_state_dict(ckpt.scheduler)
     setup.scaler.load_state_dict(ckpt.scaler)
@@ -237,8 +248,8 @@ def resume(setup: TrainingSetup, position: DataPosition, proc: Process) -> tuple
 
 
 def save(writer: CheckpointWriter, setup: TrainingSetup, position: DataPosition, step: int, flops: float,
-         proc: Process) -> None:
-    """Every rank writes its part of the weights and optimizer state (aed/train_checkpoint.py, DCP); rank
+         proc: Process, ema: ExponentialMovingAverage | None) -> None:
+    """Every rank writes its part of the weights, optimizer state and EMA (aed/train_checkpoint.py, DCP); rank
     0 adds the gathered sampler and RNG states (`DataPosition.state`). Under DDP, also checks that
     the ranks' parameters are identical (a desync would otherwise go unnoticed)."""
     cfg, model = setup.cfg, setup.model
@@ -247,7 +258,7 @@ def save(writer: CheckpointWriter, setup: TrainingSetup, position: DataPosition,
     checksum = None if sharded else sum(p.detach().double().sum().item() for p in model.parameters())
     states = gather_objects({"checksum": checksum} | position.state())
     share_rank0_buffers(model)
-    state = training_tensors(model, setup.optimizer)
+    state = training_tensors(model, setup.optimizer, ema)
     if proc.master:
         checksums = [s["checksum"] for s in states]
         if len(set(checksums)) > 1:
@@ -283,18 +294,21 @@ def stop_requested(received: list, device: torch.device) -> bool:
 
 
 def validate(setup: TrainingSetup, val_names: dict, proc: Process, unreadable: Faults,
-             run_log: RunLog, step: int) -> None:
-    """Every rank calls this at the same step (aed/train_validation.py); rank 0 logs and records it."""
+             run_log: RunLog, step: int, ema: ExponentialMovingAverage | None) -> None:
+    """Every rank calls this at the same step (aed/train_validation.py); rank 0 logs and records it.
+    With an EMA of the weights, validation scores the EMA (what infer.py --ema decodes), swapped
+    into the model for the duration."""
     t0 = time.time()
-    model = whole_model(setup.model, lambda: setup.objective.build(setup.cfg, setup.tokenizer.vocab_size))
-    # train.skip_invalid is one switch for all of a run's manifests, validation's included
-    res = evaluate(setup, model, val_names, proc.rank, proc.world_size, setup.cfg.train.skip_invalid, unreadable)
+    with ema.swapped(setup.model) if ema is not None else nullcontext():
+        model = whole_model(setup.model, lambda: setup.objective.build(setup.cfg, setup.tokenizer.vocab_size))
+        # train.skip_invalid is one switch for all of a run's manifests, validation's included
+        res = evaluate(setup, model, val_names, proc.rank, proc.world_size, setup.cfg.train.skip_invalid, unreadable)
     run_log.write({f"val/{k}": v for k, v in res.items()} | {"val/seconds": time.time() - t0}, step)
     for k, v in res.items():
         if isinstance(v, list):
             for line in v:
                 log.info("  %s", line)
-    log.info("validation @ step %d: %s  (%.1f s)", step, "  ".join(
+    log.info("validation @ step %d%s: %s  (%.1f s)", step, " (EMA weights)" if ema is not None else "", "  ".join(
         f"{k}={v:.2f}" for k, v in res.items() if isinstance(v, float)), time.time() - t0)
 
 
@@ -311,11 +325,19 @@ def main(argv: list[str] | None = None) -> None:
 
     # --- resume (or initialise from init_from), check memory, wrap for DDP (FSDP is built sharded)
     position = DataPosition(data, proc)
-    step, flops = resume(setup, position, proc)
+    ema = ExponentialMovingAverage(model, cfg.ema_decay) if cfg.ema_decay else None  # before the memory check
+    step, flops = resume(setup, position, proc, ema)
     if cfg.memory_budget:
-        check_memory(setup, data, proc)
+        check_memory(setup, data, proc, ema)
     parallel_model, no_sync = wrap(model, proc.world_size)
-    fwd_model = torch.compile(parallel_model) if cfg.compile else parallel_model
+    if ema is not None:
+        if step == 0:  # a new run's EMA starts at rank 0's weights, which the DDP wrap has just broadcast
+            ema.reset(model)
+        log.info("EMA of the weights, decay %g: %s on each rank; validation scores the EMA weights", cfg.ema_decay,
+                 format_bytes(ema.nbytes))
+    if cfg.compile:
+        log.info("compile: %d blocks compiled (torch.compile, dynamic shapes); the first steps take minutes",
+                 compile_layers(model))
 
     # --- training loop
     received = catch_stop_signals()
@@ -329,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
                         step, flops)
     if step == 0 and cfg.val.every > 0:
         with progress.paused():
-            validate(setup, val_names, proc, unreadable, run_log, 0)
+            validate(setup, val_names, proc, unreadable, run_log, 0, ema)
     step_flops, bad_steps = StepFlops(), 0
     loader = position.start()
 
@@ -344,14 +366,16 @@ def main(argv: list[str] | None = None) -> None:
     while step < cfg.max_steps and not progress.budget_spent():
         micro = []
         while len(micro) < cfg.optim.grad_accum:
+            t_wait = time.perf_counter()
             batch = position.next_batch(loader)
+            progress.data_wait_s += time.perf_counter() - t_wait
             unreadable.report(batch.errors, "training")
             progress.skipped_audio += len(batch.errors)
             if len(batch):
                 micro.append(batch)
         num_targets = all_reduce(torch.tensor(float(count_targets(model, micro)), device=device))
         result, step_flop_count = step_flops.run(lambda: train_step(
-            fwd_model, micro, setup.optimizer, setup.scaler, setup.spec_augment, setup.precision,
+            parallel_model, micro, setup.optimizer, setup.scaler, setup.spec_augment, setup.precision,
             cfg.optim.clip_grad, num_targets, proc.world_size, no_sync), micro)
         # every rank's FLOPs: the budget is global
         progress.add(model, micro, result, all_reduce(torch.tensor(float(step_flop_count), device=device)).item())
@@ -361,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
             if bad_steps >= cfg.max_bad_steps:
                 sys.exit(f"aborting: {bad_steps} consecutive non-finite steps (lower optim.lr, check the "
                          f"data, or use precision=fp32); last batch: {micro[-1].where}")
+        if ema is not None and result.updated:
+            ema.update(model, step)  # `step`: the optimizer steps before this one (the warm-up counts them)
         setup.scheduler.step()
         step += 1
 
@@ -374,10 +400,10 @@ def main(argv: list[str] | None = None) -> None:
         stop = stop_requested(received, device)
         if not stop and cfg.val.every > 0 and (step % cfg.val.every == 0 or last):
             with progress.paused():
-                validate(setup, val_names, proc, unreadable, run_log, step)
+                validate(setup, val_names, proc, unreadable, run_log, step, ema)
             stop = stop_requested(received, device)
         if stop or step % cfg.ckpt_every == 0 or last:
-            save(writer, setup, position, step, progress.total_flops, proc)
+            save(writer, setup, position, step, progress.total_flops, proc, ema)
             stop = stop or stop_requested(received, device)
         writer.poll()
         if progress.budget_spent():

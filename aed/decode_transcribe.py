@@ -62,7 +62,7 @@ from aed.decode_timestamps import (Word, align, feasible, frame_seconds, snap_to
                                    to_words)
 from aed.model import AED
 from aed.train_checkpoint import (INFERENCE_KEYS, Checkpoint, average_checkpoints, is_checkpoint, load_latest,
-                                  model_from_checkpoint, read_checkpoint)
+                                  model_from_checkpoint, read_checkpoint, read_ema)
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,11 @@ def quantize_int8(model: AED) -> AED:
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear: qconfig}, dtype=torch.qint8, inplace=True)
 
 
-def check_loading(device, compile: bool, int8: bool) -> None:
+def check_loading(device, compile: bool, int8: bool, average: int = 1, ema: bool = False) -> None:
     """ValueError unless `load_model` can load with these settings; infer.py calls it before any work."""
+    if ema and average > 1:
+        raise ValueError("--ema and --average do not combine: the EMA is itself an average of the weights over the "
+                         "last steps; decode one checkpoint's EMA")
     if compile and int8:
         raise ValueError("int8 and compile do not combine: torch.compile cannot trace torch's int8 Linear "
                          "into one graph; on a CPU at batch 1, int8 is the faster of the two")
@@ -120,15 +123,19 @@ def check_loading(device, compile: bool, int8: bool) -> None:
         raise ValueError("int8 weights run on CPUs only (torch's dynamic int8 Linear kernels); on a GPU use bf16")
 
 
-def load_model(path: str, device="cpu", *, compile: bool = False, int8: bool = False, average: int = 1) -> LoadedModel:
+def load_model(path: str, device="cpu", *, compile: bool = False, int8: bool = False, average: int = 1,
+               ema: bool = False) -> LoadedModel:
     """A checkpoint (a train.py `ckpt-*` directory or a single file), or a run directory (its newest
     valid checkpoint: a truncated newer one is skipped with a warning naming it), ready for inference.
     average > 1: the mean weights of a run directory's newest `average` valid checkpoints.
+    ema: the checkpoint's EMA of the weights (train.py's ema_decay, aed/train_ema.py) in place of its
+    weights; buffers (BatchNorm statistics) and frozen parameters, which it does not average, are the
+    checkpoint's own. CheckpointError when it has none; not with average (`check_loading`).
 
     compile: decode with a compiled decoder step (aed/decode_static.py), compiled on the first batch of each
     shape bucket. int8: int8 Linear weights (`quantize_int8`), CPU only; the two do not combine (torch
     cannot trace the int8 Linear into one graph)."""
-    check_loading(device, compile, int8)
+    check_loading(device, compile, int8, average, ema)
     if average > 1:
         if not os.path.isdir(path) or is_checkpoint(path):
             raise ValueError(f"{path}: averaging needs a run directory (its newest checkpoints are averaged)")
@@ -145,6 +152,12 @@ def load_model(path: str, device="cpu", *, compile: bool = False, int8: bool = F
     else:
         raise FileNotFoundError(f"{path}: no such checkpoint file or run directory")
     model, tokenizer, features = model_from_checkpoint(ckpt, device)
+    if ema:  # by parameter, as training kept it: a tied weight (the output projection) is one parameter
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, weight in read_ema(path).items():
+                params[name].copy_(weight)
+        log.info("decoding the EMA of the weights of %s", path)
     if int8:
         model = quantize_int8(model)
     return LoadedModel(model, tokenizer, features, path, Checkpoint.from_dict(ckpt).max_train_duration,

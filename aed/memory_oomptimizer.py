@@ -10,7 +10,8 @@ Peak training memory as a low-order function of the batch shape, fitted to measu
 Why: checking every batch of an epoch against a memory limit takes one step per batch, and a
 simulated 1B-parameter step takes tens of seconds (aed/memory_measure.py). For fixed weights,
 precision and optimizer, what a step keeps alive at its peak is the weights, gradients and optimizer
-state (a constant) plus, per utterance, activations that are sums of a few shape terms:
+state (and an EMA of the weights, with ema_decay: a constant) plus, per utterance, activations that
+are sums of a few shape terms:
 
     T      encoder activations per frame (convolutions, feed-forward, attention outputs)
     T^2    encoder attention scores and the relative-position bias (B x H x T' x T')
@@ -161,11 +162,13 @@ class TrainingStep:
     bounds, and its peak memory. text_vocab_size bounds the random target ids: the tokenizer's
     real ids (a transducer's blank comes right after them); default: the model's vocabulary.
     `model` may also be a real DistributedDataParallel module: on a GPU the allocator counts its
-    buckets, on the CPU the tracker does from the first op that writes into them (every backward)."""
+    buckets, on the CPU the tracker does from the first op that writes into them (every backward).
+    `ema`: the run's aed.train_ema.ExponentialMovingAverage, whose fp32 copy of the weights (this
+    rank's shards under FSDP) is held through every step, like AdamW's moments."""
 
     def __init__(self, model, optimizer, precision: str = "fp32", spec_augment=None, ddp: bool = False,
-                 text_vocab_size: int | None = None, granularity: int = 1):
-        self.model, self.optimizer, self.precision = model, optimizer, precision
+                 text_vocab_size: int | None = None, granularity: int = 1, ema=None):
+        self.model, self.optimizer, self.precision, self.ema = model, optimizer, precision, ema
         self.granularity = granularity  # CPU tracker's allocation rounding (simulating CUDA: 512)
         self.device = next(model.parameters()).device
         self.module = getattr(model, "module", model)  # the AED itself, under a real DDP wrapper too
@@ -177,10 +180,10 @@ class TrainingStep:
         self.ddp_buckets = torch.empty(ddp_bytes, dtype=torch.uint8, device=self.device)
 
     @classmethod
-    def of(cls, setup, ddp: bool = False, granularity: int = 1) -> "TrainingStep":
-        """The step of a run's `aed.train_step.TrainingSetup`."""
+    def of(cls, setup, ddp: bool = False, granularity: int = 1, ema=None) -> "TrainingStep":
+        """The step of a run's `aed.train_step.TrainingSetup` (and its EMA, if it keeps one)."""
         return cls(setup.model, setup.optimizer, setup.precision, setup.spec_augment, ddp, setup.tokenizer.vocab_size,
-                   granularity)
+                   granularity, ema)
 
     def run(self, batch_size: int, frames: int, tokens: int) -> None:
         batch = artificial_batch(batch_size, frames, tokens, self.module.cfg.n_mels, self.vocab_size, self.device)
@@ -199,7 +202,8 @@ class TrainingStep:
         # Free them here: a reference in `existing` would keep them alive through the step.
         self.optimizer.zero_grad(set_to_none=True)
         state = [v for s in self.optimizer.state.values() for v in s.values()]
-        existing = [*self.model.parameters(), *self.model.buffers(), *state, self.ddp_buckets]
+        ema = [] if self.ema is None else list(self.ema.weights.values())
+        existing = [*self.model.parameters(), *self.model.buffers(), *state, *ema, self.ddp_buckets]
         if isinstance(self.model, FSDPModule) and self.device.type != "cuda":
             # A step stopped halfway leaves FSDP's layers gathered and its gradients unreduced, and
             # the next step fails: run it whole, then compare (the search overshoots 2x at most).

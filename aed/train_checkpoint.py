@@ -5,7 +5,7 @@ A checkpoint holds a `Checkpoint`: self-contained, so `infer.py` needs nothing e
 training run everything resuming needs. train.py writes it as a directory:
 
     ckpt-00001000/
-        .metadata, __0_0.distcp ...   DCP: the model and optimizer tensors, each rank writing its part
+        .metadata, __0_0.distcp ...   DCP: the model, optimizer and EMA tensors, each rank writing its part
         meta.pt                       everything else (rank 0): config, tokenizer, schedule, sampler and RNG states
         COMPLETE                      written last, once every rank's part is in place
 
@@ -79,6 +79,7 @@ class Checkpoint:
     tokenizer: dict  # {file name: bytes} of the tokenizer directory (pack_dir)
     max_train_duration: float | None = None  # longest training utterance (s): infer.py's chunk length
     new_tokens: dict | None = None  # the rows tools/add_language.py appended (freeze=all_but_new_tokens)
+    ema: dict | None = None  # the trainable weights' EMA by parameter name, fp32 (ema_decay: aed/train_ema.py)
     step: int | None = field(default=None, metadata=RESUME)  # optimizer steps taken
     flops: float = 0.0  # their FLOPs, all ranks together (aed/train_progress.py); checkpoints before FLOP counting have none
     optimizer: dict | None = field(default=None, metadata=RESUME)
@@ -108,7 +109,7 @@ class CheckpointError(RuntimeError):
 
 # --- writing --------------------------------------------------------------------------------------
 
-TENSORS = ("model", "optimizer")  # the Checkpoint fields written through DCP; the rest goes to meta.pt
+TENSORS = ("model", "optimizer", "ema")  # the Checkpoint fields written through DCP; the rest goes to meta.pt
 
 
 def atomic_save(obj, path: str) -> None:
@@ -236,21 +237,33 @@ class CheckpointWriter:
             publish_checkpoint(path, self.run_dir, step, self.keep_last)
 
 
-def training_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def training_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema=None) -> dict:
     """{"model", "optimizer"} keyed by parameter name, as DCP saves them: whole tensors under DDP,
     this rank's shards (DTensors) under FSDP. The same keys under both strategies, so either one
-    resumes the other. A fresh optimizer gets its (zero) state first, as DCP's loader needs it."""
+    resumes the other. A fresh optimizer gets its (zero) state first, as DCP's loader needs it.
+    With `ema` (aed.train_ema.ExponentialMovingAverage), also "ema": its tensors, sharded as the weights."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optimizer": optimizer_state}
+    return {"model": model_state, "optimizer": optimizer_state} | ({} if ema is None else {"ema": ema.state_dict()})
 
 
-def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+def has_ema(path: str) -> bool:
+    """Whether the DCP checkpoint at `path` holds EMA weights (its index names them: no tensor is read)."""
+    return any(k.startswith("ema.") for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def load_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str, ema=None) -> bool:
     """The weights and optimizer state of the checkpoint at `path` into this run's `model` and
-    `optimizer`, resharded to its world size and strategy."""
-    state = training_tensors(model, optimizer)
+    `optimizer`, resharded to its world size and strategy; and its EMA into `ema` when both have one.
+    Returns whether `ema` was loaded: False for a checkpoint written without EMA, which the caller
+    starts from the loaded weights."""
+    with_ema = ema is not None and has_ema(path)
+    state = training_tensors(model, optimizer, ema if with_ema else None)
     with quiet_single_process():
         dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if with_ema:  # DCP loads into the EMA's own tensors; this checks the names and copies anything it replaced
+        ema.load_state_dict(state["ema"])
+    return with_ema
 
 
 # --- reading --------------------------------------------------------------------------------------
@@ -334,6 +347,16 @@ def read_dcp(path: str, keys: list[str]) -> dict:
     except Exception as e:  # noqa: BLE001 - a missing or truncated .distcp file, a corrupt index
         raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
     return state
+
+
+def read_ema(path: str) -> dict:
+    """The EMA weights of the checkpoint at `path`, {parameter name: fp32 tensor}, whole in this
+    process (infer.py --ema); CheckpointError when it has none."""
+    ema = read_dcp(path, ["ema"]).get("ema") if os.path.isdir(path) else load_file(path, mmap=False).get("ema")
+    if ema is None:
+        raise CheckpointError(f"{path} holds no EMA of the weights: its run trained without ema_decay "
+                              "(leave out --ema to decode its weights)")
+    return ema
 
 
 def load_file(path: str, mmap: bool):

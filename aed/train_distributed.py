@@ -18,6 +18,7 @@ gathered parameters. Both strategies keep the same parameter names (state dict k
 checkpoint of one resumes under the other (aed/train_checkpoint.py, torch.distributed.checkpoint).
 """
 
+import logging
 import os
 from contextlib import contextmanager
 
@@ -45,10 +46,24 @@ def init_distributed(group_of_one: bool = False) -> tuple[int, int, int, torch.d
         device = torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if world_size > 1:
+        if torchrun_restart()[0] and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and rank == 0:
+            # The group is set up through torchrun's own store, which its c10d rendezvous (torch 2.14) keeps for
+            # every attempt: it still holds the failed attempt's addresses, and a rank that reads one before the
+            # new peer replaces it waits for a dead rank until the group's timeout (30 min), silently. Logging
+            # is not set up yet: Python prints this to stderr.
+            logging.getLogger(__name__).warning(
+                "restarted by torchrun with its shared rendezvous store: if this hangs setting up the process "
+                "group, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (tools/slurm.sbatch does)")
         dist.init_process_group(backend)
     elif group_of_one and not is_distributed():
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return rank, local_rank, world_size, device
+
+
+def torchrun_restart() -> tuple[int, int]:
+    """(restarts so far, --max-restarts) of the torchrun that started this process, (0, 0) without one:
+    after a worker fails, torchrun stops the others and starts them all again, as restart 1, 2, ..."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
 
 
 def is_distributed() -> bool:
@@ -155,10 +170,11 @@ def wrap(model: nn.Module, world_size: int):
 
 
 def share_rank0_buffers(model: nn.Module) -> None:
-    """Rank 0's buffers (BatchNorm's running statistics) on every rank of a sharded model. FSDP
-    leaves buffers to each rank, which update them from their own batches; DDP broadcasts rank 0's
-    before every forward. Checkpoints and validation then see rank 0's, as under DDP."""
-    if isinstance(model, FSDPModule):
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank. Each rank updates its own from
+    its batches; DDP broadcasts rank 0's before every forward, FSDP never does. DCP writes a buffer
+    once, from whichever rank it picks: before a save, every rank holds rank 0's, those the next
+    forward uses, so a resumed run continues exactly. Validation sees them too."""
+    if isinstance(model, FSDPModule) or world_size() > 1:
         with torch.no_grad():
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
