@@ -144,7 +144,8 @@ def test_step_time_and_eta_leave_validation_out(tmp_path, monkeypatch, caplog):
         clock[0] += 1000.0
         return {"dev/loss": 1.0}
 
-    monkeypatch.setattr(train, "time", types.SimpleNamespace(time=lambda: clock[0] + time.perf_counter()))
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(time=lambda: clock[0] + time.perf_counter(),
+                                                             perf_counter=time.perf_counter))  # the data wait's
     monkeypatch.setattr(train, "evaluate", slow_evaluate)
     monkeypatch.chdir(ROOT)
     caplog.set_level(logging.INFO, logger="train")
