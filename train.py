@@ -47,7 +47,7 @@ from aed.train_distributed import (all_reduce, cleanup, gather_objects, init_dis
 from aed.train_ema import ExponentialMovingAverage
 from aed.train_progress import Progress, RunLog, StepFlops, matmul_peak
 from aed.train_step import TrainingSetup, build_training_setup, compile_layers, count_targets, train_step
-from aed.train_validation import evaluate, whole_model
+from aed.train_validation import evaluate, not_listening, whole_model
 
 log = logging.getLogger("train")
 
@@ -308,6 +308,9 @@ def validate(setup: TrainingSetup, val_names: dict, proc: Process, unreadable: F
         if isinstance(v, list):
             for line in v:
                 log.info("  %s", line)
+    if step > 0:  # at step 0 no decoder listens yet
+        for line in not_listening(res):
+            log.warning("step %d: %s", step, line)
     log.info("validation @ step %d%s: %s  (%.1f s)", step, " (EMA weights)" if ema is not None else "", "  ".join(
         f"{k}={v:.2f}" for k, v in res.items() if isinstance(v, float)), time.time() - t0)
 

@@ -199,7 +199,7 @@ class AED(nn.Module):
         only (None: every row). The decoder learns from every row.
         Targets are tokens[:, 1:]: with loss_on_prompt=False only the text and eos are scored.
         """
-        b, u = tokens.shape
+        b = tokens.size(0)
         assert token_lens.shape == (b,) and prompt_lens.shape == (b,), (
             f"token_lens {tuple(token_lens.shape)} / prompt_lens {tuple(prompt_lens.shape)} must be ({b},)"
         )
@@ -207,10 +207,7 @@ class AED(nn.Module):
         memory = self.encoder_decoder_proj(enc)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # position i predicts token i+1
         hidden = self.decoder(inputs, memory, memory_lens)  # (B, U-1, D)
-        pos = torch.arange(u - 1, device=tokens.device)[None, :]
-        is_target = pos < (token_lens - 1)[:, None]
-        if not self.cfg.loss_on_prompt:
-            is_target &= pos >= (prompt_lens - 1)[:, None]  # keeps the first text token, predicted from the last prompt token
+        is_target = self.target_mask(tokens, token_lens, prompt_lens)
         # Project only real targets: the vocab-sized logits of padded positions would be pure waste.
         logits = self.decoder.output_proj(hidden[is_target])  # (N, V)
         loss = F.cross_entropy(logits.float(), targets[is_target], label_smoothing=self.cfg.label_smoothing, reduction="sum")
@@ -220,6 +217,25 @@ class AED(nn.Module):
             ctc_sum, _ = self.ctc.loss(enc, memory_lens, *text_targets(tokens, token_lens, prompt_lens), transcribed)
             loss = loss + self.cfg.ctc_weight * ctc_sum
         return loss, is_target.sum()
+
+    def target_mask(self, tokens, token_lens, prompt_lens):
+        """(B, U-1) bool: the positions of tokens[:, :-1] whose next token the loss scores (with
+        loss_on_prompt=False the text and eos: the first text token is predicted from the last prompt token)."""
+        pos = torch.arange(tokens.size(1) - 1, device=tokens.device)[None, :]
+        mask = pos < (token_lens - 1)[:, None]
+        if not self.cfg.loss_on_prompt:
+            mask &= pos >= (prompt_lens - 1)[:, None]
+        return mask
+
+    def token_nll(self, memory, memory_lens, tokens, token_lens, prompt_lens):
+        """Per-row summed negative log-likelihood of the scored tokens given `memory` (no label
+        smoothing), and their count: (B,), (B,). Validation scores each row with its own audio's memory
+        and with another row's, to tell a decoder that listens from a language model (train_validation)."""
+        hidden = self.decoder(tokens[:, :-1], memory, memory_lens)  # (B, U-1, D)
+        mask = self.target_mask(tokens, token_lens, prompt_lens)
+        rows = torch.arange(tokens.size(0), device=tokens.device)[:, None].expand_as(mask)[mask]  # (N,) row of each target
+        nll = F.cross_entropy(self.decoder.output_proj(hidden[mask]).float(), tokens[:, 1:][mask], reduction="none")
+        return torch.zeros(tokens.size(0), device=tokens.device).index_add_(0, rows, nll), mask.sum(1)
 
     def count_targets(self, batch):
         """Per-row number of scored tokens, as `forward` counts them (for global normalisation)."""

@@ -81,6 +81,7 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
                              skip_invalid, rank, world_size)
             sums = torch.zeros(3, device=device)  # loss, targets, transcriptions too short for CTC
             rows = []  # (task, source language, target language, reference, hypothesis)
+            heard = {}  # source language -> [NLL with its own audio, NLL with another's, targets]
             for group in duration_batches([u.duration for u in ds.utterances], cfg.val.batch_duration):
                 b = collate([ds[j] for j in group]).to(device)
                 unreadable.report(b.errors, "validation")
@@ -88,6 +89,9 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
                     continue
                 with autocast(device, setup.precision):
                     loss, n = model(b.feats, b.feat_lens, b.tokens, b.token_lens, b.prompt_lens, b.transcribed)
+                    if hasattr(model, "token_nll") and len(b) > 1:
+                        languages = [ds.utterances[j].source_lang for j in b.indices]
+                        add_listening(heard, model, b, languages)
                 hyps = [] if objective.hypotheses is None else objective.hypotheses(
                     model, b, tokenizer.eos, options, autocast(device, setup.precision), decoder)
                 sums += torch.stack([loss.float(), n.float(), torch.tensor(float(count_ctc_skipped(model, [b])),
@@ -100,6 +104,8 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
             results[f"{name}/loss"] = (sums[0] / sums[1].clamp(min=1)).item()
             if objective.hypotheses is not None:
                 results |= scores(name, [r for part in all_gather_objects(rows) for r in part], int(sums[2]), cfg.val)
+            if hasattr(model, "token_nll"):
+                results |= listening(name, all_gather_objects(heard))
     train_mode(model, cfg.freeze)
     return results
 
@@ -125,6 +131,56 @@ def val_dataset(spec, max_utterances: int | None, tokenizer, logmel: LogMel, ski
         kept = {u.where for u in encodable([as_utterance(ex) for ex in examples], tokenizer, skip_invalid)[0]}
         examples = [ex for ex in examples if ex["where"] in kept]
     return ExampleDataset(examples, tokenizer, logmel)
+
+
+# A decoder that uses the audio scores far worse when it gets another utterance's: 1.7 nats per token
+# on the laptop recipe's short corpus at step 1650, and under 0.1 where it had become a character
+# language model (docs/REPORT.md, "Long sentences"). Below this gap, train.py warns.
+LISTENING_GAP = 0.25  # nats per token
+
+
+def add_listening(heard: dict, model, b, languages: list) -> None:
+    """Adds batch b's decoder NLL with each row's own audio and with the next row's (rows are sorted
+    by duration, so that audio is about as long) to `heard`, by source language."""
+    memory, memory_lens = model.encode(b.feats, b.feat_lens)
+    own, count = model.token_nll(memory, memory_lens, b.tokens, b.token_lens, b.prompt_lens)
+    other, _ = model.token_nll(memory.roll(1, 0), memory_lens.roll(1, 0), b.tokens, b.token_lens, b.prompt_lens)
+    for lang, o, x, c in zip(languages, own.tolist(), other.tolist(), count.tolist()):
+        sums = heard.setdefault(lang, [0.0, 0.0, 0])
+        sums[0], sums[1], sums[2] = sums[0] + o, sums[1] + x, sums[2] + c
+
+
+def listening(name: str, parts: list) -> dict:
+    """Every rank's `heard` -> the decoder's cross-entropy per token with the utterances' own audio
+    (name/ce) and with other utterances' (name/ce_other_audio), and their difference per source
+    language (name/ce_gap_LANG): near 0, the decoder ignores the audio."""
+    total = {}
+    for heard in parts:
+        for lang, sums in heard.items():
+            t = total.setdefault(lang, [0.0, 0.0, 0])
+            t[0], t[1], t[2] = t[0] + sums[0], t[1] + sums[1], t[2] + sums[2]
+    count = sum(t[2] for t in total.values())
+    if not count:
+        return {}
+    results = {f"{name}/ce": sum(t[0] for t in total.values()) / count,
+               f"{name}/ce_other_audio": sum(t[1] for t in total.values()) / count}
+    return results | {f"{name}/ce_gap_{lang}": (t[1] - t[0]) / t[2] for lang, t in sorted(total.items()) if t[2]}
+
+
+def not_listening(results: dict) -> list[str]:
+    """Warnings, one per validation set, where the decoder's cross-entropy barely changes when it is
+    given other utterances' audio: it predicts the text from the text alone."""
+    lines = []
+    for key, own in results.items():
+        if not key.endswith("/ce") or f"{key}_other_audio" not in results:
+            continue
+        name, other = key[:-len("/ce")], results[f"{key}_other_audio"]
+        if other - own < LISTENING_GAP:
+            lines.append(f"the decoder is not using the audio on {name}: its cross-entropy with other utterances' "
+                         f"audio is within {other - own:.2f} nats/token of its own ({other:.2f} vs {own:.2f}; a "
+                         f"decoder that listens loses over {LISTENING_GAP} when the audio is swapped). Expected early "
+                         "in a run; if it lasts, the run is training a language model (docs/training.md)")
+    return lines
 
 
 def scores(name: str, rows: list, ctc_skipped: int, val_cfg) -> dict:

@@ -1,0 +1,51 @@
+"""Validation's check that the decoder listens: the cross-entropy of each utterance's text with its
+own audio against another utterance's, per source language, and train.py's warning when they agree."""
+
+import logging
+
+import pytest
+import torch
+from test_model import tiny_config
+from test_train import SMALL, run_in_process
+
+from aed.model import AED
+from aed.train_validation import LISTENING_GAP, listening, not_listening
+
+
+@pytest.mark.parametrize("loss_on_prompt", [True, False])
+def test_token_nll_with_its_own_audio_is_the_training_loss(loss_on_prompt):
+    torch.manual_seed(0)
+    model = AED(tiny_config(ctc_weight=0.0, loss_on_prompt=loss_on_prompt)).eval()
+    feats, feat_lens = torch.randn(3, 80, 24), torch.tensor([80, 61, 40])
+    tokens, token_lens, prompt_lens = torch.randint(2, 40, (3, 9)), torch.tensor([9, 7, 5]), torch.tensor([3, 3, 2])
+    loss, n = model(feats, feat_lens, tokens, token_lens, prompt_lens)
+    nll, count = model.token_nll(*model.encode(feats, feat_lens), tokens, token_lens, prompt_lens)
+    assert nll.shape == count.shape == (3,)
+    assert int(count.sum()) == int(n)
+    torch.testing.assert_close(nll.sum(), loss)
+
+
+def test_listening_sums_ranks_per_language_and_warns_below_the_gap():
+    ranks = [{"en": [20.0, 60.0, 10], "de": [9.0, 9.5, 5]}, {"en": [10.0, 30.0, 5]}]
+    res = listening("dev", ranks)
+    assert res == pytest.approx({"dev/ce": 39 / 20, "dev/ce_other_audio": 99.5 / 20,
+                                 "dev/ce_gap_de": 0.1, "dev/ce_gap_en": 4.0})
+    assert not_listening(res) == []
+    deaf = listening("dev", [{"en": [21.0, 21.0 + LISTENING_GAP * 10 * 0.5, 10]}])
+    (line,) = not_listening(deaf)
+    assert "the decoder is not using the audio on dev" in line and "within 0.12 nats/token" in line
+
+
+def test_a_run_logs_the_check_and_warns_about_a_decoder_that_ignores_the_audio(tmp_path, caplog):
+    """Two steps from random weights: the decoder cannot listen yet, so the step-2 validation warns
+    (step 0's does not: nothing listens at initialisation)."""
+    import train
+
+    caplog.set_level(logging.WARNING, logger="train")
+    p = run_in_process(train.main, ["configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=2", "val.every=2",
+                                    "val.max_utterances=8", "train.num_workers=0"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    warned = [r.getMessage() for r in caplog.records if "not using the audio" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("step 2: "), warned
+    rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val/dev/ce_other_audio" in line]
+    assert len(rows) == 2  # step 0 and step 2
