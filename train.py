@@ -308,11 +308,11 @@ def validate(setup: TrainingSetup, val_names: dict, proc: Process, unreadable: F
         if isinstance(v, list):
             for line in v:
                 log.info("  %s", line)
+    log.info("validation @ step %d%s: %s  (%.1f s)", step, " (EMA weights)" if ema is not None else "", "  ".join(
+        f"{k}={v:.2f}" for k, v in res.items() if isinstance(v, float)), time.time() - t0)
     if step > 0:  # at step 0 no decoder listens yet
         for line in not_listening(res):
             log.warning("step %d: %s", step, line)
-    log.info("validation @ step %d%s: %s  (%.1f s)", step, " (EMA weights)" if ema is not None else "", "  ".join(
-        f"{k}={v:.2f}" for k, v in res.items() if isinstance(v, float)), time.time() - t0)
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -339,8 +339,8 @@ def main(argv: list[str] | None = None) -> None:
         log.info("EMA of the weights, decay %g: %s on each rank; validation scores the EMA weights", cfg.ema_decay,
                  format_bytes(ema.nbytes))
     if cfg.compile:
-        log.info("compile: %d blocks compiled (torch.compile, dynamic shapes); the first steps take minutes",
-                 compile_layers(model))
+        log.info("compile: %d blocks compiled (torch.compile, dynamic shapes); with torch 2.14 every new batch length "
+                 "compiles again, minutes each (docs/training.md)", compile_layers(model))
 
     # --- training loop
     received = catch_stop_signals()
