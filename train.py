@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
                  format_bytes(ema.nbytes))
     if cfg.compile:
         log.info("compile: %d blocks compiled (torch.compile, dynamic shapes); with torch 2.14 every new batch length "
-                 "compiles again, minutes each (docs/training.md)", compile_layers(model))
+                 "compiles again (docs/training.md)", compile_layers(model))
 
     # --- training loop
     received = catch_stop_signals()

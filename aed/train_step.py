@@ -109,8 +109,9 @@ def compile_layers(model: nn.Module, backend: str = "inductor") -> int:
     """torch.compile the forward of every encoder layer and decoder block, as torchtitan compiles
     per block: the blocks hold nearly all of a step's compute, while what sits between them (length
     arithmetic on the host, masks, the losses) would break a whole-model graph into pieces. Shapes
-    are dynamic (batch, frames, tokens), so one compiled graph serves every bucket instead of one
-    recompile per shape; the layers of a stack share it. Replacing `forward` on the instance keeps
+    are marked dynamic (batch, frames, tokens) and the layers of a stack share one graph; inductor
+    with torch 2.14 still fixes the sequence length in the compiled backward, so each new padded
+    length compiles again (docs/training.md), which is why train.compile is off by default. Replacing `forward` on the instance keeps
     the module itself, so state_dict keys, FSDP's hooks around each block and activation
     checkpointing stay as they are. Returns the number of blocks compiled. `backend`: torch.compile's
     (the tests' aot_eager traces the same graphs without generating code)."""

@@ -133,9 +133,9 @@ def val_dataset(spec, max_utterances: int | None, tokenizer, logmel: LogMel, ski
     return ExampleDataset(examples, tokenizer, logmel)
 
 
-# A decoder that uses the audio scores far worse when it gets another utterance's: 1.7 nats per token
-# on the laptop recipe's short corpus at step 1650, and under 0.1 where it had become a character
-# language model (docs/REPORT.md, "Long sentences"). Below this gap, train.py warns.
+# A decoder that uses the audio scores over a nat per token worse when it gets another utterance's;
+# one that has become a language model of the text, under a tenth of a nat (docs/REPORT.md, "Long
+# sentences", on several corpora). Below this gap, between the two, train.py warns.
 LISTENING_GAP = 0.25  # nats per token
 
 

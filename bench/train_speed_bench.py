@@ -75,7 +75,10 @@ def bucket_table(cfg, setup, batch_sizes: str | None) -> list:
     if batch_sizes:
         bins, sizes = load_batch_sizes(batch_sizes)
     else:
-        specs = [s if isinstance(s, str) else s["path"] for s in cfg.train.manifests]
+        if any(isinstance(s, dict) and "path" not in s for s in cfg.train.manifests):
+            raise SystemExit("streamed train.manifests: give --batch-sizes (oom.py's output for their bins)")
+        specs = [s if isinstance(s, str) else s["path"] for s in cfg.train.manifests
+                 if isinstance(s, str) or not s.get("nonspeech")]  # bins of the speech: non-speech has no text
         bins, _ = bins_from_manifests([str(ROOT / s) for s in specs], setup.tokenizer, cfg.train.num_buckets,
                                       cfg.train.sub_buckets, cfg.train.bin_method, seed=cfg.seed)
         sizes = max_duration_sizes(bins, cfg.train.max_duration)
@@ -208,8 +211,8 @@ def overall(rows: list) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 epilog=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="train.py YAML (model, precision, optimizer, train.strategy)")
-    p.add_argument("overrides", nargs="*", help="key=value config overrides, as train.py takes them")
+    p.add_argument("config", nargs="+", help="train.py's YAML file(s) (model, precision, optimizer, train.strategy), "
+                   "then key=value overrides, as train.py takes them")
     p.add_argument("--batch-sizes", help="oom.py's -o output (bins and per-bucket batch sizes); default: bins "
                    "estimated from train.manifests with train.max_duration's sizes")
     p.add_argument("--buckets", type=int, default=4, help="buckets measured, spread from shortest to longest")
@@ -221,6 +224,8 @@ def main(argv=None) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
     args = p.parse_args(argv)
+    files = next((i for i, a in enumerate(args.config) if "=" in a), len(args.config))  # the YAML files come first
+    args.config, args.overrides = args.config[:files], args.config[files:]
     show_library_logs()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.set_num_threads(args.threads or cores())
@@ -232,7 +237,7 @@ def main(argv=None) -> None:
     buckets = None
     for compiled, checkpointing in variants:
         name = f"{'compiled' if compiled else 'eager'}, checkpointing {checkpointing}"
-        log(f"{name}: building {args.config} on {device}")
+        log(f"{name}: building {' '.join(args.config)} on {device}")
         variant_cfg = load_train_config(args.config, [*args.overrides, f"activation_checkpointing={checkpointing}"])
         bench = Bench(variant_cfg, device, cfg.train.strategy, compiled)
         if buckets is None:
@@ -266,7 +271,7 @@ def main(argv=None) -> None:
                       "-" if not peaks["sheet"] else f"{100 * a['tflops'] * 1e12 / peaks['sheet']:.1f}%",
                       f"{100 * a['tflops'] * 1e12 / peaks['measured']:.1f}%", gib(a["peak_bytes"]),
                       float("nan"), float("nan"), float("nan"), a["warmup_s"]])
-    print(f"{args.config} on {device_name(device)}, torch {torch.__version__}, strategy {cfg.train.strategy} "
+    print(f"{' '.join(args.config)} on {device_name(device)}, torch {torch.__version__}, strategy {cfg.train.strategy} "
           f"(group of one), load average {load_avg()}")
     print_table(columns, table)
     eager = {r["checkpointing"]: r["all"]["audio_s_per_s"] for r in results if not r["compiled"]}

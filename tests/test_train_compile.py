@@ -3,8 +3,8 @@ new batch shapes stop recompiling once the shapes are dynamic, and checkpointed 
 plain step's losses, under FSDP2 too.
 
 The tests compile with the aot_eager backend: the graphs dynamo captures and AOTAutograd's forward
-and backward, without inductor's code generation, which takes minutes per shape on 2 cores (and
-with torch 2.14 recompiles each new length: docs/training.md). tests/test_cuda.py runs inductor's
+and backward, without inductor's code generation, which is slow on a CPU (and with torch 2.14
+recompiles each new length: docs/training.md). tests/test_cuda.py runs inductor's
 kernels in bf16 on a GPU."""
 
 import pytest

@@ -27,8 +27,7 @@ from aed.train_ema import ExponentialMovingAverage, local
 
 DECAY = 0.9  # low enough that a few steps move the EMA measurably away from the weights
 # FSDP reduce-scatters where DDP all-reduces: nothing promises the same order of summation, so the
-# weights, and so their EMA, are compared to float32 rounding carried through a few AdamW steps
-# (the toy's two ranks' two summands came out bitwise equal when this was written).
+# weights, and so their EMA, are compared to float32 rounding carried through a few AdamW steps.
 RTOL, ATOL = 1e-5, 1e-6
 TOY_STEPS = 5
 
