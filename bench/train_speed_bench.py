@@ -246,8 +246,11 @@ def main(argv=None) -> None:
             log(f"matmul peak {peaks['measured'] / 1e12:.3g} TFLOP/s measured ({bench.setup.precision})"
                 + (f", {peaks['sheet'] / 1e12:.4g} on the data sheet" if peaks["sheet"] else ""))
         rows = [measure(bench, b, args, peaks) for b in buckets]
+        whole = overall(rows)
+        whole["mfu_sheet"] = whole["tflops"] * 1e12 / peaks["sheet"] if peaks["sheet"] else None
+        whole["mfu_measured"] = whole["tflops"] * 1e12 / peaks["measured"]
         results.append({"variant": name, "compiled": compiled, "checkpointing": checkpointing, "buckets": rows,
-                        "all": overall(rows)})
+                        "all": whole})
         del bench
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -268,8 +271,8 @@ def main(argv=None) -> None:
                           r["optimizer_ms"], r["warmup_s"]])
         a = res["all"]
         table.append([res["variant"], "all", "", float("nan"), a["audio_s_per_s"], a["tokens_per_s"], a["tflops"],
-                      "-" if not peaks["sheet"] else f"{100 * a['tflops'] * 1e12 / peaks['sheet']:.1f}%",
-                      f"{100 * a['tflops'] * 1e12 / peaks['measured']:.1f}%", gib(a["peak_bytes"]),
+                      "-" if a["mfu_sheet"] is None else f"{100 * a['mfu_sheet']:.1f}%",
+                      f"{100 * a['mfu_measured']:.1f}%", gib(a["peak_bytes"]),
                       float("nan"), float("nan"), float("nan"), a["warmup_s"]])
     print(f"{' '.join(args.config)} on {device_name(device)}, torch {torch.__version__}, strategy {cfg.train.strategy} "
           f"(group of one), load average {load_avg()}")
