@@ -339,8 +339,9 @@ def main(argv: list[str] | None = None) -> None:
         log.info("EMA of the weights, decay %g: %s on each rank; validation scores the EMA weights", cfg.ema_decay,
                  format_bytes(ema.nbytes))
     if cfg.compile:
-        log.info("compile: %d blocks compiled (torch.compile, dynamic shapes); with torch 2.14 every new batch length "
-                 "compiles again (docs/training.md)", compile_layers(model))
+        log.info("compile: %d blocks compiled (torch.compile); batches padded to their bucket's bounds, so each "
+                 "compiles at most once per bucket (%d buckets; docs/training.md)",
+                 compile_layers(model, len(data.pad_to)), len(data.pad_to))
 
     # --- training loop
     received = catch_stop_signals()

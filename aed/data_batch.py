@@ -144,10 +144,19 @@ class Batch:
 
 
 class Collate:
-    """Pads a list of dataset items into a `Batch`; items that failed to load are reported."""
+    """Pads a list of dataset items into a `Batch`; items that failed to load are reported.
 
-    def __init__(self, pad_id: int):
+    `buckets`: (frames, tokens) bounds of the sampler's buckets (`bucket_padding`). A batch is then
+    padded to the first bucket that holds it rather than to its own longest item, so a compiled model
+    sees one shape per bucket instead of a new one almost every batch (train.compile); a batch that no
+    bucket holds keeps its own."""
+
+    def __init__(self, pad_id: int, buckets: list | None = None):
         self.pad_id = pad_id
+        self.buckets = buckets or []
+
+    def padded_shape(self, max_t: int, max_u: int) -> tuple[int, int]:
+        return next(((t, u) for t, u in self.buckets if t >= max_t and u >= max_u), (max_t, max_u))
 
     def __call__(self, items: list[dict]) -> Batch:
         errors = [it["error"] for it in items if "error" in it]
@@ -155,7 +164,7 @@ class Collate:
         n_mels = items[0]["feats"].shape[1] if items else 0
         feat_lens = torch.tensor([it["feats"].shape[0] for it in items], dtype=torch.long)
         token_lens = torch.tensor([len(it["tokens"]) for it in items], dtype=torch.long)
-        max_t, max_u = (int(feat_lens.max()), int(token_lens.max())) if items else (0, 0)
+        max_t, max_u = self.padded_shape(int(feat_lens.max()), int(token_lens.max())) if items else (0, 0)
         feats = torch.zeros(len(items), max_t, n_mels)  # (B, T, F)
         tokens = torch.full((len(items), max_u), self.pad_id, dtype=torch.long)  # (B, U)
         for b, it in enumerate(items):

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 
 from aed.data_audio import FeatureConfig, num_frames
-from aed.data_batch import encode_utterance
+from aed.data_batch import ROUNDING_SLACK, encode_utterance
 from aed.data_manifest import Faults, ManifestError, Utterance, manifest_lines, parse_line
 from aed.data_sources import metadata, open_source, source_faults, spec_kind
 from bins import Bins, estimate_bins
@@ -136,3 +136,15 @@ def bucket_shapes(bins: Bins, features: FeatureConfig, dec_max_len: int, max_tps
             frames = num_frames(round(d * features.sample_rate), features.hop_length)
             shapes.append((d, frames, max(2, min(int(t), dec_max_len))))  # >= 2: one input, one target
     return shapes
+
+
+def bucket_padding(bins: Bins, features: FeatureConfig, dec_max_len: int, reads_text: bool = True,
+                   speed_perturb: list = ()) -> list:
+    """(frames, tokens) that `Collate(buckets=...)` pads each bucket's batches to: the bucket's
+    bounds (`bucket_shapes`), the frames of audio that may run ROUNDING_SLACK past its duration
+    (`fit_duration`; more when slowed down by speed perturbation) included, so that every batch of
+    a bucket gets the same shape."""
+    slack = ROUNDING_SLACK / min(speed_perturb or [1.0])
+    shapes = bucket_shapes(bins, features, dec_max_len, None if reads_text else 0.0)
+    return [(num_frames(round((d + slack) * features.sample_rate), features.hop_length), tokens)
+            for d, _, tokens in shapes]

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from aed.config import ConfigError
 from aed.data_audio import LogMel
 from aed.data_augment import Augment
+from aed.data_bins import bucket_padding
 from aed.data_batch import Collate, ExampleDataset, encodable, ignore_stop_signals
 from aed.data_manifest import Faults, ManifestError, check_audio, nonspeech_fields, read_manifest, read_rows
 from aed.data_mixing import (MixLog, Tagged, audio_shares, group_of, nonspeech_examples, repeat, stream_weights,
@@ -183,7 +184,8 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
         sampler = BucketingSampler(source, bins, **sampler_args)
         dataset = ExampleDataset(None, tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance, augment)
         return TrainingData(sampler, dataset, bins, BatchCounter(sampler, mix), **data,
-                            faults=tuple(f for s in sources for f in source_faults(s)))
+                            faults=tuple(f for s in sources for f in source_faults(s)),
+                            pad_to=compiled_shapes(cfg, bins, reads_text))
 
     text_tokenizer = tokenizer if reads_text else None
     faults = Faults()
@@ -211,7 +213,19 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
         log.warning("train.manifests: skipped %s", faults.summary())
     dataset = ExampleDataset(utts, text_tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance, augment)
     return TrainingData(sampler, dataset, bins, BatchCounter(sampler, epoch_mix_log(cfg.train, utts)), **data,
-                        faults=(faults,))
+                        faults=(faults,), pad_to=compiled_shapes(cfg, bins, reads_text))
+
+
+def compiled_shapes(cfg: TrainConfig, bins: Bins, reads_text: bool) -> list | None:
+    """With train.compile, the (frames, tokens) bounds of every bucket that batches are padded to
+    (`bucket_padding`): a compiled block then compiles once per bucket, where padding to the longest
+    item would give it a new shape almost every batch. None without it: the least padding."""
+    if not cfg.compile:
+        return None
+    try:
+        return bucket_padding(bins, cfg.features, cfg.model.dec_max_len, reads_text, cfg.train.speed_perturb)
+    except ValueError as e:  # 1D bins without max_tps
+        raise ConfigError(f"train.compile pads batches to their bucket's bounds: {e}") from None
 
 
 def epoch_mix_log(train, utts: list) -> MixLog | None:
@@ -251,6 +265,7 @@ class TrainingData(NamedTuple):
     num_workers: int
     seed: int
     faults: tuple = ()  # the Faults of the readers: manifests read at start, or each streamed source
+    pad_to: list | None = None  # (frames, tokens) of every bucket, for Collate: train.compile's shapes
 
     def skipped(self, batches: Faults | None = None) -> dict:
         """Everything this rank's data left out so far, by kind, in one dict: what the readers
@@ -264,6 +279,6 @@ class TrainingData(NamedTuple):
     def loader(self, device: torch.device) -> DataLoader:
         """A DataLoader over the sampler's batches. Its own generator: worker seeds must not consume
         the global RNG, or a resumed run's dropout and SpecAugment would differ from an uninterrupted one."""
-        return DataLoader(self.dataset, batch_sampler=self.counter, collate_fn=Collate(self.pad_id),
+        return DataLoader(self.dataset, batch_sampler=self.counter, collate_fn=Collate(self.pad_id, self.pad_to),
                           num_workers=self.num_workers, pin_memory=device.type == "cuda",
                           worker_init_fn=ignore_stop_signals, generator=torch.Generator().manual_seed(self.seed))

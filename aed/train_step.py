@@ -105,20 +105,34 @@ def build_model(cfg: TrainConfig, text_vocab_size: int, added_tokens: dict | Non
     return model
 
 
-def compile_layers(model: nn.Module, backend: str = "inductor") -> int:
+def compile_layers(model: nn.Module, shapes: int = 0, backend: str = "inductor") -> int:
     """torch.compile the forward of every encoder layer and decoder block, as torchtitan compiles
     per block: the blocks hold nearly all of a step's compute, while what sits between them (length
     arithmetic on the host, masks, the losses) would break a whole-model graph into pieces. Shapes
-    are marked dynamic (batch, frames, tokens) and the layers of a stack share one graph; inductor
-    with torch 2.14 still fixes the sequence length in the compiled backward, so each new padded
-    length compiles again (docs/training.md), which is why train.compile is off by default. Replacing `forward` on the instance keeps
-    the module itself, so state_dict keys, FSDP's hooks around each block and activation
-    checkpointing stay as they are. Returns the number of blocks compiled. `backend`: torch.compile's
-    (the tests' aot_eager traces the same graphs without generating code)."""
+    are marked dynamic (batch, frames, tokens) and the layers of a stack share one graph, but
+    inductor with torch 2.14 still fixes the sequence lengths in the compiled backward, so each new
+    padded length compiles again (docs/training.md). train.py therefore pads every batch to its
+    bucket's bounds (`compiled_shapes`): `shapes`, the number of buckets, is how many graphs a block
+    may then need, and torch's recompile limit is raised to hold them all. A block runs compiled in
+    train mode only: validation's batches have other shapes, and would use up that limit. Replacing
+    `forward` on the instance keeps the module itself, so state_dict keys, FSDP's hooks around each
+    block and activation checkpointing stay as they are. Returns the number of blocks compiled.
+    `backend`: torch.compile's (the tests' aot_eager traces the same graphs without generating code)."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, shapes + 1)  # + the first, dynamic, graph
     blocks = [*model.encoder.layers, *(model.decoder.layers if hasattr(model, "decoder") else [])]
     for block in blocks:
-        block.forward = torch.compile(block.forward, dynamic=True, backend=backend)
+        compile_in_train_mode(block, backend)
     return len(blocks)
+
+
+def compile_in_train_mode(block: nn.Module, backend: str) -> None:
+    eager, compiled = block.forward, torch.compile(block.forward, dynamic=True, backend=backend)
+
+    def forward(*args, **kwargs):
+        return (compiled if block.training else eager)(*args, **kwargs)
+
+    block.forward = forward
 
 
 def train_only_rows(model: AED, added: dict) -> None:

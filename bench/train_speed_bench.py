@@ -99,8 +99,6 @@ class Bench:
         self.device, self.compiled = device, compiled
         self.module = self.setup.model
         self.model = DistributedDataParallel(self.module) if strategy == "ddp" else self.module
-        if compiled:
-            compile_layers(self.module)
 
     def sync(self):
         if self.device.type == "cuda":
@@ -245,6 +243,8 @@ def main(argv=None) -> None:
             peaks["measured"] = matmul_peak(device, bench.setup.precision)
             log(f"matmul peak {peaks['measured'] / 1e12:.3g} TFLOP/s measured ({bench.setup.precision})"
                 + (f", {peaks['sheet'] / 1e12:.4g} on the data sheet" if peaks["sheet"] else ""))
+        if compiled:  # each bucket is one shape, as train.compile pads batches to their bucket's bounds
+            compile_layers(bench.module, len(buckets))
         rows = [measure(bench, b, args, peaks) for b in buckets]
         whole = overall(rows)
         whole["mfu_sheet"] = whole["tflops"] * 1e12 / peaks["sheet"] if peaks["sheet"] else None

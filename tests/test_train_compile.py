@@ -1,6 +1,6 @@
 """train.compile and activation_checkpointing on the CPU: compiled blocks train as eager ones do,
-new batch shapes stop recompiling once the shapes are dynamic, and checkpointed steps give the
-plain step's losses, under FSDP2 too.
+new batch shapes stop recompiling once the shapes are dynamic, a compiled run's batches take one
+shape per bucket, and checkpointed steps give the plain step's losses, under FSDP2 too.
 
 The tests compile with the aot_eager backend: the graphs dynamo captures and AOTAutograd's forward
 and backward, without inductor's code generation, which is slow on a CPU (and with torch 2.14
@@ -12,8 +12,10 @@ import torch
 from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
+from aed.data_batch import Collate
 from aed.memory_oomptimizer import artificial_batch
 from aed.train_config import load_train_config
+from aed.train_data import build_training_data
 from aed.train_distributed import cleanup, init_distributed
 from aed.train_step import build_training_setup, compile_layers, count_targets, train_step
 
@@ -90,6 +92,11 @@ def test_compiled_blocks_train_as_eager_ones_and_stop_recompiling(eager):
     # The second shape may recompile once with its dimensions dynamic; three new shapes after it add nothing.
     assert counters["stats"]["unique_graphs"] == graphs > 0
     assert_same_training(eager, compiled)
+    setup.model.eval()  # validation runs the blocks eagerly: its shapes would use up the recompile limit
+    with torch.no_grad():
+        b = padded_batch(setup, 2, 350, 25, seed=9)
+        setup.model(b.feats, b.feat_lens, b.tokens, b.token_lens, b.prompt_lens)
+    assert counters["stats"]["unique_graphs"] == graphs
     assert all(k.startswith(("encoder.", "decoder.", "ctc.")) for k in setup.model.state_dict())  # keys unchanged
 
 
@@ -116,3 +123,32 @@ def test_activation_checkpointing_is_checked():
         load_train_config("configs/tiny.yaml", ["activation_checkpointing=all"])
     with pytest.raises(Exception, match="has no transformer decoder"):
         setup_of("objective=rnnt", "activation_checkpointing=decoder")
+
+
+def test_collate_pads_a_batch_to_the_first_bucket_that_holds_it():
+    items = [{"feats": torch.ones(t, 4), "tokens": [5] * u, "prompt_len": 1, "transcribed": True,
+              "audio_filepath": f"{t}.wav", "index": t} for t, u in ((90, 7), (120, 9))]
+    buckets = [(100, 8), (150, 8), (150, 16), (300, 40)]
+    batch = Collate(0, buckets)(items)
+    assert batch.feats.shape == (2, 150, 4) and batch.tokens.shape == (2, 16)  # (120, 9) fits (150, 16) first
+    assert batch.feat_lens.tolist() == [90, 120] and batch.token_lens.tolist() == [7, 9]
+    assert batch.feats[1, 120:].abs().sum() == 0 and (batch.tokens[0, 7:] == 0).all()
+    assert Collate(0, buckets[:1])(items).feats.shape == (2, 120, 4)  # held by no bucket: its own longest
+    assert Collate(0)(items).tokens.shape == (2, 9)
+
+
+def test_with_compile_every_training_batch_takes_its_buckets_shape():
+    """train.compile pads each batch to its bucket's bounds: a bounded set of shapes for the compiled
+    blocks, one per bucket, where padding to the longest item gives a new one almost every batch."""
+    cfg = load_train_config("configs/tiny.yaml",
+                            ["compile=true", "train.num_workers=0", "train.speed_perturb=[0.9,1.0]"])
+    tokenizer = build_training_setup(cfg, torch.device("cpu")).tokenizer
+    data = build_training_data(cfg, tokenizer, rank=0, world_size=1)
+    assert len(data.pad_to) == data.bins.num_buckets
+    loader = iter(data.loader(torch.device("cpu")))
+    shapes = {tuple(b.feats.shape[1:2]) + tuple(b.tokens.shape[1:]) for b in (next(loader) for _ in range(60))}
+    assert shapes <= set(data.pad_to) and len(shapes) > 1, (shapes, data.pad_to)
+    plain = build_training_data(load_train_config("configs/tiny.yaml", ["train.num_workers=0"]), tokenizer, 0, 1)
+    assert plain.pad_to is None
+    loader = iter(plain.loader(torch.device("cpu")))
+    assert len({(b.feats.shape[1], b.tokens.shape[1]) for b in (next(loader) for _ in range(60))}) > len(shapes)
