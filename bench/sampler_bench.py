@@ -10,7 +10,9 @@ Schemes: fixed batch size (one bucket: the baseline that pads everything), 1D 30
 budget, 2D flexible plus the per-bucket TPS filter, 2D with per-bucket batch sizes
 (`--batch-sizes`, oom.py's JSON; by default a stand-in memory model, `common.model_batch_sizes`),
 and `2d-optimised`: the same 60 buckets laid out for the least padding (bins.py), flexible.
-Padding is element-weighted over the epoch: 1 - sum(lengths) / sum(batch_size * max_length).
+Padding is element-weighted over the epoch: 1 - sum(lengths) / sum(batch_size * max_length);
+`2d-bucket-bounds` is 2d-optimised with every batch padded to its bucket's bounds instead (the
+first bucket that holds it, as train.compile pads batches to give each bucket one shape).
 Every scheme runs in a fresh process so its peak RSS is its own (the RSS includes the examples
 list). A second table replays a slow source (--slow-us per example, e.g. JSONL parsing plus
 tokenization) with a simulated training step of --step-ms per batch, with and without the
@@ -64,7 +66,7 @@ def scheme_config(name: str, args, ex: list, tmp: str) -> tuple:
         return Bins([max(durs)]), dict(batch_size=args.fixed_batch_size)
     if name == "1d-30":
         return estimate_bins(durs, toks, 30, 1), dict(max_duration=args.max_duration)
-    if name == "2d-optimised":
+    if name in ("2d-optimised", "2d-bucket-bounds"):
         return estimate_bins(durs, toks, 30, 2, method="optimised"), dict(max_duration=args.max_duration)
     bins = estimate_bins(durs, toks, 30, 2, method="equal")
     if name == "2d-strict":
@@ -98,12 +100,17 @@ def run_scheme(name: str, args) -> dict:
     t = [time.perf_counter()]
     s = BucketingSampler(ex, bins, buffer_size=args.buffer_size, seed=args.seed, yield_indices=True, **kw)
     t.append(time.perf_counter())
-    for _ in s:
+    bounds = [0.0, 0.0]  # padded audio and tokens when each batch is padded to its bucket's bounds
+    for batch in s:
         if len(t) == 2:
             t.append(time.perf_counter())
+        if name == "2d-bucket-bounds":
+            d, n = max(ex[i]["duration"] for i in batch), max(ex[i]["num_tokens"] for i in batch)
+            bd, bn = next((bd, bn) for bd, bn in bins.buckets() if bd >= d and bn >= n)
+            bounds[0], bounds[1] = bounds[0] + len(batch) * bd, bounds[1] + len(batch) * bn
     t.append(time.perf_counter())
     st = s.stats
-    padded = [st["duration"], st["padded_duration"], st["tokens"], st["padded_tokens"]]
+    padded = [st["duration"], bounds[0] or st["padded_duration"], st["tokens"], bounds[1] or st["padded_tokens"]]
     return summary(name, t, st["batches"], st["examples"], padded, st["drops"], base)
 
 
@@ -222,7 +229,8 @@ def main():
                         "(x2 buckets each), one row per audio weight (~1 min per count)")
     args = p.parse_args()
 
-    names = ["fixed", "1d-30", "2d-strict", "2d-flexible", "2d-flexible-tps", "2d-per-bucket", "2d-optimised"]
+    names = ["fixed", "1d-30", "2d-strict", "2d-flexible", "2d-flexible-tps", "2d-per-bucket", "2d-optimised",
+             "2d-bucket-bounds"]
     rows = [in_child(run_scheme, n, args) for n in names]
     if args.peer == "lhotse":
         rows.append(in_child(run_lhotse, args))
