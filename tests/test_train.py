@@ -285,7 +285,7 @@ def test_tiny_config_learns_to_transcribe_unseen_digit_strings(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "train.py", "configs/tiny.yaml", f"run_dir={run_dir}", "max_steps=300",
            "val.every=300", "log_every=50", "ckpt_every=1000"]
-    # The timeout only catches a hang: on 2 cores shared with a training run and decoding, 900 s was not enough.
+    # The timeout only catches a hang: on 2 cores shared with other work the run takes several times its ~5 min.
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     assert p.returncode == 0, p.stderr[-3000:]
     with open(run_dir / "metrics.jsonl") as f:
