@@ -1,0 +1,33 @@
+"""bench/train_speed_bench.py's model FLOPs: extended from batches of 1 and 2 rows to a whole
+bucket, so that a checkpointed batch size, which a plain step would not fit, is counted too."""
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from aed.train_config import load_train_config  # noqa: E402
+from aed.train_progress import CPU_ATTENTION  # noqa: E402
+from train_speed_bench import Bench  # noqa: E402
+
+
+def test_model_flops_of_a_bucket_equal_a_direct_count_and_ignore_checkpointing():
+    torch.manual_seed(0)
+    cfg = load_train_config(["configs/tiny.yaml"], ["activation_checkpointing=both"])
+    bench = Bench(cfg, torch.device("cpu"), "none", compiled=False)
+    batch_size, frames, tokens = 5, 161, 12
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as direct:
+        bench.module.encoder.checkpoint_activations = bench.module.decoder.checkpoint_activations = False
+        bench.step(bench.batch(batch_size, frames, tokens))
+    bench.module.encoder.checkpoint_activations = bench.module.decoder.checkpoint_activations = True
+    counted = bench.model_flops(batch_size, frames, tokens)
+    assert counted == direct.get_total_flops() > 0
+    # A checkpointed step recomputes each layer's forward: the model FLOPs leave that out.
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as recomputing:
+        bench.step(bench.batch(batch_size, frames, tokens))
+    assert recomputing.get_total_flops() > counted
+    assert bench.module.encoder.checkpoint_activations and bench.module.decoder.checkpoint_activations
