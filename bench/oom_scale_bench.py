@@ -193,8 +193,9 @@ def validate_fsdp(args):
     real_world = json.loads(real.read_text())["precisions"]
     out = {"world_size": args.world_size, "precisions": {}}
     for precision in args.precision:
-        with fake_world(args.world_size), SimulatedDevice():
-            simulated = [fsdp_step(args.world_size, precision).peak(*s) for s in FSDP_SHAPES]
+        with fake_world(args.world_size), SimulatedDevice():  # one step for every shape, as each rank runs them
+            step = fsdp_step(args.world_size, precision)
+            simulated = [step.peak(*s) for s in FSDP_SHAPES]
         rows = [{"B": B, "T": T, "U": U, "measured": m, "simulated": p, "error": p / m - 1}
                 for (B, T, U), m, p in zip(FSDP_SHAPES, real_world[precision]["measured"], simulated)]
         out["precisions"][precision] = {"rows": rows, "rss": real_world[precision]["rss"],
