@@ -12,7 +12,7 @@ Every number in the report comes from this run: the existing benchmarks run as s
 their JSON last lines are parsed, and the training runs are real `train.py` runs.
 
 - E1 synchronized bucketing: (a) bench/sync_bench.py with its cost model calibrated on
-  configs/tiny.yaml (2/16/128 simulated ranks; --quick: its FLOP cost model, no timing); (b) bench/sync_real_bench.py under torchrun with
+  configs/tiny.yaml (2/16/128 simulated ranks; --quick: 2/16 with its FLOP cost model, no timing); (b) bench/sync_real_bench.py under torchrun with
   2 and 4 gloo processes (1 thread each; 4 processes time-share 2 cores; --quick: 2 only).
 - E2 sampling schemes A-D: sampler-only figures from bench/sampler_bench.py and bench/oom_bench.py
   on the synthetic 100k corpus; then real training of configs/tiny.yaml's model on a corpus from
@@ -76,7 +76,8 @@ MODES = {
         "max_duration": 60.0,
     },
     "quick": {
-        "sync_bench": ["--synthetic", "5000", "--steps", "30", "--buffer-size", "2000", "--table", "cost"],  # FLOPs
+        "sync_bench": ["--synthetic", "5000", "--steps", "30", "--buffer-size", "2000", "--table", "cost",
+                       "--ranks", "2", "16"],  # FLOPs; 128 simulated ranks took 30 of its 34 s
         "sync_real": ["--steps", "4", "--warmup", "1", "--block", "2", "--synthetic", "2000",
                       "--time-scale", "8", "--max-duration", "6"],
         "sync_real_ranks": [2],  # 4 processes took 23 s of --quick's 140 on 2 cores
