@@ -1,6 +1,7 @@
 """train.compile and activation_checkpointing on the CPU: compiled blocks train as eager ones do,
 new batch shapes stop recompiling once the shapes are dynamic, a compiled run's batches take one
-shape per bucket, and checkpointed steps give the plain step's losses, under FSDP2 too.
+shape per bucket, checkpointed steps give the plain step's losses, under FSDP2 too, and a compiled
+run on a CPU warns that it trains slower there.
 
 The tests compile with the aot_eager backend: the graphs dynamo captures and AOTAutograd's forward
 and backward, without inductor's code generation, which is slow on a CPU (and with torch 2.14
@@ -19,6 +20,7 @@ from aed.train_config import load_train_config
 from aed.train_data import build_training_data
 from aed.train_distributed import cleanup, init_distributed
 from aed.train_step import build_training_setup, compile_layers, count_targets, train_step
+from test_train import run_train
 
 SMALL = ["model.enc_d_model=64", "model.enc_layers=2", "model.enc_heads=2", "model.dec_d_model=64",
          "model.dec_layers=2", "model.dec_heads=2", "model.subsampling_channels=16", "model.dec_max_len=128"]
@@ -155,3 +157,12 @@ def test_with_compile_every_training_batch_takes_its_buckets_shape():
     assert plain.pad_to is None
     loader = iter(plain.loader(torch.device("cpu")))
     assert len({(b.feats.shape[1], b.tokens.shape[1]) for b in (next(loader) for _ in range(60))}) > len(shapes)
+
+
+def test_compile_on_a_cpu_warns_that_it_trains_slower(tmp_path, monkeypatch):
+    import train
+
+    compiled = []
+    monkeypatch.setattr(train, "compile_layers", lambda model, shapes: compiled.append(shapes) or 4)  # no inductor
+    p = run_train(tmp_path / "c", "compile=true", "max_steps=1", "val.every=100")
+    assert compiled and "on CPUs compiled blocks have trained slower than eager ones" in p.stderr
