@@ -343,9 +343,8 @@ def main(argv: list[str] | None = None) -> None:
                  "compiles at most once per bucket (%d buckets; docs/training.md)",
                  compile_layers(model, len(data.pad_to)), len(data.pad_to))
         if device.type == "cpu":
-            log.warning("compile: on CPUs compiled blocks have trained slower than eager ones (0.8-0.9x, after "
-                        "about a minute of compiling per bucket: docs/REPORT.md, Training step speed); they pay "
-                        "on GPUs")
+            log.warning("compile: on CPUs compiled blocks have trained slower than eager ones, after minutes of "
+                        "compiling (docs/REPORT.md, Training step speed); they pay on GPUs")
 
     # --- training loop
     received = catch_stop_signals()

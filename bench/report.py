@@ -77,7 +77,7 @@ MODES = {
     },
     "quick": {
         "sync_bench": ["--synthetic", "5000", "--steps", "30", "--buffer-size", "2000", "--table", "cost",
-                       "--ranks", "2", "16"],  # FLOPs; 128 simulated ranks took 30 of its 34 s
+                       "--ranks", "2", "16"],  # FLOPs; 128 simulated ranks would take most of the time
         "sync_real": ["--steps", "4", "--warmup", "1", "--block", "2", "--synthetic", "2000",
                       "--time-scale", "8", "--max-duration", "6"],
         "sync_real_ranks": [2],  # 4 processes took 23 s of --quick's 140 on 2 cores

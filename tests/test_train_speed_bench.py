@@ -18,7 +18,7 @@ from train_speed_bench import Bench  # noqa: E402
 def test_model_flops_of_a_bucket_equal_a_direct_count_and_ignore_checkpointing():
     torch.manual_seed(0)
     cfg = load_train_config(["configs/tiny.yaml"], ["activation_checkpointing=both"])
-    bench = Bench(cfg, torch.device("cpu"), "none", compiled=False)
+    bench = Bench(cfg, torch.device("cpu"), "none", compiled=False)  # no DDP wrapper: no process group here
     batch_size, frames, tokens = 5, 161, 12
     with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as direct:
         bench.module.encoder.checkpoint_activations = bench.module.decoder.checkpoint_activations = False
