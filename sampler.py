@@ -658,7 +658,8 @@ def _record(stats: dict, bucket: int, batch: list) -> dict:
     stats["tokens"] += tsum
     stats["padded_tokens"] += n * tmax
     return {"bucket": bucket, "size": n, "max_duration": dmax, "max_tokens": tmax,
-            "audio_padding": 1 - dsum / (n * dmax), "text_padding": 1 - tsum / (n * tmax) if tmax else 0.0}
+            "audio_padding": 1 - dsum / (n * dmax), "text_padding": 1 - tsum / (n * tmax) if tmax else 0.0,
+            "number": stats["batches"]}
 
 
 # --- the sampler ---------------------------------------------------------------------------------
@@ -671,8 +672,9 @@ class BucketingSampler:
     need `duration` and `num_tokens` (prompt included). Give exactly one of batch_size /
     max_duration / batch_sizes. Rank and world size default to torch.distributed's when a process
     group is initialized. After each yield, `last_batch_info` describes that batch (bucket, size,
-    max lengths, padding ratios); behind a prefetching DataLoader it runs ahead of the trainer,
-    `stats` likewise. A new iteration continues an unfinished one; a finished epoch restarts
+    max lengths, padding ratios, and its number: batches this rank's sampler yielded so far, kept
+    in the state, so a resumed run numbers its batches as the uninterrupted one did); behind a
+    prefetching DataLoader it runs ahead of the trainer, `stats` likewise. A new iteration continues an unfinished one; a finished epoch restarts
     unless `set_epoch`.
 
     Each step draws a bucket from an RNG seeded by (seed, epoch) only, so with sync_buckets every

@@ -2,14 +2,14 @@
 low-pass and codecs, each with a probability and a range (`AugmentConfig`, the `augment:` section).
 
     augment = Augment(cfg.augment, sample_rate=16000)  # reads the noise/RIR manifests, not their audio
-    wav = augment(wav, seed, index)                      # (S,) -> (S,), the same for the same (seed, index)
+    wav = augment(wav, seed, index, draw)              # (S,) -> (S,), the same for the same arguments
 
 It runs in the DataLoader workers (`aed.data_batch.ExampleDataset`, after speed perturbation and
-before the features), never in the training step, and only on training data. Every draw comes
-from a generator seeded by (seed, index), like the dither, so a resumed run replays the same
-degradations whichever worker loads the utterance. The index is the utterance's place in the
-run's examples, so an utterance meets the same degradation on every pass over the data (speed
-perturbed copies are other indices and get their own).
+before the features), never in the training step, and only on training data. Every random choice
+comes from a generator seeded by (seed, index, draw): the index is the utterance's place in the run's
+examples, the draw the number of the sampler batch that holds it this time. An utterance thus
+meets a new degradation on every pass over the data, and a resumed run, whose sampler state
+carries the batch count, replays the same degradations whichever worker loads the utterance.
 
 The chain follows a recording's path: the room (reverberation), the noise in it, the recording
 level (gain), an overdriven converter (clipping), then the channel (low-pass, codec). Noise and
@@ -41,7 +41,7 @@ LOSSY_RATES = {"mp3": (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48
 MP3_MAX_LEVEL = 0.99  # libsndfile 1.2 refuses an MP3 compression level of 1.0
 TELEPHONE_RATE = 8000  # narrowband telephony
 TELEPHONE_LOW_HZ = 300.0  # the telephone band's lower edge (ITU-T G.712)
-AUGMENT_STREAM = 0xA06  # the third word of the generator's seed: draws apart from the dither's
+AUGMENT_STREAM = 0xA06  # the last word of the generator's seed: draws apart from the dither's
 
 
 # --- the recordings: noise and room impulse responses -------------------------------------------
@@ -216,9 +216,9 @@ def lossy(wav: torch.Tensor, rate: int, codec: str, level: float) -> torch.Tenso
 
 class Augment:
     """The degradations of `cfg` (aed.train_config.AugmentConfig), applied to one utterance at a time:
-    (S,) -> (S,) float32, every draw from a generator seeded by (seed, index). Noise and RIR manifests
-    are read here (bad lines raise ManifestError naming them); their audio is read by the DataLoader
-    workers when first drawn. Settings the training sample rate cannot meet raise ConfigError."""
+    (S,) -> (S,) float32, every random choice from a generator seeded by (seed, index, draw). Noise
+    and RIR manifests are read here (bad lines raise ManifestError naming them); their audio is read
+    by the DataLoader workers when first drawn. Settings the training sample rate cannot meet raise ConfigError."""
 
     def __init__(self, cfg, sample_rate: int):
         self.cfg, self.rate = cfg, sample_rate
@@ -233,10 +233,11 @@ class Augment:
         self.rirs = RecordingPool(cfg.rir_manifests, "reverb", sample_rate, cache // 2) if cfg.reverb_prob else None
         self.noises = RecordingPool(cfg.noise_manifests, "noise", sample_rate, cache // 2) if cfg.noise_prob else None
 
-    def __call__(self, wav: torch.Tensor, seed: int, index: int) -> torch.Tensor:
-        """wav (S,) -> (S,): the degradations drawn for (seed, index); the same every time."""
+    def __call__(self, wav: torch.Tensor, seed: int, index: int, draw: int = 0) -> torch.Tensor:
+        """wav (S,) -> (S,): the degradations drawn for (seed, index, draw); the same every time."""
         cfg = self.cfg
-        rng = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, index, AUGMENT_STREAM])  # SeedSequence: words >= 0
+        # SeedSequence words must be >= 0
+        rng = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, index, draw, AUGMENT_STREAM])
         # Every decision is drawn first, so an effect's draws never shift another's decision.
         on = rng.random(6) < [cfg.reverb_prob, cfg.noise_prob, cfg.gain_prob, cfg.clip_prob,
                               cfg.lowpass_prob, cfg.codec_prob]

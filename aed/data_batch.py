@@ -259,8 +259,10 @@ class ExampleDataset(Dataset):
       batches hand it (`DataLoader(..., batch_sampler=BucketingSampler(source, ...))`); dither
       seeded by (seed, its location), stable across processes and resumes.
 
-    `augment` (aed.data_augment.Augment, training only): the waveform degraded after speed
-    perturbation and before the features, its draws seeded by (seed, index) as the dither is.
+    A key may also be (index or example dict, draw), as `aed.train_data.BatchCounter` hands them:
+    `augment` (aed.data_augment.Augment, training only) degrades the waveform after speed
+    perturbation and before the features, its random choices seeded by (seed, index, draw), so each
+    pass over the data draws new degradations (a plain key is draw 0).
     """
 
     def __init__(self, examples: list | None, tokenizer, logmel, seed: int = 0,
@@ -274,6 +276,7 @@ class ExampleDataset(Dataset):
         return len(self.examples)
 
     def __getitem__(self, key) -> dict:
+        key, draw = key if isinstance(key, tuple) else (key, 0)
         if isinstance(key, dict):
             ex, utt, index = key, as_utterance(key), zlib.crc32(key["where"].encode())  # crc32: unlike hash(), stable
         else:
@@ -290,7 +293,7 @@ class ExampleDataset(Dataset):
         if utt.speed != 1.0:
             wav = perturb_speed(wav, utt.speed)
         if self.augment is not None:
-            wav = self.augment(wav, self.seed, index)
+            wav = self.augment(wav, self.seed, index, draw)
         return make_item(wav, utt, index, self.tokenizer, self.logmel, self.seed)
 
 

@@ -242,8 +242,9 @@ def epoch_mix_log(train, utts: list) -> MixLog | None:
 
 class BatchCounter:
     """Counts the batches the DataLoader has taken from the sampler: the DataLoader prefetches,
-    so a checkpoint rewinds the sampler by (taken - trained) batches to resume exactly. A MixLog,
-    when given, sees every batch (the realised mix of sources and languages)."""
+    so a checkpoint rewinds the sampler by (taken - trained) batches to resume exactly. Each
+    example goes to the dataset as (example, the batch's number), the draw that seeds its
+    augmentation. A MixLog, when given, sees every batch (the realised mix of sources and languages)."""
 
     def __init__(self, sampler, mix: MixLog | None = None):
         self.sampler, self.taken, self.mix = sampler, 0, mix
@@ -253,7 +254,8 @@ class BatchCounter:
             self.taken += 1
             if self.mix is not None:
                 self.mix.see(batch)
-            yield batch
+            draw = self.sampler.last_batch_info["number"]
+            yield [(example, draw) for example in batch]
 
 
 class TrainingData(NamedTuple):

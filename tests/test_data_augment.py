@@ -71,6 +71,8 @@ def test_reproducible_from_seed_and_index(sets):
     assert torch.equal(first, a(wav, 3, 7)) and torch.equal(first, resumed(wav, 3, 7))
     assert not torch.equal(first, a(wav, 3, 8))
     assert not torch.equal(first, a(wav, 4, 7))
+    again = a(wav, 3, 7, draw=12)  # the same utterance in a later batch: new degradations, replayable
+    assert not torch.equal(first, again) and torch.equal(again, resumed(wav, 3, 7, draw=12))
     assert not torch.allclose(first, wav, atol=1e-3)
 
 
@@ -162,6 +164,9 @@ def test_dataset_item_replays_with_augment(sets):
     assert torch.equal(first, dataset()[1]["feats"]) and torch.equal(first, dataset()[1]["feats"])
     assert first.shape == dataset(augment=False)[1]["feats"].shape
     assert not torch.allclose(first, dataset(augment=False)[1]["feats"], atol=1e-2)
+    # as training hands keys, with the number of the batch drawing the utterance: another pass, another degradation
+    drawn = dataset()[(1, 40)]["feats"]
+    assert torch.equal(drawn, dataset()[(1, 40)]["feats"]) and not torch.equal(drawn, dataset()[(1, 41)]["feats"])
 
 
 def test_make_noise_writes_readable_sets(tmp_path):

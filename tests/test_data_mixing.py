@@ -222,14 +222,16 @@ def test_resume_replays_the_same_mixed_examples_and_the_mix_is_logged(tmp_path, 
         for _ in range(5):
             next(first)
         state = data.sampler.state_dict()
-        rest = [[data.dataset.utterances[i].where for i in next(first)] for _ in range(40)]
+        rest = [[(data.dataset.utterances[i].where, draw) for i, draw in next(first)] for _ in range(40)]
     assert "realised mix #1" in caplog.text and "speech [en-de]" in caplog.text and "[nonspeech]" in caplog.text
 
     again = build_training_data(cfg, tokenizer, 0, 1)
     assert [u.where for u in again.dataset.utterances] == [u.where for u in data.dataset.utterances]
     again.sampler.load_state_dict(state)
     resumed = iter(again.counter)
-    assert [[again.dataset.utterances[i].where for i in next(resumed)] for _ in range(40)] == rest
+    # the same examples, each with the same draw (the batch number that seeds its augmentation)
+    assert [[(again.dataset.utterances[i].where, draw) for i, draw in next(resumed)] for _ in range(40)] == rest
+    assert [draw for batch in rest for _, draw in batch[:1]] == list(range(6, 46))
 
 
 # --- errors name the file and the field -----------------------------------------------------------

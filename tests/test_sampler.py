@@ -363,6 +363,19 @@ def test_resume_infinite():
     assert counts.sum() > 2 * 400 and (counts >= 2).mean() > 0.9  # several reshuffled passes
 
 
+def test_batch_numbers_continue_across_resume_with_rewind():
+    """last_batch_info's number (what seeds a training example's augmentation) is replayed on resume."""
+    make = lambda: BucketingSampler(EX[:400], BINS, max_duration=60.0, buffer_size=200, infinite=True)  # noqa: E731
+    s, numbers = make(), []
+    for _ in zip(range(30), s):
+        numbers.append(s.last_batch_info["number"])
+    assert numbers == list(range(1, 31))
+    s2 = make()
+    s2.load_state_dict(s.state_dict(rewind=7))  # a DataLoader had prefetched 7 batches
+    next(iter(s2))
+    assert s2.last_batch_info["number"] == 24
+
+
 def test_resume_infinite_concurrent_shards_with_rewind():
     def make(concurrent):
         return BucketingSampler(Stream(EX[:900], shards=3), BINS, max_duration=60.0, buffer_size=400, infinite=True,
