@@ -160,6 +160,7 @@ class OptimConfig:
     min_lr: float = 1e-6  # floor of the decay
     clip_grad: float = 1.0  # max gradient norm
     grad_accum: int = 1  # micro-batches per optimizer step
+    fused: bool = True  # AdamW's fused kernel: one pass over each tensor's weights, gradient and moments, where torch's default takes several
 
     def __post_init__(self):
         if self.schedule not in ("inverse_sqrt", "cosine"):

@@ -191,7 +191,8 @@ def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimiz
               for g in param_groups(model, optim.weight_decay)]
     if partly:
         groups.append({"params": partly, "weight_decay": 0.0})
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas)
+    # fused=None: torch picks (foreach on GPUs, a loop over tensors on CPUs)
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, fused=optim.fused or None)
 
 
 def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:

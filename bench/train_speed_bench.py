@@ -1,9 +1,10 @@
 """The training step's own speed: per bucket, step time, audio seconds and output tokens per second,
 model TFLOP/s and MFU, peak memory and where the time goes; eager against compiled, with and
-without activation checkpointing.
+without activation checkpointing, AdamW's fused kernel against torch's default.
 
     python bench/train_speed_bench.py configs/tiny.yaml                                   # CPU, 4 buckets
     python bench/train_speed_bench.py configs/tiny.yaml --compile both --checkpointing none both
+    python bench/train_speed_bench.py configs/laptop.yaml --fused both --buckets 2
     python oom.py --config configs/canary-1b-flash.yaml --manifest train.jsonl -o bs.json   # on the GPU
     python bench/train_speed_bench.py configs/canary-1b-flash.yaml --batch-sizes bs.json --compile both
 
@@ -11,7 +12,8 @@ The step is train.py's (`aed.train_step.train_step`: the config's precision poli
 the CTC head where configured, AdamW with gradient clipping), built by the same
 `build_training_setup`, under DDP or FSDP2 over a process group of one (the config's
 train.strategy). `--compile on` compiles every encoder layer and decoder block as
-`train.compile=true` does; `--checkpointing` sets `activation_checkpointing`.
+`train.compile=true` does; `--checkpointing` sets `activation_checkpointing`, `--fused`
+`optim.fused`.
 
 Shapes: every measured bucket's upper bounds (duration, feature frames, tokens) at its batch size,
 from oom.py's output (--batch-sizes) or, without it, from bins estimated on the config's
@@ -28,7 +30,8 @@ peak memory (CUDA: max allocated; CPU: live tensors, eager steps only); forward,
 optimizer ms from steps timed phase by phase (train_step's calls in its order, the device synchronised
 between them: medians, which need not add up to the step's). Waiting for data is not part of a step: train.py's progress line reports it for a real
 run (`data` share). "all" rows: the measured buckets together (equal steps per bucket). Last
-line: JSON with every row, per variant and the compiled/eager ratios of audio seconds per second.
+line: JSON with every row, per variant, and the compiled/eager and fused/default ratios of audio
+seconds per second.
 """
 
 import argparse
@@ -92,7 +95,7 @@ def spread(items: list, k: int) -> list:
 
 
 class Bench:
-    """One variant's model and optimizer (compiled or not, checkpointed or not) and its timed steps."""
+    """One variant's model and optimizer (compiled or not, checkpointed or not, fused or not) and its timed steps."""
 
     def __init__(self, cfg, device, strategy: str, compiled: bool):
         self.setup = build_training_setup(cfg, device)
@@ -223,6 +226,8 @@ def main(argv=None) -> None:
     p.add_argument("--compile", choices=["off", "on", "both"], default="off", help="train.compile variants")
     p.add_argument("--checkpointing", nargs="+", default=["none"], choices=["none", "encoder", "decoder", "both"],
                    help="activation_checkpointing variants")
+    p.add_argument("--fused", choices=["on", "off", "both"], default=None,
+                   help="optim.fused variants (default: the config's)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per bucket (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per bucket first (compiles a new shape)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -236,13 +241,15 @@ def main(argv=None) -> None:
     cfg = load_train_config(args.config, args.overrides)
     init_distributed(group_of_one=True)  # DDP or FSDP2 over a group of one, as train.py runs one process
     peaks = {"sheet": device_peak(device), "measured": None}
-    results, variants = [], [(c, ck) for c in {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-                             for ck in args.checkpointing]
+    switch = {"off": [False], "on": [True], "both": [False, True], None: [cfg.optim.fused]}
+    results, variants = [], [(c, ck, f) for c in switch[args.compile] for ck in args.checkpointing
+                             for f in switch[args.fused]]
     buckets = None
-    for compiled, checkpointing in variants:
-        name = f"{'compiled' if compiled else 'eager'}, checkpointing {checkpointing}"
+    for compiled, checkpointing, fused in variants:
+        name = f"{'compiled' if compiled else 'eager'}, checkpointing {checkpointing}, AdamW {'fused' if fused else 'default'}"
         log(f"{name}: building {' '.join(args.config)} on {device}")
-        variant_cfg = load_train_config(args.config, [*args.overrides, f"activation_checkpointing={checkpointing}"])
+        variant_cfg = load_train_config(args.config, [*args.overrides, f"activation_checkpointing={checkpointing}",
+                                                      f"optim.fused={str(fused).lower()}"])
         bench = Bench(variant_cfg, device, cfg.train.strategy, compiled)
         if buckets is None:
             buckets = spread(bucket_table(variant_cfg, bench.setup, args.batch_sizes), args.buckets)
@@ -257,8 +264,8 @@ def main(argv=None) -> None:
         whole["mfu_measured"] = whole["tflops"] * 1e12 / peaks["measured"]
         log(f"  {name}, all buckets: {whole['audio_s_per_s']:.1f} audio s/s, {whole['tflops']:.3g} TFLOP/s, MFU "
             f"{100 * whole['mfu_measured']:.1f}% of measured")  # before the table: a run cut short keeps it
-        results.append({"variant": name, "compiled": compiled, "checkpointing": checkpointing, "buckets": rows,
-                        "all": whole})
+        results.append({"variant": name, "compiled": compiled, "checkpointing": checkpointing, "fused": fused,
+                        "buckets": rows, "all": whole})
         del bench
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -266,7 +273,7 @@ def main(argv=None) -> None:
     def gib(b):
         return "-" if b is None else format_bytes(b)
 
-    columns = [("variant", "<30"), ("bucket", "<14"), ("batch", ">5"), ("step ms", ">9.1f"), ("audio s/s", ">9.1f"),
+    columns = [("variant", "<48"), ("bucket", "<14"), ("batch", ">5"), ("step ms", ">9.1f"), ("audio s/s", ">9.1f"),
                ("tokens/s", ">9.0f"), ("TFLOP/s", ">8.3f"), ("MFU sheet", ">9"), ("MFU meas.", ">9"),
                ("peak", ">10"), ("fwd ms", ">8.1f"), ("bwd ms", ">8.1f"), ("opt ms", ">7.1f"), ("warm-up s", ">9.1f")]
     table = []
@@ -285,9 +292,15 @@ def main(argv=None) -> None:
     print(f"{' '.join(args.config)} on {device_name(device)}, torch {torch.__version__}, strategy {cfg.train.strategy} "
           f"(group of one), load average {load_avg()}")
     print_table(columns, table)
-    eager = {r["checkpointing"]: r["all"]["audio_s_per_s"] for r in results if not r["compiled"]}
-    ratios = {f"compiled/eager, checkpointing {r['checkpointing']}": r["all"]["audio_s_per_s"] / eager[r["checkpointing"]]
-              for r in results if r["compiled"] and r["checkpointing"] in eager}
+    speed = {(r["compiled"], r["checkpointing"], r["fused"]): r["all"]["audio_s_per_s"] for r in results}
+    ratios = {}
+    for (compiled, checkpointing, fused), v in speed.items():
+        adamw = f"AdamW {'fused' if fused else 'default'}"
+        if compiled and (False, checkpointing, fused) in speed:
+            ratios[f"compiled/eager, checkpointing {checkpointing}, {adamw}"] = v / speed[False, checkpointing, fused]
+        if fused and (compiled, checkpointing, False) in speed:
+            ratios[f"AdamW fused/default, {'compiled' if compiled else 'eager'}, checkpointing {checkpointing}"] = (
+                v / speed[compiled, checkpointing, False])
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x audio seconds per second")
     print_json({"config": args.config, "device": device_name(device), "torch": torch.__version__,
