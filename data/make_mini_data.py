@@ -415,17 +415,22 @@ def write_examples(out_dir, train):
     """
     # (source, target, file name, sample rate or None to keep 16 kHz, duration window in s):
     # about 2 s long, a real sentence yet small on disk; the 44.1 kHz stereo file takes 5.5x the
-    # bytes per second, so it gets a shorter one.
+    # bytes per second, so it gets a shorter one. A corpus of longer sentences has none that short:
+    # then the pair's shortest utterance.
     picks = [("en", "en", "en_asr_16k.wav", None, (1.8, 2.6)),
              ("es", "en", "es-en_ast_16k.wav", None, (1.8, 2.6)),
              ("de", "de", "de_asr_44k_stereo.wav", 44100, (1.3, 1.8))]
     os.makedirs(os.path.join(out_dir, "examples"), exist_ok=True)
     entries = []
     for src, tgt, filename, rate, (shortest, longest) in picks:
-        entry = next((e for e in train if (e["source_lang"], e["target_lang"]) == (src, tgt)
-                      and shortest <= e["duration"] <= longest), None)
+        pair = [e for e in train if (e["source_lang"], e["target_lang"]) == (src, tgt)]
+        if not pair:
+            sys.exit(f"no {src}->{tgt} train utterance for {filename}")
+        entry = next((e for e in pair if shortest <= e["duration"] <= longest), None)
         if entry is None:
-            sys.exit(f"no {src}->{tgt} train utterance of {shortest}-{longest} s for {filename}")
+            entry = min(pair, key=lambda e: e["duration"])
+            print(f"{filename}: no {src}->{tgt} train utterance of {shortest}-{longest} s, taking the shortest "
+                  f"({entry['duration']:.2f} s)", file=sys.stderr)
         pcm, sr = sf.read(os.path.join(out_dir, entry["audio_filepath"]), dtype="int16")
         if rate is not None:
             wav = AF.resample(torch.from_numpy(pcm / 32768.0).float(), sr, rate).numpy()
