@@ -380,6 +380,9 @@ def main(argv: list[str] | None = None) -> None:
             progress.skipped_audio += len(batch.errors)
             if len(batch):
                 micro.append(batch)
+        if cfg.train.attention_guide:
+            weight, steps = cfg.train.attention_guide
+            model.attention_guide = weight if step < steps else 0.0
         num_targets = all_reduce(torch.tensor(float(count_targets(model, micro)), device=device))
         result, step_flop_count = step_flops.run(lambda: train_step(
             parallel_model, micro, setup.optimizer, setup.scaler, setup.spec_augment, setup.precision,

@@ -7,6 +7,9 @@ NeMo `EncDecMultiTaskModel` names: `encoder.*` and `encoder_decoder_proj` are ou
 aed/model_decoder.py for the decoder renames.
 
 The CTC head (`CTCHead`, Graves et al. 2006): an optional auxiliary loss and a fast greedy decoder.
+
+Guided attention (`off_diagonal_attention`, Tachibana et al. 2018): an optional loss, early in
+training, on the cross-attention weight that falls far from the diagonal of text against audio.
 Blank is the LAST id (vocab_size - 1), as in the transducer (aed/model_transducer.py): tokenizer ids
 pass through unchanged, so one tokenizer serves the AED decoder, the transducer and this head.
 """
@@ -152,6 +155,33 @@ def text_targets(tokens, token_lens, prompt_lens):
     return tokens.gather(1, idx), text_lens
 
 
+GUIDE_WIDTH = 0.2  # the diagonal band's width, in fractions of the text and of the audio (Tachibana et al.'s g)
+
+
+def off_diagonal_attention(weights: list, scored, token_lens, prompt_lens, memory_lens, rows=None):
+    """The cross-attention weight away from the diagonal, summed over the scored text positions of
+    `rows` (B,) bool (None: every row) and averaged over layers and heads: each text position's
+    weights times 1 - exp(-(n/N - t/T')^2 / 2g^2), n/N its place in the text and t/T' a frame's
+    place in the audio. Read speech moves through both at a steady pace, so where the decoder
+    should look for its n-th token is near n/N of the audio, whatever the utterance's length: a
+    gradient toward the right frames from the first step, where one spread over all frames is too
+    weak to find them in long utterances (docs/training.md).
+
+    weights: per layer (B, H, U-1, T'); scored (B, U-1) bool: the positions the loss scores.
+    """
+    w = torch.stack(weights).float().mean(dim=(0, 2))  # (L, B, H, U-1, T') -> (B, U-1, T')
+    b, u, t = w.shape
+    text = (token_lens - prompt_lens).clamp(min=1)  # text + eos tokens
+    # position i predicts token i + 1: the first text token comes from the last prompt position
+    n = (torch.arange(u, device=w.device)[None, :] - (prompt_lens[:, None] - 1) + 0.5) / text[:, None]  # (B, U-1)
+    frames = (torch.arange(t, device=w.device)[None, :] + 0.5) / memory_lens[:, None]  # (B, T')
+    far = 1 - torch.exp(-(n[:, :, None] - frames[:, None, :]) ** 2 / (2 * GUIDE_WIDTH**2))  # (B, U-1, T')
+    mask = scored & (n >= 0)  # text positions only (loss_on_prompt also scores the prompt)
+    if rows is not None:
+        mask &= rows[:, None]
+    return (w * far).sum(-1)[mask].sum()
+
+
 def build_encoder(cfg: AEDConfig) -> ConformerEncoder:
     """The FastConformer encoder of `cfg`: the same module (and parameter names) under every objective."""
     return ConformerEncoder(
@@ -177,6 +207,8 @@ class AED(nn.Module):
         )
         # Auxiliary CTC on the encoder output over the text tokens (blank = the extra last id).
         self.ctc = CTCHead(cfg.enc_d_model, cfg.vocab_size + 1) if cfg.ctc_weight > 0 else None
+        # The weight of the guided-attention loss in training; train.py sets it each step (train.attention_guide).
+        self.attention_guide = 0.0
 
     def encode(self, feats, feat_lens):
         """feats (B, T, F), feat_lens (B,) -> memory (B, T', D_dec), memory_lens (B,)."""
@@ -198,6 +230,8 @@ class AED(nn.Module):
         transcribed (B,) bool: rows whose text is the spoken words; the CTC term learns from these
         only (None: every row). The decoder learns from every row.
         Targets are tokens[:, 1:]: with loss_on_prompt=False only the text and eos are scored.
+        With `attention_guide` > 0 in training, that times `off_diagonal_attention` on the transcribed
+        rows joins the sum (a translation's words need not follow the audio's order).
         """
         b = tokens.size(0)
         assert token_lens.shape == (b,) and prompt_lens.shape == (b,), (
@@ -206,7 +240,8 @@ class AED(nn.Module):
         enc, memory_lens = self.encoder(feats, feat_lens)  # (B, T', D_enc)
         memory = self.encoder_decoder_proj(enc)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # position i predicts token i+1
-        hidden = self.decoder(inputs, memory, memory_lens)  # (B, U-1, D)
+        weights = [] if self.attention_guide and self.training else None
+        hidden = self.decoder(inputs, memory, memory_lens, weights)  # (B, U-1, D)
         is_target = self.target_mask(tokens, token_lens, prompt_lens)
         # Project only real targets: the vocab-sized logits of padded positions would be pure waste.
         logits = self.decoder.output_proj(hidden[is_target])  # (N, V)
@@ -216,6 +251,9 @@ class AED(nn.Module):
             # effective CTC weight is ctc_weight x (text tokens / decoder targets), slightly under ctc_weight.
             ctc_sum, _ = self.ctc.loss(enc, memory_lens, *text_targets(tokens, token_lens, prompt_lens), transcribed)
             loss = loss + self.cfg.ctc_weight * ctc_sum
+        if weights is not None:
+            guide = off_diagonal_attention(weights, is_target, token_lens, prompt_lens, memory_lens, transcribed)
+            loss = loss + self.attention_guide * guide
         return loss, is_target.sum()
 
     def target_mask(self, tokens, token_lens, prompt_lens):

@@ -149,11 +149,18 @@ class DecoderAttention(nn.Module):
         """(B, S, D) -> keys, values (B, H, S, d_k)."""
         return self._heads(self.key_net(x)), self._heads(self.value_net(x))
 
-    def forward(self, x, k, v, attn_mask=None, is_causal=False):
+    def forward(self, x, k, v, attn_mask=None, is_causal=False, weights: list | None = None):
+        """With a `weights` list (cross-attention in training, for a loss on where it looks), the
+        attention weights (B, H, U, S) are computed in the open and appended to it; else SDPA's kernel."""
         q = self._heads(self.query_net(x))
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=self.dropout_att if self.training else 0.0
-        )
+        dropout = self.dropout_att if self.training else 0.0
+        if weights is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout)
+        else:
+            scores = (q @ k.transpose(-2, -1)) * self.d_k**-0.5  # (B, H, U, S)
+            w = scores.masked_fill(~attn_mask, float("-inf")).softmax(-1)
+            weights.append(w)
+            out = F.dropout(w, dropout, self.training) @ v
         return self.out_projection(out.transpose(1, 2).reshape(x.shape))  # (B, H, U, d_k) -> (B, U, D)
 
 
@@ -181,11 +188,11 @@ class DecoderBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)  # NeMo: attn_layer_dropout and ffn_dropout, on each sublayer output
 
     def forward(self, x, cross_k, cross_v, memory_mask, cache: KVCache | None = None, layer: int = 0,
-                memory=None):
+                memory=None, weights: list | None = None):
         """x (B, U, D) -> (B, U, D). With a cache, x holds the positions after the cached ones and this
         block's self-attention keys/values go to the cache as `layer`. With `memory` (B, T', D) instead
         of cross_k and cross_v, they are projected here: inside the block's own forward, where FSDP
-        has gathered its weights (training)."""
+        has gathered its weights (training). A `weights` list receives the cross-attention's weights."""
         if memory is not None:
             cross_k, cross_v = self.cross_attn.project_kv(memory)
         u = x.size(1)
@@ -200,11 +207,11 @@ class DecoderBlock(nn.Module):
         # u in training, where torch.compile keeps it symbolic and SDPA takes no symbolic is_causal.
         causal = mask is None and (cache is None or u > 1)
         x = x + self.dropout(self.self_attn(h, k, v, attn_mask=mask, is_causal=causal))
-        return self._cross_attn_and_ffn(x, cross_k, cross_v, memory_mask)
+        return self._cross_attn_and_ffn(x, cross_k, cross_v, memory_mask, weights)
 
-    def _cross_attn_and_ffn(self, x, cross_k, cross_v, memory_mask):
+    def _cross_attn_and_ffn(self, x, cross_k, cross_v, memory_mask, weights=None):
         h = self.norm_cross_attn(x)
-        x = x + self.dropout(self.cross_attn(h, cross_k, cross_v, attn_mask=memory_mask))
+        x = x + self.dropout(self.cross_attn(h, cross_k, cross_v, attn_mask=memory_mask, weights=weights))
         return x + self.dropout(self.ffn(self.norm_ffn(x)))
 
 
@@ -263,10 +270,11 @@ class TransformerDecoder(nn.Module):
             with torch.no_grad():
                 module.weight[module.padding_idx].zero_()
 
-    def forward(self, tokens, memory, memory_lens):
+    def forward(self, tokens, memory, memory_lens, weights: list | None = None):
         """Teacher-forced pass (training): tokens (B, U), memory (B, T', D), memory_lens (B,) -> (B, U, D).
 
-        Returns hidden states after the final LayerNorm; apply `output_proj` for logits.
+        Returns hidden states after the final LayerNorm; apply `output_proj` for logits. A `weights`
+        list receives every layer's cross-attention weights (B, H, U, T'), in layer order.
         """
         assert tokens.dim() == 2 and tokens.size(0) == memory.size(0), (
             f"tokens {tuple(tokens.shape)} and memory {tuple(memory.shape)} disagree on the batch size"
@@ -275,10 +283,10 @@ class TransformerDecoder(nn.Module):
         x = self.embedding(tokens)
         recompute = self.checkpoint_activations and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            if recompute:
-                x = checkpoint(layer, x, None, None, memory_mask, memory=memory, use_reentrant=False)
+            if recompute:  # a recomputed block appends its weights again in backward: unused, dropped with the list
+                x = checkpoint(layer, x, None, None, memory_mask, memory=memory, weights=weights, use_reentrant=False)
             else:
-                x = layer(x, None, None, memory_mask, memory=memory)
+                x = layer(x, None, None, memory_mask, memory=memory, weights=weights)
         return self.final_layer_norm(x)
 
     def forward_cached(self, tokens, cache: KVCache):

@@ -60,6 +60,7 @@ class TrainSection:
     sync_buckets: bool = True  # same bucket on every rank each step (removes the tail-worker effect)
     sortagrad: bool = False  # first pass over the data from the shortest bucket to the longest (a curriculum)
     short_first: list[float] | None = None  # [seconds, steps]: the first steps train only on utterances up to that long, passing over them repeatedly (a curriculum; in-memory manifests; docs/training.md)
+    attention_guide: list[float] | None = None  # [weight, steps]: for the first steps, a loss on cross-attention far from the text/audio diagonal (guided attention; objective aed; docs/training.md)
     speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]: every utterance once at each speed (Kaldi, ESPnet, icefall); in-memory manifests
     mix_temperature: float | None = None  # balance sources and languages: each (dataset, language) group of train.manifests gets a share of the audio proportional to hours^(1/T); 1: natural proportions, .inf: uniform; None: the entries' weights (aed/data_mixing.py)
     mix_log_every: int = 100000  # streamed sources: examples between log lines of the realised mix (in-memory manifests: one line per pass)
@@ -77,6 +78,10 @@ class TrainSection:
         if self.short_first is not None and (len(self.short_first) != 2 or self.short_first[0] <= 0
                                              or self.short_first[1] != int(self.short_first[1]) or self.short_first[1] < 1):
             raise ConfigError(f"train.short_first: expected [seconds > 0, steps >= 1], got {self.short_first}")
+        if self.attention_guide is not None and (len(self.attention_guide) != 2 or self.attention_guide[0] <= 0
+                                                 or self.attention_guide[1] != int(self.attention_guide[1])
+                                                 or self.attention_guide[1] < 1):
+            raise ConfigError(f"train.attention_guide: expected [weight > 0, steps >= 1], got {self.attention_guide}")
         if any(not 0.5 <= f <= 2.0 or abs(100 * f - round(100 * f)) > 1e-6 for f in self.speed_perturb):
             raise ConfigError(f"train.speed_perturb: factors between 0.5 and 2 in steps of 0.01, got {self.speed_perturb}")
         if self.mix_temperature is not None and not self.mix_temperature > 0:
@@ -210,6 +215,9 @@ class TrainConfig:
             raise ConfigError("freeze=all_but_new_tokens needs objective=aed, init_from=<the checkpoint "
                               "tools/add_language.py wrote> and init_encoder_only=false: it trains the token rows "
                               "add_language.py added to that checkpoint")
+        if self.train.attention_guide and self.objective != "aed":
+            raise ConfigError(f"train.attention_guide guides the decoder's cross-attention: objective=aed only "
+                              f"(got objective={self.objective})")
         if self.activation_checkpointing not in CHECKPOINTED:
             raise ConfigError(f"activation_checkpointing: expected one of {', '.join(CHECKPOINTED)}, "
                               f"got {self.activation_checkpointing!r}")

@@ -288,3 +288,65 @@ def test_ctc_auxiliary_loss_adds_a_head_and_a_term():
     ctc_first, count_first = with_ctc.ctc.loss(enc[:1], enc_lens[:1], *first_targets)
     assert count_first == 6 and ctc_first < ctc
     torch.testing.assert_close(only_first, ce + 0.3 * ctc_first)
+
+
+# --- guided attention ------------------------------------------------------------------------------
+
+
+def band(u: int, t: int, prompt: int, shift: float = 0.0) -> torch.Tensor:
+    """Cross-attention weights (1, 1, U-1, T) that put each text position's whole weight on the frame
+    at its own place in the utterance (shifted by `shift` of it); prompt positions attend to frame 0."""
+    w = torch.zeros(1, 1, u - 1, t)
+    for i in range(u - 1):
+        frac = (i - (prompt - 1) + 0.5) / (u - prompt)
+        w[0, 0, i, min(t - 1, max(0, int(((frac + shift) % 1.0) * t)))] = 1.0
+    return w
+
+
+@pytest.mark.parametrize("frames", [40, 400])
+def test_off_diagonal_attention_is_zero_on_the_diagonal_and_grows_away_from_it(frames):
+    from aed.model import off_diagonal_attention
+
+    u, prompt = 13, 3  # 10 text tokens + eos after a 3-token prompt
+    scored = torch.arange(u - 1)[None, :] >= prompt - 1
+    args = (scored, torch.tensor([u]), torch.tensor([prompt]), torch.tensor([frames]))
+    per_token = [off_diagonal_attention([band(u, frames, prompt, s)], *args).item() / 10 for s in (0.0, 0.1, 0.5)]
+    uniform = off_diagonal_attention([torch.full((1, 1, u - 1, frames), 1 / frames)], *args).item() / 10
+    assert per_token[0] < 0.02 < per_token[1] < uniform < per_token[2] <= 1.0, (per_token, uniform)
+    # the same at 40 and 400 frames: the band is a fraction of the utterance, whatever its length
+    assert uniform == pytest.approx(0.5, abs=0.1)
+    # prompt positions and rows that are not transcriptions add nothing
+    off = band(u, frames, prompt, 0.5)
+    assert off_diagonal_attention([off], *args, rows=torch.tensor([False])).item() == 0.0
+    assert off_diagonal_attention([off], torch.ones(1, u - 1, dtype=torch.bool), *args[1:]).item() == pytest.approx(
+        off_diagonal_attention([off], *args).item())
+
+
+def test_attention_guide_adds_its_term_in_training_only_and_the_open_attention_equals_sdpa():
+    torch.manual_seed(0)
+    no_dropout = {k: 0.0 for k in ("enc_dropout", "enc_dropout_pre_encoder", "enc_dropout_att", "dec_dropout",
+                                   "dec_dropout_att")}
+    model = AED(tiny_config(ctc_weight=0.0, **no_dropout)).train()  # train mode without randomness
+    b, t = 2, 160
+    feats, feat_lens = torch.randn(b, t, 24), torch.tensor([160, 120])
+    tokens, token_lens, prompt_lens = torch.randint(2, 38, (b, 9)), torch.tensor([9, 7]), torch.tensor([3, 3])
+    memory, memory_lens = model.encode(feats, feat_lens)
+    weights = []
+    opened = model.decoder(tokens[:, :-1], memory, memory_lens, weights)
+    assert torch.allclose(opened, model.decoder(tokens[:, :-1], memory, memory_lens), atol=1e-5)
+    assert len(weights) == 2 and weights[0].shape == (b, 4, 8, memory.size(1))
+    assert torch.allclose(weights[0].sum(-1), torch.ones(b, 4, 8))
+    assert weights[0][1, :, :, int(memory_lens[1]):].abs().max() == 0  # padding frames get no weight
+
+    plain, n = model(feats, feat_lens, tokens, token_lens, prompt_lens)
+    model.attention_guide = 2.0
+    guided, n_guided = model(feats, feat_lens, tokens, token_lens, prompt_lens)
+    assert n == n_guided and guided > plain
+    guided.backward()
+    assert model.decoder.layers[0].cross_attn.query_net.weight.grad.abs().sum() > 0
+    only_translations, _ = model(feats, feat_lens, tokens, token_lens, prompt_lens, torch.tensor([False, False]))
+    assert torch.allclose(only_translations, plain)
+    model.eval()  # validation: the cross-entropy alone
+    evaluated = model(feats, feat_lens, tokens, token_lens, prompt_lens)[0]
+    model.attention_guide = 0.0
+    assert torch.equal(evaluated, model(feats, feat_lens, tokens, token_lens, prompt_lens)[0])
