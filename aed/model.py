@@ -7,11 +7,11 @@ NeMo `EncDecMultiTaskModel` names: `encoder.*` and `encoder_decoder_proj` are ou
 aed/model_decoder.py for the decoder renames.
 
 The CTC head (`CTCHead`, Graves et al. 2006): an optional auxiliary loss and a fast greedy decoder.
+Blank is the LAST id (vocab_size - 1), as in the transducer (aed/model_transducer.py): tokenizer ids
+pass through unchanged, so one tokenizer serves the AED decoder, the transducer and this head.
 
 Guided attention (`off_diagonal_attention`, Tachibana et al. 2018): an optional loss, early in
 training, on the cross-attention weight that falls far from the diagonal of text against audio.
-Blank is the LAST id (vocab_size - 1), as in the transducer (aed/model_transducer.py): tokenizer ids
-pass through unchanged, so one tokenizer serves the AED decoder, the transducer and this head.
 """
 
 import argparse
@@ -170,7 +170,7 @@ def off_diagonal_attention(weights: list, scored, token_lens, prompt_lens, memor
     weights: per layer (B, H, U-1, T'); scored (B, U-1) bool: the positions the loss scores.
     """
     w = torch.stack(weights).float().mean(dim=(0, 2))  # (L, B, H, U-1, T') -> (B, U-1, T')
-    b, u, t = w.shape
+    _, u, t = w.shape
     text = (token_lens - prompt_lens).clamp(min=1)  # text + eos tokens
     # position i predicts token i + 1: the first text token comes from the last prompt position
     n = (torch.arange(u, device=w.device)[None, :] - (prompt_lens[:, None] - 1) + 0.5) / text[:, None]  # (B, U-1)
