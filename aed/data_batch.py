@@ -1,7 +1,8 @@
 """An example -> an item -> a padded batch: what the DataLoader workers and the training step see.
 
 - `encodable` / `encode_utterance`: an utterance's decoder ids (prompt + text + EOS), counted once
-  when the data is read and carried with it, so the workers do not tokenise again.
+  when the data is read and carried with it, so the workers do not tokenise again; `fit_decoder`
+  drops those longer than the decoder's positions.
 - `decode_audio` / `file_audio`: the audio of a streamed member or of a file, decoded whole (or
   the segment its offset names) and checked against the metadata's duration: one rule for both.
 - `ExampleDataset`: the one dataset, for utterances read from manifests and for streamed example
@@ -69,6 +70,19 @@ def encodable(utts: list[Utterance], tokenizer, skip_invalid: bool,
     for path, n in skipped.items():
         log.warning("%s: skipped %d line(s) the tokenizer cannot encode", path, n)
     return kept, num_tokens
+
+
+def fit_decoder(utts: list, num_tokens: list[int], max_tokens: int, purpose: str) -> tuple[list, list[int]]:
+    """The utterances (or examples) whose prompt + text + EOS fit the decoder's `max_tokens`
+    positions (model.dec_max_len), and their token counts. The others are dropped and counted in one
+    warning: a single one would stop the step or the validation that met it."""
+    keep = [i for i, n in enumerate(num_tokens) if n <= max_tokens]
+    if len(keep) < len(utts):
+        first = next(i for i, n in enumerate(num_tokens) if n > max_tokens)
+        where = utts[first].where if hasattr(utts[first], "where") else utts[first]["where"]
+        log.warning("%s: dropping %d utterances whose prompt+text exceed dec_max_len=%d tokens, e.g. %s",
+                    purpose, len(utts) - len(keep), max_tokens, where)
+    return [utts[i] for i in keep], [num_tokens[i] for i in keep]
 
 
 def make_item(wav: torch.Tensor, utt: Utterance, index: int, tokenizer, logmel: LogMel, seed: int = 0) -> dict:

@@ -19,7 +19,7 @@ from aed.config import ConfigError
 from aed.data_audio import LogMel
 from aed.data_augment import Augment
 from aed.data_bins import bucket_padding
-from aed.data_batch import Collate, ExampleDataset, encodable, ignore_stop_signals
+from aed.data_batch import Collate, ExampleDataset, encodable, fit_decoder, ignore_stop_signals
 from aed.data_manifest import Faults, ManifestError, check_audio, nonspeech_fields, read_manifest, read_rows
 from aed.data_mixing import (MixLog, Tagged, audio_shares, group_of, nonspeech_examples, repeat, stream_weights,
                              temperature_mix)
@@ -191,12 +191,7 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
     faults = Faults()
     utts, num_tokens = load_examples(cfg.train.manifests, cfg.train, text_tokenizer, cfg.seed, rank, world_size,
                                      faults)
-    too_long = [i for i, n in enumerate(num_tokens) if n > cfg.model.dec_max_len]
-    if too_long:
-        log.warning("dropping %d utterances whose prompt+text exceed dec_max_len=%d tokens, e.g. %s",
-                    len(too_long), cfg.model.dec_max_len, utts[too_long[0]].where)
-        keep = sorted(set(range(len(utts))) - set(too_long))
-        utts, num_tokens = [utts[i] for i in keep], [num_tokens[i] for i in keep]
+    utts, num_tokens = fit_decoder(utts, num_tokens, cfg.model.dec_max_len, "training")
     if bins is None:
         bins = estimate_bins([u.perturbed_duration for u in utts], num_tokens, cfg.train.num_buckets,
                              cfg.train.sub_buckets if reads_text else 1, method=cfg.train.bin_method)

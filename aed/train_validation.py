@@ -18,7 +18,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from aed.data_audio import LogMel
-from aed.data_batch import Collate, ExampleDataset, as_utterance, duration_batches, encodable
+from aed.data_batch import Collate, ExampleDataset, as_utterance, duration_batches, encodable, fit_decoder
 from aed.data_manifest import Faults, read_manifest
 from aed.data_sources import metadata, open_source, spec_kind
 from aed.decode_score import corpus_scores
@@ -78,7 +78,7 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
         torch.manual_seed(cfg.seed + rank)
         for name, spec in manifests.items():
             ds = val_dataset(spec, cfg.val.max_utterances, tokenizer if objective.reads_text else None, logmel,
-                             skip_invalid, rank, world_size)
+                             skip_invalid, rank, world_size, cfg.model.dec_max_len)
             sums = torch.zeros(3, device=device)  # loss, targets, transcriptions too short for CTC
             rows = []  # (task, source language, target language, reference, hypothesis)
             heard = {}  # source language -> [NLL with its own audio, NLL with another's, targets]
@@ -111,16 +111,19 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
 
 
 def val_dataset(spec, max_utterances: int | None, tokenizer, logmel: LogMel, skip_invalid: bool, rank: int,
-                world_size: int):
+                world_size: int, max_tokens: int | None = None):
     """This rank's share of a validation set, the shortest first: every world_size-th utterance in
     order of duration. spec: a manifest path, or a streamed train.manifests entry (aed/data_sources.py),
     whose examples are held in memory (a validation set is small) and decoded when scored; the
-    first `max_utterances` in file order are used. tokenizer None: audio only (objective=ssl)."""
+    first `max_utterances` in file order are used. tokenizer None: audio only (objective=ssl).
+    Utterances over `max_tokens` (model.dec_max_len) are dropped and counted, as training drops them."""
     if spec_kind(spec) == "manifest":
         path = spec if isinstance(spec, str) else spec["path"]
         utts = read_manifest(path, skip_invalid, needs_text=tokenizer is not None)[:max_utterances]
         if tokenizer is not None:
-            utts, _ = encodable(utts, tokenizer, skip_invalid)
+            utts, num_tokens = encodable(utts, tokenizer, skip_invalid)
+            if max_tokens is not None:
+                utts, _ = fit_decoder(utts, num_tokens, max_tokens, f"validation on {path}")
         order = sorted(range(len(utts)), key=lambda i: utts[i].duration)[rank::world_size]
         return ExampleDataset([utts[i] for i in order], tokenizer, logmel)
     source = open_source(spec, shuffle_shards=False)
@@ -128,7 +131,10 @@ def val_dataset(spec, max_utterances: int | None, tokenizer, logmel: LogMel, ski
     mine = {where for _, where in sorted(rows)[rank::world_size]}  # durations from metadata: no audio read
     examples = sorted((ex for _, _, ex in source.read(0, 0, 1) if ex["where"] in mine), key=lambda ex: ex["duration"])
     if tokenizer is not None:
-        kept = {u.where for u in encodable([as_utterance(ex) for ex in examples], tokenizer, skip_invalid)[0]}
+        utts, num_tokens = encodable([as_utterance(ex) for ex in examples], tokenizer, skip_invalid)
+        if max_tokens is not None:
+            utts, _ = fit_decoder(utts, num_tokens, max_tokens, "validation")
+        kept = {u.where for u in utts}
         examples = [ex for ex in examples if ex["where"] in kept]
     return ExampleDataset(examples, tokenizer, logmel)
 

@@ -49,3 +49,25 @@ def test_a_run_logs_the_check_and_warns_about_a_decoder_that_ignores_the_audio(t
     assert len(warned) == 1 and warned[0].startswith("step 2: "), warned
     rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val/dev/ce_other_audio" in line]
     assert len(rows) == 2  # step 0 and step 2
+
+
+def test_validation_drops_utterances_longer_than_the_decoder_as_training_does(tmp_path):
+    """A dev utterance whose prompt + text exceed model.dec_max_len is dropped and counted, not fed to
+    the decoder, whose position table it would overrun (that stopped a run at its step-0 validation)."""
+    import train
+
+    from aed.data_batch import encodable
+    from aed.data_manifest import read_manifest
+    from aed.data_tokenizer import Tokenizer
+
+    limit = 40
+    _, counts = encodable(read_manifest("data/mini/dev.jsonl", False), Tokenizer.load("data/mini/tokenizer"), False)
+    over = sum(n > limit for n in counts)
+    assert 0 < over < len(counts)
+    p = run_in_process(train.main, ["configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, f"model.dec_max_len={limit}",
+                                    "max_steps=1", "val.every=1", "train.num_workers=0"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"validation on data/mini/dev.jsonl: dropping {over} utterances" in p.stderr
+    assert "training: dropping" in p.stderr
+    rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val/dev/loss" in line]
+    assert len(rows) == 2  # steps 0 and 1
