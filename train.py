@@ -383,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.train.attention_guide:
             weight, steps = cfg.train.attention_guide
             model.attention_guide = weight if step < steps else 0.0
+            model.guide_to = cfg.train.attention_guide_to
         num_targets = all_reduce(torch.tensor(float(count_targets(model, micro)), device=device))
         result, step_flop_count = step_flops.run(lambda: train_step(
             parallel_model, micro, setup.optimizer, setup.scaler, setup.spec_augment, setup.precision,

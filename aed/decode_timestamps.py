@@ -33,10 +33,10 @@ is the CTC alignment's, with its 80 ms resolution.
 from dataclasses import dataclass
 
 import torch
-import torchaudio.functional as AF
 
 from aed.data_audio import FeatureConfig
 from aed.data_tokenizer import Tokenizer
+from aed.model import ctc_spans
 
 SENTENCE_END = (".", "!", "?", "。", "？", "！")  # a segment ends after a word ending with one of these
 SEGMENT_PAUSE = 1.0  # ... or before a pause this long (s): unpunctuated output still gets cues
@@ -105,12 +105,7 @@ def align(log_probs: torch.Tensor, ids: list[int], blank: int) -> list[tuple[int
     if not feasible(T, ids):
         edges = [round(i * T / len(ids)) for i in range(len(ids) + 1)]
         return [(a, max(b, a + 1)) for a, b in zip(edges, edges[1:])]
-    targets = torch.tensor([ids], dtype=torch.int32)  # (1, U)
-    labels, _ = AF.forced_align(log_probs[None].float().cpu(), targets, torch.tensor([T]),
-                                torch.tensor([len(ids)]), blank=blank)  # (1, T') token or blank per frame
-    spans = AF.merge_tokens(labels[0], torch.zeros(T), blank=blank)  # runs of one token, blanks dropped
-    assert len(spans) == len(ids), f"{len(spans)} spans for {len(ids)} tokens"
-    return [(s.start, s.end) for s in spans]
+    return ctc_spans(log_probs, ids, blank)
 
 
 # --- words and segments -----------------------------------------------------------------------

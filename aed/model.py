@@ -11,7 +11,8 @@ Blank is the LAST id (vocab_size - 1), as in the transducer (aed/model_transduce
 pass through unchanged, so one tokenizer serves the AED decoder, the transducer and this head.
 
 Guided attention (`off_diagonal_attention`, Tachibana et al. 2018): an optional loss, early in
-training, on the cross-attention weight that falls far from the diagonal of text against audio.
+training, on the cross-attention weight that falls far from the diagonal of text against audio, or
+(`off_alignment_attention`) far from where the CTC head's forced alignment puts each token.
 """
 
 import argparse
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torchaudio.functional as AF
 import yaml
 from torch import nn
 
@@ -83,6 +85,18 @@ class CTCHead(nn.Module):
         keep = (new & (best != self.blank) & inside).cpu()
         best = best.cpu()
         return [best[b][keep[b]].tolist() for b in range(best.shape[0])]
+
+
+def ctc_spans(log_probs: torch.Tensor, ids: list[int], blank: int) -> list[tuple[int, int]]:
+    """log_probs (T', V) of one utterance's valid frames, ids (a CTC path must fit: see `infeasible`)
+    -> the [start, end) frame span of each id on the most likely CTC path that emits exactly them
+    (Viterbi forced alignment)."""
+    T = log_probs.shape[0]
+    labels, _ = AF.forced_align(log_probs[None].float().cpu(), torch.tensor([ids], dtype=torch.int32),
+                                torch.tensor([T]), torch.tensor([len(ids)]), blank=blank)  # (1, T') id or blank
+    spans = AF.merge_tokens(labels[0], torch.zeros(T), blank=blank)  # runs of one id, blanks dropped
+    assert len(spans) == len(ids), f"{len(spans)} spans for {len(ids)} tokens"
+    return [(sp.start, sp.end) for sp in spans]
 
 
 @dataclass
@@ -156,30 +170,67 @@ def text_targets(tokens, token_lens, prompt_lens):
 
 
 GUIDE_WIDTH = 0.2  # the diagonal band's width, in fractions of the text and of the audio (Tachibana et al.'s g)
+GUIDE_FRAMES = 2.0  # the band's width around a token's CTC span, in encoder frames (a CTC peak may sit a frame off its sound)
+
+
+def off_target_attention(weights: list, centers, width, mask):
+    """The cross-attention weight far from where each decoder position should look, summed over the
+    positions of `mask` and averaged over layers and heads: each position's weights times
+    1 - exp(-(t - c)^2 / 2w^2), t a frame's centre and c the position's centre (in frames).
+
+    weights: per layer (B, H, U-1, T'); centers (B, U-1) frames; width (B, 1) frames or a number;
+    mask (B, U-1) bool: the positions that count."""
+    w = torch.stack(weights).float().mean(dim=(0, 2))  # (L, B, H, U-1, T') -> (B, U-1, T')
+    t = torch.arange(w.size(-1), device=w.device) + 0.5  # (T',)
+    far = 1 - torch.exp(-(t[None, None, :] - centers[:, :, None]) ** 2 / (2 * width**2)[..., None])  # (B, U-1, T')
+    return (w * far).sum(-1)[mask].sum()
 
 
 def off_diagonal_attention(weights: list, scored, token_lens, prompt_lens, memory_lens, rows=None):
-    """The cross-attention weight away from the diagonal, summed over the scored text positions of
-    `rows` (B,) bool (None: every row) and averaged over layers and heads: each text position's
-    weights times 1 - exp(-(n/N - t/T')^2 / 2g^2), n/N its place in the text and t/T' a frame's
-    place in the audio. Read speech moves through both at a steady pace, so where the decoder
-    should look for its n-th token is near n/N of the audio, whatever the utterance's length: a
-    gradient toward the right frames from the first step, where one spread over all frames is too
-    weak to find them in long utterances (docs/training.md).
+    """`off_target_attention` toward the diagonal, over the scored text positions of `rows` (B,)
+    bool (None: every row): the n-th of N text tokens should be near n/N of the audio, with a band
+    of GUIDE_WIDTH of the utterance. Read speech moves through both at a steady pace, so this is a
+    gradient toward the right part of the audio from the first step, where one spread over all
+    frames is too weak to find it in long utterances (docs/training.md). The band grows with the
+    utterance: on long ones it points at a stretch of many tokens.
 
     weights: per layer (B, H, U-1, T'); scored (B, U-1) bool: the positions the loss scores.
     """
-    w = torch.stack(weights).float().mean(dim=(0, 2))  # (L, B, H, U-1, T') -> (B, U-1, T')
-    _, u, t = w.shape
+    u = weights[0].size(2) + 1
     text = (token_lens - prompt_lens).clamp(min=1)  # text + eos tokens
     # position i predicts token i + 1: the first text token comes from the last prompt position
-    n = (torch.arange(u, device=w.device)[None, :] - (prompt_lens[:, None] - 1) + 0.5) / text[:, None]  # (B, U-1)
-    frames = (torch.arange(t, device=w.device)[None, :] + 0.5) / memory_lens[:, None]  # (B, T')
-    far = 1 - torch.exp(-(n[:, :, None] - frames[:, None, :]) ** 2 / (2 * GUIDE_WIDTH**2))  # (B, U-1, T')
+    n = (torch.arange(u - 1, device=text.device)[None, :] - (prompt_lens[:, None] - 1) + 0.5) / text[:, None]  # (B, U-1)
     mask = scored & (n >= 0)  # text positions only (loss_on_prompt also scores the prompt)
     if rows is not None:
         mask &= rows[:, None]
-    return (w * far).sum(-1)[mask].sum()
+    frames = memory_lens[:, None].float()  # (B, 1)
+    return off_target_attention(weights, n * frames, GUIDE_WIDTH * frames, mask)
+
+
+def off_alignment_attention(weights: list, log_probs, blank: int, tokens, token_lens, prompt_lens, memory_lens,
+                            rows=None):
+    """`off_target_attention` toward the CTC head's own alignment: the position that predicts a text
+    token should look within GUIDE_FRAMES of that token's span on the most likely CTC path through
+    the utterance's text (`ctc_spans`), a narrow band on utterances of any length. Rows (B,) bool
+    (None: every row) that no CTC path fits are left out, as CTC leaves them out; so is EOS.
+
+    log_probs (B, T', V) of the CTC head; tokens (B, U) prompt + text + EOS.
+    """
+    u = weights[0].size(2) + 1
+    targets, text_lens = text_targets(tokens, token_lens, prompt_lens)
+    use = ~infeasible(memory_lens, targets, text_lens) & (text_lens > 0)
+    if rows is not None:
+        use &= rows
+    centers = torch.zeros(tokens.size(0), u - 1)
+    mask = torch.zeros(tokens.size(0), u - 1, dtype=torch.bool)
+    for b in use.nonzero().flatten().tolist():
+        n, first = int(text_lens[b]), int(prompt_lens[b]) - 1  # position first + k predicts text token k
+        spans = ctc_spans(log_probs[b, :int(memory_lens[b])].detach(), targets[b, :n].tolist(), blank)
+        centers[b, first:first + n] = torch.tensor([(a + e) / 2 for a, e in spans])
+        mask[b, first:first + n] = True
+    device = weights[0].device
+    return off_target_attention(weights, centers.to(device), torch.tensor(GUIDE_FRAMES, device=device),
+                                mask.to(device))
 
 
 def build_encoder(cfg: AEDConfig) -> ConformerEncoder:
@@ -207,8 +258,10 @@ class AED(nn.Module):
         )
         # Auxiliary CTC on the encoder output over the text tokens (blank = the extra last id).
         self.ctc = CTCHead(cfg.enc_d_model, cfg.vocab_size + 1) if cfg.ctc_weight > 0 else None
-        # The weight of the guided-attention loss in training; train.py sets it each step (train.attention_guide).
+        # The weight of the guided-attention loss in training, and what it guides toward ("diagonal" or
+        # "ctc": the CTC head's alignment); train.py sets them (train.attention_guide, attention_guide_to).
         self.attention_guide = 0.0
+        self.guide_to = "diagonal"
 
     def encode(self, feats, feat_lens):
         """feats (B, T, F), feat_lens (B,) -> memory (B, T', D_dec), memory_lens (B,)."""
@@ -230,8 +283,9 @@ class AED(nn.Module):
         transcribed (B,) bool: rows whose text is the spoken words; the CTC term learns from these
         only (None: every row). The decoder learns from every row.
         Targets are tokens[:, 1:]: with loss_on_prompt=False only the text and eos are scored.
-        With `attention_guide` > 0 in training, that times `off_diagonal_attention` on the transcribed
-        rows joins the sum (a translation's words need not follow the audio's order).
+        With `attention_guide` > 0 in training, that times `off_diagonal_attention` (or, guide_to "ctc",
+        `off_alignment_attention`) on the transcribed rows joins the sum (a translation's words need
+        not follow the audio's order).
         """
         b = tokens.size(0)
         assert token_lens.shape == (b,) and prompt_lens.shape == (b,), (
@@ -252,7 +306,13 @@ class AED(nn.Module):
             ctc_sum, _ = self.ctc.loss(enc, memory_lens, *text_targets(tokens, token_lens, prompt_lens), transcribed)
             loss = loss + self.cfg.ctc_weight * ctc_sum
         if weights is not None:
-            guide = off_diagonal_attention(weights, is_target, token_lens, prompt_lens, memory_lens, transcribed)
+            if self.guide_to == "ctc":
+                with torch.no_grad():
+                    log_probs = self.ctc(enc)  # (B, T', V)
+                guide = off_alignment_attention(weights, log_probs, self.ctc.blank, tokens, token_lens, prompt_lens,
+                                                memory_lens, transcribed)
+            else:
+                guide = off_diagonal_attention(weights, is_target, token_lens, prompt_lens, memory_lens, transcribed)
             loss = loss + self.attention_guide * guide
         return loss, is_target.sum()
 

@@ -61,6 +61,7 @@ class TrainSection:
     sortagrad: bool = False  # first pass over the data from the shortest bucket to the longest (a curriculum)
     short_first: list[float] | None = None  # [seconds, steps]: the first steps train only on utterances up to that long, passing over them repeatedly (a curriculum; in-memory manifests; docs/training.md)
     attention_guide: list[float] | None = None  # [weight, steps]: for the first steps, a loss on cross-attention far from the text/audio diagonal (guided attention; objective aed; docs/training.md)
+    attention_guide_to: str = "diagonal"  # where attention_guide points each token: diagonal (its place n/N in the audio) | ctc (its span in the CTC head's forced alignment; needs model.ctc_weight > 0)
     speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]: every utterance once at each speed (Kaldi, ESPnet, icefall); in-memory manifests
     mix_temperature: float | None = None  # balance sources and languages: each (dataset, language) group of train.manifests gets a share of the audio proportional to hours^(1/T); 1: natural proportions, .inf: uniform; None: the entries' weights (aed/data_mixing.py)
     mix_log_every: int = 100000  # streamed sources: examples between log lines of the realised mix (in-memory manifests: one line per pass)
@@ -82,6 +83,8 @@ class TrainSection:
                                                  or self.attention_guide[1] != int(self.attention_guide[1])
                                                  or self.attention_guide[1] < 1):
             raise ConfigError(f"train.attention_guide: expected [weight > 0, steps >= 1], got {self.attention_guide}")
+        if self.attention_guide_to not in ("diagonal", "ctc"):
+            raise ConfigError(f"train.attention_guide_to: expected diagonal or ctc, got {self.attention_guide_to!r}")
         if any(not 0.5 <= f <= 2.0 or abs(100 * f - round(100 * f)) > 1e-6 for f in self.speed_perturb):
             raise ConfigError(f"train.speed_perturb: factors between 0.5 and 2 in steps of 0.01, got {self.speed_perturb}")
         if self.mix_temperature is not None and not self.mix_temperature > 0:
@@ -218,6 +221,9 @@ class TrainConfig:
         if self.train.attention_guide and self.objective != "aed":
             raise ConfigError(f"train.attention_guide guides the decoder's cross-attention: objective=aed only "
                               f"(got objective={self.objective})")
+        if self.train.attention_guide and self.train.attention_guide_to == "ctc" and not self.model.ctc_weight > 0:
+            raise ConfigError("train.attention_guide_to=ctc guides toward the CTC head's alignment: it needs "
+                              f"model.ctc_weight > 0 (got {self.model.ctc_weight})")
         if self.activation_checkpointing not in CHECKPOINTED:
             raise ConfigError(f"activation_checkpointing: expected one of {', '.join(CHECKPOINTED)}, "
                               f"got {self.activation_checkpointing!r}")

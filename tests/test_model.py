@@ -322,6 +322,38 @@ def test_off_diagonal_attention_is_zero_on_the_diagonal_and_grows_away_from_it(f
         off_diagonal_attention([off], *args).item())
 
 
+@pytest.mark.parametrize("frames", [40, 400])
+def test_off_alignment_attention_follows_the_ctc_path_with_a_band_of_frames(frames):
+    """Log-probs whose best path emits text token k at frame 3k + 1 (blank elsewhere): attention on
+    those frames costs almost nothing, attention two tokens off costs nearly all of it, at any
+    utterance length; rows no CTC path fits, and translations, are left out."""
+    from aed.model import off_alignment_attention
+
+    vocab, blank, prompt, n = 12, 11, 3, 8  # 8 text tokens after a 3-token prompt, then EOS
+    text = torch.arange(n) % 4 + 2  # repeats need a blank between them
+    tokens = torch.cat([torch.tensor([5, 6, 7]), text, torch.tensor([9])])[None]  # (1, U)
+    u, token_lens, prompt_lens = tokens.size(1), torch.tensor([tokens.size(1)]), torch.tensor([prompt])
+    log_probs = torch.full((1, frames, vocab), -10.0)
+    log_probs[0, :, blank] = 0.0
+    peaks = [3 * k + 1 for k in range(n)]
+    for k, f in enumerate(peaks):
+        log_probs[0, f, blank], log_probs[0, f, int(text[k])] = -10.0, 0.0
+
+    def attention(shift):  # each text position on its token's frame + shift; the others uniform
+        w = torch.full((1, 1, u - 1, frames), 1 / frames)
+        for k, f in enumerate(peaks):
+            w[0, 0, prompt - 1 + k] = 0.0
+            w[0, 0, prompt - 1 + k, f + shift] = 1.0
+        return [w]
+
+    args = (log_probs, blank, tokens, token_lens, prompt_lens, torch.tensor([frames]))
+    on, off = (off_alignment_attention(attention(s), *args).item() / n for s in (0, 6))
+    assert on < 0.12 and off > 0.98, (on, off)
+    assert off_alignment_attention(attention(6), *args, rows=torch.tensor([False])).item() == 0.0
+    too_short = (log_probs, blank, tokens, token_lens, prompt_lens, torch.tensor([n - 1]))
+    assert off_alignment_attention(attention(6), *too_short).item() == 0.0
+
+
 def test_attention_guide_adds_its_term_in_training_only_and_the_open_attention_equals_sdpa():
     torch.manual_seed(0)
     no_dropout = {k: 0.0 for k in ("enc_dropout", "enc_dropout_pre_encoder", "enc_dropout_att", "dec_dropout",
@@ -350,3 +382,18 @@ def test_attention_guide_adds_its_term_in_training_only_and_the_open_attention_e
     evaluated = model(feats, feat_lens, tokens, token_lens, prompt_lens)[0]
     model.attention_guide = 0.0
     assert torch.equal(evaluated, model(feats, feat_lens, tokens, token_lens, prompt_lens)[0])
+
+
+def test_the_guide_toward_the_ctc_alignment_adds_a_term_that_trains_the_cross_attention():
+    torch.manual_seed(0)
+    model = AED(tiny_config(ctc_weight=0.5)).train()
+    feats, feat_lens = torch.randn(2, 160, 24), torch.tensor([160, 120])
+    tokens, token_lens, prompt_lens = torch.randint(2, 38, (2, 9)), torch.tensor([9, 7]), torch.tensor([3, 3])
+    torch.manual_seed(1)
+    plain, _ = model(feats, feat_lens, tokens, token_lens, prompt_lens)
+    model.attention_guide, model.guide_to = 2.0, "ctc"
+    torch.manual_seed(1)  # the same dropout draws
+    guided, _ = model(feats, feat_lens, tokens, token_lens, prompt_lens)
+    assert guided > plain
+    guided.backward()
+    assert model.decoder.layers[0].cross_attn.query_net.weight.grad.abs().sum() > 0

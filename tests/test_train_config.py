@@ -45,9 +45,15 @@ def test_choices_are_checked_with_the_key_named():
     for override, key in [("objective=ctc", "objective"), ("precision=int8", "precision"),
                           ("train.allocation=loose", "train.allocation"), ("model.enc_heads=5", "model"),
                           ("optim.schedule=linear", "optim.schedule"),
-                          ("spec_augment.freq_warp=1.0", "spec_augment")]:
+                          ("spec_augment.freq_warp=1.0", "spec_augment"),
+                          ("train.attention_guide_to=alignment", "train.attention_guide_to")]:
         with pytest.raises(ConfigError, match=key):
             load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), [override])
+    # the CTC alignment needs a CTC head; the diagonal does not
+    guide = ["train.attention_guide=[1.0,10]", "model.ctc_weight=0"]
+    assert load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), guide).train.attention_guide_to == "diagonal"
+    with pytest.raises(ConfigError, match="attention_guide_to=ctc .* needs model.ctc_weight > 0"):
+        load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), [*guide, "train.attention_guide_to=ctc"])
 
 
 def test_every_key_is_described_with_type_and_default():
