@@ -72,16 +72,16 @@ def encodable(utts: list[Utterance], tokenizer, skip_invalid: bool,
     return kept, num_tokens
 
 
-def fit_decoder(utts: list, num_tokens: list[int], max_tokens: int, purpose: str) -> tuple[list, list[int]]:
-    """The utterances (or examples) whose prompt + text + EOS fit the decoder's `max_tokens`
+def fit_decoder(utts: list[Utterance], num_tokens: list[int], max_tokens: int,
+                purpose: str) -> tuple[list[Utterance], list[int]]:
+    """The utterances whose prompt + text + EOS fit the decoder's `max_tokens`
     positions (model.dec_max_len), and their token counts. The others are dropped and counted in one
     warning: a single one would stop the step or the validation that met it."""
     keep = [i for i, n in enumerate(num_tokens) if n <= max_tokens]
     if len(keep) < len(utts):
         first = next(i for i, n in enumerate(num_tokens) if n > max_tokens)
-        where = utts[first].where if hasattr(utts[first], "where") else utts[first]["where"]
         log.warning("%s: dropping %d utterances whose prompt+text exceed dec_max_len=%d tokens, e.g. %s",
-                    purpose, len(utts) - len(keep), max_tokens, where)
+                    purpose, len(utts) - len(keep), max_tokens, utts[first].where)
     return [utts[i] for i in keep], [num_tokens[i] for i in keep]
 
 
