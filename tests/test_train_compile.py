@@ -1,7 +1,7 @@
-"""train.compile and activation_checkpointing on the CPU: compiled blocks train as eager ones do,
-new batch shapes stop recompiling once the shapes are dynamic, a compiled run's batches take one
-shape per bucket, checkpointed steps give the plain step's losses, under FSDP2 too, and a compiled
-run on a CPU warns that it trains slower there.
+"""train.compile and activation_checkpointing on the CPU: compiled blocks train as eager ones do
+(with the attention guide too), new batch shapes stop recompiling once the shapes are dynamic, a
+compiled run's batches take one shape per bucket, checkpointed steps give the plain step's losses,
+under FSDP2 too, and a compiled run on a CPU warns that it trains slower there.
 
 The tests compile with the aot_eager backend: the graphs dynamo captures and AOTAutograd's forward
 and backward, without inductor's code generation, which is slow on a CPU (and with torch 2.14
@@ -102,6 +102,23 @@ def test_compiled_blocks_train_as_eager_ones_and_stop_recompiling(eager):
         setup.model(b.feats, b.feat_lens, b.tokens, b.token_lens, b.prompt_lens)
     assert counters["stats"]["unique_graphs"] == graphs
     assert all(k.startswith(("encoder.", "decoder.", "ctc.")) for k in setup.model.state_dict())  # keys unchanged
+
+
+@pytest.mark.slow(seconds=40)
+def test_guided_steps_compiled_train_as_eager_ones(eager):
+    """train.attention_guide_to=ctc: each compiled decoder block hands its cross-attention weights
+    out (a list it appends to) to the guide's loss; the steps equal the eager guided ones."""
+    def guided(compile):
+        setup = setup_of()
+        if compile:
+            torch._dynamo.reset()
+            compile_layers(setup.model, backend="aot_eager")
+        setup.model.attention_guide, setup.model.guide_to = 1.0, "ctc"
+        return train(setup, SHAPES[:2])
+
+    plain = guided(False)
+    assert plain[0][0] > eager[0][0] * (1 + 1e-3)  # the guide's term is in the loss
+    assert_same_training(plain, guided(True))
 
 
 @pytest.mark.parametrize("where", ["encoder", "decoder", "both"])
