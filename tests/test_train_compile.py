@@ -112,6 +112,7 @@ def test_guided_steps_compiled_train_as_eager_ones(eager):
         setup = setup_of()
         if compile:
             torch._dynamo.reset()
+            counters.clear()
             compile_layers(setup.model, backend="aot_eager")
         setup.model.attention_guide, setup.model.guide_to = 1.0, "ctc"
         return train(setup, SHAPES[:2])
@@ -119,6 +120,7 @@ def test_guided_steps_compiled_train_as_eager_ones(eager):
     plain = guided(False)
     assert plain[0][0] > eager[0][0] * (1 + 1e-3)  # the guide's term is in the loss
     assert_same_training(plain, guided(True))
+    assert counters["stats"]["unique_graphs"] > 0  # the blocks did run compiled
 
 
 @pytest.mark.parametrize("where", ["encoder", "decoder", "both"])
