@@ -108,9 +108,9 @@ def test_compiled_blocks_train_as_eager_ones_and_stop_recompiling(eager):
 def test_guided_steps_compiled_train_as_eager_ones(eager):
     """train.attention_guide_to=ctc: each compiled decoder block hands its cross-attention weights
     out (a list it appends to) to the guide's loss; the steps equal the eager guided ones."""
-    def guided(compile):
+    def guided(compiled):
         setup = setup_of()
-        if compile:
+        if compiled:
             torch._dynamo.reset()
             counters.clear()
             compile_layers(setup.model, backend="aot_eager")
