@@ -47,7 +47,7 @@ from aed.train_distributed import (all_reduce, cleanup, gather_objects, init_dis
 from aed.train_ema import ExponentialMovingAverage
 from aed.train_progress import Progress, RunLog, StepFlops, matmul_peak
 from aed.train_step import TrainingSetup, build_training_setup, compile_layers, count_targets, train_step
-from aed.train_validation import evaluate, not_listening, whole_model
+from aed.train_validation import LISTENING_GAP, batch_listening_gap, evaluate, not_listening, whole_model
 
 log = logging.getLogger("train")
 
@@ -214,11 +214,12 @@ class DataPosition:
 
 
 def resume(setup: TrainingSetup, position: DataPosition, proc: Process,
-           ema: ExponentialMovingAverage | None) -> tuple[int, float]:
-    """(step, FLOPs so far) of the newest valid checkpoint in run_dir, with the weights, optimizer,
+           ema: ExponentialMovingAverage | None) -> tuple[int, float, int | None]:
+    """(step, FLOPs so far, step the attention guide ended at or None) of the newest valid checkpoint in run_dir, with the weights, optimizer,
     schedule, sampler and RNG states and the EMA of the weights restored; (0, 0.0) for a new run,
     whose weights may come from init_from. A checkpoint of another world size continues its
-    interrupted pass in other batches; one written without an EMA starts the EMA at its weights."""
+    interrupted pass in other batches; one written without an EMA starts the EMA at its weights.
+    A new run is (0, 0.0, None)."""
     cfg = setup.cfg
     try:
         path, saved = load_latest(cfg.run_dir, with_tensors=False)
@@ -235,7 +236,7 @@ def resume(setup: TrainingSetup, position: DataPosition, proc: Process,
                          init_from_checkpoint(setup.model, cfg.init_from, cfg.init_encoder_only))
             except ValueError as e:
                 sys.exit(str(e))
-        return 0, 0.0
+        return 0, 0.0, None
     if not load_training_state(setup.model, setup.optimizer, path, ema) and ema is not None:
         ema.reset(setup.model)
         log.info("%s has no EMA of the weights (written without ema_decay): the EMA starts from its weights", path)
@@ -243,12 +244,13 @@ def resume(setup: TrainingSetup, position: DataPosition, proc: Process,
     setup.scheduler.load_state_dict(ckpt.scheduler)
     setup.scaler.load_state_dict(ckpt.scaler)
     position.restore(ckpt, path)
-    log.info("resumed from %s at step %d", path, ckpt.step)
-    return ckpt.step, ckpt.flops
+    log.info("resumed from %s at step %d%s", path, ckpt.step, "" if ckpt.guide_ended is None else
+             f" (its attention guide ended at step {ckpt.guide_ended}, when the decoder listened)")
+    return ckpt.step, ckpt.flops, ckpt.guide_ended
 
 
 def save(writer: CheckpointWriter, setup: TrainingSetup, position: DataPosition, step: int, flops: float,
-         proc: Process, ema: ExponentialMovingAverage | None) -> None:
+         proc: Process, ema: ExponentialMovingAverage | None, guide_ended: int | None) -> None:
     """Every rank writes its part of the weights, optimizer state and EMA (aed/train_checkpoint.py, DCP); rank
     0 adds the gathered sampler and RNG states (`DataPosition.state`). Under DDP, also checks that
     the ranks' parameters are identical (a desync would otherwise go unnoticed)."""
@@ -269,7 +271,8 @@ def save(writer: CheckpointWriter, setup: TrainingSetup, position: DataPosition,
                            new_tokens=setup.added_tokens,  # a later run can still train only them
                            step=step, flops=flops, scheduler=setup.scheduler.state_dict(),
                            scaler=setup.scaler.state_dict(), sampler=[s["sampler"] for s in states],
-                           rng=[s["rng"] for s in states], config=to_dict(cfg), **state).to_dict()
+                           rng=[s["rng"] for s in states], config=to_dict(cfg), guide_ended=guide_ended,
+                           **state).to_dict()
     path = writer.save(state, step)
     log.info("%s %s in %.1f s%s", "saving" if writer.pending else "saved", path, time.time() - t0,
              "" if sharded else f" (parameter checksum {checksum:.6e}, equal on {proc.world_size} rank(s))")
@@ -291,6 +294,32 @@ def stop_requested(received: list, device: torch.device) -> bool:
     """Whether any rank got a stop signal: all ranks stop at the same step."""
     flag = torch.tensor(float(bool(received)), device=device)
     return bool(all_reduce(flag, op=torch.distributed.ReduceOp.MAX).item())
+
+
+GUIDE_CHECK_EVERY = 50  # steps between the checks that end train.attention_guide once the decoder listens
+
+
+def set_attention_guide(setup: TrainingSetup, batch, step: int, ended: int | None) -> int | None:
+    """Sets the model's guided-attention weight for this step (train.attention_guide: [weight, steps]).
+    With attention_guide_until=listening, every GUIDE_CHECK_EVERY steps the decoder's cross-entropy on
+    this step's first batch is measured with other utterances' audio against its own; once the gap
+    reaches validation's LISTENING_GAP, the guide ends for good: it has taught the decoder to use the
+    audio, and holding attention to a path any longer only constrains it. Returns the step the guide
+    ended at (kept in checkpoints), or `ended` as it was."""
+    cfg, model = setup.cfg, setup.model
+    weight, steps = cfg.train.attention_guide
+    if (ended is None and 0 < step < steps and step % GUIDE_CHECK_EVERY == 0
+            and cfg.train.attention_guide_until == "listening"):
+        gap = batch_listening_gap(model, batch, setup.precision, cfg.freeze)
+        if gap is not None and gap >= LISTENING_GAP:
+            ended = step
+        log.info("step %d: the decoder's cross-entropy on its training batch is %s nats/token higher with other "
+                 "utterances' audio than with its own: %s", step, "-" if gap is None else f"{gap:.2f}",
+                 "it listens, attention guide off" if ended is not None else
+                 f"attention guide stays on until {LISTENING_GAP} (or step {int(steps)})")
+    model.attention_guide = weight if step < steps and ended is None else 0.0
+    model.guide_to = cfg.train.attention_guide_to
+    return ended
 
 
 def validate(setup: TrainingSetup, val_names: dict, proc: Process, unreadable: Faults,
@@ -329,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     # --- resume (or initialise from init_from), check memory, wrap for DDP (FSDP is built sharded)
     position = DataPosition(data, proc)
     ema = ExponentialMovingAverage(model, cfg.ema_decay) if cfg.ema_decay else None  # before the memory check
-    step, flops = resume(setup, position, proc, ema)
+    step, flops, guide_ended = resume(setup, position, proc, ema)
     if cfg.memory_budget:
         check_memory(setup, data, proc, ema)
     parallel_model, no_sync = wrap(model, proc.world_size)
@@ -381,9 +410,7 @@ def main(argv: list[str] | None = None) -> None:
             if len(batch):
                 micro.append(batch)
         if cfg.train.attention_guide:
-            weight, steps = cfg.train.attention_guide
-            model.attention_guide = weight if step < steps else 0.0
-            model.guide_to = cfg.train.attention_guide_to
+            guide_ended = set_attention_guide(setup, micro[0], step, guide_ended)
         num_targets = all_reduce(torch.tensor(float(count_targets(model, micro)), device=device))
         result, step_flop_count = step_flops.run(lambda: train_step(
             parallel_model, micro, setup.optimizer, setup.scaler, setup.spec_augment, setup.precision,
@@ -414,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
                 validate(setup, val_names, proc, unreadable, run_log, step, ema)
             stop = stop_requested(received, device)
         if stop or step % cfg.ckpt_every == 0 or last:
-            save(writer, setup, position, step, progress.total_flops, proc, ema)
+            save(writer, setup, position, step, progress.total_flops, proc, ema, guide_ended)
             stop = stop or stop_requested(received, device)
         writer.poll()
         if progress.budget_spent():

@@ -88,6 +88,7 @@ class Checkpoint:
     sampler: list | None = field(default=None, metadata=RESUME)  # one BucketingSampler state per rank
     rng: list | None = field(default=None, metadata=RESUME)  # one `rng_state` per rank
     config: dict | None = field(default=None, metadata=RESUME)  # the run's resolved TrainConfig
+    guide_ended: int | None = None  # the step train.attention_guide ended at because the decoder listened (until=listening)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}

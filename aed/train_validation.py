@@ -156,6 +156,23 @@ def add_listening(heard: dict, model, b, languages: list) -> None:
         sums[0], sums[1], sums[2] = sums[0] + o, sums[1] + x, sums[2] + c
 
 
+@torch.no_grad()
+def batch_listening_gap(model, batch, precision: str, freeze: str) -> float | None:
+    """The decoder's cross-entropy per token on a training batch with other rows' audio minus with
+    its own (`add_listening`), over every rank's batch: what the validation check measures, cheap
+    enough to watch during training. None where no rank has two rows to swap audio between. Every
+    rank calls this at the same step, whatever its batch (a sharded model gathers its layers)."""
+    device = next(model.parameters()).device
+    heard = {}
+    model.eval()
+    with autocast(device, precision):
+        add_listening(heard, model, batch.to(device), ["all"] * len(batch))
+    train_mode(model, freeze)
+    own, other, count = heard["all"] if len(batch) > 1 else (0.0, 0.0, 0)  # one row: its "other" audio is its own
+    own, other, count = all_reduce(torch.tensor([own, other, count], dtype=torch.float64, device=device)).tolist()
+    return (other - own) / count if count else None
+
+
 def listening(name: str, parts: list) -> dict:
     """Every rank's `heard` -> the decoder's cross-entropy per token with the utterances' own audio
     (name/ce) and with other utterances' (name/ce_other_audio), and their difference per source

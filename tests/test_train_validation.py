@@ -1,15 +1,17 @@
 """Validation's check that the decoder listens: the cross-entropy of each utterance's text with its
-own audio against another utterance's, per source language, and train.py's warning when they agree."""
+own audio against another utterance's, per source language, train.py's warning when they agree, and
+the same check on training batches, which can end the attention guide."""
 
 import logging
 
 import pytest
 import torch
 from test_model import tiny_config
-from test_train import SMALL, run_in_process
+from test_train import SMALL, losses, run_in_process
 
+from aed.data_batch import Batch
 from aed.model import AED
-from aed.train_validation import LISTENING_GAP, listening, not_listening
+from aed.train_validation import LISTENING_GAP, batch_listening_gap, listening, not_listening
 
 
 @pytest.mark.parametrize("loss_on_prompt", [True, False])
@@ -71,3 +73,59 @@ def test_validation_drops_utterances_longer_than_the_decoder_as_training_does(tm
     assert "training: dropping" in p.stderr
     rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val/dev/loss" in line]
     assert len(rows) == 2  # steps 0 and 1
+
+
+def test_batch_listening_gap_is_the_token_mean_of_swapped_minus_own_and_zero_for_a_deaf_decoder():
+    torch.manual_seed(0)
+    model = AED(tiny_config(ctc_weight=0.0)).train()
+    with torch.no_grad():  # at initialisation the audio barely moves the output: make it matter
+        for layer in model.decoder.layers:
+            layer.cross_attn.out_projection.weight.mul_(30)
+    feats, feat_lens = torch.randn(3, 80, 24) * torch.tensor([1.0, 3.0, 9.0])[:, None, None], torch.tensor([80, 61, 40])
+    tokens, token_lens, prompt_lens = torch.randint(2, 40, (3, 9)), torch.tensor([9, 7, 5]), torch.tensor([3, 3, 2])
+    batch = Batch(feats, feat_lens, tokens, token_lens, prompt_lens, ["a", "b", "c"], [0, 1, 2], [])
+    gap = batch_listening_gap(model, batch, "fp32", "none")
+    assert model.training  # put back in training mode
+    with torch.no_grad():
+        memory, memory_lens = model.eval().encode(feats, feat_lens)
+        own, count = model.token_nll(memory, memory_lens, tokens, token_lens, prompt_lens)
+        other, _ = model.token_nll(memory.roll(1, 0), memory_lens.roll(1, 0), tokens, token_lens, prompt_lens)
+    assert gap == pytest.approx(float((other - own).sum() / count.sum()), rel=1e-5) and abs(gap) > 1e-4
+    for layer in model.decoder.layers:  # cross-attention that adds nothing: the audio cannot matter
+        torch.nn.init.zeros_(layer.cross_attn.out_projection.weight)
+        torch.nn.init.zeros_(layer.cross_attn.out_projection.bias)
+    assert batch_listening_gap(model, batch, "fp32", "none") == pytest.approx(0.0, abs=1e-6)
+    one = Batch(feats[:1], feat_lens[:1], tokens[:1], token_lens[:1], prompt_lens[:1], ["a"], [0], [])
+    assert batch_listening_gap(model, one, "fp32", "none") is None  # no other row to take audio from
+
+
+@pytest.mark.slow(seconds=20)
+def test_the_guide_until_listening_ends_at_the_first_check_that_listens_and_resumes_ended(tmp_path, monkeypatch):
+    """The check (faked: deaf at step 2, listening at step 4) ends the guide at step 4 exactly as a
+    guide of 4 steps ends; a run resumed after that keeps it off although its checks would say deaf."""
+    import train
+
+    gaps = []
+    monkeypatch.setattr(train, "GUIDE_CHECK_EVERY", 2)
+    monkeypatch.setattr(train, "batch_listening_gap", lambda *args: gaps.pop(0))
+
+    def run(run_dir, *overrides):
+        p = run_in_process(train.main, ["configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, "ckpt_every=100",
+                                        "train.attention_guide=[1.0,100]", "train.num_workers=0", *overrides])
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p
+
+    gaps[:] = [0.0, LISTENING_GAP]
+    p = run(tmp_path / "a", "max_steps=6", "train.attention_guide_until=listening")
+    assert "step 2: the decoder's cross-entropy on its training batch is 0.00 nats/token" in p.stderr
+    assert "attention guide stays on until" in p.stderr and "it listens, attention guide off" in p.stderr
+    assert gaps == []  # no check after the guide ended
+    run(tmp_path / "steps", "max_steps=6", "train.attention_guide=[1.0,4]")
+    assert losses(tmp_path / "a") == losses(tmp_path / "steps")  # bitwise: the same guided steps
+    gaps[:] = [0.0, LISTENING_GAP]
+    run(tmp_path / "b", "max_steps=5", "train.attention_guide_until=listening")
+    gaps[:] = [0.0] * 3  # deaf, were it asked: the checkpoint's guide_ended keeps the guide off
+    p = run(tmp_path / "b", "max_steps=6", "train.attention_guide_until=listening")
+    assert "its attention guide ended at step 4" in p.stderr and len(gaps) == 3
+    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert la[6] == lb[6] and la[5] == lb[5], (la, lb)
