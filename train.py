@@ -215,11 +215,11 @@ class DataPosition:
 
 def resume(setup: TrainingSetup, position: DataPosition, proc: Process,
            ema: ExponentialMovingAverage | None) -> tuple[int, float, int | None]:
-    """(step, FLOPs so far, step the attention guide ended at or None) of the newest valid checkpoint in run_dir, with the weights, optimizer,
-    schedule, sampler and RNG states and the EMA of the weights restored; (0, 0.0) for a new run,
-    whose weights may come from init_from. A checkpoint of another world size continues its
-    interrupted pass in other batches; one written without an EMA starts the EMA at its weights.
-    A new run is (0, 0.0, None)."""
+    """(step, FLOPs so far, the step the attention guide ended at or None) of the newest valid
+    checkpoint in run_dir, with the weights, optimizer, schedule, sampler and RNG states and the EMA
+    of the weights restored; (0, 0.0, None) for a new run, whose weights may come from init_from. A
+    checkpoint of another world size continues its interrupted pass in other batches; one written
+    without an EMA starts the EMA at its weights."""
     cfg = setup.cfg
     try:
         path, saved = load_latest(cfg.run_dir, with_tensors=False)
