@@ -310,7 +310,9 @@ def set_attention_guide(setup: TrainingSetup, batch, step: int, ended: int | Non
     weight, steps = cfg.train.attention_guide
     if (ended is None and 0 < step < steps and step % GUIDE_CHECK_EVERY == 0
             and cfg.train.attention_guide_until == "listening"):
-        gap = batch_listening_gap(model, batch, setup.precision, cfg.freeze)
+        # FSDP2: the whole copy validation decodes with (a sharded model's layers run only inside its forward)
+        whole = whole_model(model, lambda: setup.objective.build(cfg, setup.tokenizer.vocab_size))
+        gap = batch_listening_gap(whole, batch, setup.precision, cfg.freeze)
         if gap is not None and gap >= LISTENING_GAP:
             ended = step
         log.info("step %d: the decoder's cross-entropy on its training batch is %s nats/token higher with other "

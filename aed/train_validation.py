@@ -161,7 +161,8 @@ def batch_listening_gap(model, batch, precision: str, freeze: str) -> float | No
     """The decoder's cross-entropy per token on a training batch with other rows' audio minus with
     its own (`add_listening`), over every rank's batch: what the validation check measures, cheap
     enough to watch during training. None where no rank has two rows to swap audio between. Every
-    rank calls this at the same step, whatever its batch (a sharded model gathers its layers)."""
+    rank calls this at the same step, whatever its batch (the sums are all-reduced); `model` is
+    whole (`whole_model`)."""
     device = next(model.parameters()).device
     heard = {}
     model.eval()

@@ -3,6 +3,7 @@ own audio against another utterance's, per source language, train.py's warning w
 the same check on training batches, which can end the attention guide."""
 
 import logging
+import re
 
 import pytest
 import torch
@@ -129,3 +130,17 @@ def test_the_guide_until_listening_ends_at_the_first_check_that_listens_and_resu
     assert "its attention guide ended at step 4" in p.stderr and len(gaps) == 3
     la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert la[6] == lb[6] and la[5] == lb[5], (la, lb)
+
+
+@pytest.mark.slow(seconds=15)
+def test_the_listening_check_runs_on_a_sharded_model(tmp_path, monkeypatch):
+    """FSDP2 runs a sharded model's layers only inside its forward: the check measures the whole copy
+    validation uses, and logs a measured gap."""
+    import train
+
+    monkeypatch.setattr(train, "GUIDE_CHECK_EVERY", 2)
+    p = run_in_process(train.main, ["configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=3", "ckpt_every=100",
+                                    "train.attention_guide=[1.0,100]", "train.attention_guide_until=listening",
+                                    "train.strategy=fsdp", "train.num_workers=0"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert re.search(r"step 2: the decoder's cross-entropy on its training batch is -?\d+\.\d\d nats/token", p.stderr)
