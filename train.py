@@ -213,11 +213,20 @@ class DataPosition:
                 "sampler": self.data.sampler.state_dict(rewind=self.data.counter.taken - self.consumed)}
 
 
+@dataclasses.dataclass
+class GuideState:
+    """Where train.attention_guide_until=listening stands, kept in checkpoints so that a resumed run
+    guides the same steps: the step the guide ended at, and whether a check is due at the next step
+    (the last one found no rank with two rows to swap audio between)."""
+    ended: int | None = None
+    check_due: bool = False
+
+
 def resume(setup: TrainingSetup, position: DataPosition, proc: Process,
-           ema: ExponentialMovingAverage | None) -> tuple[int, float, int | None]:
-    """(step, FLOPs so far, the step the attention guide ended at or None) of the newest valid
-    checkpoint in run_dir, with the weights, optimizer, schedule, sampler and RNG states and the EMA
-    of the weights restored; (0, 0.0, None) for a new run, whose weights may come from init_from. A
+           ema: ExponentialMovingAverage | None) -> tuple[int, float, GuideState]:
+    """(step, FLOPs so far, the attention guide's `GuideState`) of the newest valid checkpoint in
+    run_dir, with the weights, optimizer, schedule, sampler and RNG states and the EMA of the weights
+    restored; (0, 0.0, a new GuideState) for a new run, whose weights may come from init_from. A
     checkpoint of another world size continues its interrupted pass in other batches; one written
     without an EMA starts the EMA at its weights."""
     cfg = setup.cfg
@@ -236,7 +245,7 @@ def resume(setup: TrainingSetup, position: DataPosition, proc: Process,
                          init_from_checkpoint(setup.model, cfg.init_from, cfg.init_encoder_only))
             except ValueError as e:
                 sys.exit(str(e))
-        return 0, 0.0, None
+        return 0, 0.0, GuideState()
     if not load_training_state(setup.model, setup.optimizer, path, ema) and ema is not None:
         ema.reset(setup.model)
         log.info("%s has no EMA of the weights (written without ema_decay): the EMA starts from its weights", path)
@@ -246,11 +255,11 @@ def resume(setup: TrainingSetup, position: DataPosition, proc: Process,
     position.restore(ckpt, path)
     log.info("resumed from %s at step %d%s", path, ckpt.step, "" if ckpt.guide_ended is None else
              f" (its attention guide ended at step {ckpt.guide_ended}, when the decoder listened)")
-    return ckpt.step, ckpt.flops, ckpt.guide_ended
+    return ckpt.step, ckpt.flops, GuideState(ckpt.guide_ended, ckpt.guide_check_due)
 
 
 def save(writer: CheckpointWriter, setup: TrainingSetup, position: DataPosition, step: int, flops: float,
-         proc: Process, ema: ExponentialMovingAverage | None, guide_ended: int | None) -> None:
+         proc: Process, ema: ExponentialMovingAverage | None, guide: GuideState) -> None:
     """Every rank writes its part of the weights, optimizer state and EMA (aed/train_checkpoint.py, DCP); rank
     0 adds the gathered sampler and RNG states (`DataPosition.state`). Under DDP, also checks that
     the ranks' parameters are identical (a desync would otherwise go unnoticed)."""
@@ -271,7 +280,8 @@ def save(writer: CheckpointWriter, setup: TrainingSetup, position: DataPosition,
                            new_tokens=setup.added_tokens,  # a later run can still train only them
                            step=step, flops=flops, scheduler=setup.scheduler.state_dict(),
                            scaler=setup.scaler.state_dict(), sampler=[s["sampler"] for s in states],
-                           rng=[s["rng"] for s in states], config=to_dict(cfg), guide_ended=guide_ended,
+                           rng=[s["rng"] for s in states], config=to_dict(cfg), guide_ended=guide.ended,
+                           guide_check_due=guide.check_due,
                            **state).to_dict()
     path = writer.save(state, step)
     log.info("%s %s in %.1f s%s", "saving" if writer.pending else "saved", path, time.time() - t0,
@@ -299,29 +309,31 @@ def stop_requested(received: list, device: torch.device) -> bool:
 GUIDE_CHECK_EVERY = 50  # steps between the checks that end train.attention_guide once the decoder listens
 
 
-def set_attention_guide(setup: TrainingSetup, batch, step: int, ended: int | None) -> int | None:
+def set_attention_guide(setup: TrainingSetup, batch, step: int, guide: GuideState) -> None:
     """Sets the model's guided-attention weight for this step (train.attention_guide: [weight, steps]).
     With attention_guide_until=listening, every GUIDE_CHECK_EVERY steps the decoder's cross-entropy on
     this step's first batch is measured with other utterances' audio against its own; once the gap
     reaches validation's LISTENING_GAP, the guide ends for good: it has taught the decoder to use the
-    audio, and holding attention to a path any longer only constrains it. Returns the step the guide
-    ended at (kept in checkpoints), or `ended` as it was."""
+    audio, and holding attention to a path any longer only constrains it. A check that finds no batch
+    of two rows (long utterances: often one per batch) is repeated at the next step until one does."""
     cfg, model = setup.cfg, setup.model
     weight, steps = cfg.train.attention_guide
-    if (ended is None and 0 < step < steps and step % GUIDE_CHECK_EVERY == 0
+    if (guide.ended is None and 0 < step < steps and (step % GUIDE_CHECK_EVERY == 0 or guide.check_due)
             and cfg.train.attention_guide_until == "listening"):
-        # FSDP2: the whole copy validation decodes with (a sharded model's layers run only inside its forward)
-        whole = whole_model(model, lambda: setup.objective.build(cfg, setup.tokenizer.vocab_size))
-        gap = batch_listening_gap(whole, batch, setup.precision, cfg.freeze)
-        if gap is not None and gap >= LISTENING_GAP:
-            ended = step
-        log.info("step %d: the decoder's cross-entropy on its training batch is %s nats/token higher with other "
-                 "utterances' audio than with its own: %s", step, "-" if gap is None else f"{gap:.2f}",
-                 "it listens, attention guide off" if ended is not None else
-                 f"attention guide stays on until {LISTENING_GAP} (or step {int(steps)})")
-    model.attention_guide = weight if step < steps and ended is None else 0.0
+        def whole():  # the copy validation decodes with: a sharded model's layers run only inside its forward
+            return whole_model(model, lambda: setup.objective.build(cfg, setup.tokenizer.vocab_size))
+
+        gap = batch_listening_gap(whole, batch, next(model.parameters()).device, setup.precision, cfg.freeze)
+        guide.check_due = gap is None
+        if gap is not None:
+            if gap >= LISTENING_GAP:
+                guide.ended = step
+            log.info("step %d: the decoder's cross-entropy on its training batch is %.2f nats/token higher with "
+                     "other utterances' audio than with its own: %s", step, gap,
+                     "it listens, attention guide off" if guide.ended is not None else
+                     f"attention guide stays on until {LISTENING_GAP} (or step {int(steps)})")
+    model.attention_guide = weight if step < steps and guide.ended is None else 0.0
     model.guide_to = cfg.train.attention_guide_to
-    return ended
 
 
 def validate(setup: TrainingSetup, val_names: dict, proc: Process, unreadable: Faults,
@@ -360,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     # --- resume (or initialise from init_from), check memory, wrap for DDP (FSDP is built sharded)
     position = DataPosition(data, proc)
     ema = ExponentialMovingAverage(model, cfg.ema_decay) if cfg.ema_decay else None  # before the memory check
-    step, flops, guide_ended = resume(setup, position, proc, ema)
+    step, flops, guide = resume(setup, position, proc, ema)
     if cfg.memory_budget:
         check_memory(setup, data, proc, ema)
     parallel_model, no_sync = wrap(model, proc.world_size)
@@ -412,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
             if len(batch):
                 micro.append(batch)
         if cfg.train.attention_guide:
-            guide_ended = set_attention_guide(setup, micro[0], step, guide_ended)
+            set_attention_guide(setup, micro[0], step, guide)
         num_targets = all_reduce(torch.tensor(float(count_targets(model, micro)), device=device))
         result, step_flop_count = step_flops.run(lambda: train_step(
             parallel_model, micro, setup.optimizer, setup.scaler, setup.spec_augment, setup.precision,
@@ -443,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
                 validate(setup, val_names, proc, unreadable, run_log, step, ema)
             stop = stop_requested(received, device)
         if stop or step % cfg.ckpt_every == 0 or last:
-            save(writer, setup, position, step, progress.total_flops, proc, ema, guide_ended)
+            save(writer, setup, position, step, progress.total_flops, proc, ema, guide)
             stop = stop or stop_requested(received, device)
         writer.poll()
         if progress.budget_spent():

@@ -89,6 +89,7 @@ class Checkpoint:
     rng: list | None = field(default=None, metadata=RESUME)  # one `rng_state` per rank
     config: dict | None = field(default=None, metadata=RESUME)  # the run's resolved TrainConfig
     guide_ended: int | None = None  # the step train.attention_guide ended at because the decoder listened (until=listening)
+    guide_check_due: bool = False  # until=listening: the last check found no two rows to compare, so one is due at the next step
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}

@@ -157,21 +157,23 @@ def add_listening(heard: dict, model, b, languages: list) -> None:
 
 
 @torch.no_grad()
-def batch_listening_gap(model, batch, precision: str, freeze: str) -> float | None:
+def batch_listening_gap(whole, batch, device, precision: str, freeze: str) -> float | None:
     """The decoder's cross-entropy per token on a training batch with other rows' audio minus with
     its own (`add_listening`), over every rank's batch: what the validation check measures, cheap
-    enough to watch during training. None where no rank has two rows to swap audio between. Every
-    rank calls this at the same step, whatever its batch (the sums are all-reduced); `model` is
-    whole (`whole_model`)."""
-    device = next(model.parameters()).device
-    heard = {}
-    model.eval()
-    with autocast(device, precision):
-        add_listening(heard, model, batch.to(device), ["all"] * len(batch))
-    train_mode(model, freeze)
-    own, other, count = heard["all"] if len(batch) > 1 else (0.0, 0.0, 0)  # one row: its "other" audio is its own
+    enough to watch during training. None where no rank has two rows to swap audio between; then
+    `whole()` (the model, whole: `whole_model`, which gathers a sharded one) is not called. Every rank
+    calls this at the same step, whatever its batch (the sums are all-reduced)."""
+    if not all_reduce(torch.tensor(float(len(batch) > 1), device=device)).item():
+        return None
+    model, heard = whole(), {}
+    if len(batch) > 1:  # one row has no other audio: that rank adds nothing
+        model.eval()
+        with autocast(device, precision):
+            add_listening(heard, model, batch.to(device), ["all"] * len(batch))
+        train_mode(model, freeze)
+    own, other, count = heard.get("all", (0.0, 0.0, 0))
     own, other, count = all_reduce(torch.tensor([own, other, count], dtype=torch.float64, device=device)).tolist()
-    return (other - own) / count if count else None
+    return (other - own) / count
 
 
 def listening(name: str, parts: list) -> dict:
