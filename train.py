@@ -325,6 +325,9 @@ def set_attention_guide(setup: TrainingSetup, batch, step: int, guide: GuideStat
 
         gap = batch_listening_gap(whole, batch, next(model.parameters()).device, setup.precision, cfg.freeze)
         guide.check_due = gap is None
+        if gap is None and step % GUIDE_CHECK_EVERY == 0:  # once per period, so a run that never can measure says so
+            log.info("step %d: no rank has two utterances in its batch to swap audio between: the attention guide's "
+                     "check is repeated at the next steps until one has", step)
         if gap is not None:
             if gap >= LISTENING_GAP:
                 guide.ended = step

@@ -123,7 +123,7 @@ def test_the_guide_until_listening_ends_at_the_first_check_that_listens_and_resu
 
     gaps[:] = [None, 0.0, LISTENING_GAP]
     p = run(tmp_path / "a", "max_steps=6", "train.attention_guide_until=listening")
-    assert "step 2: the decoder's" not in p.stderr
+    assert "step 2: the decoder's" not in p.stderr and "step 2: no rank has two utterances" in p.stderr
     assert "step 3: the decoder's cross-entropy on its training batch is 0.00 nats/token" in p.stderr
     assert "attention guide stays on until" in p.stderr and "step 4: " in p.stderr
     assert "it listens, attention guide off" in p.stderr
