@@ -14,15 +14,15 @@ device's matmul peak, for the MFU the progress line reports.
     result, flops = step_flops.run(lambda: train_step(model, micro, ...), micro)
     mfu = flops_per_second / matmul_peak(device, precision)
 
-`torch.utils.flop_counter.FlopCounterMode` counts the FLOPs of matmuls, convolutions and
-attention in the forward and backward pass (2 per multiply-add): the "model FLOPs" of MFU and of
-compute-budget studies. Elementwise work (norms, activations, the optimizer) is not counted.
-torch counts CUDA's fused attention kernels but not the one our encoder's SDPA runs on a CPU
-(`_scaled_dot_product_flash_attention_for_cpu`): `CPU_ATTENTION` adds it with torch's own
-attention formulas, so a CPU and a GPU count the same step alike.
+`CountFlops` counts the FLOPs of matmuls, convolutions and attention in the forward and backward
+pass (2 per multiply-add) with torch's own formulas (`torch.utils.flop_counter`): the "model FLOPs"
+of MFU and of compute-budget studies. Elementwise work (norms, activations, the optimizer) is not
+counted. torch has formulas for CUDA's fused attention kernels but not for the one our encoder's
+SDPA runs on a CPU (`_scaled_dot_product_flash_attention_for_cpu`): `CPU_ATTENTION` adds it with
+torch's attention formulas, so a CPU and a GPU count the same step alike.
 
-Counting dispatches every op through Python (2-2.7x slower on a tiny CPU step: docs/REPORT.md), so a step
-is counted the first time its micro-batch shapes occur and looked up afterwards. Padded lengths
+Counting dispatches every op through Python (docs/REPORT.md, "FLOP accounting"), so a step is
+counted the first time its micro-batch shapes occur and looked up afterwards. Padded lengths
 vary from batch to batch, so most shapes are new; but for fixed weights a step's FLOPs are a sum of
 a few shape terms (`shape_terms`: per frame and per token work, attention over frames and over
 tokens, cross-attention), so once enough shapes are counted, a least-squares fit of those terms
@@ -42,7 +42,8 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 from torch.utils.tensorboard import SummaryWriter
 
 from aed.train_distributed import all_reduce
@@ -204,8 +205,29 @@ def _attention_backward(grad_out, query, key, value, *args, out_shape=None, **kw
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
-CPU_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu: _attention,
+CPU_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu: _attention,  # formulas of shapes
                  aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward}
+# torch's formulas and the CPU attention's, each called with the op's tensors and output
+FORMULAS = {**flop_registry, **{op: shape_wrapper(f) for op, f in CPU_ATTENTION.items()}}
+
+
+class CountFlops(TorchDispatchMode):
+    """`with CountFlops() as c: step()` -> `c.flops`, the FLOPs of the ops `step` ran that have a
+    formula in `FORMULAS`. The sum torch's FlopCounterMode gives, without its per-module
+    tables and its try to decompose every other op, which made a counted step of the tests' small
+    CPU model cost several times what this one does (docs/REPORT.md, "FLOP accounting")."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = FORMULAS.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        return out
 
 
 def shape_key(batches: list) -> tuple:
@@ -239,9 +261,9 @@ class StepFlops:
             return step(), self.cache[key]
         if self.coef is not None:
             return step(), float(shape_terms(batches) @ self.coef)
-        with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
+        with CountFlops() as counter:
             result = step()
-        self.cache[key] = counter.get_total_flops()
+        self.cache[key] = counter.flops
         self.counted.append((shape_terms(batches), self.cache[key]))
         if len(self.counted) >= self.exact:
             self._try_fit()

@@ -41,14 +41,13 @@ import time
 import torch
 from common import ROOT, cores, load_avg, log, max_duration_sizes, print_json, print_table, show_library_logs
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.flop_counter import FlopCounterMode
 
 from aed.data_bins import bins_from_manifests
 from aed.memory_measure import format_bytes, peak_memory
 from aed.memory_oomptimizer import artificial_batch
 from aed.train_config import load_train_config
 from aed.train_distributed import init_distributed
-from aed.train_progress import CPU_ATTENTION, matmul_peak
+from aed.train_progress import CountFlops, matmul_peak
 from aed.train_step import autocast, build_training_setup, compile_layers, count_targets, train_step
 from bins import load_batch_sizes
 
@@ -161,10 +160,9 @@ class Bench:
         counts = []
         try:
             for rows in (1, 2):
-                with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False,
-                                                                                custom_mapping=CPU_ATTENTION) as c:
+                with torch.compiler.set_stance("force_eager"), CountFlops() as c:
                     self.step(self.batch(rows, frames, tokens))
-                counts.append(c.get_total_flops())
+                counts.append(c.flops)
         finally:
             for m, on in flags:
                 m.checkpoint_activations = on

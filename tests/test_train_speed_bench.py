@@ -5,13 +5,12 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from aed.train_config import load_train_config  # noqa: E402
-from aed.train_progress import CPU_ATTENTION  # noqa: E402
+from aed.train_progress import CountFlops  # noqa: E402
 from train_speed_bench import Bench  # noqa: E402
 
 
@@ -20,14 +19,14 @@ def test_model_flops_of_a_bucket_equal_a_direct_count_and_ignore_checkpointing()
     cfg = load_train_config(["configs/tiny.yaml"], ["activation_checkpointing=both"])
     bench = Bench(cfg, torch.device("cpu"), "none", compiled=False)  # no DDP wrapper: no process group here
     batch_size, frames, tokens = 5, 161, 12
-    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as direct:
+    with CountFlops() as direct:
         bench.module.encoder.checkpoint_activations = bench.module.decoder.checkpoint_activations = False
         bench.step(bench.batch(batch_size, frames, tokens))
     bench.module.encoder.checkpoint_activations = bench.module.decoder.checkpoint_activations = True
     counted = bench.model_flops(batch_size, frames, tokens)
-    assert counted == direct.get_total_flops() > 0
+    assert counted == direct.flops > 0
     # A checkpointed step recomputes each layer's forward: the model FLOPs leave that out.
-    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as recomputing:
+    with CountFlops() as recomputing:
         bench.step(bench.batch(batch_size, frames, tokens))
-    assert recomputing.get_total_flops() > counted
+    assert recomputing.flops > counted
     assert bench.module.encoder.checkpoint_activations and bench.module.decoder.checkpoint_activations
