@@ -34,6 +34,7 @@ read only masked frames. A batch of a counted shape reuses the first one's count
 averages over them, off by the difference in those (for the tiny configs, a few percent).
 """
 
+import functools
 import json
 import logging
 import os
@@ -213,9 +214,10 @@ FORMULAS = {**flop_registry, **{op: shape_wrapper(f) for op, f in CPU_ATTENTION.
 
 class CountFlops(TorchDispatchMode):
     """`with CountFlops() as c: step()` -> `c.flops`, the FLOPs of the ops `step` ran that have a
-    formula in `FORMULAS`. The sum torch's FlopCounterMode gives, without its per-module
-    tables and its try to decompose every other op, which made a counted step of the tests' small
-    CPU model cost several times what this one does (docs/REPORT.md, "FLOP accounting")."""
+    formula in `FORMULAS`: the sum torch's FlopCounterMode gives. That one also keeps a table per
+    module and, for every op without a formula, re-enters itself to try a decomposition that few
+    ops have, which made counting a small CPU model's step cost about 2.6x its time instead of
+    1.6x (docs/REPORT.md, "FLOP accounting")."""
 
     def __init__(self):
         super().__init__()
@@ -223,11 +225,21 @@ class CountFlops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         formula = FORMULAS.get(func._overloadpacket)
+        if formula is None and composite(func):  # e.g. aten.linear under inference_mode: count its addmm
+            with self:
+                return func.decompose(*args, **kwargs)
+        out = func(*args, **kwargs)
         if formula is not None:
             self.flops += formula(*args, **kwargs, out_val=out)
         return out
+
+
+@functools.cache
+def composite(func) -> bool:
+    """Whether `func` is made of other ops. Autograd runs those ops instead of `func`, so only where
+    autograd is off (inference_mode) does `func` itself reach CountFlops."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 def shape_key(batches: list) -> tuple:

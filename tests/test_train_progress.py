@@ -108,3 +108,10 @@ def test_the_count_of_a_whole_model_step_is_torchs_own():
     with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as torchs:
         step()
     assert ours.flops == torchs.get_total_flops() > 0
+
+
+def test_an_op_autograd_would_decompose_is_counted_where_autograd_is_off():
+    linear = torch.nn.Linear(8, 4)
+    with torch.inference_mode(), CountFlops() as counted:
+        linear(torch.randn(3, 8))
+    assert counted.flops == 2 * 3 * 8 * 4
