@@ -216,8 +216,8 @@ class CountFlops(TorchDispatchMode):
     """`with CountFlops() as c: step()` -> `c.flops`, the FLOPs of the ops `step` ran that have a
     formula in `FORMULAS`: the sum torch's FlopCounterMode gives. That one also keeps a table per
     module and, for every op without a formula, re-enters itself to try a decomposition that few
-    ops have, which made counting a small CPU model's step cost about 2.9x its time instead of
-    1.7x (docs/REPORT.md, "FLOP accounting")."""
+    ops have: most of what counting costs on a small model's CPU step (docs/REPORT.md, "FLOP
+    accounting")."""
 
     def __init__(self):
         super().__init__()
