@@ -29,7 +29,7 @@ peak from `PEAKS` (GPUs) and against the matmul peak measured here (train.py's p
 peak memory (CUDA: max allocated; CPU: live tensors, eager steps only); forward, backward and
 optimizer ms from steps timed phase by phase (train_step's calls in its order, the device synchronised
 between them: medians, which need not add up to the step's). Waiting for data is not part of a step: train.py's progress line reports it for a real
-run (`data` share). "all" rows: the measured buckets together (equal steps per bucket). Last
+run (`data` share); `--profile N` logs the N ops one step spends most time in, per bucket. "all" rows: the measured buckets together (equal steps per bucket). Last
 line: JSON with every row, per variant, and the compiled/eager and fused/default ratios of audio
 seconds per second.
 """
@@ -168,6 +168,18 @@ class Bench:
                 m.checkpoint_activations = on
         return counts[0] + (batch_size - 1) * (counts[1] - counts[0])
 
+    def profile(self, batch, rows: int) -> str:
+        """torch.profiler's table of one step's ops by their own time on the device (CUDA kernels'
+        time on a GPU, the CPU's otherwise): which kernels the step's time goes to."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            self.step(batch)
+            self.sync()
+        key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+
     def peak_bytes(self, batch) -> int | None:
         """Peak tensor memory of one step: CUDA's allocator, or on the CPU the live-tensor tracker
         (eager only: a compiled step's buffers are not all tensors the tracker sees)."""
@@ -191,6 +203,9 @@ def measure(bench: Bench, bucket, args, peaks) -> dict:
     forward_s, backward_s, update_s = map(statistics.median, zip(*(bench.phases(batch) for _ in range(args.steps))))
     flops = bench.model_flops(batch_size, frames, tokens)
     peak = bench.peak_bytes(batch)
+    if args.profile:
+        log(f"  bucket {d:.2f} s, {tokens} tokens: one step's top {args.profile} ops by their own time\n"
+            + bench.profile(batch, args.profile))
     row = {"duration": d, "frames": frames, "tokens": tokens, "batch": batch_size, "step_ms": 1e3 * step_s,
            "audio_s_per_s": batch_size * d / step_s, "tokens_per_s": batch_size * tokens / step_s,
            "tflops": flops / step_s / 1e12, "flops": flops, "peak_bytes": peak, "warmup_s": warmup_s,
@@ -228,6 +243,8 @@ def main(argv=None) -> None:
                    help="optim.fused variants (default: the config's)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per bucket (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per bucket first (compiles a new shape)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="log each bucket's N most expensive ops of one profiled step (torch.profiler)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
     args = p.parse_args(argv)

@@ -30,3 +30,11 @@ def test_model_flops_of_a_bucket_equal_a_direct_count_and_ignore_checkpointing()
         bench.step(bench.batch(batch_size, frames, tokens))
     assert recomputing.flops > counted
     assert bench.module.encoder.checkpoint_activations and bench.module.decoder.checkpoint_activations
+
+
+def test_the_profile_lists_the_step_s_matrix_products():
+    cfg = load_train_config(["configs/tiny.yaml"], [])
+    bench = Bench(cfg, torch.device("cpu"), "none", compiled=False)
+    table = bench.profile(bench.batch(2, 161, 12), rows=5)
+    assert "Self CPU" in table and len(table.splitlines()) == 5 + 5  # 5 ops, 3 rules, a header, the total
+    assert "aten::mm" in table or "aten::addmm" in table  # a transformer's step spends most in its products
