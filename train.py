@@ -336,7 +336,7 @@ def set_attention_guide(setup: TrainingSetup, batch, step: int, guide: GuideStat
                      "it listens, attention guide off" if guide.ended is not None else
                      f"attention guide stays on until {LISTENING_GAP} (or step {int(steps)})")
     model.attention_guide = weight if step < steps and guide.ended is None else 0.0
-    model.guide_to = cfg.train.attention_guide_to
+    model.guide_to, model.guide_heads = cfg.train.attention_guide_to, cfg.train.attention_guide_heads
 
 
 def validate(setup: TrainingSetup, val_names: dict, proc: Process, unreadable: Faults,

@@ -262,6 +262,7 @@ class AED(nn.Module):
         # "ctc": the CTC head's alignment); train.py sets them (train.attention_guide, attention_guide_to).
         self.attention_guide = 0.0
         self.guide_to = "diagonal"
+        self.guide_heads = None  # how many heads of each layer the guide holds (None: all; train.attention_guide_heads)
 
     def encode(self, feats, feat_lens):
         """feats (B, T, F), feat_lens (B,) -> memory (B, T', D_dec), memory_lens (B,)."""
@@ -306,6 +307,7 @@ class AED(nn.Module):
             ctc_sum, _ = self.ctc.loss(enc, memory_lens, *text_targets(tokens, token_lens, prompt_lens), transcribed)
             loss = loss + self.cfg.ctc_weight * ctc_sum
         if weights is not None:
+            weights = [w[:, :self.guide_heads] for w in weights]  # (B, H, U-1, T') -> the guided heads
             if self.guide_to == "ctc":
                 with torch.no_grad():
                     log_probs = self.ctc(enc)  # (B, T', V)

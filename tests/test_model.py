@@ -397,3 +397,21 @@ def test_the_guide_toward_the_ctc_alignment_adds_a_term_that_trains_the_cross_at
     assert guided > plain
     guided.backward()
     assert model.decoder.layers[0].cross_attn.query_net.weight.grad.abs().sum() > 0
+
+
+def test_a_guide_on_one_head_trains_that_head_alone():
+    """guide_heads=1: the guide's term (the guided loss less the plain one) reaches the query
+    projection of each layer's first cross-attention head only; the other heads look where they like."""
+    torch.manual_seed(0)
+    no_dropout = {k: 0.0 for k in ("enc_dropout", "enc_dropout_pre_encoder", "enc_dropout_att", "dec_dropout",
+                                   "dec_dropout_att")}
+    model = AED(tiny_config(ctc_weight=0.0, **no_dropout)).train()
+    feats, feat_lens = torch.randn(2, 160, 24), torch.tensor([160, 120])
+    tokens, token_lens, prompt_lens = torch.randint(2, 38, (2, 9)), torch.tensor([9, 7]), torch.tensor([3, 3])
+    plain, _ = model(feats, feat_lens, tokens, token_lens, prompt_lens)
+    model.attention_guide, model.guide_heads = 2.0, 1
+    guided, _ = model(feats, feat_lens, tokens, token_lens, prompt_lens)
+    (guided - plain).backward()
+    for layer in model.decoder.layers:
+        grad = layer.cross_attn.query_net.weight.grad.abs().reshape(4, -1).amax(dim=1)  # (D, D) -> per head
+        assert grad[0] > 0 and grad[1:].max() <= 1e-4 * grad[0], grad  # float noise of two graphs
