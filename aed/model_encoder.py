@@ -256,18 +256,14 @@ class ConformerConvolution(nn.Module):
         self.pointwise_conv2 = nn.Conv1d(d_model, d_model, kernel_size=1)
 
     def forward(self, x, pad_mask):
-        # The 1x1 convolutions run as matrix products over the (B, T', D) rows, which needs no
-        # transpose around them and takes the GEMM library's kernels: on an H200, cuDNN ran the 1x1
-        # Conv1d with an sm75 kernel at a tenth of the GEMMs' rate (docs/REPORT.md, "Training step
-        # speed"). The weights keep NeMo's (out, in, 1) Conv1d shape, so checkpoints map 1:1.
-        x = F.glu(F.linear(x, self.pointwise_conv1.weight[..., 0], self.pointwise_conv1.bias), dim=-1)  # (B, T', 2D) -> (B, T', D)
-        x = x.masked_fill(pad_mask[:, :, None], 0.0).transpose(1, 2)  # (B, D, T'); padded frames must not reach valid ones through the kernel
+        x = F.glu(self.pointwise_conv1(x.transpose(1, 2)), dim=1)  # (B, T', D) -> (B, 2D, T') -> (B, D, T')
+        x = x.masked_fill(pad_mask[:, None, :], 0.0)  # padded frames must not reach valid ones through the kernel
         x = depthwise_by_shifts(x, self.depthwise_conv) if torch.compiler.is_dynamo_compiling() else self.depthwise_conv(x)
         if isinstance(self.batch_norm, nn.LayerNorm):
-            x = self.batch_norm(x.transpose(1, 2))  # normalise over D: (B, T', D)
+            x = self.batch_norm(x.transpose(1, 2)).transpose(1, 2)  # normalise over D: (B, T', D) and back
         else:
-            x = self.batch_norm(x, pad_mask).transpose(1, 2)  # (B, D, T') -> (B, T', D)
-        return F.linear(F.silu(x), self.pointwise_conv2.weight[..., 0], self.pointwise_conv2.bias)
+            x = self.batch_norm(x, pad_mask)
+        return self.pointwise_conv2(F.silu(x)).transpose(1, 2)  # (B, D, T') -> (B, T', D)
 
 
 class ConformerLayer(nn.Module):
