@@ -27,11 +27,12 @@ aed's FLOP counter (matmuls, convolutions and attention, counted once per shape 
 step: model FLOPs, without the recomputation of checkpointing); MFU against the device's dense
 peak from `PEAKS` (GPUs) and against the matmul peak measured here (train.py's progress line's);
 peak memory (CUDA: max allocated; CPU: live tensors, eager steps only); forward, backward and
-optimizer ms from steps timed phase by phase (train_step's calls in its order, the device synchronised
-between them: medians, which need not add up to the step's). Waiting for data is not part of a step: train.py's progress line reports it for a real
-run (`data` share); `--profile N` logs the N ops one step spends most time in, per bucket. "all" rows: the measured buckets together (equal steps per bucket). Last
-line: JSON with every row, per variant, and the compiled/eager and fused/default ratios of audio
-seconds per second.
+optimizer ms from steps timed phase by phase (train_step's calls in its order, the device
+synchronised between them: medians, which need not add up to the step's). Waiting for data is not
+part of a step: train.py's progress line reports it for a real run (`data` share). `--profile N`
+logs the N ops one step spends most time in, per bucket. "all" rows: the measured buckets together
+(equal steps per bucket). Last line: JSON with every row, per variant, and the compiled/eager and
+fused/default ratios of audio seconds per second.
 """
 
 import argparse

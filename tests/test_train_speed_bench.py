@@ -1,5 +1,6 @@
-"""bench/train_speed_bench.py's model FLOPs: extended from batches of 1 and 2 rows to a whole
-bucket, so that a checkpointed batch size, which a plain step would not fit, is counted too."""
+"""bench/train_speed_bench.py's model FLOPs, extended from batches of 1 and 2 rows to a whole
+bucket, so that a checkpointed batch size, which a plain step would not fit, is counted too; and
+its profile of one step."""
 
 import sys
 from pathlib import Path
