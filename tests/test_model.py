@@ -413,5 +413,5 @@ def test_a_guide_on_one_head_trains_that_head_alone():
     guided, _ = model(feats, feat_lens, tokens, token_lens, prompt_lens)
     (guided - plain).backward()
     for layer in model.decoder.layers:
-        grad = layer.cross_attn.query_net.weight.grad.abs().reshape(4, -1).amax(dim=1)  # (D, D) -> per head
+        grad = layer.cross_attn.query_net.weight.grad.abs().reshape(model.cfg.dec_heads, -1).amax(dim=1)  # (D, D) -> per head
         assert grad[0] > 0 and grad[1:].max() <= 1e-4 * grad[0], grad  # float noise of two graphs
