@@ -37,5 +37,7 @@ def test_the_profile_lists_the_step_s_matrix_products():
     cfg = load_train_config(["configs/tiny.yaml"], [])
     bench = Bench(cfg, torch.device("cpu"), "none", compiled=False)
     table = bench.profile(bench.batch(2, 161, 12), rows=5)
-    assert "Self CPU" in table and len(table.splitlines()) == 5 + 5  # 5 ops, 3 rules, a header, the total
+    ops = [line for line in table.splitlines()
+           if line.strip() and not line.startswith("-") and "Name" not in line and "time total" not in line]
+    assert "Self CPU" in table and len(ops) == 5, table  # the rows asked for, between rules, header and total
     assert "aten::mm" in table or "aten::addmm" in table  # a transformer's step spends most in its products
