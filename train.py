@@ -335,6 +335,8 @@ def set_attention_guide(setup: TrainingSetup, batch, step: int, guide: GuideStat
                      "other utterances' audio than with its own: %s", step, gap,
                      "it listens, attention guide off" if guide.ended is not None else
                      f"attention guide stays on until {LISTENING_GAP} (or step {int(steps)})")
+    ramp = cfg.train.attention_guide_ramp
+    weight *= min(1.0, step / ramp) if ramp else 1.0  # weak while the CTC head that sets the path is still untrained
     model.attention_guide = weight if step < steps and guide.ended is None else 0.0
     model.guide_to, model.guide_heads = cfg.train.attention_guide_to, cfg.train.attention_guide_heads
 

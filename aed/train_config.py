@@ -63,6 +63,7 @@ class TrainSection:
     attention_guide: list[float] | None = None  # [weight, steps]: for the first steps, a loss on cross-attention far from the text/audio diagonal (guided attention; objective aed; docs/training.md)
     attention_guide_to: str = "diagonal"  # where attention_guide points each token: diagonal (its place n/N in the audio) | ctc (its span in the CTC head's forced alignment; needs model.ctc_weight > 0)
     attention_guide_heads: int | None = None  # guide only the first this many heads of each cross-attention layer, leaving the others free to look anywhere (None: every head)
+    attention_guide_ramp: int = 0  # steps over which the guide's weight rises linearly from 0 to its full value (0: full from the first step)
     attention_guide_until: str = "steps"  # steps: the guide lasts its steps | listening: it also ends at the first check (every 50 steps) where the decoder uses the audio of its training batch (train.py)
     speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]: every utterance once at each speed (Kaldi, ESPnet, icefall); in-memory manifests
     mix_temperature: float | None = None  # balance sources and languages: each (dataset, language) group of train.manifests gets a share of the audio proportional to hours^(1/T); 1: natural proportions, .inf: uniform; None: the entries' weights (aed/data_mixing.py)
@@ -89,6 +90,8 @@ class TrainSection:
             raise ConfigError(f"train.attention_guide_to: expected diagonal or ctc, got {self.attention_guide_to!r}")
         if self.attention_guide_heads is not None and self.attention_guide_heads < 1:
             raise ConfigError(f"train.attention_guide_heads: expected >= 1 or null, got {self.attention_guide_heads}")
+        if self.attention_guide_ramp < 0:
+            raise ConfigError(f"train.attention_guide_ramp: expected >= 0 steps, got {self.attention_guide_ramp}")
         if self.attention_guide_until not in ("steps", "listening"):
             raise ConfigError(f"train.attention_guide_until: expected steps or listening, got {self.attention_guide_until!r}")
         if any(not 0.5 <= f <= 2.0 or abs(100 * f - round(100 * f)) > 1e-6 for f in self.speed_perturb):
