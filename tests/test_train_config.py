@@ -46,7 +46,8 @@ def test_choices_are_checked_with_the_key_named():
                           ("train.allocation=loose", "train.allocation"), ("model.enc_heads=5", "model"),
                           ("optim.schedule=linear", "optim.schedule"),
                           ("spec_augment.freq_warp=1.0", "spec_augment"),
-                          ("train.attention_guide_to=alignment", "train.attention_guide_to")]:
+                          ("train.attention_guide_to=alignment", "train.attention_guide_to"),
+                          ("train.attention_guide_ramp=-1", "train.attention_guide_ramp")]:
         with pytest.raises(ConfigError, match=key):
             load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), [override])
     # the CTC alignment needs a CTC head; the diagonal does not

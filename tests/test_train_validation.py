@@ -102,6 +102,27 @@ def test_batch_listening_gap_is_the_token_mean_of_swapped_minus_own_and_zero_for
     assert batch_listening_gap(lambda: pytest.fail("built"), one, cpu, "fp32", "none") is None
 
 
+def test_the_guide_ramps_up_to_its_weight_then_ends_at_its_steps():
+    """train.attention_guide_ramp: the weight rises linearly from 0 over the ramp's steps, holds, and
+    is 0 from the guide's last step on; without a ramp it is full from step 0."""
+    from types import SimpleNamespace
+
+    import train
+    from aed.train_config import load_train_config
+
+    def weights(*overrides):
+        cfg = load_train_config("configs/tiny.yaml", ["train.attention_guide=[2.0,300]", *overrides])
+        setup = SimpleNamespace(cfg=cfg, model=SimpleNamespace())
+        out = []
+        for step in (0, 50, 100, 250, 299, 300):
+            train.set_attention_guide(setup, None, step, train.GuideState())
+            out.append(setup.model.attention_guide)
+        return out
+
+    assert weights("train.attention_guide_ramp=100") == [0.0, 1.0, 2.0, 2.0, 2.0, 0.0]
+    assert weights() == [2.0, 2.0, 2.0, 2.0, 2.0, 0.0]
+
+
 @pytest.mark.slow(seconds=40)
 def test_the_guide_until_listening_ends_at_the_first_check_that_listens_and_resumes_where_it_stood(tmp_path,
                                                                                                      monkeypatch):
