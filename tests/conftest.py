@@ -1,7 +1,9 @@
 import os
+import shutil
 
 import pytest
 import torch
+from filelock import FileLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,6 +29,30 @@ def checkout_on_pythonpath():
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PYTHONPATH", ROOT, prepend=os.pathsep)
         yield
+
+
+@pytest.fixture(scope="session")
+def made_once(tmp_path_factory):
+    """made_once(name, make) -> a folder that `make(folder)` filled, once per `make test`.
+
+    `--dist worksteal` spreads a module's tests over both workers, so a module fixture that trains or
+    exports would run in each. Here the first worker to ask makes the folder under the session's
+    shared temp dir; the other waits on its lock and reuses it. The folder is read-only by convention:
+    tests copy what they change."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # pytest-N/, above popen-gwK/
+
+    def made(name: str, make):
+        folder, done = shared / name, shared / f"{name}.made"
+        with FileLock(f"{folder}.lock"):
+            if not done.exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir()
+                make(folder)
+                done.touch()
+        return folder
+
+    return made
 
 
 def expected_seconds(item) -> float:

@@ -72,17 +72,19 @@ def flash_checkpoint(path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def word(tmp_path_factory):
-    out = tmp_path_factory.mktemp("word")
-    export_onnx.export(str(ROOT / "tests" / "fixtures" / "word_model.pt"), str(out))
+def word(made_once):
+    out = made_once("onnx-word", lambda folder: export_onnx.export(str(ROOT / "tests" / "fixtures" / "word_model.pt"),
+                                                                  str(folder)))
     return load_model(str(ROOT / "tests" / "fixtures" / "word_model.pt")), out
 
 
 @pytest.fixture(scope="module")
-def flash(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("flash")
-    flash_checkpoint(tmp / "flash.pt")
-    export_onnx.export(str(tmp / "flash.pt"), str(tmp / "onnx"), int8=True, sherpa=True)
+def flash(made_once):
+    def make(folder):
+        flash_checkpoint(folder / "flash.pt")
+        export_onnx.export(str(folder / "flash.pt"), str(folder / "onnx"), int8=True, sherpa=True)
+
+    tmp = made_once("onnx-flash", make)
     return load_model(str(tmp / "flash.pt")), tmp / "onnx"
 
 

@@ -48,7 +48,7 @@ def train_utts():
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, train_utts):
+def run_dir(made_once, train_utts):
     """A run directory with a checkpoint (train.py's format) of a tiny model that overfits TRAIN_IDS.
 
     Trained here, not with train.py: a model that memorised its utterances sample-exactly fails when
@@ -56,57 +56,58 @@ def run_dir(tmp_path_factory, train_utts):
     utterance with 0-0.3 s of near-silence. Full-batch Adam at a constant rate then converges in ~150
     steps (~10 s of CPU); train.py's warmup/decay and sampled batches needed over twice as many.
     """
-    torch.manual_seed(0)
-    tokenizer = Tokenizer.load(os.path.join(MINI, "tokenizer"))
-    features = FeatureConfig(n_mels=32)
-    cfg = AEDConfig(n_mels=32, vocab_size=tokenizer.padded_vocab_size, pad_id=tokenizer.pad, enc_d_model=64,
-                    enc_layers=2, enc_heads=2, subsampling_channels=16, dec_d_model=64, dec_layers=1, dec_heads=2,
-                    dec_max_len=64, enc_dropout=0.0, enc_dropout_pre_encoder=0.0, enc_dropout_att=0.0,
-                    dec_dropout=0.0, dec_dropout_att=0.0, loss_on_prompt=False)
-    model = AED(cfg)
-    logmel = LogMel(features).eval()  # no dither: the silence padding is the augmentation
-    wavs = [load_audio(u.audio_filepath) for u in train_utts]
-    seqs = [encode_utterance(tokenizer, u)[0] for u in train_utts]
-    tokens = torch.full((len(seqs), max(map(len, seqs))), tokenizer.pad)  # (B, U)
-    for i, s in enumerate(seqs):
-        tokens[i, : len(s)] = torch.tensor(s)
-    token_lens = torch.tensor([len(s) for s in seqs])
-    prompt_lens = torch.full((len(seqs),), 5)
+    def make(path):
+        torch.manual_seed(0)
+        tokenizer = Tokenizer.load(os.path.join(MINI, "tokenizer"))
+        features = FeatureConfig(n_mels=32)
+        cfg = AEDConfig(n_mels=32, vocab_size=tokenizer.padded_vocab_size, pad_id=tokenizer.pad, enc_d_model=64,
+                        enc_layers=2, enc_heads=2, subsampling_channels=16, dec_d_model=64, dec_layers=1, dec_heads=2,
+                        dec_max_len=64, enc_dropout=0.0, enc_dropout_pre_encoder=0.0, enc_dropout_att=0.0,
+                        dec_dropout=0.0, dec_dropout_att=0.0, loss_on_prompt=False)
+        model = AED(cfg)
+        logmel = LogMel(features).eval()  # no dither: the silence padding is the augmentation
+        wavs = [load_audio(u.audio_filepath) for u in train_utts]
+        seqs = [encode_utterance(tokenizer, u)[0] for u in train_utts]
+        tokens = torch.full((len(seqs), max(map(len, seqs))), tokenizer.pad)  # (B, U)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s)] = torch.tensor(s)
+        token_lens = torch.tensor([len(s) for s in seqs])
+        prompt_lens = torch.full((len(seqs),), 5)
 
-    def features_of(pads):
-        padded = [with_silence(w, float(a), float(b)) for w, (a, b) in zip(wavs, pads)]
-        lens = torch.tensor([w.numel() for w in padded])
-        batch = torch.zeros(len(padded), int(lens.max()))  # (B, S)
-        for i, w in enumerate(padded):
-            batch[i, : w.numel()] = w
-        return logmel(batch, lens)
+        def features_of(pads):
+            padded = [with_silence(w, float(a), float(b)) for w, (a, b) in zip(wavs, pads)]
+            lens = torch.tensor([w.numel() for w in padded])
+            batch = torch.zeros(len(padded), int(lens.max()))  # (B, S)
+            for i, w in enumerate(padded):
+                batch[i, : w.numel()] = w
+            return logmel(batch, lens)
 
-    def all_correct():
-        model.eval()
-        for pads in (torch.zeros(len(wavs), 2), torch.rand(len(wavs), 2) * MAX_PAD):
-            hyps = decode(model, *features_of(pads), tokens[:, :5], tokenizer.eos)
-            texts = [tokenizer.decode_hypothesis(h) for h in hyps]
-            if texts != [u.text for u in train_utts]:
-                return False
-        return True
+        def all_correct():
+            model.eval()
+            for pads in (torch.zeros(len(wavs), 2), torch.rand(len(wavs), 2) * MAX_PAD):
+                hyps = decode(model, *features_of(pads), tokens[:, :5], tokenizer.eos)
+                texts = [tokenizer.decode_hypothesis(h) for h in hyps]
+                if texts != [u.text for u in train_utts]:
+                    return False
+            return True
 
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for step in range(1, 801):
-        model.train()
-        loss, n = model(*features_of(torch.rand(len(wavs), 2) * MAX_PAD), tokens, token_lens, prompt_lens)
-        (loss / n).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        if step % 25 == 0 and all_correct():
-            break
-    else:
-        pytest.fail("the tiny model did not overfit its 6 utterances in 800 steps")
-    path = tmp_path_factory.mktemp("run")
-    save_checkpoint({"step": step, "model": model.state_dict(), "model_config": dataclasses.asdict(cfg),
-                     "features": dataclasses.asdict(features), "tokenizer": pack_dir(os.path.join(MINI, "tokenizer"))},
-                    str(path), step, keep_last=1)
-    return str(path)
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        for step in range(1, 801):
+            model.train()
+            loss, n = model(*features_of(torch.rand(len(wavs), 2) * MAX_PAD), tokens, token_lens, prompt_lens)
+            (loss / n).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            if step % 25 == 0 and all_correct():
+                break
+        else:
+            pytest.fail("the tiny model did not overfit its 6 utterances in 800 steps")
+        save_checkpoint({"step": step, "model": model.state_dict(), "model_config": dataclasses.asdict(cfg),
+                         "features": dataclasses.asdict(features), "tokenizer": pack_dir(os.path.join(MINI, "tokenizer"))},
+                        str(path), step, keep_last=1)
+
+    return str(made_once("infer-run", make))
 
 
 @pytest.fixture(scope="module")

@@ -33,21 +33,25 @@ def copy_until(src, dst, step: int) -> None:
                                                        and n != f"ckpt-{step:08d}"])
 
 
-def two_rank_run(tmp_path_factory, strategy: str):
+def two_rank_run(made_once, strategy: str):
     """6 steps at 2 ranks, with a checkpoint at step 3 (and 6): (run dir, train.py's stderr)."""
-    run = tmp_path_factory.mktemp(strategy) / "run"
-    p = run_train(run, f"train.strategy={strategy}", "max_steps=6", "ckpt_every=3", "keep_last=2", *VALIDATE, nproc=2)
-    return run, p.stderr
+    def make(folder):
+        p = run_train(folder / "run", f"train.strategy={strategy}", "max_steps=6", "ckpt_every=3", "keep_last=2",
+                      *VALIDATE, nproc=2)
+        (folder / "stderr.txt").write_text(p.stderr)
+
+    folder = made_once(f"two-rank-{strategy}", make)
+    return folder / "run", (folder / "stderr.txt").read_text()
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    return two_rank_run(tmp_path_factory, "ddp")
+def ddp_run(made_once):
+    return two_rank_run(made_once, "ddp")
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
-    return two_rank_run(tmp_path_factory, "fsdp")[0]
+def fsdp_run(made_once):
+    return two_rank_run(made_once, "fsdp")[0]
 
 
 def test_ddp_two_ranks_stay_in_sync(ddp_run):

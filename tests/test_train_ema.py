@@ -123,11 +123,14 @@ RUN = ("ema_decay=0.9", "max_steps=4", "ckpt_every=2", "keep_last=3")
 
 
 @pytest.fixture(scope="module")
-def ema_run(tmp_path_factory):
+def ema_run(made_once):
     """4 steps with an EMA, checkpoints at 2 and 4, validation at 0, 2 and 4: (run dir, stderr)."""
-    run = tmp_path_factory.mktemp("ema") / "run"
-    p = run_train(run, *RUN, "val.every=2", "val.max_utterances=4")
-    return run, p.stderr
+    def make(folder):
+        p = run_train(folder / "run", *RUN, "val.every=2", "val.max_utterances=4")
+        (folder / "stderr.txt").write_text(p.stderr)
+
+    folder = made_once("ema-run", make)
+    return folder / "run", (folder / "stderr.txt").read_text()
 
 
 @pytest.mark.slow(seconds=12)
