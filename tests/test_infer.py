@@ -104,8 +104,8 @@ def run_dir(made_once, train_utts):
         else:
             pytest.fail("the tiny model did not overfit its 6 utterances in 800 steps")
         save_checkpoint({"step": step, "model": model.state_dict(), "model_config": dataclasses.asdict(cfg),
-                         "features": dataclasses.asdict(features), "tokenizer": pack_dir(os.path.join(MINI, "tokenizer"))},
-                        str(path), step, keep_last=1)
+                         "features": dataclasses.asdict(features),
+                         "tokenizer": pack_dir(os.path.join(MINI, "tokenizer"))}, str(path), step, keep_last=1)
 
     return str(made_once("infer-run", make))
 
