@@ -1,6 +1,7 @@
 """torchrun --max-restarts end to end: a rank killed mid-run (SIGKILL) makes torchrun stop the other
 rank and start both again, and the new workers resume from the newest complete checkpoint without
-anyone re-running the command. Two ranks on CPU (gloo), against an uninterrupted run."""
+anyone re-running the command. Two ranks on CPU (gloo), against the uninterrupted DDP run that
+tests/test_train_distributed.py makes once per session."""
 
 import contextlib
 import os
@@ -12,12 +13,13 @@ import time
 import pytest
 import torch
 from test_train import ROOT, SMALL, losses
+from test_train_distributed import TWO_RANK, two_rank_run
 
 from aed.train_checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.slow(seconds=80)
-# A checkpoint every 2 steps: the kill comes right after the first one, with 3-4 steps still to go.
-RUN = ("max_steps=6", "ckpt_every=2")
+# The reference run's settings: the kill comes right after the first checkpoint (step 3), with 2-3 steps to go.
+RUN = ("train.strategy=ddp", *TWO_RANK)
 
 
 def workers(torchrun_pid: int) -> dict[int, int]:
@@ -52,33 +54,28 @@ def torchrun(run_dir, log_path, *args) -> subprocess.Popen:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def test_a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
-    reference, run = tmp_path / "reference", tmp_path / "restarted"
-    # Side by side: the reference trains while the other run starts, waits and restarts.
-    procs = [torchrun(reference, tmp_path / "reference.log"),
-             torchrun(run, tmp_path / "restarted.log", "--max-restarts=1")]
+def test_a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one(tmp_path, made_once):
+    reference, run = two_rank_run(made_once, "ddp")[0], tmp_path / "restarted"
+    p = torchrun(run, tmp_path / "restarted.log", "--max-restarts=1")
     try:
-        first = run / "ckpt-00000002" / "COMPLETE"
+        first = run / "ckpt-00000003" / "COMPLETE"
         deadline = time.monotonic() + 300  # generous: 2 busy cores
-        while not first.exists() and procs[1].poll() is None and time.monotonic() < deadline:
+        while not first.exists() and p.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert first.exists(), f"no checkpoint at step 2:\n{(tmp_path / 'restarted.log').read_text()[-5000:]}"
-        started = workers(procs[1].pid)
+        assert first.exists(), f"no checkpoint at step 3:\n{(tmp_path / 'restarted.log').read_text()[-5000:]}"
+        started = workers(p.pid)
         assert sorted(started) == [0, 1], started
         os.kill(started[0], signal.SIGKILL)  # rank 0: it also publishes the checkpoints
-        for p in procs:
-            p.wait(timeout=600)
+        p.wait(timeout=600)
     finally:
-        for p in procs:
-            if p.poll() is None:  # a hang: end torchrun and the workers it started, by their ids
-                for pid in workers(p.pid).values():
-                    with contextlib.suppress(ProcessLookupError):  # one that ended meanwhile
-                        os.killpg(pid, signal.SIGKILL)  # torchrun starts each worker in a session of its own
-                p.kill()
-                p.wait()
-    for p, name in zip(procs, ("reference", "restarted")):
-        assert p.returncode == 0, (tmp_path / f"{name}.log").read_text()[-5000:]
+        if p.poll() is None:  # a hang: end torchrun and the workers it started, by their ids
+            for pid in workers(p.pid).values():
+                with contextlib.suppress(ProcessLookupError):  # one that ended meanwhile
+                    os.killpg(pid, signal.SIGKILL)  # torchrun starts each worker in a session of its own
+            p.kill()
+            p.wait()
     out = (tmp_path / "restarted.log").read_text()
+    assert p.returncode == 0, out[-5000:]
     assert "restart 1 of torchrun's --max-restarts 1: resuming from" in out, out[-5000:]
 
     # The same batches after the checkpoint, and bitwise the same weights at the end, BatchNorm's running

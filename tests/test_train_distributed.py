@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 # FSDP reduce-scatters where DDP all-reduces, and sums in another order: not bitwise, but close.
 LOSS_TOLERANCE = 1e-4
 VALIDATE = ("val.every=6", "val.max_utterances=8")  # validation on a gathered copy of the sharded weights
+TWO_RANK = ("max_steps=6", "ckpt_every=3", "keep_last=2", *VALIDATE)  # the runs two_rank_run makes
 
 
 def metric(run_dir, key: str):
@@ -36,8 +37,7 @@ def copy_until(src, dst, step: int) -> None:
 def two_rank_run(made_once, strategy: str):
     """6 steps at 2 ranks, with a checkpoint at step 3 (and 6): (run dir, train.py's stderr)."""
     def make(folder):
-        p = run_train(folder / "run", f"train.strategy={strategy}", "max_steps=6", "ckpt_every=3", "keep_last=2",
-                      *VALIDATE, nproc=2)
+        p = run_train(folder / "run", f"train.strategy={strategy}", *TWO_RANK, nproc=2)
         (folder / "stderr.txt").write_text(p.stderr)
 
     folder = made_once(f"two-rank-{strategy}", make)
