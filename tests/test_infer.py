@@ -406,7 +406,7 @@ def test_the_speed_bench_runs_its_files_part_alone_and_ends_with_its_json():
     line. Each system's peak memory counts its own model only: int8's lacks the fp32 weights it replaced."""
     p = subprocess.run([sys.executable, "bench/infer_speed_bench.py", "--layouts", "canary-180m-flash", "--systems",
                         "aed-int8", "aed-eager", "--parts", "files", "--utterances", "2", "--tokens", "3",
-                        "--batch-sizes", "1", "--long-seconds", "30", "--no-peers"],
+                        "--batch-sizes", "1", "--long-seconds", "30", "--no-peers", "--threads", "1"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
