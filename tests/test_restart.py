@@ -18,7 +18,7 @@ from test_train_distributed import TWO_RANK, two_rank_run
 from aed.train_checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.slow(seconds=80)
-# The reference run's settings: the kill comes right after the first checkpoint (step 3), with 2-3 steps to go.
+# The reference run's settings: the kill comes right after the first checkpoint (step 3), with steps 4-6 to go.
 RUN = ("train.strategy=ddp", *TWO_RANK)
 
 
