@@ -162,8 +162,9 @@ class LogMel(nn.Module):
         )
         self.register_buffer("mel_fb", fb.T.contiguous(), persistent=False)  # (F, n_fft // 2 + 1)
 
-    def forward(self, wav, wav_lens):
+    def forward(self, wav, wav_lens, generator: torch.Generator | None = None):
         """wav (B, S) zero padded, wav_lens (B,) samples -> feats (B, T, F), feat_lens (B,).
+        `generator`: where the training dither draws from (default: torch's global one).
 
         T = max(feat_lens): the STFT's extra trailing frame, and frames that exist only because the
         batch was padded wider than its longest utterance, are dropped rather than carried as padding.
@@ -178,7 +179,7 @@ class LogMel(nn.Module):
         with torch.autocast(device_type=wav.device.type, enabled=False):
             x = wav.float()
             if self.training and cfg.dither > 0:
-                x = x + cfg.dither * torch.randn_like(x)
+                x = x + cfg.dither * torch.randn(x.shape, generator=generator, device=x.device)
             x = torch.cat([x[:, :1], x[:, 1:] - cfg.preemph * x[:, :-1]], dim=1)
             # Dither and pre-emphasis write into the padding; zero it so the STFT frames that
             # straddle an utterance's end see exactly what they would see for the utterance alone.
@@ -194,7 +195,8 @@ class LogMel(nn.Module):
                 pad_mode="constant",
                 return_complex=True,
             )  # (B, n_fft // 2 + 1, 1 + S // hop)
-            power = torch.view_as_real(spec[..., :T]).pow(2).sum(-1)  # (B, n_fft // 2 + 1, T)
+            spec = spec[..., :T]
+            power = spec.real.square() + spec.imag.square()  # (B, n_fft // 2 + 1, T); 3x a sum over view_as_real's pairs
             mel = torch.log(torch.matmul(self.mel_fb, power) + cfg.log_guard)  # (B, F, T)
             feats = self._normalize(mel.transpose(1, 2), feat_lens)  # (B, F, T) -> (B, T, F)
         return feats, feat_lens
