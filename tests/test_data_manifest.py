@@ -136,6 +136,24 @@ def test_make_item_is_the_item_of_files_and_shards_and_inference_prompts_agree(t
                                                           utt, shard_item["index"], tokenizer, logmel, seed=3)["feats"])
 
 
+def test_an_items_dither_is_its_seed_and_index_alone(tmp_path, tokenizer):
+    """make_item draws the dither from a generator of (seed, index): torch's global random state is
+    neither read nor moved, so a worker's other draws cannot change an item, nor an item theirs."""
+    wav = (np.random.default_rng(2).standard_normal(16000) * 0.1).astype("float32")
+    sf.write(tmp_path / "a.wav", wav, 16000, subtype="FLOAT")
+    utt = read_manifest(write_lines(tmp_path / "m.jsonl", [rec(text="A.")]))[0]
+    wav = torch.from_numpy(wav)
+    logmel = LogMel(FeatureConfig(n_mels=80)).train()
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    first = make_item(wav, utt, 5, tokenizer, logmel, seed=3)["feats"]
+    assert torch.equal(torch.random.get_rng_state(), before)
+    torch.manual_seed(123)  # another global state: the same item
+    assert torch.equal(make_item(wav, utt, 5, tokenizer, logmel, seed=3)["feats"], first)
+    assert not torch.equal(make_item(wav, utt, 6, tokenizer, logmel, seed=3)["feats"], first)
+    assert not torch.equal(make_item(wav, utt, 5, tokenizer, logmel, seed=4)["feats"], first)
+
+
 def test_duration_batches_respect_the_padded_budget_and_cover_every_index_once():
     durations = np.random.default_rng(0).uniform(0.5, 20.0, 500).tolist() + [45.0, 12.0, 12.0]
     budget = 60.0
