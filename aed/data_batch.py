@@ -97,8 +97,8 @@ def make_item(wav: torch.Tensor, utt: Utterance, index: int, tokenizer, logmel: 
     gives. Dither noise is seeded by (seed, index): a resumed run sees the same features whichever
     DataLoader worker loads the utterance.
     """
-    # A generator of its own: seeding torch's global one (torch.manual_seed) also queues seeds for
-    # every accelerator torch knows, with a formatted stack trace each: a quarter of this function's time.
+    # A generator of its own: seeding torch's global one (torch.manual_seed) also queues a seed, with a
+    # formatted stack trace, for every accelerator torch knows, for every utterance.
     dither = torch.Generator().manual_seed(seed * 1_000_003 + index)
     with torch.no_grad():
         feats, feat_lens = logmel(wav[None], torch.tensor([wav.numel()]), dither)
