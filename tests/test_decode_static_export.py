@@ -1,6 +1,7 @@
 """torch.export of the encoder and of one decoder step with its KV cache: the exported programs
 compute what the eager model does, for shapes other than the ones they were traced with, and the
-searches decode the same tokens with them as with the eager and the compiled model."""
+searches decode the same tokens with them as with the eager model (tests/test_decode_static.py
+compares the compiled model's searches with eager ones)."""
 
 import dataclasses
 
@@ -11,7 +12,7 @@ from aed.decode_search import DecodingOptions, decode
 from aed.model import AED, AEDConfig
 
 pytest.importorskip("torch.export", reason="torch.export is unavailable in this torch")
-from aed.decode_static import CompiledAED, ExportedAED, empty_cache, export_model  # noqa: E402
+from aed.decode_static import ExportedAED, empty_cache, export_model  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the tests share one export: 7-10 s on 2 CPU cores
 
@@ -96,14 +97,3 @@ def test_the_searches_decode_with_the_exported_programs_as_with_the_eager_model(
     ref = decode(model, feats, feat_lens, prompt, eos, options)
     assert got == ref and len({t for row in got for t in row}) > 1, (got, ref)
 
-
-def test_eager_compiled_and_exported_greedy_decoding_give_the_same_tokens(exported):
-    """One KVCache under all three: a Python-int length (eager), a tensor length in a torch.compile'd step
-    (CompiledAED, really compiled here: two graphs, the prompt's and the step's, ~1 min on 2 CPU cores;
-    tests/test_decode_static.py compiles the beam searches), and the exported step's."""
-    model, encoder, step = exported
-    feats, feat_lens, prompt, eos = decoding_inputs()
-    options = dataclasses.replace(SEARCHES["greedy"], **LIMITS)
-    eager = decode(model, feats, feat_lens, prompt, eos, options)
-    assert decode(CompiledAED(model), feats, feat_lens, prompt, eos, options) == eager
-    assert decode(ExportedAED(encoder, step, max_len=40), feats, feat_lens, prompt, eos, options) == eager
