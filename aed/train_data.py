@@ -207,7 +207,7 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
     if faults.counts:
         log.warning("train.manifests: skipped %s", faults.summary())
     dataset = ExampleDataset(utts, text_tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance, augment)
-    return TrainingData(sampler, dataset, bins, BatchCounter(sampler, epoch_mix_log(cfg.train, utts)), **data,
+    return TrainingData(sampler, dataset, bins, BatchCounter(sampler, epoch_mix_log(cfg.train, utts, world_size)), **data,
                         faults=(faults,), pad_to=compiled_shapes(cfg, bins, reads_text))
 
 
@@ -223,16 +223,16 @@ def compiled_shapes(cfg: TrainConfig, bins: Bins, reads_text: bool) -> list | No
         raise ConfigError(f"train.compile pads batches to their bucket's bounds: {e}") from None
 
 
-def epoch_mix_log(train, utts: list) -> MixLog | None:
+def epoch_mix_log(train, utts: list, world_size: int) -> MixLog | None:
     """The realised-mix log of in-memory manifests mixed by temperature or with non-speech entries:
-    a line per pass (as many examples as the epoch holds), beside the epoch's own composition."""
+    a line per pass (this rank's share of the epoch's examples), beside the epoch's own composition."""
     specs = [{"path": s} if isinstance(s, str) else s for s in train.manifests]
     if train.mix_temperature is None and not any(s.get("nonspeech") for s in specs):
         return None
     by_path = {s["path"]: s for s in specs}
     groups = [group_of(by_path[u.where.rsplit(":", 1)[0]], u) for u in utts]  # where: "path:line"
     seconds = [u.perturbed_duration for u in utts]
-    return MixLog(lambda i: (groups[i], seconds[i]), audio_shares(groups, seconds), len(utts))
+    return MixLog(lambda i: (groups[i], seconds[i]), audio_shares(groups, seconds), len(utts) // world_size)
 
 
 class BatchCounter:

@@ -232,6 +232,9 @@ def test_resume_replays_the_same_mixed_examples_and_the_mix_is_logged(tmp_path, 
     # the same examples, each with the same draw (the batch number that seeds its augmentation)
     assert [[(again.dataset.utterances[i].where, draw) for i, draw in next(resumed)] for _ in range(40)] == rest
     assert [draw for batch in rest for _, draw in batch[:1]] == list(range(6, 46))
+    # a rank sees 1/world_size of each pass, so its log line comes after that many examples
+    assert data.counter.mix.every == len(data.dataset.utterances)
+    assert build_training_data(cfg, tokenizer, 0, 2).counter.mix.every == len(data.dataset.utterances) // 2
 
 
 # --- errors name the file and the field -----------------------------------------------------------
