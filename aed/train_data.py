@@ -207,8 +207,9 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
     if faults.counts:
         log.warning("train.manifests: skipped %s", faults.summary())
     dataset = ExampleDataset(utts, text_tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance, augment)
-    return TrainingData(sampler, dataset, bins, BatchCounter(sampler, epoch_mix_log(cfg.train, utts, world_size)), **data,
-                        faults=(faults,), pad_to=compiled_shapes(cfg, bins, reads_text))
+    counter = BatchCounter(sampler, epoch_mix_log(cfg.train, utts, world_size))
+    return TrainingData(sampler, dataset, bins, counter, **data, faults=(faults,),
+                        pad_to=compiled_shapes(cfg, bins, reads_text))
 
 
 def compiled_shapes(cfg: TrainConfig, bins: Bins, reads_text: bool) -> list | None:
