@@ -256,14 +256,22 @@ class ConformerConvolution(nn.Module):
         self.pointwise_conv2 = nn.Conv1d(d_model, d_model, kernel_size=1)
 
     def forward(self, x, pad_mask):
-        x = F.glu(self.pointwise_conv1(x.transpose(1, 2)), dim=1)  # (B, T', D) -> (B, 2D, T') -> (B, D, T')
-        x = x.masked_fill(pad_mask[:, None, :], 0.0)  # padded frames must not reach valid ones through the kernel
+        # The 1x1 convolutions run as matrix products over the (B, T', D) rows, on weights kept in NeMo's
+        # (out, in, 1) Conv1d shape (checkpoints map 1:1). As convolutions they cost twice: on an H200
+        # cuDNN ran them with an sm75 kernel at a tenth of the GEMMs' rate, and in a compiled block a
+        # convolution turns on inductor's layout optimisation, which gave the attention's probabilities
+        # a layout the CPU's bmm multiplies one matrix at a time (docs/REPORT.md, "Training step speed").
+        # SiLU runs before the transpose back: on the transposed view torch.export guards T' != 1.
+        w1, w2 = self.pointwise_conv1, self.pointwise_conv2
+        x = F.glu(F.linear(x, w1.weight[..., 0], w1.bias), dim=-1)  # (B, T', D) -> (B, T', 2D) -> (B, T', D)
+        x = x.masked_fill(pad_mask[:, :, None], 0.0)  # padded frames must not reach valid ones through the kernel
+        x = x.transpose(1, 2)  # (B, D, T'): the depthwise kernel runs along time
         x = depthwise_by_shifts(x, self.depthwise_conv) if torch.compiler.is_dynamo_compiling() else self.depthwise_conv(x)
         if isinstance(self.batch_norm, nn.LayerNorm):
-            x = self.batch_norm(x.transpose(1, 2)).transpose(1, 2)  # normalise over D: (B, T', D) and back
+            x = F.silu(self.batch_norm(x.transpose(1, 2)))  # normalise over D: (B, T', D)
         else:
-            x = self.batch_norm(x, pad_mask)
-        return self.pointwise_conv2(F.silu(x)).transpose(1, 2)  # (B, D, T') -> (B, T', D)
+            x = F.silu(self.batch_norm(x, pad_mask)).transpose(1, 2)  # (B, D, T') -> (B, T', D)
+        return F.linear(x, w2.weight[..., 0], w2.bias)
 
 
 class ConformerLayer(nn.Module):
