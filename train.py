@@ -390,9 +390,6 @@ def main(argv: list[str] | None = None) -> None:
         log.info("compile: %d blocks compiled (torch.compile); batches padded to their bucket's bounds, so each "
                  "compiles at most once per bucket (%d buckets; docs/training.md)",
                  compile_layers(model, len(data.pad_to)), len(data.pad_to))
-        if device.type == "cpu":
-            log.warning("compile: on CPUs compiled blocks have trained slower than eager ones, after minutes of "
-                        "compiling (docs/REPORT.md, Training step speed); they pay on GPUs")
 
     # --- training loop
     received = catch_stop_signals()

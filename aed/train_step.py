@@ -109,14 +109,16 @@ def compile_layers(model: nn.Module, shapes: int = 0, backend: str = "inductor")
     """torch.compile the forward of every encoder layer and decoder block, as torchtitan compiles
     per block: the blocks hold nearly all of a step's compute, while what sits between them (length
     arithmetic on the host, masks, the losses) would break a whole-model graph into pieces. Shapes
-    are marked dynamic (batch, frames, tokens) and the layers of a stack share one graph, but
-    inductor with torch 2.14 still fixes the sequence lengths in the compiled backward, so each new
-    padded length compiles again (docs/training.md). train.py therefore pads every batch to its
-    bucket's bounds (`compiled_shapes`): `shapes`, the number of buckets, is how many graphs a block
-    may then need, and torch's recompile limit is raised to hold them all. A block runs compiled in
-    train mode only: validation's batches have other shapes, and would use up that limit. Replacing
-    `forward` on the instance keeps the module itself, so state_dict keys, FSDP's hooks around each
-    block and activation checkpointing stay as they are. Returns the number of blocks compiled.
+    are marked dynamic (batch, frames, tokens) and the layers of a stack share one graph, which on
+    the CPU serves every length (torch 2.14: inductor fixed the lengths while a block held a
+    convolution; docs/training.md). train.py still pads every batch to its bucket's bounds
+    (`compiled_shapes`), so that the shapes stay a finite set where one graph per length has not
+    been shown (GPUs: tests/test_cuda.py checks it): `shapes`, the number of buckets, is how many
+    graphs a block may then need, and torch's recompile limit is raised to hold them all. A block
+    runs compiled in train mode only: validation's batches have other shapes, and would use up that
+    limit. Replacing `forward` on the instance keeps the module itself, so state_dict keys, FSDP's
+    hooks around each block and activation checkpointing stay as they are. Returns the number of
+    blocks compiled.
     `backend`: torch.compile's (the tests' aot_eager traces the same graphs without generating code)."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, shapes + 1)  # + the first, dynamic, graph

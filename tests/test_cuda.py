@@ -135,28 +135,34 @@ def test_train_py_fsdp_over_nccl_in_bf16_then_infer_reads_it_on_cpu(tmp_path):
     assert results[0].error is None
 
 
-def test_compiled_bf16_blocks_train_as_eager_ones():
+def test_compiled_bf16_blocks_train_as_eager_ones_and_keep_one_graph_per_length():
     """train.compile on CUDA: inductor's Triton kernels in bf16 autocast, against the eager step at
-    the same weights and batch (bf16 rounding: the loss within 1%), then two more shapes."""
+    the same weights and batch (bf16 rounding: the loss within 1%), over four lengths. On the CPU the
+    blocks, with no convolution left in them, keep one graph for every length (docs/training.md);
+    here the shapes after the second must add no graph either."""
     from test_train_compile import SHAPES, padded_batch, setup_of
+    from torch._dynamo.utils import counters
 
     from aed.train_step import compile_layers, count_targets
 
-    losses = {}
+    losses, graphs = {}, []
     for compiled in (False, True):
         torch._dynamo.reset()
+        counters.clear()
         setup = setup_of("precision=bf16", device="cuda")
         if compiled:
             compile_layers(setup.model)
         losses[compiled] = []
-        for i, shape in enumerate(SHAPES[:3]):
+        for i, shape in enumerate(SHAPES[:4]):
             batch = padded_batch(setup, *shape, seed=i).to("cuda")
             n = count_targets(setup.model, [batch])
             torch.manual_seed(100 + i)
             result = train_step(setup.model, [batch], setup.optimizer, setup.scaler, setup.spec_augment, "bf16",
                                 clip_grad=1e9, num_targets=n)
             losses[compiled].append(result.loss.item() / n)
+            graphs.append(counters["stats"]["unique_graphs"])
     assert losses[True] == pytest.approx(losses[False], rel=1e-2), losses
+    assert graphs[-1] == graphs[-3] > 0, graphs  # the compiled run's graphs after its second shape and its last
 
 
 def test_checkpointed_fsdp_step_over_nccl_trains_as_the_plain_one(tmp_path):
