@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
                  format_bytes(ema.nbytes))
     if cfg.compile:
         log.info("compile: %d blocks compiled (torch.compile); batches padded to their bucket's bounds, so each "
-                 "compiles at most once per bucket (%d buckets; docs/training.md)",
+                 "compiles at most once per bucket (%d buckets; docs/training.md), at its first batch",
                  compile_layers(model, len(data.pad_to)), len(data.pad_to))
 
     # --- training loop

@@ -257,11 +257,11 @@ class ConformerConvolution(nn.Module):
 
     def forward(self, x, pad_mask):
         # The 1x1 convolutions run as matrix products over the (B, T', D) rows, on weights kept in NeMo's
-        # (out, in, 1) Conv1d shape (checkpoints map 1:1). As convolutions they cost twice: on an H200
-        # cuDNN ran them with an sm75 kernel at a tenth of the GEMMs' rate, and in a compiled block a
-        # convolution turns on inductor's layout optimisation, which gave the attention's probabilities
-        # a layout the CPU's bmm multiplies one matrix at a time (docs/REPORT.md, "Training step speed").
-        # SiLU runs before the transpose back: on the transposed view torch.export guards T' != 1.
+        # (out, in, 1) Conv1d shape (checkpoints map 1:1): the GEMM library's kernels instead of the
+        # convolution library's, no transposes around them, and no convolution in a compiled block, where
+        # one turns on inductor's layout optimisation and fixes the sequence length (docs/REPORT.md,
+        # "Training step speed"). SiLU runs before the transpose back: on the transposed view
+        # torch.export guards T' != 1.
         w1, w2 = self.pointwise_conv1, self.pointwise_conv2
         x = F.glu(F.linear(x, w1.weight[..., 0], w1.bias), dim=-1)  # (B, T', D) -> (B, T', 2D) -> (B, T', D)
         x = x.masked_fill(pad_mask[:, :, None], 0.0)  # padded frames must not reach valid ones through the kernel

@@ -110,8 +110,8 @@ def compile_layers(model: nn.Module, shapes: int = 0, backend: str = "inductor")
     per block: the blocks hold nearly all of a step's compute, while what sits between them (length
     arithmetic on the host, masks, the losses) would break a whole-model graph into pieces. Shapes
     are marked dynamic (batch, frames, tokens) and the layers of a stack share one graph, which on
-    the CPU serves every length (torch 2.14: inductor fixed the lengths while a block held a
-    convolution; docs/training.md). train.py still pads every batch to its bucket's bounds
+    the CPU serves every length as long as no block holds a convolution (inductor fixes the length
+    of a convolution's backward; docs/training.md). train.py still pads every batch to its bucket's bounds
     (`compiled_shapes`), so that the shapes stay a finite set where one graph per length has not
     been shown (GPUs: tests/test_cuda.py checks it): `shapes`, the number of buckets, is how many
     graphs a block may then need, and torch's recompile limit is raised to hold them all. A block

@@ -138,7 +138,7 @@ def test_train_py_fsdp_over_nccl_in_bf16_then_infer_reads_it_on_cpu(tmp_path):
 def test_compiled_bf16_blocks_train_as_eager_ones_and_keep_one_graph_per_length():
     """train.compile on CUDA: inductor's Triton kernels in bf16 autocast, against the eager step at
     the same weights and batch (bf16 rounding: the loss within 1%), over four lengths. On the CPU the
-    blocks, with no convolution left in them, keep one graph for every length (docs/training.md);
+    blocks, which hold no convolution, keep one graph for every length (docs/training.md);
     here the shapes after the second must add no graph either."""
     from test_train_compile import SHAPES, padded_batch, setup_of
     from torch._dynamo.utils import counters
