@@ -69,9 +69,9 @@ def print_table(columns: list, rows: list) -> None:
         print(" ".join(f"{value:{spec}}" for value, (_, spec) in zip(row, columns)))
 
 
-def print_json(result: dict) -> None:
-    """The benchmark's results, as the last line it prints (read back by last_json). A value that was
-    not measured (NaN) or has no bound (inf) is null: strict JSON, which jq and other languages parse."""
+def json_line(result: dict) -> str:
+    """`result` as one line of strict JSON, which jq and other languages parse: a value that was not
+    measured (NaN) or has no bound (inf) is null."""
     def strict(x):
         if isinstance(x, float) and not math.isfinite(x):
             return None
@@ -79,7 +79,12 @@ def print_json(result: dict) -> None:
             return {k: strict(v) for k, v in x.items()}
         return [strict(v) for v in x] if isinstance(x, (list, tuple)) else x
 
-    print(json.dumps(strict(result), allow_nan=False))
+    return json.dumps(strict(result), allow_nan=False)
+
+
+def print_json(result: dict) -> None:
+    """The benchmark's results, as the last line it prints (read back by last_json)."""
+    print(json_line(result))
 
 
 def last_json(stdout: str) -> dict:

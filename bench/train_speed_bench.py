@@ -4,6 +4,7 @@ without activation checkpointing, AdamW's fused kernel against torch's default.
 
     python bench/train_speed_bench.py configs/tiny.yaml                                   # CPU, 4 buckets
     python bench/train_speed_bench.py configs/tiny.yaml --compile both --checkpointing none both
+    python bench/train_speed_bench.py configs/tiny.yaml --compile both --interleave  # eager and compiled in turn
     python bench/train_speed_bench.py configs/laptop.yaml --fused both --buckets 2
     python oom.py --config configs/canary-1b-flash.yaml --manifest train.jsonl -o bs.json   # on the GPU
     python bench/train_speed_bench.py configs/canary-1b-flash.yaml --batch-sizes bs.json --compile both
@@ -21,6 +22,10 @@ train.manifests and train.max_duration's sizes; --buckets picks that many spread
 to the longest. Batches are artificial (random features and tokens, every row at the bounds), so
 audio seconds and tokens per second are those of full buckets: real batches hold a little less.
 Each bucket runs --warmup steps (the first compiles a new shape), then --steps timed ones.
+Variants run one after the other, or with --interleave all built at once, their steps taken in
+turn: on a shared machine, whose speed drifts by 10-25% from minute to minute, the ratios between
+variants then hold where their absolute figures do not. --save writes the results so far after
+every bucket, for runs under a time limit (a GPU lease).
 
 Columns: step ms (median); audio s/s and tokens/s (batch x bounds / step time); TFLOP/s from
 aed's FLOP counter (matmuls, convolutions and attention, counted once per shape on the eager plain
@@ -38,9 +43,11 @@ fused/default ratios of audio seconds per second.
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
-from common import ROOT, cores, load_avg, log, max_duration_sizes, print_json, print_table, show_library_logs
+from common import (ROOT, cores, json_line, load_avg, log, max_duration_sizes, print_json, print_table,
+                    show_library_logs)
 from torch.nn.parallel import DistributedDataParallel
 
 from aed.data_bins import bins_from_manifests
@@ -97,9 +104,9 @@ def spread(items: list, k: int) -> list:
 class Bench:
     """One variant's model and optimizer (compiled or not, checkpointed or not, fused or not) and its timed steps."""
 
-    def __init__(self, cfg, device, strategy: str, compiled: bool):
+    def __init__(self, cfg, device, strategy: str, compiled: bool, name: str = ""):
         self.setup = build_training_setup(cfg, device)
-        self.device, self.compiled = device, compiled
+        self.device, self.compiled, self.name = device, compiled, name
         self.module = self.setup.model
         self.model = DistributedDataParallel(self.module) if strategy == "ddp" else self.module
 
@@ -140,14 +147,11 @@ class Bench:
         self.sync()
         return time.perf_counter()
 
-    def timed(self, batch, reps: int) -> float:
-        """Median seconds of `reps` steps."""
-        times = []
-        for _ in range(reps):
-            t0 = self.clock()
-            self.step(batch)
-            times.append(self.clock() - t0)
-        return statistics.median(times)
+    def timed_step(self, batch) -> float:
+        """Seconds of one step, the device synchronised before and after."""
+        t0 = self.clock()
+        self.step(batch)
+        return self.clock() - t0
 
     def model_flops(self, batch_size: int, frames: int, tokens: int) -> float:
         """FLOPs of one plain eager step at this shape (compiled blocks run eagerly, nothing is
@@ -192,17 +196,31 @@ class Bench:
         return peak_memory(lambda: self.step(batch), self.device, None, existing)
 
 
-def measure(bench: Bench, bucket, args, peaks) -> dict:
+def timings(benches: list, batch, args) -> list[dict]:
+    """Each variant's warm-up seconds and its timed steps and phases on `batch`. The variants take
+    their steps in turn (one step of each, then the next round), so that a change in the machine's
+    load during the run reaches every variant alike: with one variant, the steps of main's loop."""
+    out = []
+    for bench in benches:
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            bench.step(batch)
+        bench.sync()
+        out.append({"warmup_s": time.perf_counter() - t0, "steps": [], "phases": []})
+    for _ in range(args.steps):
+        for bench, t in zip(benches, out):
+            t["steps"].append(bench.timed_step(batch))
+    for _ in range(args.steps):
+        for bench, t in zip(benches, out):
+            t["phases"].append(bench.phases(batch))
+    return out
+
+
+def measure(bench: Bench, bucket, batch, timing: dict, flops: float, args, peaks) -> dict:
+    """One variant's row for one bucket, from its `timings` and the bucket's model FLOPs."""
     d, frames, tokens, batch_size = bucket
-    batch = bench.batch(batch_size, frames, tokens)
-    t0 = time.perf_counter()
-    for _ in range(args.warmup):
-        bench.step(batch)
-    bench.sync()
-    warmup_s = time.perf_counter() - t0
-    step_s = bench.timed(batch, args.steps)
-    forward_s, backward_s, update_s = map(statistics.median, zip(*(bench.phases(batch) for _ in range(args.steps))))
-    flops = bench.model_flops(batch_size, frames, tokens)
+    step_s, warmup_s = statistics.median(timing["steps"]), timing["warmup_s"]
+    forward_s, backward_s, update_s = map(statistics.median, zip(*timing["phases"]))
     peak = bench.peak_bytes(batch)
     if args.profile:
         log(f"  bucket {d:.2f} s, {tokens} tokens: one step's top {args.profile} ops by their own time\n"
@@ -213,20 +231,53 @@ def measure(bench: Bench, bucket, args, peaks) -> dict:
            "forward_ms": 1e3 * forward_s, "backward_ms": 1e3 * backward_s, "optimizer_ms": 1e3 * update_s}
     row["mfu_sheet"] = flops / step_s / peaks["sheet"] if peaks["sheet"] else None
     row["mfu_measured"] = flops / step_s / peaks["measured"]
-    log(f"  bucket {d:.2f} s, {tokens} tokens, batch {batch_size}: {row['step_ms']:.1f} ms, "
+    log(f"  {bench.name}, bucket {d:.2f} s, {tokens} tokens, batch {batch_size}: {row['step_ms']:.1f} ms, "
         f"{row['audio_s_per_s']:.1f} audio s/s, MFU {100 * row['mfu_measured']:.1f}% of measured "
         f"(warm-up {warmup_s:.1f} s)")
     return row
 
 
-def overall(rows: list) -> dict:
+def overall(rows: list, peaks) -> dict:
     """The measured buckets together, one step each: totals over total time."""
     seconds = sum(r["step_ms"] for r in rows) / 1e3
+    flops_per_s = sum(r["flops"] for r in rows) / seconds
     return {"audio_s_per_s": sum(r["batch"] * r["duration"] for r in rows) / seconds,
-            "tokens_per_s": sum(r["batch"] * r["tokens"] for r in rows) / seconds,
-            "tflops": sum(r["flops"] for r in rows) / seconds / 1e12,
+            "tokens_per_s": sum(r["batch"] * r["tokens"] for r in rows) / seconds, "tflops": flops_per_s / 1e12,
             "peak_bytes": max((r["peak_bytes"] for r in rows if r["peak_bytes"] is not None), default=None),
-            "warmup_s": sum(r["warmup_s"] for r in rows)}
+            "warmup_s": sum(r["warmup_s"] for r in rows),
+            "mfu_sheet": flops_per_s / peaks["sheet"] if peaks["sheet"] else None,
+            "mfu_measured": flops_per_s / peaks["measured"]}
+
+
+def speed_ratios(results: list) -> dict:
+    """Compiled/eager and fused/default audio seconds per second of the variants measured in full."""
+    speed = {(r["compiled"], r["checkpointing"], r["fused"]): r["all"]["audio_s_per_s"] for r in results if "all" in r}
+    ratios = {}
+    for (compiled, checkpointing, fused), v in speed.items():
+        adamw = f"AdamW {'fused' if fused else 'default'}"
+        if compiled and (False, checkpointing, fused) in speed:
+            ratios[f"compiled/eager, checkpointing {checkpointing}, {adamw}"] = v / speed[False, checkpointing, fused]
+        if fused and (compiled, checkpointing, False) in speed:
+            ratios[f"AdamW fused/default, {'compiled' if compiled else 'eager'}, checkpointing {checkpointing}"] = (
+                v / speed[compiled, checkpointing, False])
+    return ratios
+
+
+def summary(args, cfg, device, peaks, results: list) -> dict:
+    """The JSON line: the run's setting, every variant's rows (and its "all" once every bucket is
+    measured) and the ratios."""
+    return {"config": args.config, "device": device_name(device), "torch": torch.__version__,
+            "strategy": cfg.train.strategy, "peak_flops_sheet": peaks["sheet"],
+            "peak_flops_measured": peaks["measured"], "load_avg": load_avg(), "interleaved": args.interleave,
+            "variants": results, "ratios": speed_ratios(results)}
+
+
+def save(path: str | None, result: dict) -> None:
+    """--save: the results so far, written whole (a new file, then renamed over the old one)."""
+    if path:
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(json_line(result) + "\n")
+        tmp.replace(path)
 
 
 def main(argv=None) -> None:
@@ -242,6 +293,11 @@ def main(argv=None) -> None:
                    help="activation_checkpointing variants")
     p.add_argument("--fused", choices=["on", "off", "both"], default=None,
                    help="optim.fused variants (default: the config's)")
+    p.add_argument("--interleave", action="store_true",
+                   help="hold every variant at once and take their steps in turn, bucket by bucket, so that the "
+                   "machine's load moves them alike (shared CPUs); needs the memory of all variants' models")
+    p.add_argument("--save", metavar="FILE", help="write the JSON line's results to FILE after every bucket, so that a "
+                   "run stopped by a time limit keeps what it measured")
     p.add_argument("--steps", type=int, default=5, help="timed steps per bucket (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per bucket first (compiles a new shape)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -258,31 +314,41 @@ def main(argv=None) -> None:
     init_distributed(group_of_one=True)  # DDP or FSDP2 over a group of one, as train.py runs one process
     peaks = {"sheet": device_peak(device), "measured": None}
     switch = {"off": [False], "on": [True], "both": [False, True], None: [cfg.optim.fused]}
-    results, variants = [], [(c, ck, f) for c in switch[args.compile] for ck in args.checkpointing
-                             for f in switch[args.fused]]
-    buckets = None
-    for compiled, checkpointing, fused in variants:
-        name = f"{'compiled' if compiled else 'eager'}, checkpointing {checkpointing}, AdamW {'fused' if fused else 'default'}"
-        log(f"{name}: building {' '.join(args.config)} on {device}")
-        variant_cfg = load_train_config(args.config, [*args.overrides, f"activation_checkpointing={checkpointing}",
-                                                      f"optim.fused={str(fused).lower()}"])
-        bench = Bench(variant_cfg, device, cfg.train.strategy, compiled)
-        if buckets is None:
-            buckets = spread(bucket_table(variant_cfg, bench.setup, args.batch_sizes), args.buckets)
-            peaks["measured"] = matmul_peak(device, bench.setup.precision)
-            log(f"matmul peak {peaks['measured'] / 1e12:.3g} TFLOP/s measured ({bench.setup.precision})"
-                + (f", {peaks['sheet'] / 1e12:.4g} on the data sheet" if peaks["sheet"] else ""))
-        if compiled:  # each bucket is one shape, as train.compile pads batches to their bucket's bounds
-            compile_layers(bench.module, len(buckets))
-        rows = [measure(bench, b, args, peaks) for b in buckets]
-        whole = overall(rows)
-        whole["mfu_sheet"] = whole["tflops"] * 1e12 / peaks["sheet"] if peaks["sheet"] else None
-        whole["mfu_measured"] = whole["tflops"] * 1e12 / peaks["measured"]
-        log(f"  {name}, all buckets: {whole['audio_s_per_s']:.1f} audio s/s, {whole['tflops']:.3g} TFLOP/s, MFU "
-            f"{100 * whole['mfu_measured']:.1f}% of measured")  # before the table: a run cut short keeps it
-        results.append({"variant": name, "compiled": compiled, "checkpointing": checkpointing, "fused": fused,
-                        "buckets": rows, "all": whole})
-        del bench
+    variants = [(c, ck, f) for c in switch[args.compile] for ck in args.checkpointing for f in switch[args.fused]]
+    results, buckets = [], None
+    for group in [variants] if args.interleave else [[v] for v in variants]:
+        benches = []
+        for compiled, checkpointing, fused in group:
+            name = (f"{'compiled' if compiled else 'eager'}, checkpointing {checkpointing}, "
+                    f"AdamW {'fused' if fused else 'default'}")
+            log(f"{name}: building {' '.join(args.config)} on {device}")
+            variant_cfg = load_train_config(args.config, [*args.overrides, f"activation_checkpointing={checkpointing}",
+                                                          f"optim.fused={str(fused).lower()}"])
+            bench = Bench(variant_cfg, device, cfg.train.strategy, compiled, name)
+            if buckets is None:
+                buckets = spread(bucket_table(variant_cfg, bench.setup, args.batch_sizes), args.buckets)
+                peaks["measured"] = matmul_peak(device, bench.setup.precision)
+                log(f"matmul peak {peaks['measured'] / 1e12:.3g} TFLOP/s measured ({bench.setup.precision})"
+                    + (f", {peaks['sheet'] / 1e12:.4g} on the data sheet" if peaks["sheet"] else ""))
+            if compiled:  # each bucket is one shape, as train.compile pads batches to their bucket's bounds
+                compile_layers(bench.module, len(buckets))
+            benches.append(bench)
+            results.append({"variant": name, "compiled": compiled, "checkpointing": checkpointing, "fused": fused,
+                            "buckets": []})
+        mine = results[-len(benches):]
+        for bucket in buckets:
+            _, frames, tokens, batch_size = bucket
+            batch = benches[0].batch(batch_size, frames, tokens)
+            flops = benches[0].model_flops(batch_size, frames, tokens)  # model FLOPs: the same for every variant
+            for bench, res, timing in zip(benches, mine, timings(benches, batch, args)):
+                res["buckets"].append(measure(bench, bucket, batch, timing, flops, args, peaks))
+            save(args.save, summary(args, cfg, device, peaks, results))
+        for res in mine:
+            whole = res["all"] = overall(res["buckets"], peaks)
+            log(f"  {res['variant']}, all buckets: {whole['audio_s_per_s']:.1f} audio s/s, {whole['tflops']:.3g} "
+                f"TFLOP/s, MFU {100 * whole['mfu_measured']:.1f}% of measured")  # before the table: a cut run keeps it
+        save(args.save, summary(args, cfg, device, peaks, results))
+        del benches, bench
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -308,20 +374,10 @@ def main(argv=None) -> None:
     print(f"{' '.join(args.config)} on {device_name(device)}, torch {torch.__version__}, strategy {cfg.train.strategy} "
           f"(group of one), load average {load_avg()}")
     print_table(columns, table)
-    speed = {(r["compiled"], r["checkpointing"], r["fused"]): r["all"]["audio_s_per_s"] for r in results}
-    ratios = {}
-    for (compiled, checkpointing, fused), v in speed.items():
-        adamw = f"AdamW {'fused' if fused else 'default'}"
-        if compiled and (False, checkpointing, fused) in speed:
-            ratios[f"compiled/eager, checkpointing {checkpointing}, {adamw}"] = v / speed[False, checkpointing, fused]
-        if fused and (compiled, checkpointing, False) in speed:
-            ratios[f"AdamW fused/default, {'compiled' if compiled else 'eager'}, checkpointing {checkpointing}"] = (
-                v / speed[compiled, checkpointing, False])
-    for k, v in ratios.items():
+    result = summary(args, cfg, device, peaks, results)
+    for k, v in result["ratios"].items():
         print(f"{k}: {v:.2f}x audio seconds per second")
-    print_json({"config": args.config, "device": device_name(device), "torch": torch.__version__,
-                "strategy": cfg.train.strategy, "peak_flops_sheet": peaks["sheet"], "peak_flops_measured": peaks["measured"],
-                "load_avg": load_avg(), "variants": results, "ratios": ratios})
+    print_json(result)
 
 
 if __name__ == "__main__":
