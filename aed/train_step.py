@@ -122,6 +122,10 @@ def compile_layers(model: nn.Module, shapes: int = 0, backend: str = "inductor")
     `backend`: torch.compile's (the tests' aot_eager traces the same graphs without generating code)."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, shapes + 1)  # + the first, dynamic, graph
+    # The backward recomputes views of saved tensors instead of saving what is computed from them:
+    # otherwise a ReLU over (B, U, 4D) rows that the next product reads as (B * U, 4D) saves its
+    # boolean mask besides its output, a store inductor's CPU code is slow at (docs/training.md).
+    torch._functorch.config.recompute_views = True
     blocks = [*model.encoder.layers, *(model.decoder.layers if hasattr(model, "decoder") else [])]
     for block in blocks:
         compile_in_train_mode(block, backend)

@@ -115,6 +115,24 @@ def test_compiled_blocks_train_as_eager_ones_and_stop_recompiling(eager):
     assert all(k.startswith(("encoder.", "decoder.", "ctc.")) for k in setup.model.state_dict())  # keys unchanged
 
 
+@pytest.mark.slow(seconds=15)
+def test_a_compiled_block_saves_no_mask_its_saved_output_gives():
+    """The decoder's ReLU output, saved for the next product, also gives the ReLU's backward: the
+    compiled block saves no boolean mask of those (B, U, 4D) rows beside it (inductor's CPU code
+    stores booleans slowly). aot_eager_decomp_partition: inductor's decompositions and partitioner,
+    which choose what is saved, without its code generation."""
+    torch._dynamo.reset()
+    setup = setup_of()
+    compile_layers(setup.model, backend="aot_eager_decomp_partition")
+    block, d_ff = setup.model.decoder.layers[0], 4 * setup.cfg.model.dec_d_model
+    x, memory = torch.randn(3, 11, 64, requires_grad=True), torch.randn(3, 40, 64)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        block(x, None, None, torch.ones(3, 1, 1, 40, dtype=torch.bool), memory=memory)  # as in training
+    assert any(t.shape[-1] == d_ff and t.dtype == torch.float32 for t in saved)  # the ReLU's output
+    assert not [t.shape for t in saved if t.dtype == torch.bool and t.shape[-1] == d_ff]
+
+
 @pytest.mark.parametrize("where", ["encoder", "decoder", "both"])
 def test_checkpointed_steps_train_as_plain_ones(eager_dropout, where):
     assert_same_training(eager_dropout, train(setup_of(*DROPOUT, f"activation_checkpointing={where}")))
