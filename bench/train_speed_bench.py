@@ -23,9 +23,9 @@ to the longest. Batches are artificial (random features and tokens, every row at
 audio seconds and tokens per second are those of full buckets: real batches hold a little less.
 Each bucket runs --warmup steps (the first compiles a new shape), then --steps timed ones.
 Variants run one after the other, or with --interleave all built at once, their steps taken in
-turn: on a shared machine, whose speed drifts by 10-25% from minute to minute, the ratios between
-variants then hold where their absolute figures do not. --save writes the results so far after
-every bucket, for runs under a time limit (a GPU lease).
+turn: on a shared machine, whose speed moves by 10-25% from run to run, the ratios between
+variants then hold better than their absolute figures. --save writes the results so far after
+every bucket, for runs under a time limit (a job's, or `timeout`'s).
 
 Columns: step ms (median); audio s/s and tokens/s (batch x bounds / step time); TFLOP/s from
 aed's FLOP counter (matmuls, convolutions and attention, counted once per shape on the eager plain
