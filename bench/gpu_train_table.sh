@@ -34,7 +34,8 @@ if [ $# -lt 2 ]; then
     sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'
     exit 2
 fi
-tokenizer=$1 out=$2
+mkdir -p "$2"
+tokenizer=$(realpath "$1") out=$(realpath "$2")  # before the cd below
 shift 2
 known=(1b-flash 180m-flash 1b-flash-ckpt 180m-flash-ckpt cuda-tests)
 parts=("$@")
@@ -45,7 +46,6 @@ done
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-mkdir -p "$out"
 [ -f "$tokenizer/tokenizer.json" ] || { echo "$tokenizer: not a tokenizer directory (no tokenizer.json)"; exit 2; }
 "$py" -c "import torch, sys; torch.cuda.is_available() or sys.exit('torch sees no CUDA GPU')" || exit 2
 "$py" -c "import aed.train_step" || { echo "$py cannot import aed: requirements.txt's packages are missing"; exit 2; }
