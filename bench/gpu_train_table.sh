@@ -16,7 +16,7 @@
 # own limit in seconds, cut to what is left of BUDGET (default 540 s) when that is less; a part with
 # under a minute left is skipped and says so. All five parts at their limits take about 16 minutes,
 # the first three about 9: name the parts that one call's time holds. 1b-flash-ckpt measures the
-# compiled step alone (its eager checkpointed row is in docs/REPORT.md).
+# compiled step alone (docs/REPORT.md has an eager checkpointed row, from before d89c88c).
 #
 # Batch sizes: oom.py's for a simulated 80 GiB card (what an 80 GB GPU holds; an H200 holds more),
 # three buckets each (2 s with 16 tokens, 16 s with 128, 40 s with 640), from
@@ -87,8 +87,10 @@ for part in "${parts[@]}"; do
             seconds=$(limit 300)
             if [ "$seconds" -lt 60 ]; then echo "$part: skipped, ${seconds} s left of the budget"; continue; fi
             echo "$part: up to ${seconds} s"
-            timeout "$seconds" "$py" -m pytest -q -rfEs tests/test_cuda.py tests/test_cuda_oom.py > "$out/cuda-tests.log" 2>&1
+            timeout "$seconds" "$py" -m pytest -q -rfEs tests/test_cuda.py tests/test_cuda_oom.py \
+                > "$out/cuda-tests.log" 2>&1
             echo "$part: exit $? ($(tail -n 1 "$out/cuda-tests.log"))" ;;
     esac
 done
-"$py" -c "import torch; print(torch.cuda.get_device_name(0), '| torch', torch.__version__, '| CUDA', torch.version.cuda)"
+"$py" -c "import torch; print(torch.cuda.get_device_name(0), '| torch', torch.__version__, '| CUDA',
+    torch.version.cuda)"
