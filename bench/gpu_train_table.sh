@@ -34,8 +34,7 @@ if [ $# -lt 2 ]; then
     sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'
     exit 2
 fi
-mkdir -p "$2"
-tokenizer=$(realpath "$1") out=$(realpath "$2")  # before the cd below
+tokenizer=$1 out=$2
 shift 2
 known=(1b-flash 180m-flash 1b-flash-ckpt 180m-flash-ckpt cuda-tests)
 parts=("$@")
@@ -43,6 +42,8 @@ parts=("$@")
 for part in "${parts[@]}"; do
     [[ " ${known[*]} " == *" $part "* ]] || { echo "unknown part $part (known: ${known[*]})"; exit 2; }
 done
+mkdir -p "$out"
+tokenizer=$(realpath "$tokenizer") out=$(realpath "$out")  # before the cd below
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

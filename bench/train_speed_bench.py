@@ -199,7 +199,7 @@ class Bench:
 def timings(benches: list, batch, args) -> list[dict]:
     """Each variant's warm-up seconds and its timed steps and phases on `batch`. The variants take
     their steps in turn (one step of each, then the next round), so that a change in the machine's
-    load during the run reaches every variant alike: with one variant, the steps of main's loop."""
+    load during the run reaches every variant alike. With one variant, simply its steps."""
     out = []
     for bench in benches:
         t0 = time.perf_counter()

@@ -63,9 +63,10 @@ def run_dir(made_once, train_utts):
     """A run directory with a checkpoint (train.py's format) of a tiny model that overfits TRAIN_IDS.
 
     Trained here, not with train.py: a model that memorised its utterances sample-exactly fails when
-    they are shifted by 20 ms, which is what chunking a long file does to them, so every step pads each
-    utterance with 0-0.3 s of near-silence. Full-batch Adam at a constant rate then converges in ~150
-    steps (~10 s of CPU); train.py's warmup/decay and sampled batches needed over twice as many.
+    they are shifted by 20 ms, which is what chunking a long file does to them, so every step adds up
+    to 0.5 s of near-silence to each end of each utterance, or cuts up to that end's own silence, as a
+    chunk's cut in a pause can. Full-batch Adam at a constant rate then converges in a few hundred
+    steps (10-30 s of CPU); train.py's warmup/decay and sampled batches needed over twice as many.
     """
     def make(path):
         torch.manual_seed(0)
