@@ -16,7 +16,8 @@
 # own limit in seconds, cut to what is left of BUDGET (default 540 s) when that is less; a part with
 # under a minute left is skipped and says so. All five parts at their limits take about 16 minutes,
 # the first three about 9: name the parts that one call's time holds. 1b-flash-ckpt measures the
-# compiled step alone (docs/REPORT.md has an eager checkpointed row, from before d89c88c).
+# compiled step alone, to fit its limit (docs/REPORT.md's eager checkpointed row names its commit:
+# compare only rows of the same code).
 #
 # Batch sizes: oom.py's for a simulated 80 GiB card (what an 80 GB GPU holds; an H200 holds more),
 # three buckets each (2 s with 16 tokens, 16 s with 128, 40 s with 640), from
@@ -43,7 +44,7 @@ for part in "${parts[@]}"; do
     [[ " ${known[*]} " == *" $part "* ]] || { echo "unknown part $part (known: ${known[*]})"; exit 2; }
 done
 mkdir -p "$out"
-tokenizer=$(realpath "$tokenizer") out=$(realpath "$out")  # before the cd below
+tokenizer=$(realpath -m "$tokenizer") out=$(realpath -m "$out")  # before the cd below
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
