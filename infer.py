@@ -19,9 +19,10 @@ when present, is the reference for WER (ASR, per language, normalised and with p
 and BLEU (AST, per language pair). Long inputs are cut at pauses (see --chunk-seconds, --chunk-overlap).
 
 Streaming (--stream): each input is decoded while its audio arrives, a chunk at a time
-(aed/decode_stream.py): the hypothesis grows on the terminal, one line per file; --out adds each
-token's and word's emission time and the latency (AL, LAAL, in ms of audio). `--stream -` reads raw
-16-bit mono PCM at the model's rate (16 kHz) from standard input and captions it as it comes.
+(aed/decode_stream.py), a sentence at a time (a pause ends one): the hypothesis grows on the terminal,
+one line per file, what the decoder is about to commit in grey; --out adds each token's and word's
+emission time and the latency (AL, LAAL, in ms of audio). `--stream -` reads raw 16-bit mono PCM at
+the model's rate (16 kHz) from standard input and captions it as it comes, a line per sentence.
 
 Timestamps (--timestamps word|segment) are the hypothesis force-aligned to the CTC head's frame
 posteriors (aed/decode_timestamps.py), in seconds from the start of each file, to a resolution of one
@@ -79,8 +80,9 @@ def parse_args(argv: list[str] | None = None):
                      help="cap on generated tokens per chunk")
     dec.add_argument("--max-delta", type=int, default=DecodingOptions.max_delta,
                      help="at most encoder frames + this many tokens per chunk (NeMo's max_generation_delta)")
-    dec.add_argument("--ctc-weight", type=float, default=DecodingOptions.ctc_weight,
-                     help="joint CTC/attention decoding weight for models with a CTC head; 0: attention only")
+    dec.add_argument("--ctc-weight", type=float, default=None,
+                     help="joint CTC/attention decoding weight for models with a CTC head; 0: attention only "
+                          f"(default: {DecodingOptions.ctc_weight}; streams decode with the attention decoder alone)")
     dec.add_argument("--max-repeats", type=int, default=DecodingOptions.max_repeats,
                      help="stop a hypothesis that repeats an n-gram more than this many times in a row; 0: never")
     dec.add_argument("--max-tokens-per-second", type=float, default=DecodingOptions.max_tokens_per_second,
@@ -106,12 +108,12 @@ def parse_args(argv: list[str] | None = None):
                      help="padded seconds of audio per batch (batch size x longest); inputs are sorted by "
                           "duration so padding stays small")
     run.add_argument("--chunk-seconds", type=float,
-                     help="inputs longer than this are cut at the quietest 100 ms in the last quarter of each "
-                          "chunk and decoded separately; default: the longest utterance the model was trained "
-                          "on (recorded in its checkpoint), else 40")
+                     help="inputs longer than this are cut at their pauses into segments of at most this, each "
+                          "decoded on its own, the silence between them skipped; default: the longest utterance "
+                          "the model was trained on (recorded in its checkpoint), else 40")
     run.add_argument("--chunk-overlap", type=float, default=0.0,
-                     help="where that quietest 100 ms is not a pause, start the next chunk this many seconds "
-                          "earlier and merge the two hypotheses (by word times with a CTC head, else by the "
+                     help="where speech runs on longer than a segment may, so that it is cut without a pause, "
+                          "start the next segment this many seconds earlier and merge the two hypotheses (by word times with a CTC head, else by the "
                           "words both heard); 0 (default): cut without overlap, which measured as well or "
                           "better for models trained on whole utterances (README, Long audio)")
     times = p.add_argument_group("timestamps (need a model with a CTC head)")
@@ -124,9 +126,13 @@ def parse_args(argv: list[str] | None = None):
                       help="decode the inputs as streams, a chunk at a time as their audio would arrive; "
                            "`--stream -`: raw 16-bit mono PCM at the model's rate from standard input")
     live.add_argument("--stream-chunk", type=float, default=StreamConfig.chunk, metavar="S", help="seconds decoded per step (default: %(default)s)")
-    live.add_argument("--left-context", type=float, default=StreamConfig.left,
-                      metavar="S", help="seconds before each chunk that the encoder hears again with it "
-                                        "(default: %(default)s)")
+    live.add_argument("--left-context", type=float, default=StreamConfig.left, metavar="S",
+                      help="most seconds of the current sentence before each chunk that the encoder hears again "
+                           "with it; a longer sentence is ended at its quietest point (default: 10, or less "
+                           "where the model was trained on shorter utterances)")
+    live.add_argument("--endpoint", type=float, default=StreamConfig.endpoint, metavar="S",
+                      help="a pause this long after speech ends a sentence: its text is completed and the "
+                           "decoder starts afresh; 0: only a full window does (default: %(default)s)")
     live.add_argument("--right-context", type=float, default=StreamConfig.right, metavar="S",
                       help="look-ahead: seconds after each chunk the encoder hears before the chunk is decoded; "
                            "chunk + right context is the latency the buffer adds (default: %(default)s)")
@@ -156,6 +162,9 @@ def parse_args(argv: list[str] | None = None):
         p.error(f"--streams {args.streams}: decode at least one stream at a time")
     if args.stream and (args.beam_size != 1 or args.timestamps or args.compile):
         p.error("--stream decodes greedily, eager: not with --beam-size > 1, --timestamps or --compile")
+    if args.stream and args.ctc_weight:
+        p.error(f"--stream decodes with the attention decoder alone (a token is committed before the audio "
+                f"that would rescore it has arrived): not with --ctc-weight {args.ctc_weight}")
     if args.subtitles and not args.timestamps:
         p.error("--subtitles needs --timestamps word or segment")
     try:  # the ranges of the values are the library's to check
@@ -171,14 +180,15 @@ def parse_args(argv: list[str] | None = None):
 
 def stream_config(args) -> StreamConfig:
     return StreamConfig(chunk=args.stream_chunk, left=args.left_context, right=args.right_context, policy=args.policy,
-                        waitk_lag=args.waitk_lag, waitk_tokens=args.waitk_tokens,
+                        endpoint=args.endpoint, waitk_lag=args.waitk_lag, waitk_tokens=args.waitk_tokens,
                         alignatt_frames=args.alignatt_threshold)
 
 
 def decoding_options(args) -> DecodingOptions:
     """The search the decoding flags ask for; --max-tokens-per-second 0 means no bound."""
     return DecodingOptions(beam_size=args.beam_size, length_penalty=args.length_penalty, max_delta=args.max_delta,
-                           max_new_tokens=args.max_new_tokens, ctc_weight=args.ctc_weight,
+                           max_new_tokens=args.max_new_tokens,
+                           ctc_weight=DecodingOptions.ctc_weight if args.ctc_weight is None else args.ctc_weight,
                            max_repeats=args.max_repeats, max_tokens_per_second=args.max_tokens_per_second or None)
 
 
@@ -239,6 +249,17 @@ def container(head: bytes) -> str | None:
     return next((name for magic, name in CONTAINERS.items() if head.startswith(magic)), None)
 
 
+def with_partial(stream, first: int, room: int) -> str:
+    """The stream's text from committed token `first` on, and in grey what it is about to commit
+    (`Stream.partial`), the newest `room` characters of it."""
+    text, more = stream.sentence_text(first), stream.sentence_text(first, partial=True)
+    tail = more[len(text):] if more.startswith(text) else ""
+    if len(text) + len(tail) > room:
+        cut = len(text) + len(tail) - room + 1
+        text, tail = "…" + text[cut:], tail[max(0, cut - len(text)):]
+    return text + (f"\x1b[2m{tail}\x1b[0m" if tail else "")
+
+
 class LiveLines:
     """The growing hypotheses of a batch of streams on a terminal, one line per file, redrawn in place."""
 
@@ -252,9 +273,7 @@ class LiveLines:
         out = f"\x1b[{self.drawn}F" if self.drawn else ""
         for res, s in pairs:
             name = os.path.basename(res.request.audio_filepath)
-            text = s.text
-            room = max(10, width - len(name) - 2)
-            out += f"\x1b[2K{name}: {text if len(text) <= room else '…' + text[-room + 1:]}\n"
+            out += f"\x1b[2K{name}: {with_partial(s, 0, max(10, width - len(name) - 2))}\n"
         sys.stdout.write(out)
         sys.stdout.flush()
         self.drawn = len(pairs)
@@ -263,7 +282,7 @@ class LiveLines:
 def run_stream(args, loaded, requests) -> int:
     """--stream: decode files, or standard input, as streams. Returns the exit code."""
     config = stream_config(args)
-    streamer = Streamer(loaded, config, decoding_options(args))
+    streamer = Streamer(loaded, config, decoding_options(args), partials=sys.stdout.isatty() and not args.quiet)
     print(f"model {loaded.path} on {loaded.device}, streamed: {config.policy}, chunk {streamer.chunk / streamer.rate:g} s,"
           f" left {streamer.left / streamer.rate:g} s, right {streamer.right / streamer.rate:g} s (the buffer adds "
           f"{(streamer.chunk + streamer.right) / streamer.rate:g} s of latency)", file=sys.stderr)
@@ -298,7 +317,8 @@ def run_stream(args, loaded, requests) -> int:
         print(f"latency, ms of audio (mean of {len(latencies)} file(s)): AL {mean('al'):.0f}, LAAL {mean('laal'):.0f}; "
               f"with computation: AL {mean('al_ca'):.0f}, LAAL {mean('laal_ca'):.0f}; first word {mean('first_word'):.0f}; "
               f"words committed {mean('spoken_lag'):.0f} after they were spoken (CTC alignment); "
-              f"real-time factor per chunk: mean {mean('rtf_mean'):.3f}, max {mean('rtf_max'):.3f}", file=sys.stderr)
+              f"real-time factor {mean('rtf_mean'):.3f} (processing s per audio s), its longest step "
+              f"{mean('rtf_max'):.3f} x the chunk", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -308,21 +328,22 @@ def caption_stdin(streamer, args) -> int:
     req = make_request("<stdin>", source_lang=args.source_lang, target_lang=args.target_lang, task=args.task,
                        pnc=args.pnc)
     stream = streamer.open(req.source_lang, req.target_lang, req.pnc, PROMPT_TASKS[req.taskname])
-    tty, shown = sys.stdout.isatty(), ""
+    tty, printed = sys.stdout.isatty(), 0  # tokens printed as ended sentences
     piece = streamer.rate // 10 * 2  # bytes: 0.1 s
 
     def show(final: bool = False):
-        nonlocal shown
-        text = stream.text
-        if tty:
-            width = shutil.get_terminal_size().columns - 1
-            sys.stdout.write("\r\x1b[2K" + (text if len(text) <= width else "…" + text[-width + 1:]))
-        elif text.startswith(shown):
-            sys.stdout.write(text[len(shown):])
-        else:  # the decoded text changed before its end (a word-piece joined differently): start a new line
-            sys.stdout.write("\n" + text)
-        shown = text
-        sys.stdout.write("\n" if final else "")
+        """Each ended sentence on a line of its own; on a terminal the current one below, redrawn in place
+        with its uncommitted continuation in grey."""
+        nonlocal printed
+        ended = len(stream.tokens) if final else stream.sentence_tokens
+        out = "\r\x1b[2K" if tty else ""
+        if ended > printed:
+            text = stream.sentence_text(printed, ended).strip()
+            out += text + "\n" if text else ""
+            printed = ended
+        if tty and not final:
+            out += with_partial(stream, printed, shutil.get_terminal_size().columns - 1).lstrip()
+        sys.stdout.write(out)
         sys.stdout.flush()
 
     stdin = sys.stdin.buffer
@@ -337,8 +358,8 @@ def caption_stdin(streamer, args) -> int:
         if usable:
             samples = np.frombuffer(buffered[:usable], dtype="<i2").astype(np.float32) / 32768
             buffered = buffered[usable:]
-            if stream.feed(samples):
-                show()
+            stream.feed(samples)
+            show()
         data = stdin.read1(piece)
         if not data:
             break
@@ -352,8 +373,9 @@ def caption_stdin(streamer, args) -> int:
         print("no audio on standard input", file=sys.stderr)
         return 0
     m = stream_latency(stream, seconds)
-    print(f"{seconds:.1f} s of audio, {len(stream.tokens)} tokens; first word after {m['first_word']:.0f} ms of audio; "
-          f"real-time factor per chunk: mean {m['rtf_mean']:.3f}, max {m['rtf_max']:.3f}", file=sys.stderr)
+    print(f"{seconds:.1f} s of audio, {len(stream.tokens)} tokens in {stream.sentences} sentence(s); first word after "
+          f"{m['first_word']:.0f} ms of audio; real-time factor {m['rtf_mean']:.3f} (processing s per audio s), its "
+          f"longest step {m['rtf_max']:.3f} x the chunk", file=sys.stderr)
     return 0
 
 

@@ -41,6 +41,7 @@ training
 decoding
   decode_search     batched greedy and beam search, joint with CTC prefix scores
   decode_static     the decoder step on fixed-shape buffers: compiled, CUDA graphs, torch.export
+  decode_segment    where the speech is: long audio cut at its pauses (offline and streamed)
   decode_timestamps word and segment times, force-aligned to the CTC head
   decode_merge      joining the hypotheses of overlapping chunks of a long file
   decode_score      WER and BLEU, and the text normalisers leaderboards use

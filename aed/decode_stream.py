@@ -9,31 +9,44 @@
     # a server: stream.push(piece) for each of many streams, then streamer.run(streams): one batch
 
 The encoder is buffered, as NeMo streams Canary: the audio is cut into chunks of `chunk` seconds,
-and a chunk is decoded once `right` seconds after it have arrived; the encoder then re-encodes
-`left` seconds before the chunk, the chunk and the look-ahead. The FastConformer was trained on
-whole utterances, and a bounded buffer keeps each step's cost constant however long the stream.
-The decoder attends to the audio up to the chunk's end, never to the look-ahead (except in the
-last chunk), so no token depends on audio it was not meant to hear yet. Every size is rounded to
-whole encoder frames.
+and a chunk is decoded once `right` seconds after it have arrived; the encoder then re-encodes the
+current sentence (at most `left` seconds of it before the chunk), the chunk and the look-ahead. The
+decoder attends to the audio up to the chunk's end, never to the look-ahead (except where a sentence
+ends), so no token depends on audio it was not meant to hear yet. Every size is rounded to whole
+encoder frames. `left` defaults to 10 s, less where the model was trained on shorter utterances:
+the encoder never hears a longer window than it was trained on.
 
-The decoder: the committed tokens are a prefix that is never rewritten. At each chunk the prefix
-(prompt + the committed tokens whose audio is still in the buffer) is fed again against the new
-encoder output, and greedy steps extend it while the policy allows:
+Sentences: a stream is a sequence of sentences, each decoded from a fresh prompt, so an hour of
+captions is bounded in memory and compute, and no audio leaves the window untranscribed. Speech and
+pauses are told apart by energy (`aed.decode_segment`, the threshold set by the last LEVEL_SECONDS
+of audio). A sentence starts as much silence before its speech as the model's training utterances
+held; it ends
+  - at the first pause of `endpoint` seconds after speech (the look-ahead counts: a pause heard is
+    a pause), cut as much silence after its speech as the training utterances held; or
+  - where it would outgrow the window (left + chunk): at its quietest 100 ms (`window_cuts`).
+Either way the sentence's audio is decoded to EOS without the policy: what the policy held back is
+committed now. Audio with no speech is passed over, never decoded (no text from silence).
+
+Within a sentence, the committed tokens are a prefix that is never rewritten. At each chunk the
+prefix (prompt + the sentence's committed tokens) is fed again against the new encoder output, and
+greedy steps extend it while the policy allows:
   - waitk: after `waitk_lag` chunks, `waitk_tokens` tokens per chunk (Ma et al. 2019's wait-k).
   - alignatt: a token is committed while the cross-attention that predicted it (mean over the heads
     of layer `alignatt_layer`) peaks at least `alignatt_frames` seconds before the chunk's end
     (Papi et al. 2023, "AlignAtt"); a token looking at the newest audio waits for the next chunk.
+    The first SINK_SECONDS of the window are not taken as a peak: a decoder with nothing to say
+    looks there (NeMo excludes the same 8 frames).
 Both stop at EOS (the decoder has heard all there is so far) and at the per-chunk cap of
-max_tokens_per_second. The last chunk (`finish`) decodes to EOS with no policy: a stream whose
-chunk is longer than its audio is offline greedy decoding, token for token.
+max_tokens_per_second. The stream's end (`finish`) ends its last sentences: a stream with
+`endpoint=0` whose chunk is longer than its audio is offline greedy decoding, token for token.
 
 Guards: a token that would make the hypothesis repeat an n-gram more than max_repeats times is
 not committed; a stream whose decoder keeps predicting tokens that the policy holds back for
-STALL_SECONDS of audio logs that it stalls (`Stream.stalls` counts them); the committed tokens
-the decoder re-reads are cut to the newest that fit its positions.
+STALL_SECONDS of audio logs that it stalls (`Stream.stalls` counts them); the sentence's committed
+tokens the decoder re-reads are cut to the newest that fit its positions.
 
-Times: a token's `time` is the audio it waited for: the end of its chunk's look-ahead, in seconds
-from the start of the stream (computation-unaware). `compute` is the processing time this stream
+Times: a token's `time` is the audio it waited for: the end of its chunk's look-ahead (all that
+was heard when its sentence ended), in seconds from the start of the stream (computation-unaware). `compute` is the processing time this stream
 had waited for when the token was committed (SimulEval's computation-aware delay adds it).
 Several streams decode as one batch (`Streamer.run`), each row at its own decoder position
 (`aed.model_decoder.KVCache` with per-row lengths), and each gets the tokens it gets alone.
@@ -44,12 +57,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
 from aed.data_audio import AudioError, LogMel, load_audio
 from aed.data_manifest import PROMPT_TASKS
 from aed.decode_search import DecodingOptions, ends_in_repeats, token_budget
+from aed.decode_segment import EDGE, FRAME, PAUSE, frame_db, quietest, runs, speech_threshold
 from aed.decode_timestamps import align, feasible, frame_seconds, to_words, word_spans
 from aed.decode_transcribe import Result
 from aed.model_decoder import KVCache
@@ -58,6 +73,9 @@ log = logging.getLogger(__name__)
 
 POLICIES = ("alignatt", "waitk")
 STALL_SECONDS = 4.0  # audio during which the decoder has more to say but nothing is committed
+DEFAULT_LEFT = 10.0  # seconds of left context, NeMo's recommended 10-1-0.5 s buffer
+SINK_SECONDS = 0.64  # the first frames of a window AlignAtt does not take as a peak (NeMo's 8 frames)
+LEVEL_SECONDS = 30.0  # the speech/pause threshold is set by this much of the newest audio
 
 
 @dataclass(frozen=True)
@@ -66,8 +84,11 @@ class StreamConfig:
     latency of chunk + right = 1.5 s) and its AlignAtt threshold of 8 frames at 80 ms."""
 
     chunk: float = 1.0  # seconds of new audio decoded per step
-    left: float = 10.0  # seconds before the chunk that are re-encoded with it (context only)
+    left: float | None = None  # most seconds of the current sentence before the chunk that are re-encoded
+    # with it; None: 10 s, less what the longest training utterance leaves after chunk and look-ahead
     right: float = 0.5  # look-ahead: seconds after the chunk that the encoder hears first
+    endpoint: float = PAUSE  # a pause this long (s) after speech ends the sentence; 0: pauses are not looked
+    # for (no sentence ends at one, silence is decoded as it comes): only a full window ends a sentence
     policy: str = "alignatt"
     waitk_lag: int = 2  # wait-k: chunks heard before the first token
     waitk_tokens: int = 1  # wait-k: tokens committed per chunk after the lag
@@ -77,14 +98,28 @@ class StreamConfig:
 
     def __post_init__(self):
         """ValueError naming the first setting out of its range."""
-        if self.chunk <= 0 or self.left < 0 or self.right < 0:
+        if self.chunk <= 0 or (self.left is not None and self.left < 0) or self.right < 0 or self.endpoint < 0:
             raise ValueError(f"chunk ({self.chunk} s) must be > 0, left ({self.left} s) and right "
-                             f"({self.right} s) context >= 0")
+                             f"({self.right} s) context and the endpoint pause ({self.endpoint} s) >= 0")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown streaming policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.waitk_lag < 1 or self.waitk_tokens < 1 or self.alignatt_frames < 0:
             raise ValueError(f"wait-k lag ({self.waitk_lag}) and tokens ({self.waitk_tokens}) must be >= 1, "
                              f"the AlignAtt threshold ({self.alignatt_frames} s) >= 0")
+
+
+class Window(NamedTuple):
+    """What a stream decodes in one step, in stream samples: audio [start, end), the decoder attending
+    up to chunk_end; heard: the audio received that the step's decisions used."""
+
+    start: int
+    chunk_end: int
+    end: int
+    heard: int
+    closing: bool = False  # the sentence ends at chunk_end: decoded to EOS, no policy; the next starts there
+    full: bool = False  # ... because the window was full, not at a pause
+    skip: bool = False  # no speech in it: nothing decoded, the sentence starts at chunk_end
+    last: bool = False  # the stream's last step
 
 
 @dataclass(frozen=True)
@@ -101,9 +136,16 @@ class Stream:
     streamer: "Streamer"
     prompt: list[int]
     audio: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (S,) samples from `kept_from` on
-    kept_from: int = 0  # stream sample index of audio[0]
+    kept_from: int = 0  # stream sample index of audio[0]: the start of the current sentence
     received: int = 0  # samples received
     chunks: int = 0  # chunks decoded
+    sentence_tokens: int = 0  # index in `tokens` of the current sentence's first token
+    partial: list[int] = field(default_factory=list)  # with `Streamer(partials=True)`: what the decoder
+    # predicts after the committed tokens, held back by the policy (shown, never final)
+    sentences: int = 0  # sentences ended (at a pause, or where the window was full)
+    window_cuts: int = 0  # ... of them ended because the window was full, not at a pause
+    levels: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (frames,) dB of the 10 ms frames
+    # received, the last one ending at `received` rounded down to a frame (see `push` for how far back)
     tokens: list[StreamToken] = field(default_factory=list)
     compute: float = 0.0  # seconds of processing so far
     chunk_compute: list[float] = field(default_factory=list)  # seconds per decoded chunk (its batch's)
@@ -116,8 +158,15 @@ class Stream:
         if self.finished:
             raise ValueError("this stream is finished; open a new one")
         piece = self.streamer.check_samples(samples, sample_rate)
+        hop, streamer = round(self.streamer.rate * FRAME), self.streamer
+        done = self.received // hop * hop  # frames whose energy is known end here
         self.audio = torch.cat([self.audio, piece])
         self.received += piece.numel()
+        new = self.audio[done - self.kept_from: self.received // hop * hop - self.kept_from]
+        levels = torch.cat([self.levels, frame_db(new, streamer.rate)])  # (frames,)
+        # Kept: the sentence's frames, and LEVEL_SECONDS before any audio a later step hears.
+        first = max(0, min(self.kept_from, self.chunks * streamer.chunk) // hop - round(LEVEL_SECONDS / FRAME))
+        self.levels = levels[max(0, first - (self.received // hop - levels.numel())):]
 
     def feed(self, samples, sample_rate: int | None = None) -> list[StreamToken]:
         """`push`, then decode every chunk that is ready: the tokens committed by this piece."""
@@ -136,6 +185,12 @@ class Stream:
     def text(self) -> str:
         return self.streamer.tokenizer.decode_hypothesis(self.ids)
 
+    def sentence_text(self, first: int = 0, last: int | None = None, partial: bool = False) -> str:
+        """The text of the committed tokens [first, last) (default: to the newest), and with `partial`
+        the uncommitted continuation after them."""
+        ids = self.ids[first:last] + (self.partial if partial else [])
+        return self.streamer.tokenizer.decode_hypothesis(ids)
+
     def words(self) -> list[tuple[str, float, float]]:
         """(text, time, compute) per committed word: those of its last token, when it was complete."""
         ids, out = self.ids, []
@@ -149,25 +204,40 @@ class Stream:
 class Streamer:
     """The model, its features and the streaming settings; opens streams and decodes them in batches."""
 
-    def __init__(self, loaded, config: StreamConfig = StreamConfig(), options: DecodingOptions = DecodingOptions()):
+    def __init__(self, loaded, config: StreamConfig = StreamConfig(), options: DecodingOptions = DecodingOptions(),
+                 partials: bool = False):
         """loaded: an `aed.decode_transcribe.LoadedModel`. options: the limits of the search
-        (max_repeats, max_tokens_per_second, max_delta, max_new_tokens); greedy only."""
+        (max_repeats, max_tokens_per_second, max_delta, max_new_tokens); greedy only. partials: go on
+        decoding what the policy holds back, up to the chunk's cap of tokens, into `Stream.partial`
+        (for a caption's grey tail: more decoder steps, the same committed tokens)."""
         if options.beam_size != 1:
             raise ValueError("streaming decodes greedily (each token is committed as it is chosen): beam size must be 1")
         self.loaded, self.config, self.model, self.tokenizer = loaded, config, loaded.model, loaded.tokenizer
+        self.partials = partials
         self.rate = loaded.features.sample_rate
         self.frame_s = frame_seconds(loaded.features, self.model.cfg.subsampling_factor)
         self.options = replace(options, frame_seconds=self.frame_s)
         self.frame = frame = loaded.features.hop_length * self.model.cfg.subsampling_factor  # samples per encoder frame
         self.chunk = max(1, round(config.chunk / self.frame_s)) * frame  # sizes in samples, whole frames
-        self.left = round(config.left / self.frame_s) * frame
         self.right = round(config.right / self.frame_s) * frame
+        self.left = round(self.left_seconds(loaded.max_train_duration) / self.frame_s) * frame
+        self.sink = round(SINK_SECONDS / self.frame_s)
+        self.edges = loaded.edge_silence or (EDGE, EDGE)  # silence kept before and after a sentence's speech
         self.alignatt_frames = round(config.alignatt_frames / self.frame_s)
         self.logmel = LogMel(loaded.features).to(loaded.device).eval()
         n_layers = len(self.model.decoder.layers)
         self.alignatt_layer = max(0, n_layers - 2) if config.alignatt_layer is None else config.alignatt_layer
         if not -n_layers <= self.alignatt_layer < n_layers:
             raise ValueError(f"alignatt layer {config.alignatt_layer} outside the decoder's {n_layers} layers")
+
+    def left_seconds(self, trained: float | None) -> float:
+        """The left context: as configured, else 10 s (NeMo's) but no more than the longest training
+        utterance leaves after the chunk and its look-ahead: the encoder never hears a window longer
+        than what it was trained on."""
+        cfg = self.config
+        if cfg.left is not None:
+            return cfg.left
+        return min(DEFAULT_LEFT, max(0.0, trained - cfg.chunk - cfg.right)) if trained else DEFAULT_LEFT
 
     def open(self, source_lang: str = "en", target_lang: str | None = None, pnc: bool = True,
              task: str | None = None) -> Stream:
@@ -206,23 +276,23 @@ class Streamer:
                 break
             for i, new in zip(batch, self.step([streams[i] for i in batch], final=False)):
                 committed[i] += new
-        if final:
-            batch = [i for i, s in enumerate(streams) if not s.finished]
-            if batch:
-                for i, new in zip(batch, self.step([streams[i] for i in batch], final=True)):
-                    committed[i] += new
+        while final and (batch := [i for i, s in enumerate(streams) if not s.finished]):
+            for i, new in zip(batch, self.step([streams[i] for i in batch], final=True)):
+                committed[i] += new
         return committed
 
     @torch.inference_mode()
     def step(self, streams: list[Stream], final: bool) -> list[list[StreamToken]]:
-        """One chunk of each stream (their next one, or with final the rest of their audio), as one batch."""
+        """One step of each stream, as one batch: its next chunk under the policy, or the end of its
+        sentence (to EOS, no policy) where it paused or its window is full, or with final the rest of
+        its audio."""
         t0 = time.perf_counter()
         device = self.loaded.device
-        spans = [self.window(s, final) for s in streams]  # (start, chunk end, end) in stream samples
-        live = [i for i, (start, _, end) in enumerate(spans) if end - start >= self.frame]  # less: nothing to decode
+        windows = [self.window(s, final) for s in streams]
+        live = [i for i, w in enumerate(windows) if w.end - w.start >= self.frame and not w.skip]
         new = [[] for _ in streams]
         if live:
-            wavs = [streams[i].audio[spans[i][0] - streams[i].kept_from: spans[i][2] - streams[i].kept_from]
+            wavs = [streams[i].audio[windows[i].start - streams[i].kept_from: windows[i].end - streams[i].kept_from]
                     for i in live]
             lens = torch.tensor([w.numel() for w in wavs])
             wav = torch.zeros(len(wavs), int(lens.max()))  # (B, S) zero padded
@@ -230,40 +300,84 @@ class Streamer:
                 wav[b, : w.numel()] = w
             feats, feat_lens = self.logmel(wav.to(device), lens.to(device))
             memory, memory_lens = self.model.encode(feats, feat_lens)  # (B, T', D), (B,)
-            # The decoder attends up to the chunk's end: the look-ahead frames are heard by the encoder only.
-            heard = torch.tensor([(spans[i][1] - spans[i][0]) // self.frame for i in live], device=device)
-            attend = memory_lens if final else torch.minimum(memory_lens, heard.clamp(min=1))
-            for b, tokens in zip(live, self.decode_chunk([streams[i] for i in live], [spans[i] for i in live],
-                                                          memory, attend, final)):
+            # The decoder attends up to the chunk's end: the look-ahead frames are heard by the encoder
+            # only, unless the sentence ends here.
+            heard = torch.tensor([max(1, (windows[i].chunk_end - windows[i].start) // self.frame) for i in live],
+                                 device=device)
+            closing = torch.tensor([windows[i].closing for i in live], device=device)
+            attend = torch.where(closing, memory_lens, torch.minimum(memory_lens, heard))
+            for b, tokens in zip(live, self.decode_chunk([streams[i] for i in live], [windows[i] for i in live],
+                                                          memory, attend)):
                 new[b] = tokens
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the time of the work, not of queueing it
         elapsed = time.perf_counter() - t0  # each stream of the batch waited for all of it
         committed = []
-        for s, (start, chunk_end, end), ids in zip(streams, spans, new):
+        for s, w, ids in zip(streams, windows, new):
             s.compute += elapsed
             s.chunk_compute.append(elapsed)
-            committed.append([StreamToken(t, end / self.rate, s.compute) for t in ids])
+            committed.append([StreamToken(t, w.heard / self.rate, s.compute) for t in ids])
             s.tokens += committed[-1]
-            s.chunks += 1
-            s.finished = final
-            keep = max(0, chunk_end - self.left) - s.kept_from  # the next window starts at or after it
-            s.audio, s.kept_from = s.audio[keep:], s.kept_from + keep
+            if w.closing or w.skip:  # the next sentence starts where this one was cut
+                s.partial = []
+                s.sentences += w.closing
+                s.window_cuts += w.full
+                s.sentence_tokens = len(s.tokens)
+                s.audio, s.kept_from = s.audio[w.chunk_end - s.kept_from:], w.chunk_end
+            else:  # the silence before the sentence's speech, beyond what training utterances hold, is dropped
+                s.audio, s.kept_from = s.audio[w.start - s.kept_from:], w.start
+            if not w.closing:  # a sentence that ended before the chunk's end: the chunk comes next
+                s.chunks += 1
+            s.finished = w.last
         return committed
 
-    def window(self, s: Stream, final: bool) -> tuple[int, int, int]:
-        """Stream samples of the buffer to encode: start, the chunk's end, end (past it: the look-ahead)."""
+    def window(self, s: Stream, final: bool) -> "Window":
+        """What `s` decodes in this step (`Window`), in stream samples. The sentence (the audio since
+        `s.kept_from`, from as much silence before its speech as the training utterances held) ends at
+        the first pause of `config.endpoint` s after speech in the audio heard (the look-ahead
+        included); a sentence that would outgrow the window (left + chunk) ends at its quietest point;
+        audio without speech is passed over, never decoded."""
+        start, hop = s.kept_from, round(self.rate * FRAME)
+        heard = s.received if final else min(s.received, (s.chunks + 1) * self.chunk + self.right)
         chunk_end = s.received if final else (s.chunks + 1) * self.chunk
-        start = max(0, min(s.chunks * self.chunk, chunk_end) - self.left)
-        end = s.received if final else chunk_end + self.right
-        return start, chunk_end, end
+        known = s.received // hop - s.levels.numel()  # stream frame of levels[0]
+        recent = s.levels[max(0, heard // hop - round(LEVEL_SECONDS / FRAME) - known): heard // hop - known]
+        levels = s.levels[start // hop - known: heard // hop - known]  # (frames,) dB of the sentence so far
+        speech = levels > speech_threshold(recent)  # (frames,)
+        spoken = speech.nonzero().flatten()
+        lead, trail = (round(e / FRAME) for e in self.edges)
+        if self.config.endpoint == 0:  # no pauses: one sentence, until the window is full
+            spoken = torch.zeros(1, dtype=torch.long)
+        elif spoken.numel() == 0:  # silence so far: the sentence starts `lead` before the newest audio
+            cut = max(start, min(chunk_end, heard - lead * hop) // hop * hop)
+            return Window(start, cut, cut, heard, skip=True, last=final)
+        # Where its speech starts and ends, judged on the sentence's own levels, as `edge_silence` judged
+        # the training utterances: the sentence starts `lead` before its speech and ends `trail` after.
+        own = (levels > speech_threshold(levels)).nonzero().flatten()
+        onset = min(int(own[0]), int(spoken[0])) if own.numel() else int(spoken[0])
+        shift = max(0, onset - lead) if self.config.endpoint > 0 else 0
+        start, levels, speech, own, onset = start + shift * hop, levels[shift:], speech[shift:], own - shift, onset - shift
+        if self.config.endpoint > 0:
+            for lo, hi in runs(~speech[onset:]):
+                if hi - lo >= round(self.config.endpoint / FRAME):  # the first pause after speech
+                    lo, hi = onset + lo, onset + hi
+                    spoken_end = int(own[own < lo].max()) + 1 if (own < lo).any() else lo
+                    cut = start + min(spoken_end + trail, (lo + hi) // 2) * hop
+                    return Window(start, cut, cut, heard, closing=True)
+        if final:
+            return Window(start, heard, heard, heard, closing=True, last=True)
+        if chunk_end - start < self.frame:  # a sentence that ended in the look-ahead: wait for the next chunk
+            return Window(start, start, start, heard)
+        if chunk_end - start > self.left + self.chunk:  # full: end the sentence at its quietest point
+            cut = start + quietest(levels, max(1, (self.left + self.chunk) // 2 // hop), (chunk_end - start) // hop) * hop
+            return Window(start, cut, cut, heard, closing=True, full=True)
+        return Window(start, chunk_end, heard, heard)
 
-    def context(self, s: Stream, start: int) -> list[int]:
-        """The committed tokens the decoder re-reads: those committed after the buffer's start (the
-        audio of older ones has left it), cut to the newest that fit the decoder's positions."""
-        since = next((i for i, t in enumerate(s.tokens) if round(t.time * self.rate) > start), len(s.tokens))
+    def context(self, s: Stream) -> list[int]:
+        """The committed tokens the decoder re-reads: the current sentence's, cut to the newest that
+        fit the decoder's positions."""
         room = self.model.cfg.dec_max_len - len(s.prompt) - self.chunk_cap()
-        return [t.id for t in s.tokens[since:]][-room:] if room > 0 else []
+        return [t.id for t in s.tokens[s.sentence_tokens:]][-room:] if room > 0 else []
 
     def chunk_cap(self) -> int:
         """Most tokens a chunk before the last may commit: max_tokens_per_second of its audio, at
@@ -271,20 +385,20 @@ class Streamer:
         per_second = self.options.max_tokens_per_second
         return max(1, math.floor(per_second * self.chunk / self.rate)) if per_second else self.options.max_delta
 
-    def decode_chunk(self, streams, spans, memory, attend, final: bool) -> list[list[int]]:
-        """Greedy steps under the policy for each row (a stream), from its prefix; memory (B, T', D),
-        attend (B,) frames each row's decoder may attend to. Returns the ids each row commits."""
+    def decode_chunk(self, streams, windows, memory, attend) -> list[list[int]]:
+        """Greedy steps for each row (a stream) from its prefix: under the policy, or to EOS where its
+        sentence ends (`Window.closing`); memory (B, T', D), attend (B,) frames each row's decoder may
+        attend to. Returns the ids each row commits."""
         b, device, eos = len(streams), memory.device, self.tokenizer.eos
-        contexts = [self.context(s, start) for s, (start, _, _) in zip(streams, spans)]
+        contexts = [self.context(s) for s in streams]
         prefixes = [s.prompt + c for s, c in zip(streams, contexts)]
         prefix_lens = torch.tensor([len(p) for p in prefixes], device=device)
-        if final:  # the rest of the stream: offline decoding's budget for this buffer, less what it re-reads
-            budget = [max(1, int(token_budget(self.model, attend[r: r + 1], len(p), self.options)[0]) - len(c))
-                      for r, (p, c) in enumerate(zip(prefixes, contexts))]
-        else:
-            budget = [self.chunk_cap()] * b
+        # A sentence's end: offline decoding's budget for this buffer, less what it re-reads.
+        budget = [max(1, int(token_budget(self.model, attend[r: r + 1], len(p), self.options)[0]) - len(c))
+                  if w.closing else self.chunk_cap() for r, (p, c, w) in enumerate(zip(prefixes, contexts, windows))]
         steps = max(budget)
-        cache = self.new_cache(memory, attend, max(len(p) + n for p, n in zip(prefixes, budget)))
+        # Every row is stepped `steps` times (a finished row's tokens are never read): room for the longest prefix.
+        cache = self.new_cache(memory, attend, int(prefix_lens.max()) + steps)
         padded = torch.full((b, int(prefix_lens.max())), eos, dtype=torch.long, device=device)
         for r, p in enumerate(prefixes):
             padded[r, : len(p)] = torch.tensor(p)
@@ -294,48 +408,62 @@ class Streamer:
             cache.length.copy_(prefix_lens)
             last = prefix_lens - 1
             logits = self.model.decoder.output_proj(hidden[torch.arange(b, device=device), last]).float()  # (B, V)
-            peaks = attention.peaks(last, attend)  # (B,) frame each row's last query attends most
+            peaks = attention.peaks(last, attend, self.sink)  # (B,) frame each row's last query attends most
             out = [[] for _ in streams]
             hyps = [list(c) for c in contexts]  # what the repetition guard reads, as offline: no prompt
-            active = [True] * b
+            state = ["commit"] * b  # then "partial" (held back, with partials) or "done"
+            partial = [[] for _ in streams]
             for _ in range(steps):
                 tokens = logits.argmax(dim=-1).tolist()
                 for r, s in enumerate(streams):
-                    if active[r]:
-                        active[r] = self.commit(s, hyps[r], out[r], tokens[r], int(peaks[r]), int(attend[r]),
-                                                spans[r], budget[r], final)
-                if not any(active):
+                    if state[r] == "commit":
+                        verdict = self.commit(s, hyps[r], out[r], tokens[r], int(peaks[r]), int(attend[r]),
+                                              windows[r], budget[r])
+                        if verdict == "held" and self.partials:
+                            state[r], partial[r] = "partial", [tokens[r]]
+                        elif verdict != "more":
+                            state[r] = "done"
+                    elif state[r] == "partial":
+                        if tokens[r] == eos or len(partial[r]) >= budget[r]:
+                            state[r] = "done"
+                        else:
+                            partial[r].append(tokens[r])
+                if all(st == "done" for st in state):
                     break
-                feed = torch.tensor([[t] for t in tokens], device=device)  # inactive rows' tokens are never read
+                feed = torch.tensor([[t] for t in tokens], device=device)  # finished rows' tokens are never read
                 logits = self.model.decode_step(feed, cache)
-                peaks = attention.peaks(torch.zeros(b, dtype=torch.long, device=device), attend)
+                peaks = attention.peaks(torch.zeros(b, dtype=torch.long, device=device), attend, self.sink)
+        for s, p in zip(streams, partial):
+            s.partial = p
         return out
 
-    def commit(self, s: Stream, hyp: list[int], out: list[int], token: int, peak: int, attend: int, span,
-               budget: int, final: bool) -> bool:
+    def commit(self, s: Stream, hyp: list[int], out: list[int], token: int, peak: int, attend: int, window,
+               budget: int) -> str:
         """The policy's decision on row `s`'s next token: commit it (append to hyp and out) or not.
-        True while the row may take another token in this chunk."""
+        "more": committed, and the row may take another token in this chunk; "stop": EOS, or the
+        last token it may take; "held": held back by the policy or the repetition guard."""
         cfg, eos = self.config, self.tokenizer.eos
         if token == eos:
             s.holding = None
-            return False
+            return "stop"
         repeats = self.options.max_repeats and bool(
             ends_in_repeats(torch.tensor([hyp + [token]]), len(hyp) + 1, self.options.max_repeats))
+        final = window.closing
         if repeats and not final:  # never committed while more audio may change the decoder's mind
-            self.hold(s, span[1])
-            return False
+            self.hold(s, window.chunk_end)
+            return "held"
         if not final:
             if cfg.policy == "waitk":
                 allowed = s.chunks + 1 >= cfg.waitk_lag and len(out) < cfg.waitk_tokens
             else:
                 allowed = attend - (peak + 1) >= self.alignatt_frames
             if not allowed:
-                self.hold(s, span[1])
-                return False
+                self.hold(s, window.chunk_end)
+                return "held"
         hyp.append(token)
         out.append(token)
         s.holding = None
-        return len(out) < budget and not repeats  # the last chunk stops after it, as offline search does
+        return "more" if len(out) < budget and not repeats else "stop"  # as offline search stops after it
 
     def hold(self, s: Stream, now: int) -> None:
         """The policy held back a token at stream sample `now`: log once when that has lasted STALL_SECONDS."""
@@ -380,11 +508,14 @@ class CrossAttention:
             scores = scores.masked_fill(~mask, float("-inf"))
         self.weights = scores.softmax(dim=-1).mean(dim=1)  # (R, U, T')
 
-    def peaks(self, query, attend):
-        """(R,) the frame each row's query position `query` (R,) attends most, among its `attend` frames."""
+    def peaks(self, query, attend, sink: int = 0):
+        """(R,) the frame each row's query position `query` (R,) attends most, among its `attend`
+        frames less the first `sink` (where a decoder with nothing to say looks: NeMo's attention
+        sink), unless that leaves none."""
         rows = torch.arange(query.numel(), device=query.device)
         w = self.weights[rows, query]  # (R, T')
-        valid = torch.arange(w.size(1), device=w.device) < attend[:, None]
+        frames = torch.arange(w.size(1), device=w.device)
+        valid = (frames < attend[:, None]) & (frames >= torch.clamp(attend[:, None] - 1, max=sink))
         return w.masked_fill(~valid, -1.0).argmax(dim=-1)
 
 
@@ -490,10 +621,10 @@ def stream_latency(stream: Stream, seconds: float, reference: str | None = None,
     unaware = [t * 1000 for _, t, _ in words]
     aware = [(t + c) * 1000 for _, t, c in words]
     chunk_s = stream.streamer.chunk / stream.streamer.rate
-    rtf = [c / chunk_s for c in stream.chunk_compute[:-1]]
     ends = spoken_ends(stream, wav) if wav is not None else None
     lag = sum(t - end for (_, t, _), end in zip(words, ends)) / len(ends) * 1000 if ends else math.nan
     return {"al": average_lagging(unaware, source, ref_len, False), "laal": average_lagging(unaware, source, ref_len),
             "al_ca": average_lagging(aware, source, ref_len, False), "laal_ca": average_lagging(aware, source, ref_len),
             "first_word": unaware[0] if unaware else math.nan, "spoken_lag": lag,
-            "rtf_mean": sum(rtf) / len(rtf) if rtf else math.nan, "rtf_max": max(rtf, default=math.nan)}
+            "rtf_mean": sum(stream.chunk_compute) / seconds if seconds > 0 else math.nan,
+            "rtf_max": max(stream.chunk_compute, default=math.nan) / chunk_s}

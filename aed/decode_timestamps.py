@@ -41,8 +41,6 @@ from aed.model import ctc_spans
 SENTENCE_END = (".", "!", "?", "。", "？", "！")  # a segment ends after a word ending with one of these
 SEGMENT_PAUSE = 1.0  # ... or before a pause this long (s): unpunctuated output still gets cues
 SEGMENT_MAX = 7.0  # ... or before it would exceed this many seconds (a subtitle line's usual limit)
-SPEECH_ABOVE_FLOOR_DB = 10.0  # a 10 ms frame is speech this much above the chunk's noise floor ...
-SPEECH_RANGE_DB = 40.0  # ... and within this much of its loudest frame (`snap_to_speech`)
 
 
 @dataclass
@@ -135,21 +133,9 @@ def to_words(tokenizer: Tokenizer, ids: list[int], spans: list[tuple[int, int]] 
     return [w for w in words if w.text]  # a lone "▁" piece decodes to nothing
 
 
-def speech_frames(wav: torch.Tensor, sample_rate: int) -> torch.Tensor:
-    """wav (S,) -> (S // hop,) True at the 10 ms frames that sound like speech: SPEECH_ABOVE_FLOOR_DB
-    louder than the chunk's noise floor (its 10th-percentile frame) and within SPEECH_RANGE_DB of
-    its loudest frame."""
-    hop = sample_rate // 100
-    if wav.numel() < hop:
-        return torch.zeros(0, dtype=torch.bool)
-    db = 10 * torch.log10(wav[: wav.numel() // hop * hop].view(-1, hop).pow(2).mean(dim=1) + 1e-12)  # (frames,)
-    threshold = max(float(db.quantile(0.1)) + SPEECH_ABOVE_FLOOR_DB, float(db.max()) - SPEECH_RANGE_DB)
-    return db > threshold
-
-
 def snap_to_speech(words: list[Word], speech: torch.Tensor, offset: float) -> list[Word]:
     """Each word's times moved to the edges of its sound: from the first and last speech frame
-    (`speech_frames`, of the chunk that starts at `offset` s) inside its aligned span, out to where
+    (`aed.decode_segment.speech_frames`, of the chunk that starts at `offset` s) inside its aligned span, out to where
     that stretch of speech begins and ends, but not past the previous word's (new) end or the next
     word's aligned start. A word whose span holds no speech is left as it is.
     Why: CTC emits a token on any frame between its neighbours' (peaky, often early: a first word

@@ -17,11 +17,12 @@ once decoded); a *segment* is a subtitle cue (`aed.decode_timestamps.Segment`).
 
 How the work is cut:
 1. Plan: each input's duration (manifest, else the file header). Inputs longer than `chunk_seconds`
-   are cut at the quietest 100 ms within the last quarter of each chunk, and the next chunk starts
-   at the cut. With `chunk_overlap` > 0 (off by default: docs/inference.md, "Long audio", says why),
-   a cut that is not a pause (40 dB below the loudest 100 ms near it: continuous speech, background
-   noise) starts the next chunk that many seconds earlier instead, so the words around the cut are
-   heard whole by one of the two chunks, and the two hypotheses are merged.
+   (the longest utterance the model was trained on) are cut at their pauses into segments of at most
+   that (`aed.decode_segment`: speech found by energy, every pause of 0.25 s ends a segment, each
+   segment with the silence at its edges that the training utterances held, the rest not decoded). Where continuous speech must be cut, with `chunk_overlap`
+   > 0 (off by default: docs/inference.md, "Long audio", says why) the next segment starts that many
+   seconds earlier, so the words around the cut are heard whole by one of the two, and the two
+   hypotheses are merged.
 2. Batch: chunks sorted by duration, longest first, and cut into batches of at most
    `batch_duration` padded seconds (batch size x longest chunk): `aed.data_manifest.duration_batches`.
 3. Per batch: load + log-mel features, then `decode_features`: encoder, then greedy or beam search
@@ -47,7 +48,6 @@ from typing import NamedTuple
 
 import soundfile as sf
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from aed.data_audio import FFMPEG_EXTENSIONS, AudioError, FeatureConfig, LogMel, audio_seconds, load_audio, num_frames
@@ -57,21 +57,16 @@ from aed.data_tokenizer import Tokenizer
 from aed.decode_merge import Chunk, MergeStats, merge_chunks
 from aed.decode_score import corpus_scores
 from aed.decode_search import DecodingOptions, search
+from aed.decode_segment import EDGE, frame_db, plan_segments, speech_frames
 from aed.decode_static import CompiledAED
-from aed.decode_timestamps import (Word, align, feasible, frame_seconds, snap_to_speech, speech_frames, to_segments,
-                                   to_words)
+from aed.decode_timestamps import Word, align, feasible, frame_seconds, snap_to_speech, to_segments, to_words
 from aed.model import AED
 from aed.train_checkpoint import (INFERENCE_KEYS, Checkpoint, average_checkpoints, is_checkpoint, load_latest,
                                   model_from_checkpoint, read_checkpoint, read_ema)
 
 log = logging.getLogger(__name__)
 
-CUT_SEARCH = 0.25  # search the last quarter of a chunk for a pause: speech pauses every few seconds,
-# and every chunk but the last keeps >= 75% of chunk_seconds, so long files are not over-fragmented
-QUIET_WINDOW = 0.1  # seconds of audio whose mean energy is compared when looking for a pause
 DEFAULT_CHUNK = 40.0  # seconds per chunk for a checkpoint that does not record its training maximum
-PAUSE_DB = 40.0  # a cut's 100 ms this much quieter than the loudest 100 ms near it is a pause: no overlap needed
-SILENCE_DBFS = -60.0  # ... and so is one this quiet in absolute terms (a search window of silence only)
 
 
 # --- the model --------------------------------------------------------------------------------
@@ -86,6 +81,7 @@ class LoadedModel:
     features: FeatureConfig
     path: str  # the checkpoint file that was loaded
     max_train_duration: float | None = None  # longest utterance it was trained on (s); None: not recorded
+    edge_silence: tuple | None = None  # (before, after) s of silence around its training utterances' speech
     compiled: CompiledAED | None = None  # the model with a compiled decoder step, which decoding then uses
 
     @property
@@ -160,8 +156,9 @@ def load_model(path: str, device="cpu", *, compile: bool = False, int8: bool = F
         log.info("decoding the EMA of the weights of %s", path)
     if int8:
         model = quantize_int8(model)
-    return LoadedModel(model, tokenizer, features, path, Checkpoint.from_dict(ckpt).max_train_duration,
-                       CompiledAED(model) if compile else None)
+    trained = Checkpoint.from_dict(ckpt)
+    return LoadedModel(model, tokenizer, features, path, trained.max_train_duration,
+                       trained.edge_silence and tuple(trained.edge_silence), CompiledAED(model) if compile else None)
 
 
 def chunk_length(loaded: LoadedModel, chunk_seconds: float | None) -> float:
@@ -312,32 +309,28 @@ def score(results: list[Result], normalizer: str = "simple") -> dict:
 # --- planning: durations and chunks -----------------------------------------------------------
 
 
-def quiet_point(path: str, start: float, end: float, sample_rate: int) -> tuple[float, bool]:
-    """Time (s) of the middle of the quietest QUIET_WINDOW of [start, end): a cut there rarely splits
-    a word; and whether it is a pause: PAUSE_DB quieter than the loudest window there, or digital
-    near-silence (below SILENCE_DBFS)."""
-    wav = load_audio(path, offset=start, duration=end - start, sample_rate=sample_rate)
-    hop = sample_rate // 100  # 10 ms energy frames
-    window = round(QUIET_WINDOW * 100)  # in frames
-    if wav.numel() < hop * window:
-        return end, False
-    energy = wav[: wav.numel() // hop * hop].view(-1, hop).pow(2).mean(dim=1)  # (frames,)
-    smooth = F.avg_pool1d(energy[None, None], window, stride=1)[0, 0]  # (frames - window + 1,)
-    first = int(smooth.argmin())
-    last = first  # digital silence ties over a stretch: cut in its middle, not at its edge
-    while last + 1 < smooth.numel() and smooth[last + 1] == smooth[first]:
-        last += 1
-    quiet, loud = float(smooth[first]), float(smooth.max())
-    pause = quiet <= loud * 10 ** (-PAUSE_DB / 10) or quiet <= 10 ** (SILENCE_DBFS / 10)
-    return start + ((first + last) // 2 + window // 2) * hop / sample_rate, pause
+BLOCK_SECONDS = 60.0  # a long file's energies are read this much at a time: memory bounded by the block
 
 
-def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int,
-                overlap: float = 0.0) -> list[tuple[float, float | None, float]]:
-    """(offset, duration or None = to the end, estimated seconds) of each chunk of one request: each
-    ends at the quietest point of its last quarter; the next starts there when that is a pause, else
-    `overlap` seconds before it (the words around the cut are then merged: `aed.decode_merge`); `transcribe`
-    checks that overlap is at most half of chunk_seconds."""
+def file_db(path: str, offset: float, total: float, sample_rate: int) -> torch.Tensor:
+    """The 10 ms frame energies (frames,) in dB of `total` seconds of `path` from `offset`."""
+    blocks, done = [], 0.0
+    while done < total:
+        seconds = min(BLOCK_SECONDS, total - done)
+        blocks.append(frame_db(load_audio(path, offset + done, seconds, sample_rate), sample_rate))
+        done += seconds
+    return torch.cat(blocks) if blocks else torch.zeros(0)
+
+
+def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int, overlap: float = 0.0,
+                edges: tuple[float, float] = (EDGE, EDGE)) -> tuple[float, list[tuple[float, float | None, float]]]:
+    """A request's length (s) and the (offset, duration or None = to the end, seconds) of each of its
+    chunks: the whole of an input up to `chunk_seconds`; a longer one cut at its pauses into segments
+    of at most `chunk_seconds` (`aed.decode_segment.plan_segments`) with `edges` s of silence before
+    and after their speech, the rest of the silence between them not decoded; with `overlap`, a
+    segment that follows a cut inside continuous speech starts that many seconds before the previous
+    one ends (the words around the cut are then merged: `aed.decode_merge`; `transcribe` checks
+    that overlap is at most half of chunk_seconds)."""
     if req.duration is not None:
         total = req.duration
     else:
@@ -346,15 +339,17 @@ def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int,
         if total <= 0:
             raise AudioError(req.audio_filepath, f"no audio after offset {req.offset}s ({seconds:.3f} s)")
     if total <= chunk_seconds:
-        return [(req.offset, req.duration, total)]
-    chunks, start, end = [], req.offset, req.offset + total
-    while end - start > chunk_seconds:
-        search_from = start + (1 - CUT_SEARCH) * chunk_seconds
-        cut, pause = quiet_point(req.audio_filepath, search_from, start + chunk_seconds, sample_rate)
-        chunks.append((start, cut - start, cut - start))
-        start = cut if pause else cut - overlap  # cut >= start + 3/4 chunk_seconds > start + overlap: moves on
-    chunks.append((start, end - start if req.duration is not None else None, end - start))
-    return chunks
+        return total, [(req.offset, req.duration, total)]
+    chunks, previous = [], None
+    for cut in plan_segments(file_db(req.audio_filepath, req.offset, total, sample_rate), chunk_seconds,
+                             edges=edges):
+        joined = overlap > 0 and previous is not None and not previous.pause_after
+        # ... by at most half the previous chunk (`aed.decode_merge` joins two chunks, never three)
+        start = max((chunks[-1][0] - req.offset + previous.end) / 2, previous.end - overlap) if joined else cut.start
+        end = min(cut.end, total)
+        chunks.append((req.offset + start, end - start, end - start))
+        previous = cut
+    return total, chunks
 
 
 # --- transcription ----------------------------------------------------------------------------
@@ -404,12 +399,14 @@ def request_prompts(requests: list[Request], tokenizer: Tokenizer) -> list[list[
 
 
 def plan(requests: list[Request], results: list[Result], chunk_seconds: float, overlap: float,
-         sample_rate: int) -> list[AudioChunk]:
-    """Every request's chunks, in file order; a file whose length cannot be read fails its Result."""
+         sample_rate: int, edges: tuple[float, float]) -> list[AudioChunk]:
+    """Every request's chunks, in file order, and its length on its Result; a file whose length cannot
+    be read fails its Result. A file without speech has no chunks: its text is empty."""
     chunks = []
     for i, r in enumerate(requests):
         try:
-            chunks += [AudioChunk(i, *chunk) for chunk in plan_chunks(r, chunk_seconds, sample_rate, overlap)]
+            results[i].duration, planned = plan_chunks(r, chunk_seconds, sample_rate, overlap, edges)
+            chunks += [AudioChunk(i, *chunk) for chunk in planned]
         except AudioError as e:
             results[i].error = e.reason
     return chunks
@@ -568,7 +565,8 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
     chunk_s = chunk_length(loaded, chunk_seconds)
     if chunk_overlap > chunk_s / 2:
         raise ValueError(f"chunk overlap {chunk_overlap} s must lie in [0, half the chunk length {chunk_s} s]")
-    chunks = plan(requests, results, chunk_s, chunk_overlap, loaded.features.sample_rate)
+    chunks = plan(requests, results, chunk_s, chunk_overlap, loaded.features.sample_rate,
+                  loaded.edge_silence or (EDGE, EDGE))
     overlapping = any(a.request == b.request for a, b in zip(chunks, chunks[1:])) and chunk_overlap > 0
     aligned = timestamps or (overlapping and loaded.model.ctc is not None)  # merging by time needs alignments
     timings = Timings(load_features=time.perf_counter() - t_start)

@@ -78,6 +78,7 @@ class Checkpoint:
     features: dict  # FeatureConfig fields
     tokenizer: dict  # {file name: bytes} of the tokenizer directory (pack_dir)
     max_train_duration: float | None = None  # longest training utterance (s): infer.py's chunk length
+    edge_silence: tuple | None = None  # (before, after) s of silence around the training utterances' speech
     new_tokens: dict | None = None  # the rows tools/add_language.py appended (freeze=all_but_new_tokens)
     ema: dict | None = None  # the trainable weights' EMA by parameter name, fp32 (ema_decay: aed/train_ema.py)
     step: int | None = field(default=None, metadata=RESUME)  # optimizer steps taken

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from aed.config import ConfigError
-from aed.data_audio import LogMel
+from aed.data_audio import AudioError, LogMel, load_audio
 from aed.data_augment import Augment
 from aed.data_bins import bucket_padding
 from aed.data_batch import Collate, ExampleDataset, encodable, fit_decoder, ignore_stop_signals
@@ -25,6 +25,7 @@ from aed.data_mixing import (MixLog, Tagged, audio_shares, group_of, nonspeech_e
                              temperature_mix)
 from aed.data_sources import CountTokens, is_streamed, open_source, source_faults, spec_kind
 from aed.data_stream import MixedSource
+from aed.decode_segment import EDGE_SAMPLE, edge_silence
 from aed.train_config import TrainConfig
 from aed.train_distributed import all_gather_objects
 from aed.train_objective import OBJECTIVES
@@ -209,7 +210,26 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
     dataset = ExampleDataset(utts, text_tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance, augment)
     counter = BatchCounter(sampler, epoch_mix_log(cfg.train, utts, world_size))
     return TrainingData(sampler, dataset, bins, counter, **data, faults=(faults,),
-                        pad_to=compiled_shapes(cfg, bins, reads_text))
+                        pad_to=compiled_shapes(cfg, bins, reads_text),
+                        edge_silence=measure_edges(utts, cfg.features.sample_rate, cfg.seed))
+
+
+def measure_edges(utts: list, sample_rate: int, seed: int) -> tuple[float, float] | None:
+    """The silence the training utterances hold before and after their speech (medians over
+    EDGE_SAMPLE of them, `aed.decode_segment.edge_silence`): inference cuts long audio into segments
+    with as much, the edges the model was trained on. Unreadable audio is left out of the sample."""
+    t0 = time.time()
+    wavs = []
+    for u in random.Random(seed).sample(utts, min(EDGE_SAMPLE, len(utts))):
+        try:
+            wavs.append(load_audio(u.audio_filepath, u.offset, u.duration if u.segment else None, sample_rate))
+        except AudioError:
+            continue
+    edges = edge_silence(wavs, sample_rate)
+    if edges is not None:
+        log.info("training utterances hold a median %.2f s of silence before their speech and %.2f s after "
+                 "(%d measured in %.1f s): inference cuts long audio with as much", *edges, len(wavs), time.time() - t0)
+    return edges
 
 
 def compiled_shapes(cfg: TrainConfig, bins: Bins, reads_text: bool) -> list | None:
@@ -264,6 +284,8 @@ class TrainingData(NamedTuple):
     seed: int
     faults: tuple = ()  # the Faults of the readers: manifests read at start, or each streamed source
     pad_to: list | None = None  # (frames, tokens) of every bucket, for Collate: train.compile's shapes
+    edge_silence: tuple | None = None  # (before, after): median seconds of silence around the speech of
+    # the training utterances (`measure_edges`); None for streamed sources, which are not read ahead
 
     def skipped(self, batches: Faults | None = None) -> dict:
         """Everything this rank's data left out so far, by kind, in one dict: what the readers

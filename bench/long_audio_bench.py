@@ -96,7 +96,7 @@ def main():
     overlap = args.overlap if args.overlap is not None else chunk / 4
     for name, overlap in ((f"overlap {overlap:.2f} s", overlap), ("no overlap", 0.0)):
         log(f"{len(files)} long files ({sum(f[2] for f in files):.0f} s): {name}")
-        planned = [plan_chunks(Request(path, "en", "en", False, "asr"), chunk, SAMPLE_RATE, overlap)
+        planned = [plan_chunks(Request(path, "en", "en", False, "asr"), chunk, SAMPLE_RATE, overlap)[1]
                    for path, _, _ in files]
         results, _ = transcribe(asr, [path for path, _, _ in files], pnc=False, chunk_overlap=overlap)
         out = jiwer.process_words([ref for _, ref, _ in files], [res.pred_text.lower() for res in results])

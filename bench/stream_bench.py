@@ -10,19 +10,21 @@ not depend on the weights, and the work is fixed: EOS is never chosen, the Align
 (its cross-attention is still read at every step), and every chunk commits --tokens-per-second
 x chunk tokens, so the decoder re-reads about that many tokens per second of its left context.
 
-B streams of --seconds of noise are fed a chunk at a time and decoded as one batch. Timed: each
-chunk's processing once the buffer is full (left context + chunk + look-ahead: the steady state
-of a long stream), its median per batch; the real-time factor is that over the chunk's duration,
-and a batch of B streams is real time when it is <= 1. Baseline in the same run: offline decoding
+B streams of --seconds of noise are fed a chunk at a time and decoded as one batch. The noise is
+continuous by default, the worst case: a stream's sentence never ends at a pause, so its window fills
+to left context + chunk + look-ahead, is cut at its quietest point and fills again. With --pauses the
+noise comes in sentences of 3-8 s between pauses of 0.5 s, as speech does: each sentence ends at its
+pause, and the window holds one sentence. Timed: every decoding step of the batch (chunks, and
+sentence ends decoded to EOS); the real-time factor is their total over the seconds of audio, and a
+batch of B streams is real time when it is <= 1. Baseline in the same run: offline decoding
 (infer.py's transcribe, greedy, the same tokens per second) of the same audio, batch B, whose cost
-per second of audio the streaming figure is set against (streaming re-encodes the 11.5 s buffer
-for every 1 s chunk: about 11x the encoder work of offline decoding).
+per second of audio the streaming figure is set against (streaming re-encodes its buffer for every
+chunk: up to 11x the encoder work of offline decoding at a 11.5 s buffer).
 
 Prints a table, then a JSON object as the last line.
 """
 
 import argparse
-import statistics
 import tempfile
 import time
 
@@ -41,7 +43,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", default=["canary-180m-flash", "canary-1b-flash"])
     p.add_argument("--streams", nargs="+", type=int, default=[1, 2, 4, 8], help="batch sizes: concurrent streams")
-    p.add_argument("--seconds", type=float, default=14.0, help="audio per stream (> 11.5 s reaches the steady state)")
+    p.add_argument("--seconds", type=float, default=30.0, help="audio per stream")
+    p.add_argument("--pauses", action="store_true", help="sentences of 3-8 s between pauses, not continuous noise")
     p.add_argument("--tokens-per-second", type=float, default=4.0,
                    help="tokens committed per second of audio (Canary's tokenizers: about 4 on real speech)")
     p.add_argument("--chunk", type=float, default=StreamConfig.chunk)
@@ -54,17 +57,28 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def stream_batch(streamer: Streamer, wavs: list[torch.Tensor]) -> list[float]:
-    """Seconds of processing of each steady-state chunk of the batch of streams fed `wavs`."""
+def stream_batch(streamer: Streamer, wavs: list[torch.Tensor]) -> float:
+    """Seconds of processing of the batch of streams fed `wavs` (all of equal length), every step."""
     streams = [streamer.open("en") for _ in wavs]
-    steady_from = -(-(streamer.left + streamer.right) // streamer.chunk)  # chunks before the buffer is full
     n = wavs[0].numel()
     for start in range(0, n, streamer.chunk):
         for s, w in zip(streams, wavs):
             s.push(w[start: start + streamer.chunk])
         streamer.run(streams)
     streamer.run(streams, final=True)
-    return streams[0].chunk_compute[steady_from:-1]
+    return sum(streams[0].chunk_compute)
+
+
+def noise(seconds: float, pauses: bool, gen: torch.Generator, rate: int = 16000) -> torch.Tensor:
+    """Noise at 0.01 of full scale: continuous, or in bursts of 3-8 s between 0.5 s of silence."""
+    wav = 0.01 * torch.randn(round(seconds * rate), generator=gen)
+    if pauses:
+        t = 0
+        while t < wav.numel():
+            t += round(float(torch.empty(1).uniform_(3, 8, generator=gen)) * rate)
+            wav[t: t + rate // 2] = 0.0
+            t += rate // 2
+    return wav
 
 
 def offline(loaded, wavs: list[torch.Tensor], options: DecodingOptions) -> float:
@@ -95,15 +109,14 @@ def main(argv=None):
             chunk_s = streamer.chunk / streamer.rate
             result = {"chunk_s": chunk_s, "buffer_s": (streamer.left + streamer.chunk + streamer.right) / streamer.rate,
                       "batches": {}}
-            stream_batch(streamer, [0.01 * torch.randn(round(4 * streamer.rate), generator=gen)])  # warm-up
+            stream_batch(streamer, [noise(4, args.pauses, gen)])  # warm-up
             realtime = 0
             for b in args.streams:
-                wavs = [0.01 * torch.randn(round(args.seconds * streamer.rate), generator=gen) for _ in range(b)]
+                wavs = [noise(args.seconds, args.pauses, gen) for _ in range(b)]
                 log(f"{preset}: {b} stream(s) of {args.seconds:g} s")
                 t0 = time.perf_counter()
-                times = stream_batch(streamer, wavs)
-                ms = 1000 * statistics.median(times)
-                rtf = ms / 1000 / chunk_s
+                rtf = stream_batch(streamer, wavs) / args.seconds
+                ms = 1000 * rtf * chunk_s  # processing per chunk of audio, all steps counted
                 offline_rtfx = offline(loaded, wavs, options)
                 # per second of audio: streaming's processing over offline decoding's
                 cost = (ms / 1000 / (b * chunk_s)) * offline_rtfx
@@ -118,8 +131,8 @@ def main(argv=None):
             out[preset] = result
     print_table([("preset", "<20"), ("streams", ">7d"), ("ms/chunk", ">9.0f"), ("RTF", ">6.2f"), ("real time", ">9"),
                  ("offline RTFx", ">12.1f"), ("cost vs offline", ">15.1f")], rows)
-    print_json({"device": str(device), "threads": args.threads, "int8": args.int8, "load_avg": load_avg(), "tokens_per_second":
-                args.tokens_per_second, "presets": out})
+    print_json({"device": str(device), "threads": args.threads, "int8": args.int8, "pauses": args.pauses,
+                "load_avg": load_avg(), "tokens_per_second": args.tokens_per_second, "presets": out})
 
 
 if __name__ == "__main__":

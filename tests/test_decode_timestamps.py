@@ -15,7 +15,8 @@ from test_train import run_in_process
 from aed.data_audio import FeatureConfig, load_audio
 from aed.data_tokenizer import Tokenizer
 from aed.decode_search import DecodingOptions
-from aed.decode_timestamps import (Segment, Word, align, frame_seconds, snap_to_speech, speech_frames, srt, to_segments,
+from aed.decode_segment import speech_frames
+from aed.decode_timestamps import (Segment, Word, align, frame_seconds, snap_to_speech, srt, to_segments,
                                    to_words, webvtt)
 from aed.decode_transcribe import Request, load_model, plan_chunks, transcribe
 from aed.model import AED, AEDConfig
@@ -151,7 +152,7 @@ def test_times_are_monotonic_within_the_audio_and_offset_per_chunk(tmp_path, tok
     chunk = 4.0
     (res,), timings = transcribe(asr, [path], DecodingOptions(max_new_tokens=6), chunk_seconds=chunk,
                                  timestamps=True)
-    chunks = plan_chunks(Request(path, "en", "en", True, "asr"), chunk, 16000)
+    _, chunks = plan_chunks(Request(path, "en", "en", True, "asr"), chunk, 16000)
     assert len(chunks) >= 4 and timings.align > 0
     assert res.words and " ".join(w.text for w in res.words) == " ".join(res.pred_text.split())
     assert all(0 <= w.start < w.end <= res.duration + 1e-6 for w in res.words)
@@ -182,8 +183,8 @@ def test_cli_writes_segments_and_subtitles(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("ctc_weight", [0.3, 0.0])
 def test_overlapping_chunks_of_continuous_speech_merge_into_one_ordered_transcript(tmp_path, tokenizer, ctc_weight):
-    """Words without pauses (and a noise floor, so no cut is a pause): the chunks overlap, and the
-    merged words (by time with a CTC head, by text without) lie in order, each once, inside the
+    """Words without pauses between them (and a noise floor): where a cut is not at a pause the next
+    chunk starts `overlap` before the previous one ends, and the merged words (by time with a CTC head, by text without) lie in order, each once, inside the
     audio. An untrained model: the bookkeeping, not recognition (tests/test_decode_merge.py has the rules)."""
     asr = load_model(checkpoint(tmp_path, tokenizer, ctc_weight=ctc_weight))
     path, truth = long_file(tmp_path, seconds_between=0.0)
@@ -191,8 +192,10 @@ def test_overlapping_chunks_of_continuous_speech_merge_into_one_ordered_transcri
     sf.write(path, (wav + 0.01 * torch.randn(wav.numel(), generator=torch.Generator().manual_seed(0))).numpy(),
              16000, subtype="FLOAT")
     chunk, overlap = 2.0, 0.5
-    chunks = plan_chunks(Request(path, "en", "en", True, "asr"), chunk, 16000, overlap)
-    assert len(chunks) >= 4 and all(b[0] == pytest.approx(a[0] + a[2] - overlap) for a, b in zip(chunks, chunks[1:]))
+    _, chunks = plan_chunks(Request(path, "en", "en", True, "asr"), chunk, 16000, overlap)
+    overlaps = [a[0] + a[2] - b[0] for a, b in zip(chunks, chunks[1:])]
+    assert len(chunks) >= 4 and sum(o > 0 for o in overlaps) >= 2 and max(overlaps) <= overlap + 1e-6
+    assert all(a[0] <= b[0] for a, b in zip(chunks, chunks[1:]))
     (res,), _ = transcribe(asr, [path], DecodingOptions(max_new_tokens=6), chunk_seconds=chunk,
                            chunk_overlap=overlap, timestamps=ctc_weight > 0)
     assert res.error is None and res.duration == pytest.approx(wav.numel() / 16000, abs=1e-3)  # overlaps count once

@@ -1,0 +1,92 @@
+"""Cutting long audio at its pauses (aed/decode_segment.py): no speech frame is left out or cut
+where a pause was near, no segment is longer than the limit, silence is not decoded."""
+
+import random
+
+import pytest
+import soundfile as sf
+import torch
+
+from aed.decode_segment import EDGE, FRAME, PAUSE, edge_silence, frame_db, plan_segments, speech_frames
+from aed.decode_transcribe import Request, plan_chunks
+
+
+def loud(seconds: float, g: torch.Generator) -> torch.Tensor:
+    return 0.3 * torch.randn(round(seconds * 16000), generator=g)
+
+
+def speech_with_pauses(seed: int, floor: float = 0.0):
+    """Bursts of noise (0.3-2.5 s, with inner gaps of 0.05-0.15 s) between pauses of 0.3-1.5 s, over
+    a noise floor: the waveform and the (start, end) seconds of every burst."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    pieces, bursts, t = [], [], 0.0
+    for _ in range(30):
+        pause = rng.uniform(0.3, 1.5)
+        pieces.append(torch.zeros(round(pause * 16000)))
+        t += pause
+        start = t
+        for _ in range(rng.randint(1, 4)):  # words with short gaps: one stretch of speech
+            if t > start:
+                gap = rng.uniform(0.05, 0.15)
+                pieces.append(torch.zeros(round(gap * 16000)))
+                t += gap
+            word = rng.uniform(0.2, 0.6)
+            pieces.append(loud(word, g))
+            t += word
+        bursts.append((start, t))
+    wav = torch.cat(pieces)
+    return wav + floor * torch.randn(wav.numel(), generator=g), bursts
+
+
+@pytest.mark.parametrize("seed,floor", [(0, 0.0), (1, 1e-3), (2, 1e-2)])
+def test_segments_cover_every_burst_once_and_cut_only_in_pauses(seed, floor):
+    wav, bursts = speech_with_pauses(seed, floor)
+    limit = 4.0
+    cuts = plan_segments(frame_db(wav, 16000), limit)
+    assert all(c.end - c.start <= limit + 1e-6 for c in cuts)
+    assert all(a.end <= b.start for a, b in zip(cuts, cuts[1:]))
+    for start, end in bursts:  # each burst lies inside one segment: no stretch of speech is cut
+        inside = [c for c in cuts if c.start <= start + FRAME and end - FRAME <= c.end]
+        assert len(inside) == 1, (start, end, cuts)
+    for c in cuts:  # a segment holds no pause of PAUSE or more, and at most EDGE of silence at each edge
+        speech = [(s, e) for s, e in bursts if c.start <= s < c.end]
+        assert speech and speech[0][0] - c.start <= EDGE + 2 * FRAME and c.end - speech[-1][1] <= EDGE + 2 * FRAME
+        assert all(b[0] - a[1] < PAUSE + 2 * FRAME for a, b in zip(speech, speech[1:])) or \
+            max(e for _, e in speech) - min(s for s, _ in speech) > limit - 2 * EDGE
+
+
+def test_continuous_speech_is_cut_at_its_quietest_point_and_silence_has_no_segments():
+    g = torch.Generator().manual_seed(0)
+    wav = torch.cat([loud(3.0, g), 0.3 * loud(0.1, g), loud(3.0, g)])  # a 10 dB dip at 3.0-3.1 s, no gap
+    cuts = plan_segments(frame_db(wav, 16000), 4.0)
+    assert len(cuts) == 2 and not cuts[0].pause_after and cuts[1].pause_after
+    assert 3.0 <= cuts[0].end <= 3.1 and cuts[1].start == cuts[0].end
+    assert plan_segments(frame_db(torch.zeros(16000 * 60), 16000), 4.0) == []
+    assert not speech_frames(torch.zeros(16000), 16000).any()
+
+
+def test_plan_chunks_keeps_short_files_whole_and_reads_long_ones_in_blocks(tmp_path, monkeypatch):
+    import aed.decode_transcribe as transcribe_module
+    wav, bursts = speech_with_pauses(3)
+    path = tmp_path / "x.wav"
+    sf.write(path, wav.numpy(), 16000, subtype="FLOAT")
+    total = wav.numel() / 16000
+    assert plan_chunks(Request(str(path), "en", "en", True, "asr"), total + 1, 16000) == (total, [(0.0, None, total)])
+    monkeypatch.setattr(transcribe_module, "BLOCK_SECONDS", 7.0)  # block edges fall inside bursts
+    seconds, chunks = plan_chunks(Request(str(path), "en", "en", True, "asr"), 4.0, 16000)
+    assert seconds == pytest.approx(total)
+    assert [(round(o, 2), round(d, 2)) for o, d, _ in chunks] == \
+        [(round(c.start, 2), round(c.end - c.start, 2)) for c in plan_segments(frame_db(wav, 16000), 4.0)]
+
+
+def test_edge_silence_is_the_median_silence_around_the_speech():
+    g = torch.Generator().manual_seed(0)
+    wavs = [torch.cat([torch.zeros(round(a * 16000)), loud(1.0, g), torch.zeros(round(b * 16000))])
+            for a, b in [(0.1, 0.3), (0.2, 0.1), (0.3, 0.2), (0.0, 0.0)]]
+    lead, trail = edge_silence(wavs + [torch.zeros(16000)], 16000)  # silence alone is left out
+    assert lead == pytest.approx(0.1, abs=FRAME) and trail == pytest.approx(0.1, abs=FRAME)
+    assert edge_silence([torch.zeros(16000)], 16000) is None
+    # Segments take those edges: 0.1 s before the speech, 0.1 s after it.
+    wav = torch.cat([torch.zeros(16000), loud(1.0, g), torch.zeros(16000), loud(1.0, g), torch.zeros(16000)])
+    cuts = plan_segments(frame_db(wav, 16000), 1.5, edges=(lead, trail))
+    assert [(round(c.start, 2), round(c.end, 2)) for c in cuts] == [(0.9, 2.1), (2.9, 4.1)]
