@@ -113,7 +113,8 @@ def parse_args(argv: list[str] | None = None):
                           "the model was trained on (recorded in its checkpoint), else 40")
     run.add_argument("--chunk-overlap", type=float, default=0.0,
                      help="where speech runs on longer than a segment may, so that it is cut without a pause, "
-                          "start the next segment this many seconds earlier and merge the two hypotheses (by word times with a CTC head, else by the "
+                          "start the next segment this many seconds earlier and merge the two hypotheses "
+                          "(by word times with a CTC head, else by the "
                           "words both heard); 0 (default): cut without overlap, which measured as well or "
                           "better for models trained on whole utterances (README, Long audio)")
     times = p.add_argument_group("timestamps (need a model with a CTC head)")

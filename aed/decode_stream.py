@@ -46,8 +46,9 @@ STALL_SECONDS of audio logs that it stalls (`Stream.stalls` counts them); the se
 tokens the decoder re-reads are cut to the newest that fit its positions.
 
 Times: a token's `time` is the audio it waited for: the end of its chunk's look-ahead (all that
-was heard when its sentence ended), in seconds from the start of the stream (computation-unaware). `compute` is the processing time this stream
-had waited for when the token was committed (SimulEval's computation-aware delay adds it).
+was heard when its sentence ended), in seconds from the start of the stream (computation-unaware).
+`compute` is the processing time this stream had waited for when the token was committed
+(SimulEval's computation-aware delay adds it).
 Several streams decode as one batch (`Streamer.run`), each row at its own decoder position
 (`aed.model_decoder.KVCache` with per-row lengths), and each gets the tokens it gets alone.
 Decoding is greedy over the attention decoder: joint CTC scores and beams are offline only.
@@ -356,7 +357,8 @@ class Streamer:
         own = (levels > speech_threshold(levels)).nonzero().flatten()
         onset = min(int(own[0]), int(spoken[0])) if own.numel() else int(spoken[0])
         shift = max(0, onset - lead) if self.config.endpoint > 0 else 0
-        start, levels, speech, own, onset = start + shift * hop, levels[shift:], speech[shift:], own - shift, onset - shift
+        start, levels, speech = start + shift * hop, levels[shift:], speech[shift:]
+        own, onset = own - shift, onset - shift
         if self.config.endpoint > 0:
             for lo, hi in runs(~speech[onset:]):
                 if hi - lo >= round(self.config.endpoint / FRAME):  # the first pause after speech
@@ -369,7 +371,8 @@ class Streamer:
         if chunk_end - start < self.frame:  # a sentence that ended in the look-ahead: wait for the next chunk
             return Window(start, start, start, heard)
         if chunk_end - start > self.left + self.chunk:  # full: end the sentence at its quietest point
-            cut = start + quietest(levels, max(1, (self.left + self.chunk) // 2 // hop), (chunk_end - start) // hop) * hop
+            lo = max(1, (self.left + self.chunk) // 2 // hop)
+            cut = start + quietest(levels, lo, (chunk_end - start) // hop) * hop
             return Window(start, cut, cut, heard, closing=True, full=True)
         return Window(start, chunk_end, heard, heard)
 

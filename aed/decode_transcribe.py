@@ -19,10 +19,10 @@ How the work is cut:
 1. Plan: each input's duration (manifest, else the file header). Inputs longer than `chunk_seconds`
    (the longest utterance the model was trained on) are cut at their pauses into segments of at most
    that (`aed.decode_segment`: speech found by energy, every pause of 0.25 s ends a segment, each
-   segment with the silence at its edges that the training utterances held, the rest not decoded). Where continuous speech must be cut, with `chunk_overlap`
-   > 0 (off by default: docs/inference.md, "Long audio", says why) the next segment starts that many
-   seconds earlier, so the words around the cut are heard whole by one of the two, and the two
-   hypotheses are merged.
+   segment with the silence at its edges that the training utterances held, the rest not decoded).
+   Where continuous speech must be cut, with `chunk_overlap` > 0 (off by default: docs/inference.md,
+   "Long audio", says why) the next segment starts that many seconds before the previous one ends,
+   so the words around the cut are heard whole by one of the two, and the two hypotheses are merged.
 2. Batch: chunks sorted by duration, longest first, and cut into batches of at most
    `batch_duration` padded seconds (batch size x longest chunk): `aed.data_manifest.duration_batches`.
 3. Per batch: load + log-mel features, then `decode_features`: encoder, then greedy or beam search
