@@ -11,7 +11,10 @@
 # size: `python tools/train_tokenizer.py --manifest data/long/train.jsonl --layout aggregate
 # --vocab-size 1308 -o TOKENIZER` (data/make_mini_data.py's docstring makes data/long).
 # OUT: every part writes OUT/PART.json (train_speed_bench.py --save: what it measured so far, also
-# when its time limit stops it) and OUT/PART.log; the CUDA tests write OUT/cuda-tests.log.
+# when its time limit stops it) and OUT/PART.log, and OUT/trace-PART/ a gzipped torch.profiler trace
+# of one step of every variant and bucket (chrome://tracing, Perfetto), whose kernel summary (where
+# the time goes: matmul, attention, convolution, normalisation and elementwise, optimizer, host gaps;
+# the top kernels) is each row's `kernels` in PART.json; the CUDA tests write OUT/cuda-tests.log.
 # PART: any of the parts below, in the order given (default: all, most wanted first). Each has its
 # own limit in seconds, cut to what is left of BUDGET (default 540 s) when that is less; a part with
 # under a minute left is skipped and says so. All five parts at their limits take about 16 minutes,
@@ -73,7 +76,8 @@ bench() {  # bench PART LIMIT PRESET SIZES ARGS...: train_speed_bench.py under i
     if [ "$seconds" -lt 60 ]; then echo "$part: skipped, ${seconds} s left of the budget"; return; fi
     echo "$part: up to ${seconds} s"
     timeout "$seconds" "$py" bench/train_speed_bench.py "configs/$preset.yaml" "train.tokenizer=$tokenizer" \
-        --device cuda --batch-sizes "$out/$batch_sizes.json" --buckets 3 --save "$out/$part.json" "$@" \
+        --device cuda --batch-sizes "$out/$batch_sizes.json" --buckets 3 --save "$out/$part.json" \
+        --trace "$out/trace-$part" --trace-steps 1 "$@" \
         > "$out/$part.log" 2>&1
     echo "$part: exit $? ($(tail -n 1 "$out/$part.log" | cut -c1-100))"
 }

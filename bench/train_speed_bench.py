@@ -35,12 +35,21 @@ peak memory (CUDA: max allocated; CPU: live tensors, eager steps only); forward,
 optimizer ms from steps timed phase by phase (train_step's calls in its order, the device
 synchronised between them: medians, which need not add up to the step's). Waiting for data is not
 part of a step: train.py's progress line reports it for a real run (`data` share). `--profile N`
-logs the N ops one step spends most time in, per bucket. "all" rows: the measured buckets together
+logs the N ops one step spends most time in, per bucket. `--trace DIR` profiles `--trace-steps`
+steps of every variant and bucket with torch.profiler: DIR/VARIANT-BUCKET.json.gz is the trace
+(chrome://tracing, Perfetto), and each row gets `kernels`, where the time goes (`kernel_summary`):
+shares of the steps' wall time in matrix products, attention, convolutions, normalisation and
+elementwise kernels, the optimizer, other kernels, and the host gaps in which the device waited for
+the host (launches, Python, synchronisations); waiting for data is none here (the batches are made
+in advance), and the top kernels by time. "all" rows: the measured buckets together
 (equal steps per bucket). Last line: JSON with every row, per variant, and the compiled/eager and
 fused/default ratios of audio seconds per second.
 """
 
 import argparse
+import gzip
+import re
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -185,6 +194,26 @@ class Bench:
         key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
 
+    def trace(self, batch, steps: int, path: Path) -> dict:
+        """`steps` steps under torch.profiler (after one unprofiled step): the trace, gzipped, at
+        `path`, and `kernel_summary` of the steps."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.step(batch)
+        self.sync()
+        with torch.profiler.profile(activities=activities) as prof:
+            t0 = self.clock()
+            for _ in range(steps):
+                self.step(batch)
+            wall_s = self.clock() - t0
+        plain = path.with_suffix("")  # DIR/NAME.json
+        prof.export_chrome_trace(str(plain))
+        with open(plain, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        plain.unlink()
+        return kernel_summary(prof, self.device, wall_s, steps)
+
     def peak_bytes(self, batch) -> int | None:
         """Peak tensor memory of one step: CUDA's allocator, or on the CPU the live-tensor tracker
         (eager only: a compiled step's buffers are not all tensors the tracker sees)."""
@@ -194,6 +223,52 @@ class Bench:
         existing = [*self.module.parameters(), *self.module.buffers(), *state]
         self.setup.optimizer.zero_grad(set_to_none=True)
         return peak_memory(lambda: self.step(batch), self.device, None, existing)
+
+
+# Kernel (GPU) or op (CPU) names -> where the time goes, the first pattern that matches; other: the rest.
+KERNEL_KINDS = (
+    ("optimizer", r"adam|multi_tensor|foreach|optimizer"),
+    ("attention", r"flash|fmha|attention|sdpa|softmax"),
+    ("matmul", r"gemm|matmul|aten::mm\b|aten::addmm|aten::bmm|aten::baddbmm|cutlass|xmma|cublas|nvjet|sm\d+_.*mma"),
+    ("convolution", r"conv|cudnn|winograd|implicit_"),
+    ("normalisation and elementwise", r"norm|elementwise|vectorized|reduce|unrolled|pointwise|triton_|silu|relu|"
+     r"gelu|threshold|dropout|aten::(add|mul|sub|div|neg|copy_|fill_|zero_|where|clamp|exp|log|sigmoid|sum|mean|cat|masked)"),
+)
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
+def kernel_summary(prof, device: torch.device, wall_s: float, steps: int, top: int = 15) -> dict:
+    """Where `steps` profiled steps' `wall_s` seconds went: on a GPU its kernels (their union is the
+    time the device was busy; the rest of the wall time, the host gaps, it waited for the host), on
+    the CPU the ops' own time (the rest: Python and the framework between ops). Shares of the wall
+    time by `KERNEL_KINDS`, and the `top` kernels by time, in ms per step."""
+    cuda = device.type == "cuda"
+    if cuda:
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        seconds = [(e.name, e.time_range.elapsed_us() / 1e6) for e in events]
+        spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+        busy, reach = 0.0, float("-inf")  # the union of the kernels' intervals, in us
+        for start, end in spans:
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        busy /= 1e6
+    else:
+        seconds = [(e.name, e.self_cpu_time_total / 1e6) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CPU]
+        busy = sum(s for _, s in seconds)
+    by_kind, by_name = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}, {}
+    for name, s in seconds:
+        by_kind[kind_of(name)] += s
+        by_name[name] = by_name.get(name, 0.0) + s
+    shares = {kind: s / wall_s for kind, s in by_kind.items()}
+    shares["host gaps"] = max(0.0, 1 - busy / wall_s)
+    shares["data wait"] = 0.0  # the batches are made before the steps
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"steps": steps, "wall_ms_per_step": 1e3 * wall_s / steps, "busy_ms_per_step": 1e3 * busy / steps,
+            "shares": shares, "top": [[name, 1e3 * s / steps, kind_of(name)] for name, s in ranked]}
 
 
 def timings(benches: list, batch, args) -> list[dict]:
@@ -225,10 +300,17 @@ def measure(bench: Bench, bucket, batch, timing: dict, flops: float, args, peaks
     if args.profile:
         log(f"  bucket {d:.2f} s, {tokens} tokens: one step's top {args.profile} ops by their own time\n"
             + bench.profile(batch, args.profile))
+    kernels = None
+    if args.trace:
+        slug = re.sub(r"[^a-z0-9]+", "-", bench.name.lower()).strip("-")
+        kernels = bench.trace(batch, args.trace_steps, Path(args.trace) / f"{slug}-{d:g}s.json.gz")
+        log(f"  {bench.name}, bucket {d:.2f} s: " + ", ".join(
+            f"{kind} {100 * share:.0f}%" for kind, share in kernels["shares"].items()))
     row = {"duration": d, "frames": frames, "tokens": tokens, "batch": batch_size, "step_ms": 1e3 * step_s,
            "audio_s_per_s": batch_size * d / step_s, "tokens_per_s": batch_size * tokens / step_s,
            "tflops": flops / step_s / 1e12, "flops": flops, "peak_bytes": peak, "warmup_s": warmup_s,
-           "forward_ms": 1e3 * forward_s, "backward_ms": 1e3 * backward_s, "optimizer_ms": 1e3 * update_s}
+           "forward_ms": 1e3 * forward_s, "backward_ms": 1e3 * backward_s, "optimizer_ms": 1e3 * update_s,
+           **({"kernels": kernels} if kernels else {})}
     row["mfu_sheet"] = flops / step_s / peaks["sheet"] if peaks["sheet"] else None
     row["mfu_measured"] = flops / step_s / peaks["measured"]
     log(f"  {bench.name}, bucket {d:.2f} s, {tokens} tokens, batch {batch_size}: {row['step_ms']:.1f} ms, "
@@ -302,11 +384,16 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per bucket first (compiles a new shape)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="log each bucket's N most expensive ops of one profiled step (torch.profiler)")
+    p.add_argument("--trace", metavar="DIR", help="profile --trace-steps steps of every variant and bucket: a gzipped "
+                   "torch.profiler trace each in DIR, and where the time goes in each row's `kernels`")
+    p.add_argument("--trace-steps", type=int, default=2, metavar="N", help="steps per trace (default: %(default)s)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
     args = p.parse_args(argv)
     files = next((i for i, a in enumerate(args.config) if "=" in a), len(args.config))  # the YAML files come first
     args.config, args.overrides = args.config[:files], args.config[files:]
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
     show_library_logs()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.set_num_threads(args.threads or cores())

@@ -1,8 +1,10 @@
 """bench/train_speed_bench.py's model FLOPs, extended from batches of 1 and 2 rows to a whole
 bucket, so that a checkpointed batch size, which a plain step would not fit, is counted too; and
-its profile of one step; variants timed in turn; what a run saves and prints."""
+its profile of one step and its traces (where the time goes); variants timed in turn; what a run saves
+and prints; the GPU script's parts, limits and traces."""
 
 import argparse
+import gzip
 import json
 import subprocess
 import sys
@@ -17,7 +19,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from aed.train_config import load_train_config  # noqa: E402
 from aed.train_progress import CountFlops  # noqa: E402
 from common import last_json  # noqa: E402
-from train_speed_bench import Bench, timings  # noqa: E402
+from train_speed_bench import KERNEL_KINDS, Bench, kernel_summary, kind_of, timings  # noqa: E402
 
 
 def test_model_flops_of_a_bucket_equal_a_direct_count_and_ignore_checkpointing():
@@ -77,3 +79,61 @@ def test_a_run_saves_what_it_measured_and_prints_it_last(tmp_path):
         (row,) = v["buckets"]
         assert row["step_ms"] > 0 and row["flops"] > 0 and v["all"]["audio_s_per_s"] > 0
     assert list(printed["ratios"]) == ["AdamW fused/default, eager, checkpointing none"]
+
+
+def test_a_trace_is_written_and_the_steps_time_is_accounted_for(tmp_path):
+    cfg = load_train_config(["configs/tiny.yaml"], [])
+    bench = Bench(cfg, torch.device("cpu"), "none", compiled=False)
+    path = tmp_path / "trace.json.gz"
+    kernels = bench.trace(bench.batch(2, 161, 12), 2, path)
+    events = json.loads(gzip.open(path).read())["traceEvents"]
+    assert any(e.get("name") in ("aten::mm", "aten::addmm") for e in events) and not (tmp_path / "trace.json").exists()
+    shares = kernels["shares"]
+    assert set(shares) == {kind for kind, _ in KERNEL_KINDS} | {"other", "host gaps", "data wait"}
+    assert sum(shares.values()) == pytest.approx(1.0, abs=0.05)  # one thread's ops and the gaps between them
+    assert shares["matmul"] > 0.05 and shares["convolution"] > 0 and shares["optimizer"] > 0
+    assert kernels["steps"] == 2 and 0 < kernels["busy_ms_per_step"] <= kernels["wall_ms_per_step"] * 1.05
+    assert [kind_of(name) for name, _, _ in kernels["top"]] == [kind for _, _, kind in kernels["top"]]
+
+
+def test_a_gpu_s_kernels_are_summed_as_the_union_of_their_intervals():
+    """GPU kernels overlap on streams: the device is busy for their union, and waited for the host
+    the rest of the wall time."""
+    from types import SimpleNamespace
+
+    def kernel(name, start, end):
+        return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA,
+                               time_range=SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start))
+    host = SimpleNamespace(name="aten::mm", device_type=torch.autograd.DeviceType.CPU, self_cpu_time_total=5.0)
+    prof = SimpleNamespace(events=lambda: [kernel("sm90_xmma_gemm_bf16", 0, 400), kernel("flash_fwd_kernel", 300, 500),
+                                           kernel("multi_tensor_apply_kernel", 700, 800), host])
+    k = kernel_summary(prof, torch.device("cuda"), wall_s=1e-3, steps=1)
+    assert k["busy_ms_per_step"] == pytest.approx(0.6)  # [0, 500) and [700, 800)
+    assert k["shares"]["host gaps"] == pytest.approx(0.4)
+    assert k["shares"]["matmul"] == pytest.approx(0.4) and k["shares"]["attention"] == pytest.approx(0.2)
+    assert k["shares"]["optimizer"] == pytest.approx(0.1) and k["top"][0][0] == "sm90_xmma_gemm_bf16"
+
+
+def test_the_gpu_script_gives_each_part_its_limit_and_traces_it(tmp_path):
+    """bench/gpu_train_table.sh with a stand-in for Python that records what it is asked to run:
+    every part gets its trace and results under OUT, and a budget under a minute skips them all."""
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\n[ "$1" = "-c" ] && exit 0\necho "$@" >> {calls}\n')
+    fake.chmod(0o755)
+    script = str(ROOT / "bench" / "gpu_train_table.sh")
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "BUDGET": "540"}
+    run = subprocess.run([script, str(tokenizer), str(tmp_path / "out"), "1b-flash", "180m-flash-ckpt"],
+                         capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    lines = calls.read_text().splitlines()
+    assert [line.split()[1] for line in lines] == ["configs/canary-1b-flash.yaml", "configs/canary-180m-flash.yaml"]
+    for line, part in zip(lines, ["1b-flash", "180m-flash-ckpt"]):
+        assert f"--trace {tmp_path}/out/trace-{part}" in line and f"--save {tmp_path}/out/{part}.json" in line
+    assert "1b-flash: up to 170 s" in run.stdout and "180m-flash-ckpt: up to 180 s" in run.stdout
+    run = subprocess.run([script, str(tokenizer), str(tmp_path / "out2"), "1b-flash", "cuda-tests"],
+                         capture_output=True, text=True, env={**env, "BUDGET": "59"})
+    assert run.stdout.count("skipped") == 2 and calls.read_text().splitlines() == lines
