@@ -109,15 +109,20 @@ def ffmpeg_read(path: str, offset: float, duration: float | None, reason: str):
 
 
 def audio_seconds(path: str) -> float:
-    """A file's duration from its header (soundfile, else ffprobe), without decoding it."""
+    """A file's duration from its header (soundfile, else ffprobe), without decoding it: what
+    `load_audio` reads, so a file inference reads passes training's audio check (`check_audio`).
+    sf.SoundFile, not sf.info: info also formats a description of the file, which is not needed."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise AudioError(path, "file not found")
     try:
-        info = sf.info(path)
-        return info.frames / info.samplerate
+        with sf.SoundFile(path) as f:
+            frames, rate = f.frames, f.samplerate
     except (RuntimeError, ValueError) as e:  # sf.LibsndfileError is a RuntimeError
         return ffmpeg_probe(path, str(e))[2]
+    if frames <= 0 or rate <= 0:
+        raise AudioError(path, "no samples in the header")
+    return frames / rate
 
 
 @dataclass(frozen=True)

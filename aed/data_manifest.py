@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, NoReturn
 
-import soundfile as sf
+from aed.data_audio import AudioError, audio_seconds
 
 log = logging.getLogger(__name__)
 
@@ -357,16 +357,14 @@ def read_manifest(path: str, skip_invalid: bool = False, needs_text: bool = True
 
 
 def header_seconds(path: str) -> float | str:
-    """A file's duration from its header (no decoding), or why it has none. sf.SoundFile, not
-    sf.info: info also formats a description of the file, work this check does not need."""
+    """A file's duration from its header (`aed.data_audio.audio_seconds`: soundfile, else ffprobe),
+    or why it has none."""
     try:
-        with sf.SoundFile(path) as f:
-            frames, rate = f.frames, f.samplerate
+        return audio_seconds(path)
+    except AudioError as e:
+        return f"unreadable audio ({e.reason[:160]})"
     except Exception as e:  # noqa: BLE001 - missing, unreadable, not audio: all mean "skip this file"
         return f"unreadable audio ({type(e).__name__}: {str(e)[:120]})"
-    if frames <= 0 or rate <= 0:
-        return "unreadable audio (no samples in the header)"
-    return frames / rate
 
 
 def check_audio(utts: list[Utterance], tolerance: float, part: int = 0, parts: int = 1,

@@ -170,11 +170,28 @@ def test_containers_soundfile_cannot_read_are_decoded_by_ffmpeg(tmp_path, ext, c
     assert abs(part.numel() - RATE_16K) <= 0.03 * RATE_16K
 
 
+@pytest.mark.skipif(shutil.which("ffmpeg") is None, reason="needs the ffmpeg command (apt-get install ffmpeg)")
+def test_a_file_inference_reads_passes_trainings_audio_check(tmp_path):
+    """An m4a that load_audio decodes through ffmpeg: its header duration is read the same way by
+    training's start-of-run check, which keeps it (a wrong duration is still found)."""
+    from aed.data_manifest import Utterance, check_audio, header_seconds
+    sf.write(tmp_path / "a.flac", 0.3 * np.sin(2 * np.pi * 440 * np.arange(32000) / 16000), 16000)
+    subprocess.run(["ffmpeg", "-v", "error", "-i", str(tmp_path / "a.flac"), "-c:a", "aac", str(tmp_path / "a.m4a")],
+                   check=True)
+    path = str(tmp_path / "a.m4a")
+    assert header_seconds(path) == audio_seconds(path) == pytest.approx(2.0, abs=0.05)
+    utt = Utterance(path, 2.0, "a tone", "en", "en", True, "asr")
+    assert check_audio([utt], tolerance=0.05) == []
+    assert "lasts" in check_audio([Utterance(path, 3.0, "a tone", "en", "en", True, "asr")], tolerance=0.05)[0][1]
+
+
 def test_without_ffmpeg_a_container_soundfile_cannot_read_names_ffmpeg(tmp_path, monkeypatch):
     (tmp_path / "a.m4a").write_bytes(b"\x00\x00\x00\x20ftypM4A " + bytes(200))
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(AudioError, match="ffmpeg"):
         load_audio(tmp_path / "a.m4a")
+    from aed.data_manifest import header_seconds
+    assert "ffmpeg" in header_seconds(str(tmp_path / "a.m4a"))  # training's check says what is missing
 
 
 @pytest.mark.parametrize("n_mels", [128, 80])
