@@ -140,7 +140,7 @@ def parse_args(argv: list[str] | None = None):
     live.add_argument("--policy", choices=POLICIES, default=StreamConfig.policy,
                       help="alignatt: commit tokens while the decoder's cross-attention looks at older audio; "
                            "waitk: a fixed number of tokens per chunk after a lag")
-    live.add_argument("--alignatt-threshold", type=float, default=StreamConfig.alignatt_frames,
+    live.add_argument("--alignatt-threshold", type=float, default=StreamConfig.alignatt_threshold,
                       metavar="S", help="alignatt: seconds before the chunk's end that a token's attention peak "
                                         "must lie (default: %(default)s)")
     live.add_argument("--waitk-lag", type=int, default=StreamConfig.waitk_lag, metavar="N", help="wait-k: chunks heard before the first token (default: %(default)s)")
@@ -182,7 +182,7 @@ def parse_args(argv: list[str] | None = None):
 def stream_config(args) -> StreamConfig:
     return StreamConfig(chunk=args.stream_chunk, left=args.left_context, right=args.right_context, policy=args.policy,
                         endpoint=args.endpoint, waitk_lag=args.waitk_lag, waitk_tokens=args.waitk_tokens,
-                        alignatt_frames=args.alignatt_threshold)
+                        alignatt_threshold=args.alignatt_threshold)
 
 
 def decoding_options(args) -> DecodingOptions:

@@ -32,7 +32,7 @@ prefix (prompt + the sentence's committed tokens) is fed again against the new e
 greedy steps extend it while the policy allows:
   - waitk: after `waitk_lag` chunks, `waitk_tokens` tokens per chunk (Ma et al. 2019's wait-k).
   - alignatt: a token is committed while the cross-attention that predicted it (mean over the heads
-    of layer `alignatt_layer`) peaks at least `alignatt_frames` seconds before the chunk's end
+    of layer `alignatt_layer`) peaks at least `alignatt_threshold` seconds before the chunk's end
     (Papi et al. 2023, "AlignAtt"); a token looking at the newest audio waits for the next chunk.
     The first SINK_SECONDS of the window are not taken as a peak: a decoder with nothing to say
     looks there (NeMo excludes the same 8 frames).
@@ -93,7 +93,7 @@ class StreamConfig:
     policy: str = "alignatt"
     waitk_lag: int = 2  # wait-k: chunks heard before the first token
     waitk_tokens: int = 1  # wait-k: tokens committed per chunk after the lag
-    alignatt_frames: float = 0.64  # alignatt: seconds before the chunk's end the attention peak must lie
+    alignatt_threshold: float = 0.64  # alignatt: seconds before the chunk's end the attention peak must lie
     alignatt_layer: int | None = None  # alignatt: the decoder layer whose cross-attention is read;
     # None: the second-to-last (NeMo's -2), or the only one
 
@@ -104,9 +104,9 @@ class StreamConfig:
                              f"({self.right} s) context and the endpoint pause ({self.endpoint} s) >= 0")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown streaming policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.waitk_lag < 1 or self.waitk_tokens < 1 or self.alignatt_frames < 0:
+        if self.waitk_lag < 1 or self.waitk_tokens < 1 or self.alignatt_threshold < 0:
             raise ValueError(f"wait-k lag ({self.waitk_lag}) and tokens ({self.waitk_tokens}) must be >= 1, "
-                             f"the AlignAtt threshold ({self.alignatt_frames} s) >= 0")
+                             f"the AlignAtt threshold ({self.alignatt_threshold} s) >= 0")
 
 
 class Window(NamedTuple):
@@ -224,7 +224,7 @@ class Streamer:
         self.left = round(self.left_seconds(loaded.max_train_duration) / self.frame_s) * frame
         self.sink = round(SINK_SECONDS / self.frame_s)
         self.edges = loaded.edge_silence or (EDGE, EDGE)  # silence kept before and after a sentence's speech
-        self.alignatt_frames = round(config.alignatt_frames / self.frame_s)
+        self.alignatt_frames = round(config.alignatt_threshold / self.frame_s)
         self.logmel = LogMel(loaded.features).to(loaded.device).eval()
         n_layers = len(self.model.decoder.layers)
         self.alignatt_layer = max(0, n_layers - 2) if config.alignatt_layer is None else config.alignatt_layer

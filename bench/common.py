@@ -158,6 +158,32 @@ def random_aed(args, enc_layers: int, dec_layers: int, seed: int = 0, **config):
     return AED(cfg)
 
 
+PRESETS = {name: ROOT / "configs" / f"{name}.yaml" for name in ("canary-180m-flash", "canary-1b-flash")}
+
+
+def fixed_work(model, tokenizer):
+    """A random-weight model as infer.py loads one (a LoadedModel), EOS never chosen: every utterance
+    decodes all the tokens it may (fixed work)."""
+    import torch
+
+    from aed.data_audio import FeatureConfig
+    from aed.decode_transcribe import LoadedModel
+
+    with torch.no_grad():
+        model.decoder.output_proj.bias[tokenizer.eos] = -1e9
+    return LoadedModel(model, tokenizer, FeatureConfig(), "random weights")
+
+
+def random_asr(preset: str, tokenizer, device):
+    """The preset at full width (Canary's vocabulary and 128 mels), random weights, EOS never chosen."""
+    import torch
+
+    from aed.model import AED, AEDConfig
+
+    torch.manual_seed(0)
+    return fixed_work(AED(AEDConfig.from_yaml(PRESETS[preset])).to(device).eval(), tokenizer)
+
+
 def simulated_step(cfg, strategy: str | None = None, world_size: int = 1, checkpointing: str = "none"):
     """The training step of the memory model fits (oom_scale_bench.py fit) and their checks
     (oom_bench.py --confirm), to be built inside SimulatedDevice() (and for fsdp inside

@@ -104,18 +104,16 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 import torch
-from common import (LAYOUTS, MINI_TOKENIZER, ROOT, add_device_args, add_width_args, device_from_args, load_avg, log,
-                    print_json, print_table, random_aed, run_modes)
+from common import (LAYOUTS, MINI_TOKENIZER, PRESETS, add_device_args, add_width_args, device_from_args,
+                    fixed_work, load_avg, log, print_json, print_table, random_aed, random_asr, run_modes)
 
-from aed.data_audio import FeatureConfig
 from aed.data_tokenizer import Tokenizer
 from aed.decode_search import DecodingOptions
 from aed.decode_static import CompiledAED
 from aed.decode_transcribe import LoadedModel, Timings, quantize_int8, transcribe
-from aed.model import AED, AEDConfig, count_parameters
+from aed.model import AED, count_parameters
 from aed.model_encoder import subsampled_length
 
-PRESETS = {name: ROOT / "configs" / f"{name}.yaml" for name in ("canary-180m-flash", "canary-1b-flash")}
 WHISPER = {  # size: (d_model, layers of encoder and of decoder, heads), as in openai/whisper
     "base": (512, 6, 8), "small": (768, 12, 12), "medium": (1024, 24, 16)}
 COMPARABLE = {"canary-180m-flash": "small", "canary-1b-flash": "medium"}  # 182M vs 244M; 883M vs 769M parameters
@@ -196,20 +194,6 @@ def add_timings(total: Timings, t: Timings, fields=("audio", "wall", "load_featu
 
 
 # --- aed ------------------------------------------------------------------------------------------
-
-def fixed_work(model: AED, tokenizer: Tokenizer) -> LoadedModel:
-    """A random-weight model as infer.py loads one, EOS never chosen: every utterance decodes all the
-    tokens it may (fixed work)."""
-    with torch.no_grad():
-        model.decoder.output_proj.bias[tokenizer.eos] = -1e9
-    return LoadedModel(model, tokenizer, FeatureConfig(), "random weights")
-
-
-def random_asr(preset: str, tokenizer: Tokenizer, device) -> LoadedModel:
-    """The preset at full width (Canary's vocabulary and 128 mels), random weights, EOS never chosen."""
-    torch.manual_seed(0)
-    return fixed_work(AED(AEDConfig.from_yaml(PRESETS[preset])).to(device).eval(), tokenizer)
-
 
 def aed_variant(asr: LoadedModel, system: str, in_place: bool = False) -> LoadedModel:
     """in_place: int8 quantizes `asr`'s own model (its fp32 weights are gone after), not a copy."""

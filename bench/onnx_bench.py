@@ -13,7 +13,7 @@ loading not:
 
 The model is the config's layout (default configs/canary-180m-flash.yaml) with random weights and
 data/mini's SentencePiece model plus the canary2 prompt tokens (536 ids, not Canary's 5248: the output
-layer is smaller), EOS never chosen (bias -1e9, as bench/infer_speed_bench.py's `fixed_work`), so
+layer is smaller), EOS never chosen (bias -1e9, as bench/common.py's `fixed_work`), so
 every system decodes the same number of tokens: sherpa-onnx's limit (30 per second of audio), which
 aed's search is given too, without its repetition guard. Exporting takes minutes for 17 encoder
 layers; --enc-layers shortens that for a smoke run.

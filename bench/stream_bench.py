@@ -30,8 +30,8 @@ import time
 
 import soundfile as sf
 import torch
-from common import MINI_TOKENIZER, add_device_args, device_from_args, load_avg, log, print_json, print_table
-from infer_speed_bench import random_asr
+from common import (MINI_TOKENIZER, add_device_args, device_from_args, load_avg, log, print_json, print_table,
+                    random_asr)
 
 from aed.data_tokenizer import Tokenizer
 from aed.decode_search import DecodingOptions
@@ -96,7 +96,7 @@ def main(argv=None):
     args = parse_args(argv)
     device = device_from_args(args)
     tokenizer = Tokenizer.load(MINI_TOKENIZER)
-    config = StreamConfig(chunk=args.chunk, left=args.left, right=args.right, alignatt_frames=0.0)
+    config = StreamConfig(chunk=args.chunk, left=args.left, right=args.right, alignatt_threshold=0.0)
     options = DecodingOptions(ctc_weight=0.0, max_repeats=0, max_tokens_per_second=args.tokens_per_second)
     gen = torch.Generator().manual_seed(0)
     rows, out = [], {}

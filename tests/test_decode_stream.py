@@ -199,7 +199,7 @@ def test_a_larger_alignatt_threshold_commits_later(word_model, sequences):
     attention can never meet commits everything at the stream's end."""
     mean_time = []
     for threshold in (0.0, 0.64, 100.0):
-        config = StreamConfig(chunk=0.5, right=0.25, alignatt_frames=threshold, endpoint=0.0)
+        config = StreamConfig(chunk=0.5, right=0.25, alignatt_threshold=threshold, endpoint=0.0)
         streams = [streamed(word_model, wav, config)
                    for wav, _ in sequences[:4]]
         mean_time.append(sum(t.time for s in streams for t in s.tokens) / sum(len(s.tokens) for s in streams))
