@@ -256,8 +256,8 @@ def with_partial(stream, first: int, room: int) -> str:
     text, more = stream.sentence_text(first), stream.sentence_text(first, partial=True)
     tail = more[len(text):] if more.startswith(text) else ""
     if len(text) + len(tail) > room:
-        cut = len(text) + len(tail) - room + 1
-        text, tail = "…" + text[cut:], tail[max(0, cut - len(text)):]
+        cut, committed = len(text) + len(tail) - room + 1, len(text)  # characters dropped from the front
+        text, tail = "…" + text[cut:], tail[max(0, cut - committed):]
     return text + (f"\x1b[2m{tail}\x1b[0m" if tail else "")
 
 

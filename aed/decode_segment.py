@@ -19,7 +19,7 @@ where its speaker paused, as a recording is cut into the utterances a corpus tra
    their speech can lose most of their words when they start 0.2 s before it. Longer silence is not
    decoded at all, and a file without speech has no segments (its text is empty).
 
-The streams of aed/decode_stream.py end a sentence at the same pauses (`trailing_pause`).
+The streams of aed/decode_stream.py end their sentences at the same pauses (`Streamer.window`).
 """
 
 import math
@@ -162,7 +162,8 @@ def plan_segments(db: torch.Tensor, limit: float, pause: float = PAUSE,
         joined_before = k and pieces[k - 1][2] == "speech"  # a cut inside a run of speech: no silence to add
         in_gap = follows != "speech"
         first, last = own_edges(db, start if joined_before else before, after if in_gap else end, start, end)
-        start, end = start if joined_before else first, last if in_gap else end
+        if last - first <= limit_frames:  # judged on its own, the speech may reach a little further
+            start, end = start if joined_before else first, last if in_gap else end
         lo = start if joined_before else max(start - lead, before)
         hi = min(end + trail, after) if in_gap else end
         cuts.append(Cut(lo * FRAME, hi * FRAME, follows == "pause"))

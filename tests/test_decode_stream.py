@@ -319,3 +319,17 @@ def test_infer_streams_files_and_standard_input(word_model, sequences, tmp_path,
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(io.BytesIO(b""))))
     proc = run_in_process(infer.main, flags + ["--stream", "-"])
     assert proc.returncode == 0 and "no audio" in proc.stderr
+
+
+def test_a_live_line_keeps_the_newest_text_and_greys_what_is_not_committed():
+    class Stream:
+        def __init__(self, committed, partial):
+            self.committed, self.partial = committed, partial
+
+        def sentence_text(self, first, partial=False):
+            return self.committed + (self.partial if partial else "")
+
+    assert infer.with_partial(Stream("hello", " world"), 0, 40) == "hello\x1b[2m world\x1b[0m"
+    assert infer.with_partial(Stream("abcdefghij", ""), 0, 5) == "…ghij"
+    assert infer.with_partial(Stream("hello world", " again"), 0, 12) == "…world\x1b[2m again\x1b[0m"  # 12 shown
+    assert infer.with_partial(Stream("ab", "cdefghijkl"), 0, 5) == "…\x1b[2mijkl\x1b[0m"
