@@ -52,7 +52,8 @@ memory
   memory_oomptimizer the largest batch of every bucket (oom.py), and the memory model
 
 Exceptions to the order: decoding reads checkpoints (decode_transcribe -> train_checkpoint), and
-training decodes to validate (train_config, train_objective, train_validation -> decode_*).
+training decodes to validate (train_config, train_objective, train_validation -> decode_*) and
+measures its utterances' edge silence as decoding finds speech (train_data -> decode_segment).
 The scripts at the top level use the package: train.py, infer.py, oom.py. `sampler.py` and `bins.py`
 (2D bucketing) import nothing from it.
 """
