@@ -15,8 +15,8 @@ where its speaker paused, as a recording is cut into the utterances a corpus tra
    overlap the next segment starts that much earlier so that `aed.decode_merge` can join the two.
 3. Edges: each segment keeps as much of its pauses' silence before and after its speech as the
    model's training utterances held (`edge_silence`, measured when training starts and kept in the
-   checkpoint; EDGE where it is not known): a model trained on utterances that start 0.1 s before
-   their speech can lose most of their words when they start 0.2 s before it. Longer silence is not
+   checkpoint; EDGE where it is not known): a model trained on utterances with little silence at
+   their edges mishears segments with more (docs/inference.md, "Long audio"). Longer silence is not
    decoded at all, and a file without speech has no segments (its text is empty).
 
 The streams of aed/decode_stream.py end their sentences at the same pauses (`Streamer.window`).
