@@ -134,3 +134,22 @@ def test_make_long_audio_places_every_utterance_where_its_parts_say(tmp_path, pa
             original, _ = sf.read(os.path.join(os.path.dirname(source), row["audio_filepath"]), dtype="float32")
             a = round(q["start"] * rate)
             assert abs(wav[a: a + len(original)] - original).max() < 1e-3  # 16-bit rounding
+
+
+def test_make_long_audio_skips_and_counts_audio_it_cannot_read(tmp_path, capsys):
+    import json
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from make_long_audio import main
+    src = os.path.join(ROOT, "data", "mini", "digits")
+    rows = [json.loads(line) for line in open(os.path.join(src, "dev.jsonl")) if '"en"' in line][:4]
+    for r in rows:
+        r["audio_filepath"] = os.path.join(src, r["audio_filepath"])
+    rows[1]["audio_filepath"] = str(tmp_path / "gone.flac")
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--manifest", str(manifest), "-o", str(tmp_path / "out"), "--seconds", "4", "--files", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "m.jsonl:2" in err and "gone.flac" in err and "skipped 1 utterance(s)" in err
+    line = json.loads((tmp_path / "out" / "manifest.jsonl").read_text())
+    assert line["parts"] and all(q["from"] != f"{manifest}:2" for q in line["parts"])

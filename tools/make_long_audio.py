@@ -16,6 +16,7 @@ start and end in the file, text, languages and source line, for latency by posit
 parts. Utterances are drawn without replacement in a seeded order; a pass that runs out starts a new
 shuffled pass, so a file longer than the manifest repeats utterances (the log says so). Only
 transcription lines (source = target language) are used: a joined translation has no reference.
+An utterance whose audio cannot be read is skipped, named and counted.
 """
 
 import argparse
@@ -28,7 +29,7 @@ from collections import defaultdict
 import numpy as np
 import soundfile as sf
 
-from aed.data_audio import load_audio
+from aed.data_audio import AudioError, load_audio
 from aed.data_manifest import iter_manifest
 
 
@@ -80,17 +81,26 @@ def main(argv=None) -> int:
     rate = sf.info(utts[0].audio_filepath).samplerate
     os.makedirs(os.path.join(args.out, "audio"), exist_ok=True)
     streams = [draw(g, rng) for g in groups]
-    lines, repeated = [], 0
+    lines, repeated, unreadable = [], 0, {}
     for f in range(n_files):
         pieces, parts, n = [], [], 0  # n: samples so far
         stream = streams[f % len(streams)]
         while n < args.seconds * rate:
             utt, n_pass = next(stream)
+            if utt.where in unreadable:
+                continue
+            try:
+                wav = load_audio(utt.audio_filepath, utt.offset, utt.duration if utt.segment else None, rate).numpy()
+            except AudioError as e:
+                unreadable[utt.where] = e.reason
+                print(f"skipping {utt.where}: {e}", file=sys.stderr)
+                if all(u.where in unreadable for u in groups[f % len(groups)]):
+                    sys.exit(f"no readable audio among the utterances this file draws from ({utt.source_lang})")
+                continue
             repeated += n_pass > 0
             if parts:
                 pieces.append(np.zeros(round(rng.uniform(*args.pause) * rate), dtype=np.float32))
                 n += len(pieces[-1])
-            wav = load_audio(utt.audio_filepath, utt.offset, utt.duration if utt.segment else None, rate).numpy()
             parts.append({"start": round(n / rate, 5), "end": round((n + len(wav)) / rate, 5), "text": utt.text,
                           "source_lang": utt.source_lang, "target_lang": utt.target_lang, "from": utt.where})
             pieces.append(wav)
@@ -108,6 +118,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "manifest.jsonl"), "w") as fh:
         for line in lines:
             fh.write(json.dumps(line, ensure_ascii=False) + "\n")
+    if unreadable:
+        print(f"skipped {len(unreadable)} utterance(s) whose audio could not be read", file=sys.stderr)
     if repeated:
         print(f"{repeated} utterance(s) repeated: the files hold more than the manifest has", file=sys.stderr)
     print(f"wrote {len(lines)} file(s) to {os.path.join(args.out, 'manifest.jsonl')}", file=sys.stderr)
