@@ -327,7 +327,7 @@ class Streamer:
                 s.audio, s.kept_from = s.audio[w.chunk_end - s.kept_from:], w.chunk_end
             else:  # the silence before the sentence's speech, beyond what training utterances hold, is dropped
                 s.audio, s.kept_from = s.audio[w.start - s.kept_from:], w.start
-            if not w.closing:  # a sentence that ended before the chunk's end: the chunk comes next
+            if not w.closing:  # the chunk is done; after a sentence's end the same chunk comes next, from the cut
                 s.chunks += 1
             s.finished = w.last
         return committed
