@@ -77,7 +77,6 @@ STALL_SECONDS = 4.0  # audio during which the decoder has more to say but nothin
 DEFAULT_LEFT = 10.0  # seconds of left context, NeMo's recommended 10-1-0.5 s buffer
 SINK_SECONDS = 0.64  # the first frames of a window AlignAtt does not take as a peak (NeMo's 8 frames)
 LEVEL_SECONDS = 30.0  # the speech/pause threshold is set by this much of the newest audio
-TRIM_MARGIN = 0.1  # seconds: silence before a sentence's speech this close to the training edge is kept
 
 
 @dataclass(frozen=True)
@@ -357,8 +356,7 @@ class Streamer:
         # the training utterances: the sentence starts `lead` before its speech and ends `trail` after.
         own = (levels > speech_threshold(levels)).nonzero().flatten()
         onset = min(int(own[0]), int(spoken[0])) if own.numel() else int(spoken[0])
-        # ... unless it already starts about as training utterances do: a short input is left as it is.
-        shift = onset - lead if self.config.endpoint > 0 and onset > lead + round(TRIM_MARGIN / FRAME) else 0
+        shift = max(0, onset - lead) if self.config.endpoint > 0 else 0
         start, levels, speech = start + shift * hop, levels[shift:], speech[shift:]
         own, onset = own - shift, onset - shift
         if self.config.endpoint > 0:
