@@ -6,10 +6,12 @@ The id space is a list of blocks laid end to end; each block owns ids [offset, o
 - a SentencePiece block serves one language key ("en") or every language ("all"),
   id = offset + SentencePiece id.
 
-Our own "single" layout is [special, "all"]. NeMo's aggregate layout, used by the released
-Canary checkpoints, is [special, "en", "es", "de", "fr"] (canary-1b: 1152 + 4 x 1024 = 5248 ids).
-As in NeMo's AggregateTokenizer, text of language L is encoded by L's model and shifted by
-L's offset, and decoding maps every id back to the block that owns it.
+Our own "single" layout is [special, "all"]. NeMo's aggregate layout, used by Canary-1B and the
+Flash models, is [special, "en", "es", "de", "fr"] (canary-1b: 1152 + 4 x 1024 = 5248 ids). As in
+NeMo's AggregateTokenizer, text of language L is encoded by L's model and shifted by L's offset,
+and decoding maps every id back to the block that owns it. Canary-1B-v2's layout (NeMo's
+CanaryBPETokenizer) is one "all" block whose SentencePiece model holds the special tokens itself,
+as user-defined pieces: its pieces named <|...|> or <pad> are special tokens at their own ids.
 
 A tokenizer directory holds `tokenizer.json` and one `.model` file per SentencePiece block:
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2 as sp_model
 
 FORMAT_VERSION = 1
 
@@ -50,9 +53,20 @@ def lang_token(lang: str) -> str:
 
 
 def default_special_tokens(languages) -> list[str]:
-    """Special tokens of our own tokenizers: fixed task tokens, then one <|xx|> per language, sorted."""
+    """Special tokens of our own tokenizers: the tokens of both prompt formats, then one <|xx|> per
+    language, sorted. Either prompt format can be chosen for the same list."""
     fixed = [UNK, PAD, EOS, BOS, TRANSCRIBE, TRANSLATE, PNC, NOPNC, NOSPEECH]
-    return fixed + [lang_token(lang) for lang in sorted(set(languages))]
+    canary2 = [CONTEXT, EMO_UNDEFINED, NOITN, NOTIMESTAMP, NODIARIZE]
+    return fixed + canary2 + [lang_token(lang) for lang in sorted(set(languages))]
+
+
+def inline_special_pieces(sp: spm.SentencePieceProcessor) -> dict[str, int]:
+    """{piece: id} of the special tokens a SentencePiece model holds itself (NeMo's CanaryBPETokenizer):
+    its user-defined or control pieces named <|...|> or <pad>, NeMo's own rule for special tokens."""
+    proto = sp_model.ModelProto.FromString(sp.serialized_model_proto())
+    kinds = (sp_model.ModelProto.SentencePiece.CONTROL, sp_model.ModelProto.SentencePiece.USER_DEFINED)
+    return {p.piece: i for i, p in enumerate(proto.pieces)
+            if p.type in kinds and (p.piece.startswith("<|") and p.piece.endswith("|>") or p.piece == PAD)}
 
 
 @dataclass
@@ -123,7 +137,8 @@ class Tokenizer:
         self.languages = list(languages)
 
         self._offsets = []  # first id of every block, ascending, for bisect in _block_of
-        self._special_ids = {}  # token string -> id, over all special blocks
+        self._special_ids = {}  # token string -> id, over all special blocks and inline special pieces
+        self._inline_special = set()  # ids of special pieces inside SentencePiece blocks
         self._sp_blocks = {}  # language key -> (offset, SentencePieceBlock)
         offset = 0
         for block in blocks:
@@ -137,10 +152,17 @@ class Tokenizer:
                 if block.lang in self._sp_blocks:
                     raise ValueError(f"two SentencePiece blocks for language key {block.lang!r}")
                 self._sp_blocks[block.lang] = (offset, block)
+                for token, local in inline_special_pieces(block.sp).items():
+                    if token in self._special_ids:
+                        raise ValueError(f"special token {token!r} appears twice")
+                    self._special_ids[token] = offset + local
+                    self._inline_special.add(offset + local)
             else:
                 raise TypeError(f"not a tokenizer block: {type(block).__name__}")
             offset += block.size
         self.vocab_size = offset
+        # NeMo's CanaryBPETokenizer: no special block, the special tokens are pieces of the one model.
+        self.specials_inline = bool(self._inline_special) and not any(isinstance(b, SpecialBlock) for b in blocks)
 
         for token in (BOS, EOS, PAD) + tuple(lang_token(lang) for lang in self.languages):
             if token not in self._special_ids:
@@ -171,7 +193,7 @@ class Tokenizer:
         return self._special_ids[lang_token(lang)]
 
     def is_special(self, i: int) -> bool:
-        return isinstance(self.blocks[self._block_of(i)], SpecialBlock)
+        return isinstance(self.blocks[self._block_of(i)], SpecialBlock) or i in self._inline_special
 
     def token_to_id(self, token: str, lang: str | None = None) -> int:
         """Id of a special token, or of a SentencePiece piece in `lang`'s block (default: the "all" block)."""
@@ -206,9 +228,9 @@ class Tokenizer:
         """Ids -> text, skipping special tokens. Runs of ids from one block are decoded together."""
         runs = []  # [block index, [local ids]]
         for i in ids:
-            k = self._block_of(i)
-            if isinstance(self.blocks[k], SpecialBlock):
+            if self.is_special(i):
                 continue
+            k = self._block_of(i)
             if runs and runs[-1][0] == k:
                 runs[-1][1].append(i - self._offsets[k])
             else:
@@ -241,7 +263,12 @@ class Tokenizer:
             task = "transcribe" if source_lang == target_lang else "translate"
         if task not in ("transcribe", "translate"):
             raise ValueError(f"unknown task {task!r}; expected 'transcribe' or 'translate'")
-        return PROMPT_FORMATS[self.prompt_format](self, source_lang, target_lang, pnc, task)
+        ids = PROMPT_FORMATS[self.prompt_format](self, source_lang, target_lang, pnc, task)
+        if self.specials_inline:
+            # NeMo encodes such a prompt as text with the one model, which puts its word-start piece
+            # first where the model adds one (Canary-1B-v2: "▁" then the 9 tokens of "canary2").
+            ids = self.encode("".join(map(self.id_to_token, ids)), target_lang)
+        return ids
 
     def encode_example(
         self, text: str, source_lang: str, target_lang: str, pnc: bool, task: str | None = None

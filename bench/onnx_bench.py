@@ -47,13 +47,11 @@ def make_checkpoint(config: Path, enc_layers: int | None, path: Path) -> None:
     import torch
 
     from aed.data_audio import FeatureConfig
-    from aed.data_tokenizer import CONTEXT, EMO_UNDEFINED, NODIARIZE, NOITN, NOTIMESTAMP, SpecialBlock, Tokenizer
+    from aed.data_tokenizer import Tokenizer
     from aed.model import AED, AEDConfig
     from aed.train_checkpoint import pack_dir
 
-    mini = Tokenizer.load(MINI_TOKENIZER)
-    specials = SpecialBlock(mini.blocks[0].tokens + [CONTEXT, EMO_UNDEFINED, NOITN, NOTIMESTAMP, NODIARIZE])
-    tokenizer = Tokenizer([specials, *mini.blocks[1:]], mini.languages, "canary2")
+    tokenizer = Tokenizer.load(MINI_TOKENIZER)  # canary2 prompts, as sherpa-onnx builds them
     tokenizer.save(path.parent / "tokenizer")
     cfg = dataclasses.replace(AEDConfig.from_yaml(config), vocab_size=tokenizer.padded_vocab_size)
     if enc_layers:

@@ -55,9 +55,12 @@ HELD_OUT = {
     "fr": "Où est la bibliothèque ? Ça coûte 5 €, garçon, déjà payé.",
     "es": "¿Dónde está el niño? ¡Señor Muñoz, la pingüina comió!",
 }
-# de, en, es, fr sorted: <unk> <pad> eos bos transcribe translate pnc nopnc nospeech de en es fr
+# <unk> <pad> eos bos transcribe translate pnc nopnc nospeech, canary2's startofcontext emo:undefined
+# noitn notimestamp nodiarize, then de en es fr sorted
 EOS, BOS, TRANSCRIBE, TRANSLATE, PNC, NOPNC = 2, 3, 4, 5, 6, 7
-LANG = {"de": 9, "en": 10, "es": 11, "fr": 12}
+CONTEXT, EMO, NOITN, NOTIMESTAMP, NODIARIZE = 9, 10, 11, 12, 13
+LANG = {"de": 14, "en": 15, "es": 16, "fr": 17}
+SPECIALS = 18
 
 
 def write_manifest(path, records):
@@ -79,12 +82,13 @@ def manifest(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizers(manifest, tmp_path_factory):
-    """{"single": Tokenizer, "aggregate": Tokenizer}, each trained with the CLI and loaded from disk."""
+    """{"single": Tokenizer, "aggregate": Tokenizer}, each trained with the CLI and loaded from disk:
+    the default "canary2" prompts for the single layout, Canary-1B's "canary" for the aggregate one."""
     out = {}
-    for layout, vocab in (("single", 512), ("aggregate", 320)):
+    for layout, vocab, prompt in (("single", 512, "canary2"), ("aggregate", 320, "canary")):
         directory = tmp_path_factory.mktemp(layout)
         train_tokenizer.main(["--manifest", str(manifest), "--layout", layout, "--vocab-size", str(vocab),
-                              "-o", str(directory)])
+                              "-o", str(directory)] + (["--prompt-format", prompt] if prompt != "canary2" else []))
         out[layout] = Tokenizer.load(directory)
     return out
 
@@ -102,10 +106,11 @@ def test_round_trip(tokenizers, layout, lang):
 def test_layouts(tokenizers):
     single, aggregate = tokenizers["single"], tokenizers["aggregate"]
     assert single.languages == aggregate.languages == ["de", "en", "es", "fr"]
-    assert [b.size for b in single.blocks] == [13, 512]
+    assert [b.size for b in single.blocks] == [SPECIALS, 512]
     assert [getattr(b, "lang", None) for b in aggregate.blocks] == [None, "de", "en", "es", "fr"]
-    assert single.vocab_size == 13 + 512
-    assert aggregate.vocab_size == 13 + 4 * 320
+    assert single.vocab_size == SPECIALS + 512
+    assert aggregate.vocab_size == SPECIALS + 4 * 320
+    assert (single.prompt_format, aggregate.prompt_format) == ("canary2", "canary")
     for tok in (single, aggregate):
         assert tok.padded_vocab_size % 8 == 0
         assert tok.vocab_size <= tok.padded_vocab_size < tok.vocab_size + 8
@@ -117,7 +122,7 @@ def test_layouts(tokenizers):
 
 def test_aggregate_offsets_and_cross_block_decode(tokenizers):
     tok = tokenizers["aggregate"]
-    ranges = {"de": range(13, 333), "en": range(333, 653), "es": range(653, 973), "fr": range(973, 1293)}
+    ranges = {lang: range(SPECIALS + 320 * k, SPECIALS + 320 * (k + 1)) for k, lang in enumerate(["de", "en", "es", "fr"])}
     ids = {}
     for lang, block_range in ranges.items():
         ids[lang] = tok.encode(HELD_OUT[lang], lang)
@@ -143,9 +148,8 @@ def test_special_strings_in_text_stay_text(tokenizers, layout):
     assert tok.decode(ids) == text
 
 
-@pytest.mark.parametrize("layout", ["single", "aggregate"])
-def test_prompts(tokenizers, layout):
-    tok = tokenizers[layout]
+def test_prompts_canary(tokenizers):
+    tok = tokenizers["aggregate"]
     en, de, fr = LANG["en"], LANG["de"], LANG["fr"]
     assert tok.prompt_ids("en", "en", pnc=True) == [BOS, en, TRANSCRIBE, en, PNC]
     assert tok.prompt_ids("en", "en", pnc=False) == [BOS, en, TRANSCRIBE, en, NOPNC]
@@ -158,13 +162,23 @@ def test_prompts(tokenizers, layout):
         tok.prompt_ids("en", "en", pnc=True, task="asr")
 
 
+def test_prompts_canary2_the_default(tokenizers):
+    tok = tokenizers["single"]
+    en, de = LANG["en"], LANG["de"]
+    tail = [NOITN, NOTIMESTAMP, NODIARIZE]
+    assert tok.prompt_ids("en", "en", pnc=True) == [CONTEXT, BOS, EMO, en, en, PNC] + tail
+    assert tok.prompt_ids("en", "de", pnc=False) == [CONTEXT, BOS, EMO, en, de, NOPNC] + tail
+    with pytest.raises(ValueError, match="no task token"):
+        tok.prompt_ids("de", "de", pnc=True, task="translate")
+
+
 @pytest.mark.parametrize("layout", ["single", "aggregate"])
 def test_encode_example(tokenizers, layout):
     tok = tokenizers[layout]
     text = HELD_OUT["de"]
     ids, prompt_len = tok.encode_example(text, "en", "de", pnc=True)
-    assert prompt_len == 5
-    assert ids[:prompt_len] == [BOS, LANG["en"], TRANSLATE, LANG["de"], PNC]
+    assert prompt_len == len(tok.prompt_ids("en", "de", pnc=True)) == {"single": 9, "aggregate": 5}[layout]
+    assert ids[:prompt_len] == tok.prompt_ids("en", "de", pnc=True)
     assert ids[prompt_len:-1] == tok.encode(text, "de")  # text of the TARGET language
     assert ids[-1] == EOS
     assert tok.decode(ids) == text
@@ -263,7 +277,7 @@ def test_extra_language_and_bad_manifest_line(tmp_path):
     tok = Tokenizer.load(tmp_path / "tok")
     assert tok.languages == ["de", "en", "es", "fr", "it"]
     assert tok.blocks[0].tokens == default_special_tokens(["it", "en", "de", "fr", "es"])
-    assert tok.prompt_ids("it", "en", pnc=True)[1] == tok.token_to_id("<|it|>")
+    assert tok.prompt_ids("it", "en", pnc=True)[3] == tok.token_to_id("<|it|>")  # canary2: <|SRC|> is 4th
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok", "source_lang": "en", "target_lang": "en"}\n{"text": "no langs"}\n')

@@ -154,7 +154,8 @@ def test_times_are_monotonic_within_the_audio_and_offset_per_chunk(tmp_path, tok
                                  timestamps=True)
     _, chunks = plan_chunks(Request(path, "en", "en", True, "asr"), chunk, 16000)
     assert len(chunks) >= 4 and timings.align > 0
-    assert res.words and " ".join(w.text for w in res.words) == " ".join(res.pred_text.split())
+    # Words split at spaces only: an untrained model's byte pieces may decode to other whitespace.
+    assert res.words and [w.text for w in res.words] == [w for w in res.pred_text.split(" ") if w]
     assert all(0 <= w.start < w.end <= res.duration + 1e-6 for w in res.words)
     assert all(a.end <= b.start + 1e-6 for a, b in zip(res.words, res.words[1:]))
     bounds = [(start, start + length) for start, _, length in chunks]

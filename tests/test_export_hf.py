@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from aed.data_audio import FeatureConfig, LogMel, load_audio
-from aed.data_tokenizer import (CONTEXT, EMO_UNDEFINED, NODIARIZE, NOITN, NOTIMESTAMP, SentencePieceBlock,
-                                SpecialBlock, Tokenizer, default_special_tokens)
+from aed.data_tokenizer import SentencePieceBlock, SpecialBlock, Tokenizer, default_special_tokens
 from aed.decode_search import DecodingOptions
 from aed.decode_transcribe import load_model, transcribe
 from aed.model import AED, AEDConfig
@@ -117,7 +116,7 @@ def flash_like_checkpoint(path, tokenizer_dir):
     layers, 8 heads, 128 mel bins, 1024 decoder positions) at 1/16 of its width, and a "canary2"
     tokenizer; decoder weights of std 0.2 so that its random logits are far from ties."""
     torch.manual_seed(0)
-    special = default_special_tokens(["de", "en", "es", "fr"]) + [CONTEXT, EMO_UNDEFINED, NOITN, NOTIMESTAMP, NODIARIZE]
+    special = default_special_tokens(["de", "en", "es", "fr"])
     base = Tokenizer.load(TOKENIZER)
     sp = [b for b in base.blocks if isinstance(b, SentencePieceBlock)][0]
     tokenizer = Tokenizer([SpecialBlock(special), sp], base.languages, prompt_format="canary2")

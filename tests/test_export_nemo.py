@@ -41,11 +41,14 @@ UTTERANCES = [("dev_en_000006", "en", "en"), ("dev_de_000008", "de", "de"), ("de
 
 
 def nemo_members(path) -> tuple[dict, dict, dict]:
-    """(config, state dict, {tokenizer block: {config key: member bytes}}) of a .nemo archive."""
+    """(config, state dict, {tokenizer block: {config key: member bytes}}) of a .nemo archive; the
+    one model of a CanaryBPETokenizer is the block "all"."""
     config, state, files = read_nemo(path)
+    section = config["tokenizer"]
+    entries = section["langs"] if section["type"] == "agg" else {"all": section}
     tokenizer = {lang: {key: files[ref.removeprefix("nemo:")] for key, ref in entry.items()
                         if isinstance(ref, str) and ref.startswith("nemo:")}
-                 for lang, entry in config["tokenizer"]["langs"].items()}
+                 for lang, entry in entries.items()}
     return config, state, tokenizer
 
 
@@ -54,7 +57,7 @@ def pieces(model: bytes) -> list:
     return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
 
 
-@pytest.fixture(scope="module", params=["canary", "canary2"])
+@pytest.fixture(scope="module", params=["canary", "canary2", "canary2bpe"])
 def round_trip(request, tmp_path_factory):
     """A fixture .nemo converted to aed and exported back."""
     tmp = tmp_path_factory.mktemp(request.param)
@@ -86,13 +89,16 @@ def test_round_trip_config_and_tokenizer_are_nemos(round_trip):
         for key, value in theirs.items():  # every key NeMo wrote, with its value (the vocabulary NeMo fills in)
             if not isinstance(value, dict) and not (key == "vocab_size" and value is None):
                 assert ours[key] == value, f"{section}.{key}"
-    assert back["transf_encoder"]["num_layers"] == 0 and back["tokenizer"]["type"] == "agg"
+    assert back["transf_encoder"]["num_layers"] == 0 and back["tokenizer"]["type"] == config["tokenizer"]["type"]
     assert back["tokenizer"]["custom_tokenizer"] == config["tokenizer"]["custom_tokenizer"]
     assert list(back_tokenizer) == list(tokenizer)  # the block order is the id layout
     for lang, files in tokenizer.items():
         mine = back_tokenizer[lang]
         assert set(mine) == {"model_path", "vocab_path", "spe_tokenizer_vocab"}
-        if lang == "spl_tokens":  # rebuilt from the token list: the same pieces, and NeMo's vocab.txt
+        if lang == "all":  # CanaryBPETokenizer's one model, as it was; NeMo's own vocab.txt is SentencePiece's list
+            assert mine["model_path"] == files["model_path"]
+            assert mine["spe_tokenizer_vocab"] == files["spe_tokenizer_vocab"]
+        elif lang == "spl_tokens":  # rebuilt from the token list: the same pieces, and NeMo's vocab.txt
             assert pieces(mine["model_path"]) == pieces(files["model_path"])
             assert mine["vocab_path"] == files["vocab_path"]
             names = [[line.split(b"\t")[0] for line in f["spe_tokenizer_vocab"].splitlines()] for f in (mine, files)]
@@ -157,10 +163,31 @@ def test_trained_model_exports_and_reads_back(trained):
     assert torch.equal(last["encoder.layers.0.self_attn.linear_q.weight"], newest["encoder.layers.0.self_attn.linear_q.weight"])
 
 
+def test_aeds_single_layout_exports_as_a_canary_bpe_tokenizer_with_the_same_ids(tmp_path):
+    """[special, all] -> one SentencePiece model whose pieces are the special tokens, then the "all"
+    model's: every id keeps its string (the "all" model's unused <unk> renamed), prompts and text ids stay."""
+    ckpt = ROOT / "tests" / "fixtures" / "word_model.pt"
+    config = export(ckpt, tmp_path / "w.nemo")
+    assert config["tokenizer"]["type"] == "bpe"
+    assert config["tokenizer"]["custom_tokenizer"]["_target_"].endswith(".CanaryBPETokenizer")
+    ours = load_model(str(ckpt)).tokenizer
+    convert(tmp_path / "w.nemo", tmp_path / "back.pt")
+    back = load_model(str(tmp_path / "back.pt")).tokenizer
+    assert back.specials_inline and back.vocab_size == ours.vocab_size and back.languages == ours.languages
+    renamed = ours.blocks[0].size  # the "all" model's <unk>
+    assert [back.id_to_token(i) for i in range(ours.vocab_size) if i != renamed] == \
+           [ours.id_to_token(i) for i in range(ours.vocab_size) if i != renamed]
+    assert back.id_to_token(renamed) == "<unk:all>"
+    for lang in ours.languages:
+        assert back.prompt_ids(lang, lang, True) == ours.prompt_ids(lang, lang, True)
+    # Special as in NeMo: every <|...|> piece and <pad>; <unk> is the model's unknown piece there.
+    assert [i for i in range(ours.vocab_size) if back.is_special(i)] == \
+           [i for i in range(ours.vocab_size) if ours.is_special(i) and i != 0]
+    text = ours.encode("one two three", "en")
+    assert back.decode(text) == ours.decode(text) == "one two three"
+
+
 def test_what_nemo_cannot_hold_is_named(tmp_path):
-    # The word model's tokenizer is aed's "single" layout: one SentencePiece model for every language.
-    with pytest.raises(ConversionError, match="tokenizer block 'all'"):
-        export(ROOT / "tests" / "fixtures" / "word_model.pt", tmp_path / "x.nemo")
     convert(FIXTURES / "canary.nemo", tmp_path / "c.pt")
     ckpt = torch.load(tmp_path / "c.pt", weights_only=False)
     ckpt["model_config"]["pad_id"] = 0
@@ -168,8 +195,8 @@ def test_what_nemo_cannot_hold_is_named(tmp_path):
     with pytest.raises(ConversionError, match=r"model\.pad_id=0: NeMo uses the tokenizer's <pad> \(2\)"):
         export(tmp_path / "bad.pt", tmp_path / "x.nemo")
     assert not (tmp_path / "x.nemo").exists()
-    p = run_in_process(export_nemo.main, ["--ckpt", "tests/fixtures/word_model.pt", "-o", str(tmp_path / "x.nemo")])
-    assert p.returncode == 1 and "one SentencePiece model per language" in p.stderr
+    p = run_in_process(export_nemo.main, ["--ckpt", str(tmp_path / "bad.pt"), "-o", str(tmp_path / "x.nemo")])
+    assert p.returncode == 1 and "model.pad_id=0" in p.stderr
 
 
 # --- NeMo itself ------------------------------------------------------------------------------------
@@ -209,12 +236,17 @@ def nemo_greedy(model, wav, source, target):
     return feats[0, :, : feat_lens[0]].T, tokens[: tokens.index(eos)] if eos in tokens else tokens, limit
 
 
-@pytest.mark.parametrize("which", ["trained", "canary"])
+@pytest.mark.parametrize("which", ["trained", "canary", "canary2bpe", "single"])
 def test_nemo_restores_the_export_and_decodes_as_aed(nemo, which, trained, tmp_path):
+    """A fine-tuned Flash model, a converted Canary-1B and Canary-1B-v2 layout exported back, and a
+    model with aed's single-layout tokenizer (the word model) exported as a CanaryBPETokenizer."""
     if which == "trained":
         path, loaded = trained[1] / "avg.nemo", load_model(str(trained[0]), average=2)
+    elif which == "single":
+        export(ROOT / "tests" / "fixtures" / "word_model.pt", tmp_path / "w.nemo", log=lambda _: None)
+        path, loaded = tmp_path / "w.nemo", load_model(str(ROOT / "tests" / "fixtures" / "word_model.pt"))
     else:
-        convert(FIXTURES / "canary.nemo", tmp_path / "c.pt")
+        convert(FIXTURES / f"{which}.nemo", tmp_path / "c.pt")
         export(tmp_path / "c.pt", tmp_path / "c.nemo")
         path, loaded = tmp_path / "c.nemo", load_model(str(tmp_path / "c.pt"))
     torch.manual_seed(0)

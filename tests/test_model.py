@@ -79,7 +79,7 @@ def test_tiny_preset_is_cpu_sized():
     """The model train.py builds from configs/tiny.yaml: its vocabulary comes from the tokenizer."""
     cfg = load_train_config(CONFIGS / "tiny.yaml")
     cfg = resolve_model(cfg, Tokenizer.load(CONFIGS.parent / cfg.train.tokenizer))
-    assert (cfg.model.n_mels, cfg.model.vocab_size) == (80, 528)
+    assert (cfg.model.n_mels, cfg.model.vocab_size) == (80, 536)
     with torch.device("meta"):
         model = AED(cfg.model)
     assert 1_000_000 <= count_parameters(model) <= 3_000_000

@@ -1,7 +1,8 @@
 """tools/convert_nemo.py checked against real NeMo, without NeMo.
 
-tests/fixtures/nemo/ holds two small random-weight NeMo EncDecMultiTaskModel checkpoints (a "canary"
-and a Flash-style "canary2" model) and NeMo's own outputs on data/mini utterances, made by
+tests/fixtures/nemo/ holds three small random-weight NeMo EncDecMultiTaskModel checkpoints (a "canary"
+and a Flash-style "canary2" model with NeMo's aggregate tokenizer, and "canary2bpe" in Canary-1B-v2's
+layout: "canary2" prompts and one CanaryBPETokenizer model) and NeMo's own outputs on data/mini utterances, made by
 tests/fixtures/make_nemo_fixtures.py with nemo_toolkit 3.0.0. Float32 tolerances reached on this machine:
 features 4.6e-5, encoder output 1.0e-6, decoder log-probs 1.0e-6 (asserted: 1e-4 / 1e-5 / 1e-5).
 """
@@ -22,7 +23,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from convert_nemo import ConversionError, convert  # noqa: E402
+from convert_nemo import ConversionError, convert, read_nemo  # noqa: E402
 
 from aed.data_audio import LogMel, load_audio  # noqa: E402
 from aed.train_checkpoint import list_checkpoints  # noqa: E402
@@ -35,7 +36,10 @@ NEMO_GREEDY = dict(max_repeats=0, max_tokens_per_second=None)  # NeMo's greedy s
 MINI = ROOT / "data" / "mini"
 
 
-@pytest.fixture(scope="module", params=["canary", "canary2"])
+PROMPT_FORMAT = {"canary": "canary", "canary2": "canary2", "canary2bpe": "canary2"}
+
+
+@pytest.fixture(scope="module", params=list(PROMPT_FORMAT))
 def conv(request, tmp_path_factory):
     """A fixture model converted once per module: model, tokenizer, features, NeMo's references, paths."""
     out = tmp_path_factory.mktemp(request.param) / f"{request.param}.pt"
@@ -51,8 +55,8 @@ def strip_eos(tokens, eos):
 
 
 def test_prompt_format_comes_from_the_checkpoint(conv):
-    assert conv.tok.prompt_format == conv.name
-    assert conv.model.cfg.enc_xscaling == (conv.name == "canary2")  # the fixtures cover both settings
+    assert conv.tok.prompt_format == PROMPT_FORMAT[conv.name]
+    assert conv.model.cfg.enc_xscaling == (conv.name != "canary")  # the fixtures cover both settings
     assert conv.model.cfg.n_mels == conv.features.n_mels == 128
     assert conv.model.cfg.conv_norm == "batch_norm"
 
@@ -130,6 +134,38 @@ def test_tokenizer_ids_equal_nemo(conv):
         assert tok.prompt_ids(src, tgt, pnc == "True") == ids, key
     for u in ref["utterances"]:  # prompt + text + eos, as NeMo's prompt formatter builds it
         assert tok.encode_example(u["text"], u["source_lang"], u["target_lang"], True)[0] == u["tokens"]
+
+
+def test_canary_bpe_tokenizer_holds_its_special_tokens_and_prompts_as_nemo(conv):
+    """Canary-1B-v2's layout: one model whose <|...|> pieces are the special tokens; NeMo encodes
+    the prompt string with it, so the prompt starts with the model's word-start piece."""
+    tok = conv.tok
+    if conv.name != "canary2bpe":
+        assert not tok.specials_inline
+        return
+    assert tok.specials_inline and len(tok.blocks) == 1 and tok.blocks[0].lang == "all"
+    assert tok.languages == ["de", "en", "es", "fr", "it", "pt"]  # every <|xx|> piece, "it" and "pt" without text
+    prompt = tok.prompt_ids("en", "es", True)
+    assert tok.id_to_token(prompt[0]) == "▁" and len(prompt) == 10
+    assert [tok.id_to_token(i) for i in prompt[1:3]] == ["<|startofcontext|>", "<|startoftranscript|>"]
+    text = tok.encode("Hola, amigo.", "es")
+    assert tok.decode([tok.eos, *text, tok.pad]) == "Hola, amigo." and not any(tok.is_special(i) for i in text)
+
+
+def test_the_companion_timestamps_model_is_not_read(tmp_path):
+    """Canary-1B-v2's archive carries a CTC model for NeMo's timestamps; aed converts the AED model alone."""
+    bigger = tmp_path / "with_ts.nemo"
+    with tarfile.open(FIXTURES / "canary2bpe.nemo") as tin, tarfile.open(bigger, "w") as tout:
+        for member in tin.getmembers():
+            tout.addfile(member, tin.extractfile(member) if member.isfile() else None)
+        for name in ("timestamps_asr_model_config.yaml", "timestamps_asr_model_weights.ckpt"):
+            info = tarfile.TarInfo(f"./{name}")
+            info.size = 4
+            tout.addfile(info, io.BytesIO(b"junk"))
+    _, _, files = read_nemo(bigger)
+    assert not any(name.startswith("timestamps_asr_model") for name in files)
+    convert(bigger, tmp_path / "x.pt")
+    assert load_model(tmp_path / "x.pt").model.ctc is None
 
 
 def test_canary2_prompt_has_no_task_token(conv):

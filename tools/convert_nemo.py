@@ -21,12 +21,16 @@ What is mapped:
 - encoder (ConformerEncoder, FastConformer dw_striding 8x) and encoder_decoder_proj: same names.
 - transf_decoder + log_softmax (TokenClassifier, weight tied to the embedding): renamed as listed
   in aed/model_decoder.py.
-- tokenizer: NeMo's aggregate CanaryTokenizer, with its exact id layout [spl_tokens, lang1, lang2, ...]
-  (every piece of the special-token model becomes a special token at the same id), and the
-  checkpoint's prompt format ("canary" or "canary2").
+- tokenizer, with NeMo's ids and the checkpoint's prompt format ("canary" or "canary2"): the
+  aggregate CanaryTokenizer of Canary-1B and the Flash models as [spl_tokens, lang1, lang2, ...]
+  (every piece of the special-token model becomes a special token at the same id), or the one
+  SentencePiece model of CanaryBPETokenizer (Canary-1B-v2), whose <|...|> pieces are its special tokens.
+- not converted: the companion CTC model some archives carry for word timestamps
+  (timestamps_asr_model_*, Canary-1B-v2's). aed times words with a model's own CTC head, which a
+  converted Canary does not have (`--timestamps` says so); fine-tune with model.ctc_weight > 0 to get one.
 
 Any architecture option aed does not implement (learned decoder positions, post-LN
-decoder, a Transformer encoder between encoder and decoder, a single non-aggregate tokenizer, ...)
+decoder, a Transformer encoder between encoder and decoder, another tokenizer, ...)
 is an error that names the config key and its value. Training-only settings (SpecAugment, data,
 optimiser, stochastic depth) are not converted: train.py has its own.
 """
@@ -47,11 +51,13 @@ import torch
 import yaml
 
 from aed.data_audio import FeatureConfig, LogMel
-from aed.data_tokenizer import PROMPT_FORMATS, SentencePieceBlock, SpecialBlock, Tokenizer, lang_token
+from aed.data_tokenizer import (PROMPT_FORMATS, SentencePieceBlock, SpecialBlock, Tokenizer, inline_special_pieces,
+                                lang_token)
 from aed.model import AED, AEDConfig
 from aed.train_checkpoint import pack_dir
 
 SPECIAL_BLOCK = "spl_tokens"  # NeMo's name of the special-token model in the aggregate tokenizer
+TIMESTAMPS_MODEL = "timestamps_asr_model"  # members of the companion CTC model for timestamps: not read
 
 
 class ConversionError(ValueError):
@@ -69,9 +75,10 @@ def read_nemo(path) -> tuple[dict, dict, dict]:
         raise ConversionError(f"{path}: not a readable .nemo (tar) archive: {e}") from e
     files = {}
     with tar:
-        for member in tar.getmembers():
-            if member.isfile():
-                files[os.path.basename(member.name)] = tar.extractfile(member).read()
+        for entry in tar.getmembers():
+            name = os.path.basename(entry.name)
+            if entry.isfile() and not name.startswith(TIMESTAMPS_MODEL):
+                files[name] = tar.extractfile(entry).read()
     for name in ("model_config.yaml", "model_weights.ckpt"):
         if name not in files:
             raise ConversionError(f"{path}: archive has no {name} (members: {sorted(files)})")
@@ -231,46 +238,63 @@ def model_config(opt: Options, vocab_size: int, pad_id: int, n_mels: int) -> AED
 # --- tokenizer --------------------------------------------------------------------------------
 
 
+def member(files: dict, ref, where: str) -> bytes:
+    """The archive member a config value `nemo:<file>` names."""
+    if not isinstance(ref, str):
+        raise ConversionError(f"model_config.yaml: {where} is missing")
+    name = os.path.basename(ref.removeprefix("nemo:"))
+    if name not in files:
+        raise ConversionError(f"model_config.yaml: {where} names {name}, which is not in the archive")
+    return files[name]
+
+
+LANGUAGE_TOKEN = re.compile(r"<\|([a-z]{2}(-[A-Z]{2})?)\|>")  # <|en|>, <|en-US|>
+
+
 def convert_tokenizer(opt: Options, files: dict) -> Tokenizer:
-    """NeMo's aggregate CanaryTokenizer -> Tokenizer with the same ids: [spl_tokens, lang1, lang2, ...]."""
+    """NeMo's Canary tokenizer -> Tokenizer with the same ids: the aggregate CanaryTokenizer as
+    [spl_tokens, lang1, lang2, ...], the CanaryBPETokenizer (Canary-1B-v2) as one "all" block whose
+    model holds the special tokens (its languages: every <|xx|> piece with a language code)."""
     prompt_format = opt.require("prompt_format", lambda v: v in PROMPT_FORMATS, None,
                                 f"aed implements the prompt formats {sorted(PROMPT_FORMATS)}")
-    opt.require("tokenizer.type", lambda v: v == "agg", None,
-                "aed converts NeMo's aggregate tokenizer (type: agg) of the Canary models")
-    opt.require("tokenizer.custom_tokenizer._target_", lambda v: str(v).endswith("CanaryTokenizer"), "",
-                "aed converts NeMo's CanaryTokenizer")
-    langs = opt.get("tokenizer.langs", {})
-    opt.require("tokenizer.langs", lambda v: isinstance(v, dict) and SPECIAL_BLOCK in v, None,
-                f"needs a '{SPECIAL_BLOCK}' special-token model")
+    kind = opt.require("tokenizer.type", lambda v: v in ("agg", "bpe"), None,
+                       "aed converts NeMo's Canary tokenizers: aggregate (type: agg) or one SentencePiece model (bpe)")
+    target = {"agg": "CanaryTokenizer", "bpe": "CanaryBPETokenizer"}.get(kind, "")
+    opt.require("tokenizer.custom_tokenizer._target_", lambda v: str(v).endswith("." + target), "",
+                f"aed converts NeMo's {target} for tokenizer.type {kind!r}")
+    if kind == "agg":
+        opt.require("tokenizer.langs", lambda v: isinstance(v, dict) and SPECIAL_BLOCK in v, None,
+                    f"needs a '{SPECIAL_BLOCK}' special-token model")
     opt.raise_problems("model_config.yaml")
 
-    blocks = []
-    for lang, sub in langs.items():  # YAML keeps the order, and the order is the id layout
-        where = f"tokenizer.langs.{lang}.model_path"
-        ref = sub.get("model_path") if isinstance(sub, dict) else None
-        if not isinstance(ref, str):
-            raise ConversionError(f"model_config.yaml: {where} is missing (tokenizer.langs.{lang}: {sub!r})")
-        name = os.path.basename(ref.removeprefix("nemo:"))
-        if name not in files:
-            raise ConversionError(f"model_config.yaml: {where} names {name}, which is not in the archive")
-        sp = spm.SentencePieceProcessor(model_proto=files[name])
-        if lang == SPECIAL_BLOCK:
-            # NeMo's special-token model: piece i is special token i (<unk>, then the user-defined tokens).
-            blocks.append(SpecialBlock([sp.id_to_piece(i) for i in range(sp.get_piece_size())]))
-        else:
-            blocks.append(SentencePieceBlock(lang, sp))
-    if not isinstance(blocks[0], SpecialBlock):
-        raise ConversionError(f"model_config.yaml: tokenizer.langs must start with '{SPECIAL_BLOCK}' "
-                              f"(NeMo's Canary layout), got {list(langs)}")
-    languages = [lang for lang in langs if lang != SPECIAL_BLOCK]
-    missing = [lang_token(lang) for lang in languages if lang_token(lang) not in blocks[0].tokens]
-    if missing:
-        raise ConversionError(f"model_config.yaml: tokenizer.langs.{SPECIAL_BLOCK} has no language tokens {missing}")
+    if kind == "bpe":
+        sp = spm.SentencePieceProcessor(model_proto=member(files, opt.get("tokenizer.model_path"),
+                                                          "tokenizer.model_path"))
+        block = SentencePieceBlock("all", sp)
+        blocks = [block]
+        languages = sorted(m.group(1) for piece in inline_special_pieces(sp) if (m := LANGUAGE_TOKEN.fullmatch(piece)))
+    else:
+        blocks = []
+        for lang, sub in opt.get("tokenizer.langs").items():  # YAML keeps the order, and the order is the id layout
+            ref = sub.get("model_path") if isinstance(sub, dict) else None
+            sp = spm.SentencePieceProcessor(model_proto=member(files, ref, f"tokenizer.langs.{lang}.model_path"))
+            if lang == SPECIAL_BLOCK:
+                # NeMo's special-token model: piece i is special token i (<unk>, then the user-defined tokens).
+                blocks.append(SpecialBlock([sp.id_to_piece(i) for i in range(sp.get_piece_size())]))
+            else:
+                blocks.append(SentencePieceBlock(lang, sp))
+        if not isinstance(blocks[0], SpecialBlock):
+            raise ConversionError(f"model_config.yaml: tokenizer.langs must start with '{SPECIAL_BLOCK}' "
+                                  f"(NeMo's Canary layout), got {list(opt.get('tokenizer.langs'))}")
+        languages = [b.lang for b in blocks[1:]]
+        missing = [lang_token(lang) for lang in languages if lang_token(lang) not in blocks[0].tokens]
+        if missing:
+            raise ConversionError(f"model_config.yaml: tokenizer.langs.{SPECIAL_BLOCK} has no language tokens {missing}")
     try:
         tokenizer = Tokenizer(blocks, languages, prompt_format)
         tokenizer.prompt_ids(languages[0], languages[0], pnc=True)  # every token of the prompt format exists
-    except (ValueError, KeyError) as e:
-        raise ConversionError(f"model_config.yaml: tokenizer: {e}") from e
+    except (ValueError, KeyError, IndexError) as e:
+        raise ConversionError(f"model_config.yaml: tokenizer: {e or 'no language tokens'}") from e
     return tokenizer
 
 

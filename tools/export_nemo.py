@@ -80,22 +80,32 @@ def check_exportable(cfg: AEDConfig, features: FeatureConfig, tokenizer: Tokeniz
                         f"{tokenizer.vocab_size} ids (its size rounded up to a multiple of 8)")
     if cfg.pad_id != tokenizer.pad:
         problems.append(f"model.pad_id={cfg.pad_id}: NeMo uses the tokenizer's <pad> ({tokenizer.pad})")
-    special, *languages = tokenizer.blocks
-    if not isinstance(special, SpecialBlock) or not languages:
-        problems.append(f"tokenizer {tokenizer}: NeMo's CanaryTokenizer needs the special tokens first, then "
-                        "one SentencePiece model per language")
-    elif not special.tokens or special.tokens[0] != UNK:
-        problems.append(f"tokenizer: the special block must start with {UNK} (the {SPECIAL_BLOCK} "
-                        f"SentencePiece model's unknown piece), got {special.tokens[:1]}")
-    for block in languages:
-        if not isinstance(block, SentencePieceBlock):
-            problems.append(f"tokenizer block {block!r}: NeMo's CanaryTokenizer has one special block, the first")
-        elif block.lang == "all":
-            problems.append("tokenizer block 'all' (one SentencePiece model for every language, aed's 'single' "
-                            "layout): NeMo's CanaryTokenizer needs one SentencePiece model per language "
-                            f"([{SPECIAL_BLOCK}, en, es, ...]); train with an aggregate tokenizer to export")
+    problems += tokenizer_problems(tokenizer)
     if problems:
         raise ConversionError("this model cannot be exported to NeMo:\n  " + "\n  ".join(problems))
+
+
+def tokenizer_layout(tokenizer: Tokenizer) -> str:
+    """NeMo's tokenizer for this layout: "agg" (CanaryTokenizer: [special, en, es, ...]) or "bpe"
+    (CanaryBPETokenizer: aed's single layout [special, all], or one "all" model holding its own
+    special tokens, as Canary-1B-v2's)."""
+    langs = [b.lang for b in tokenizer.blocks if isinstance(b, SentencePieceBlock)]
+    return "bpe" if langs == ["all"] else "agg"
+
+
+def tokenizer_problems(tokenizer: Tokenizer) -> list[str]:
+    """What of the tokenizer neither of NeMo's Canary tokenizers can hold."""
+    special = [b for b in tokenizer.blocks if isinstance(b, SpecialBlock)]
+    first = tokenizer.blocks[0]
+    if len(special) > 1 or (special and not isinstance(first, SpecialBlock)):
+        return [f"tokenizer {tokenizer}: NeMo's Canary tokenizers hold one block of special tokens, the first"]
+    if special and (not first.tokens or first.tokens[0] != UNK):
+        return [f"tokenizer: the special block must start with {UNK} (the unknown piece of NeMo's SentencePiece "
+                f"model), got {first.tokens[:1]}"]
+    if tokenizer_layout(tokenizer) == "agg" and (not special or any(b.lang == "all" for b in tokenizer.blocks[1:])):
+        return [f"tokenizer {tokenizer}: NeMo's CanaryTokenizer needs the special tokens first, then one "
+                "SentencePiece model per language"]
+    return []
 
 
 # --- config -------------------------------------------------------------------------------------
@@ -110,9 +120,9 @@ def window_keys(samples: int, sample_rate: int, name: str) -> dict:
     return {f"window_{name}": None, f"n_window_{name}": samples}
 
 
-def nemo_config(cfg: AEDConfig, features: FeatureConfig, tokenizer: Tokenizer, langs: dict) -> dict:
-    """model_config.yaml of an EncDecMultiTaskModel with this model's architecture; `langs` is the
-    tokenizer.langs section. Each key is one that tools/convert_nemo.py reads back."""
+def nemo_config(cfg: AEDConfig, features: FeatureConfig, tokenizer: Tokenizer, tokenizer_section: dict) -> dict:
+    """model_config.yaml of an EncDecMultiTaskModel with this model's architecture and the given
+    tokenizer section. Each key is one that tools/convert_nemo.py reads back."""
     f = features
     return {
         "sample_rate": f.sample_rate,
@@ -122,10 +132,7 @@ def nemo_config(cfg: AEDConfig, features: FeatureConfig, tokenizer: Tokenizer, l
         "restore_timestamps_model": False,  # NeMo would fetch a separate CTC model for timestamps
         "model_defaults": {"asr_enc_hidden": cfg.enc_d_model, "lm_enc_hidden": cfg.dec_d_model,
                            "lm_dec_hidden": cfg.dec_d_model},
-        "tokenizer": {
-            "dir": None, "type": "agg", "langs": langs,
-            "custom_tokenizer": {"_target_": "nemo.collections.common.tokenizers.canary_tokenizer.CanaryTokenizer"},
-        },
+        "tokenizer": tokenizer_section,
         "preprocessor": {
             "_target_": "nemo.collections.asr.modules.AudioToMelSpectrogramPreprocessor",
             "sample_rate": f.sample_rate, "normalize": "per_feature",
@@ -206,25 +213,65 @@ def vocab_files(model: bytes) -> tuple[bytes, bytes]:
     return scores.encode(), "".join(w + "\n" for w in words).encode()
 
 
+def canary_bpe_model(tokenizer: Tokenizer) -> bytes:
+    """The one SentencePiece model of NeMo's CanaryBPETokenizer, with aed's ids: a converted one as
+    it is; aed's single layout [special, all] as the special tokens (user-defined pieces, as NeMo
+    trains them; <unk> the unknown piece) followed by the "all" model's pieces. That model's own
+    unknown piece, which byte fallback never emits, becomes the control piece <unk:all>: a model
+    has one unknown piece and no two pieces share a string. NeMo encodes the prompt as text with
+    this model; without the dummy prefix that gives aed's prompt, not "▁" and then aed's prompt,
+    which the model never saw. (Text NeMo encodes to fine-tune then starts without the word-start
+    mark; decoding is the same.)"""
+    *special, block = tokenizer.blocks
+    if not special:
+        return block.sp.serialized_model_proto()
+    kind = sp_model.ModelProto.SentencePiece
+    proto = sp_model.ModelProto.FromString(block.sp.serialized_model_proto())
+    pieces = [sp_model.ModelProto.SentencePiece.FromString(p.SerializeToString()) for p in proto.pieces]
+    del proto.pieces[:]
+    for i, token in enumerate(special[0].tokens):
+        proto.pieces.add(piece=token, score=0.0, type=kind.UNKNOWN if i == 0 else kind.USER_DEFINED)
+    for piece in pieces:
+        if piece.type == kind.UNKNOWN:
+            piece.piece, piece.type = "<unk:all>", kind.CONTROL
+        proto.pieces.append(piece)
+    proto.trainer_spec.unk_id, proto.trainer_spec.vocab_size = 0, len(proto.pieces)
+    proto.normalizer_spec.add_dummy_prefix = False
+    return proto.SerializeToString()
+
+
+def artifacts(name: str, model: bytes) -> tuple[dict, dict]:
+    """({config key: "nemo:<member>"}, {member: bytes}) of one SentencePiece model as NeMo stores it:
+    the model, its vocab.txt and tokenizer.vocab. Members are named `<id>_<file>` as NeMo names them;
+    the id is a hash of the contents, so one model always gives the same archive."""
+    entry, files = {}, {}
+    scores, words = vocab_files(model)
+    for key, file, data in (("model_path", "tokenizer.model", model), ("vocab_path", "vocab.txt", words),
+                            ("spe_tokenizer_vocab", "tokenizer.vocab", scores)):
+        member = f"{hashlib.md5(name.encode() + data).hexdigest()}_{file}"
+        entry[key] = f"nemo:{member}"
+        files[member] = data
+    return entry, files
+
+
 def tokenizer_artifacts(tokenizer: Tokenizer) -> tuple[dict, dict]:
-    """(tokenizer.langs section, {archive member: bytes}) of NeMo's aggregate CanaryTokenizer, in
-    block order, which is the id layout. Members are named `<id>_<file>` as NeMo names them; the id
-    is a hash of the contents, so one model always gives the same archive."""
+    """(the config's tokenizer section, {archive member: bytes}): NeMo's CanaryBPETokenizer for one
+    "all" model, else its aggregate CanaryTokenizer with one entry per block in block order, which
+    is the id layout."""
+    target = "nemo.collections.common.tokenizers.canary_tokenizer."
+    if tokenizer_layout(tokenizer) == "bpe":
+        entry, files = artifacts("all", canary_bpe_model(tokenizer))
+        return {"dir": None, "type": "bpe", **entry, "custom_tokenizer": {"_target_": target + "CanaryBPETokenizer"}}, files
     langs, files = {}, {}
     for block in tokenizer.blocks:
         if isinstance(block, SpecialBlock):
             name, model = SPECIAL_BLOCK, special_model(block.tokens)
         else:
             name, model = block.lang, block.sp.serialized_model_proto()
-        entry = {"dir": None, "type": "bpe"}
-        scores, words = vocab_files(model)
-        for key, file, data in (("model_path", "tokenizer.model", model), ("vocab_path", "vocab.txt", words),
-                                ("spe_tokenizer_vocab", "tokenizer.vocab", scores)):
-            member = f"{hashlib.md5(name.encode() + data).hexdigest()}_{file}"
-            entry[key] = f"nemo:{member}"
-            files[member] = data
-        langs[name] = entry
-    return langs, files
+        entry, more = artifacts(name, model)
+        langs[name] = {"dir": None, "type": "bpe", **entry}
+        files.update(more)
+    return {"dir": None, "type": "agg", "langs": langs, "custom_tokenizer": {"_target_": target + "CanaryTokenizer"}}, files
 
 
 # --- weights ------------------------------------------------------------------------------------
@@ -283,8 +330,8 @@ def export(ckpt, out_path, average: int = 1, log=print) -> dict:
     if dropped:
         log(f"dropped the CTC head ({', '.join(dropped)}): NeMo's EncDecMultiTaskModel has none; the export "
             "decodes with the attention decoder alone (no joint CTC/attention decoding, no CTC timestamps)")
-    langs, files = tokenizer_artifacts(tokenizer)
-    config = nemo_config(cfg, features, tokenizer, langs)
+    section, files = tokenizer_artifacts(tokenizer)
+    config = nemo_config(cfg, features, tokenizer, section)
     weights = io.BytesIO()
     torch.save(state, weights)
     files = {"model_config.yaml": yaml.safe_dump(config, sort_keys=False, allow_unicode=True).encode(),
@@ -315,7 +362,7 @@ def main(argv=None):
     enc, dec = config["encoder"], config["transf_decoder"]["config_dict"]
     print(f"{args.ckpt} -> {args.out}: encoder {enc['n_layers']} x {enc['d_model']}, decoder {dec['num_layers']} x "
           f"{dec['hidden_size']}, vocabulary {config['head']['num_classes']}, prompt format {config['prompt_format']}, "
-          f"languages {[lang for lang in config['tokenizer']['langs'] if lang != SPECIAL_BLOCK]}")
+          f"tokenizer {config['tokenizer']['custom_tokenizer']['_target_'].rsplit('.', 1)[1]}")
 
 
 if __name__ == "__main__":

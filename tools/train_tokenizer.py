@@ -5,7 +5,8 @@ target text in `text` or `answer`, its `source_lang` / `target_lang` or `lang`; 
 with file:line and field, or with --skip-invalid is skipped and counted). The text is in the
 target language: it is what the decoder emits.
 
-    # one BPE model shared by all languages (our default)
+    # one BPE model shared by all languages, "canary2" prompts (our default: it exports to NeMo,
+    # transformers and sherpa-onnx alike, as Canary-1B-v2's layout)
     python tools/train_tokenizer.py --manifest data/train_*.jsonl --vocab-size 1024 -o runs/tokenizer
     # NeMo's aggregate layout: one BPE model per target language, --vocab-size each
     python tools/train_tokenizer.py --manifest train.jsonl --layout aggregate --vocab-size 1024 -o tok
@@ -23,8 +24,8 @@ import sentencepiece as spm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
 
 from aed.data_manifest import iter_texts  # noqa: E402
-from aed.data_tokenizer import (DEFAULT_LANGUAGES, SentencePieceBlock, SpecialBlock, Tokenizer,  # noqa: E402
-                                default_special_tokens)
+from aed.data_tokenizer import (DEFAULT_LANGUAGES, PROMPT_FORMATS, SentencePieceBlock, SpecialBlock,  # noqa: E402
+                                Tokenizer, default_special_tokens)
 
 
 def read_manifests(paths, skip_invalid: bool = False):
@@ -90,6 +91,9 @@ def main(argv=None):
         default="single",
         help="single: one model for all languages; aggregate: one model per target language (NeMo Canary)",
     )
+    parser.add_argument("--prompt-format", choices=sorted(PROMPT_FORMATS), default="canary2",
+                        help="canary2: the prompt of Canary-1B-Flash, 180M-Flash and 1B-v2 (default; what sherpa-onnx "
+                             "builds); canary: Canary-1B's, with a task token")
     parser.add_argument("--model-type", choices=["bpe", "unigram", "char"], default="bpe",
                         help="char: one token per character seen (--vocab-size is ignored), for CTC at 4x subsampling")
     parser.add_argument("--max-sentences", type=int, default=2_000_000, help="sentences sampled per model")
@@ -120,10 +124,10 @@ def main(argv=None):
         sentences = sample_sentences(texts(lang), args.max_sentences, args.seed)
         sp = train_sentencepiece(sentences, args.vocab_size, args.model_type)
         blocks.append(SentencePieceBlock(lang, sp))
-    tokenizer = Tokenizer(blocks, languages, prompt_format="canary")
+    tokenizer = Tokenizer(blocks, languages, prompt_format=args.prompt_format)
     tokenizer.save(args.output)
 
-    print(f"layout: {args.layout}; languages: {languages}")
+    print(f"layout: {args.layout}; prompt format: {args.prompt_format}; languages: {languages}")
     for block in blocks:
         name = "special" if isinstance(block, SpecialBlock) else f"sentencepiece '{block.lang}'"
         print(f"  {name}: {block.size} ids")
