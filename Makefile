@@ -13,7 +13,7 @@ CPU ?=
 CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_SOURCE := $(if $(CPU),--index-url $(CPU_INDEX),)
 
-.PHONY: setup demo test test-fast gpu-check report venv clean
+.PHONY: setup demo test test-fast test-nemo gpu-check report venv clean
 
 setup: venv
 
@@ -26,7 +26,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml tests/requirements-hf.txt te
 	# Optional at run time (parquet sources name it when missing); the suite tests that reader too.
 	$(VENV)/bin/pip install -q pyarrow
 	# The runtimes the exports are checked by (transformers, onnxruntime, sherpa-onnx: ~2 minutes);
-	# NeMo's (bench/requirements-nemo-peers.txt, ~780 MB) is left to those who run its tests.
+	# NeMo's is `make test-nemo`'s.
 	$(VENV)/bin/pip install -q -r tests/requirements-hf.txt -r tests/requirements-onnx.txt
 	touch $@
 
@@ -35,6 +35,17 @@ $(VENV)/.installed: requirements.txt pyproject.toml tests/requirements-hf.txt te
 # long runs start early and neither worker ends alone on one of them.
 test: venv
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
+
+# NeMo's own runtime on the .nemo exports (tests/test_export_nemo.py: restore_from, features and
+# greedy tokens equal aed's), about a minute. NeMo 3.0.0 and what it imports (~780 MB, ~2 minutes to
+# install the first time) live in $(NEMO_PEERS), apart from the venv: NeMo needs transformers 4.x.
+NEMO_PEERS := $(VENV)/nemo-peers
+$(NEMO_PEERS)/.installed: bench/requirements-nemo-peers.txt | venv
+	$(VENV)/bin/pip install -q --target $(NEMO_PEERS) --no-deps -r bench/requirements-nemo-peers.txt
+	touch $@
+
+test-nemo: venv $(NEMO_PEERS)/.installed
+	AED_REQUIRE_NEMO=1 PYTHONPATH=$(NEMO_PEERS) $(PY) -m pytest -q -rs tests/test_export_nemo.py
 
 # About a minute on 2 CPU cores: all but the tests marked slow (training runs, scripts in subprocesses,
 # overfitting), on both cores as `make test` runs.

@@ -208,11 +208,11 @@ def test_unsupported_option_is_a_clear_error(tmp_path, edit, named):
 @pytest.mark.slow
 def test_cli_reports_the_unsupported_option(tmp_path):
     bad = tmp_path / "bad.nemo"
-    rewrite_nemo(FIXTURES / "canary2.nemo", bad, lambda c: c["encoder"].update(subsampling_factor=4))
+    rewrite_nemo(FIXTURES / "canary2.nemo", bad, lambda c: c["encoder"].update(subsampling_factor=16))
     p = subprocess.run([sys.executable, "tools/convert_nemo.py", str(bad), "-o", str(tmp_path / "x.pt")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1
-    assert "encoder.subsampling_factor=4" in p.stderr and "aed converts 8x (Canary) subsampling only" in p.stderr
+    assert "encoder.subsampling_factor=16" in p.stderr and "subsampling takes the factors (4, 8)" in p.stderr
 
 
 @pytest.mark.slow

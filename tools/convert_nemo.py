@@ -54,6 +54,7 @@ from aed.data_audio import FeatureConfig, LogMel
 from aed.data_tokenizer import (PROMPT_FORMATS, SentencePieceBlock, SpecialBlock, Tokenizer, inline_special_pieces,
                                 lang_token)
 from aed.model import AED, AEDConfig
+from aed.model_encoder import SUBSAMPLING_FACTORS
 from aed.train_checkpoint import pack_dir
 
 SPECIAL_BLOCK = "spl_tokens"  # NeMo's name of the special-token model in the aggregate tokenizer
@@ -162,7 +163,8 @@ def model_config(opt: Options, vocab_size: int, pad_id: int, n_mels: int) -> AED
                 "aed's encoder is a ConformerEncoder")
     opt.require(e + "feat_in", lambda v: v == n_mels, None, f"must equal preprocessor.features ({n_mels})")
     opt.require(e + "subsampling", lambda v: v == "dw_striding", "striding", "aed implements dw_striding subsampling")
-    opt.require(e + "subsampling_factor", lambda v: v == 8, 4, "aed converts 8x (Canary) subsampling only")
+    factor = opt.require(e + "subsampling_factor", lambda v: v in SUBSAMPLING_FACTORS, 4,
+                         f"aed's dw_striding subsampling takes the factors {SUBSAMPLING_FACTORS}")
     opt.require(e + "causal_downsampling", lambda v: v is False, False, "aed's subsampling is not causal")
     opt.require(e + "reduction", lambda v: v is None, None, "aed has no time reduction inside the encoder")
     opt.require(e + "self_attention_model", lambda v: v == "rel_pos", "rel_pos", "aed uses relative positions")
@@ -215,6 +217,7 @@ def model_config(opt: Options, vocab_size: int, pad_id: int, n_mels: int) -> AED
         enc_heads=opt.get(e + "n_heads", 4),
         enc_ff_mult=int(ff),
         enc_xscaling=xscaling,
+        subsampling_factor=factor,
         conv_kernel=kernel,
         conv_norm=opt.get(e + "conv_norm_type", "batch_norm"),
         subsampling_channels=d_model if opt.get(e + "subsampling_conv_channels", -1) == -1

@@ -68,9 +68,6 @@ FEATURE_FIELDS = {"sample_rate", "n_mels", "win_length", "hop_length", "n_fft", 
 def check_exportable(cfg: AEDConfig, features: FeatureConfig, tokenizer: Tokenizer) -> None:
     """ConversionError naming everything of this model that NeMo's EncDecMultiTaskModel would not reproduce."""
     problems = []
-    if cfg.subsampling_factor != 8:
-        problems.append(f"model.subsampling_factor={cfg.subsampling_factor}: the export (like tools/convert_nemo.py) "
-                        "covers NeMo's 8x dw_striding subsampling only")
     unknown = sorted(set(dataclasses.asdict(features)) - FEATURE_FIELDS)
     if unknown:
         problems.append(f"features {unknown}: no NeMo preprocessor setting is known to reproduce them")
