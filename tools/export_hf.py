@@ -24,16 +24,19 @@ modeling_canary.py and modeling_parakeet.py):
 - the processor (`CanaryProcessor`): `ParakeetFeatureExtractor` with aed's feature settings, the
   tokenizer as one SentencePiece-style vocabulary in aed's id space (special tokens at their ids,
   then the SentencePiece pieces), and a chat template that writes aed's prompt (format "canary" or
-  "canary2") for `apply_transcription_request`.
+  "canary2") for `apply_transcription_request`. NeMo's aggregate tokenizer (one SentencePiece block
+  per language, as Canary-1B and the Flash models) becomes a decode-only vocabulary: every id decodes
+  to aed's text, so `generate` and `batch_decode` are aed's, but one vocabulary cannot choose a
+  block by language, so the tokenizer's own encoding of text is not aed's (said in aed_export.json).
 - `aed_export.json`: the source checkpoint, what was left out, and the measured differences.
 
 What transformers' Canary cannot hold stops the export with a message naming it (an
 encoder_decoder_proj, as Canary-180M-Flash's 512-wide encoder feeding a 1024-wide decoder; a
-layer_norm conv module; per-language SentencePiece blocks, as NeMo's aggregate tokenizer; feature
-settings its extractor fixes). A CTC head is left out, and said so: transformers' Canary decodes with
+layer_norm conv module; feature settings its extractor fixes). A CTC head is left out, and said so: transformers' Canary decodes with
 its attention decoder alone, as aed does with ctc_weight=0.
 
-Token ids agree exactly (encoding checked on the bundled transcripts). Decoding ids to text differs
+Token ids agree exactly (encoding checked on the bundled transcripts) for a tokenizer with one
+SentencePiece block. Decoding ids to text differs
 in two corners, both from the tokenizers library: a run of byte pieces that is not valid UTF-8
 becomes one U+FFFD per byte (SentencePiece keeps the valid bytes), and SentencePiece's own `<unk>`
 piece is skipped (aed writes " ⁇ ").
@@ -93,11 +96,6 @@ def inexpressible(model: AED, tokenizer: Tokenizer, features: FeatureConfig) -> 
                         f"mel bins, the Parakeet encoder assumes n_mels // {cfg.subsampling_factor} = {hf_bins}")
     if cfg.dec_d_model % 2:
         problems.append(f"dec_d_model {cfg.dec_d_model}: the decoder's sinusoidal positions need an even width")
-    sp_blocks = [b for b in tokenizer.blocks if isinstance(b, SentencePieceBlock)]
-    if [b.lang for b in sp_blocks] != ["all"]:
-        problems.append(f"tokenizer with SentencePiece blocks {[b.lang for b in sp_blocks]}: transformers' Canary "
-                        "loads one SentencePiece vocabulary for every language (NeMo's aggregate per-language "
-                        "tokenizers have no equivalent)")
     if features.log_guard != HF_LOG_GUARD:
         problems.append(f"features.log_guard {features.log_guard}: ParakeetFeatureExtractor fixes it at 2**-24")
     if features.pad_value != 0.0:
@@ -117,9 +115,14 @@ def left_out(model: AED, tokenizer: Tokenizer, code_to_name: dict) -> list[str]:
     if unlisted:
         notes.append(f"languages {unlisted} are not in transformers' Canary language table: "
                      "apply_transcription_request rejects them (apply_chat_template with their codes still works)")
+    sp_blocks = [b for b in tokenizer.blocks if isinstance(b, SentencePieceBlock)]
+    if len(sp_blocks) > 1:
+        notes.append(f"text encoding: the SentencePiece blocks {[b.lang for b in sp_blocks]} (NeMo's aggregate "
+                     "layout) share one transformers vocabulary, in which a piece of several blocks keeps its first "
+                     "id; decoding (ids -> text, all generate needs) is aed's, but the tokenizer's encode() is not "
+                     "aed's per-language encoding: fine-tune with aed's ids (Tokenizer.encode_example)")
     specials = {t for b in tokenizer.blocks if isinstance(b, SpecialBlock) for t in b.tokens}
-    (sp,) = [b.sp for b in tokenizer.blocks if isinstance(b, SentencePieceBlock)]
-    clashes = sorted(p for p in map(sp.id_to_piece, range(sp.get_piece_size())) if p in specials)
+    clashes = sorted({p for b in sp_blocks for p in map(b.sp.id_to_piece, range(b.size)) if p in specials})
     if clashes:
         notes.append(f"SentencePiece pieces {clashes} share their string with a special token: the transformers "
                      "tokenizer maps the string to the SentencePiece id and skips it in decoding")
@@ -237,24 +240,36 @@ def canary_config(transformers, model: AED, tokenizer: Tokenizer, prompt_start: 
 # --- processor ---------------------------------------------------------------------------------
 
 
+# Appended to a text piece already in the vocabulary under earlier ids (the same piece in several
+# language blocks of an aggregate tokenizer), and removed again by the decoder: a private-use
+# character, which no text holds, so the tokenizer never encodes to the marked piece.
+DUPLICATE_MARK = "\ue000"
+
+
 def unified_sentencepiece(tokenizer: Tokenizer) -> bytes:
-    """One SentencePiece model proto in aed's id space: each special token a user-defined piece at
-    its id, then the SentencePiece block's pieces: the layout of the unified Canary tokenizers that
-    transformers converts (convert_slow_tokenizer.CanaryConverter)."""
+    """One SentencePiece model proto in aed's id space, blocks in order: each special token a
+    user-defined piece at its id, each SentencePiece block's pieces at theirs: the layout of the
+    unified Canary tokenizers that transformers converts (convert_slow_tokenizer.CanaryConverter).
+    A text or byte piece that earlier blocks have too gets DUPLICATE_MARK once per earlier copy, so
+    that every id keeps a string of its own."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
-    (sp,) = [b.sp for b in tokenizer.blocks if isinstance(b, SentencePieceBlock)]
-    source = pb.ModelProto()
-    source.ParseFromString(sp.serialized_model_proto())
-    unified = pb.ModelProto()
-    unified.CopyFrom(source)
+    kind = pb.ModelProto.SentencePiece
+    sp_blocks = [b for b in tokenizer.blocks if isinstance(b, SentencePieceBlock)]
+    unified = pb.ModelProto.FromString(sp_blocks[0].sp.serialized_model_proto())
     del unified.pieces[:]
+    copies = {}  # piece -> how many blocks so far have it
     for block in tokenizer.blocks:
         if isinstance(block, SpecialBlock):
             for token in block.tokens:
-                unified.pieces.add(piece=token, score=0.0, type=pb.ModelProto.SentencePiece.USER_DEFINED)
-        else:
-            unified.pieces.extend(source.pieces)
+                unified.pieces.add(piece=token, score=0.0, type=kind.USER_DEFINED)
+            continue
+        for piece in pb.ModelProto.FromString(block.sp.serialized_model_proto()).pieces:
+            if piece.type in (kind.NORMAL, kind.BYTE):
+                n = copies.get(piece.piece, 0)
+                copies[piece.piece] = n + 1
+                piece.piece += DUPLICATE_MARK * n
+            unified.pieces.append(piece)
     return unified.SerializeToString()
 
 
@@ -289,7 +304,9 @@ def build_processor(transformers, tokenizer: Tokenizer, features: FeatureConfig)
             f.write(unified_sentencepiece(tokenizer))
         backend = CanaryConverter(path).converted()
     # The converter's decoder leaves byte pieces as "<0xF6>" text; SentencePiece turns them into bytes.
-    backend.decoder = decoders.Sequence([decoders.ByteFallback(), backend.decoder])
+    # Duplicate pieces lose their mark first (unified_sentencepiece).
+    backend.decoder = decoders.Sequence([decoders.Replace(DUPLICATE_MARK, ""), decoders.ByteFallback(),
+                                         backend.decoder])
     specials = [t for b in tokenizer.blocks if isinstance(b, SpecialBlock) for t in b.tokens]
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
     hf_tokenizer = transformers.TokenizersBackend(tokenizer_object=backend, bos_token=BOS, eos_token=EOS,
