@@ -374,9 +374,10 @@ def caption_stdin(streamer, args) -> int:
         print("no audio on standard input", file=sys.stderr)
         return 0
     m = stream_latency(stream, seconds)
-    print(f"{seconds:.1f} s of audio, {len(stream.tokens)} tokens in {stream.sentences} sentence(s); first word after "
-          f"{m['first_word']:.0f} ms of audio; real-time factor {m['rtf_mean']:.3f} (processing s per audio s), its "
-          f"longest step {m['rtf_max']:.3f} x the chunk", file=sys.stderr)
+    first = f"first word after {m['first_word']:.0f} ms of audio" if stream.tokens else "no words"
+    print(f"{seconds:.1f} s of audio, {len(stream.tokens)} tokens in {stream.sentences} sentence(s); {first}; "
+          f"real-time factor {m['rtf_mean']:.3f} (processing s per audio s), its longest step {m['rtf_max']:.3f} "
+          "x the chunk", file=sys.stderr)
     return 0
 
 

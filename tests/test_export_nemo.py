@@ -124,20 +124,29 @@ def test_round_trip_converts_back_to_the_same_aed_checkpoint(round_trip):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """Two steps of fine-tuning of the converted canary2 fixture with a CTC head: two checkpoints."""
-    tmp = tmp_path_factory.mktemp("trained")
-    convert(FIXTURES / "canary2.nemo", tmp / "init.pt")
-    run = tmp / "run"
-    p = train_in_process([str(tmp / "init.yaml"), f"init_from={tmp / 'init.pt'}", f"run_dir={run}",
-                          "model.ctc_weight=0.3", "max_steps=2", "ckpt_every=1",
-                          "val.every=0", f"train.manifests=[{MINI / 'train.jsonl'}]", "train.num_buckets=2",
-                          "train.max_duration=8", "train.num_workers=0", "optim.warmup_steps=1", "optim.lr=1e-3"])
-    assert p.returncode == 0, p.stderr[-4000:]
-    assert len(list_checkpoints(run)) == 2
-    lines = []
-    export(run, tmp / "avg.nemo", average=2, log=lines.append)
-    return run, tmp, lines
+def fine_tuned(tmp_path_factory):
+    """fine_tuned(name): two steps of fine-tuning of the converted fixture `name` with a CTC head, two
+    checkpoints, and their average exported back to NeMo: (run, folder, export log). Made once each."""
+    made = {}
+
+    def make(name):
+        if name not in made:
+            tmp = tmp_path_factory.mktemp(f"trained-{name}")
+            convert(FIXTURES / f"{name}.nemo", tmp / "init.pt")
+            run = tmp / "run"
+            p = train_in_process([str(tmp / "init.yaml"), f"init_from={tmp / 'init.pt'}", f"run_dir={run}",
+                                  "model.ctc_weight=0.3", "max_steps=2", "ckpt_every=1", "val.every=0",
+                                  f"train.manifests=[{MINI / 'train.jsonl'}]", "train.num_buckets=2",
+                                  "train.max_duration=8", "train.num_workers=0", "optim.warmup_steps=1",
+                                  "optim.lr=1e-3"])
+            assert p.returncode == 0, p.stderr[-4000:]
+            assert len(list_checkpoints(run)) == 2
+            lines = []
+            export(run, tmp / "avg.nemo", average=2, log=lines.append)
+            made[name] = run, tmp, lines
+        return made[name]
+
+    return make
 
 
 def greedy(loaded, stem, source, target, limit=None):
@@ -147,8 +156,8 @@ def greedy(loaded, stem, source, target, limit=None):
     return transcribe(loaded, [request], options)[0][0].tokens
 
 
-def test_trained_model_exports_and_reads_back(trained):
-    run, tmp, lines = trained
+def test_trained_model_exports_and_reads_back(fine_tuned):
+    run, tmp, lines = fine_tuned("canary2")
     assert len(lines) == 1 and "dropped the CTC head (ctc.proj.weight (449, 48), ctc.proj.bias (449,))" in lines[0]
     averaged = load_model(str(run), average=2)
     convert(tmp / "avg.nemo", tmp / "back.pt")
@@ -240,10 +249,11 @@ def nemo_greedy(model, wav, source, target):
     return feats[0, :, : feat_lens[0]].T, tokens[: tokens.index(eos)] if eos in tokens else tokens, limit
 
 
-def subsampling_4x_checkpoint(path: Path) -> Path:
-    """configs/tiny.yaml's model at 4x subsampling, random weights, data/mini's tokenizer (single layout)."""
+def tiny_checkpoint(path: Path, subsampling: int = 8) -> Path:
+    """configs/tiny.yaml's model (`make demo`'s), random weights, data/mini's tokenizer (the single
+    layout, canary2 prompts: what train_tokenizer.py makes by default)."""
     tokenizer = MINI / "tokenizer"
-    cfg = dataclasses.replace(AEDConfig.from_yaml(ROOT / "configs" / "tiny.yaml"), subsampling_factor=4, n_mels=80,
+    cfg = dataclasses.replace(AEDConfig.from_yaml(ROOT / "configs" / "tiny.yaml"), subsampling_factor=subsampling, n_mels=80,
                               vocab_size=Tokenizer.load(tokenizer).padded_vocab_size, ctc_weight=0.0)
     torch.manual_seed(0)
     model = AED(cfg).eval()
@@ -253,7 +263,7 @@ def subsampling_4x_checkpoint(path: Path) -> Path:
 
 
 def test_4x_subsampling_exports_and_reads_back(tmp_path):
-    ckpt = subsampling_4x_checkpoint(tmp_path / "x4.pt")
+    ckpt = tiny_checkpoint(tmp_path / "x4.pt", subsampling=4)
     config = export(ckpt, tmp_path / "x4.nemo")
     assert config["encoder"]["subsampling_factor"] == 4
     convert(tmp_path / "x4.nemo", tmp_path / "back.pt")
@@ -262,16 +272,20 @@ def test_4x_subsampling_exports_and_reads_back(tmp_path):
     assert all(torch.equal(v, ours.model.state_dict()[k]) for k, v in back.model.state_dict().items())
 
 
-@pytest.mark.parametrize("which", ["trained", "canary", "canary2bpe", "single", "4x"])
-def test_nemo_restores_the_export_and_decodes_as_aed(nemo, which, trained, tmp_path):
-    """A fine-tuned Flash model, a converted Canary-1B and Canary-1B-v2 layout exported back, a
-    model with aed's single-layout tokenizer (the word model) exported as a CanaryBPETokenizer, and
-    a model at 4x subsampling."""
-    if which == "trained":
-        path, loaded = trained[1] / "avg.nemo", load_model(str(trained[0]), average=2)
-    elif which in ("single", "4x"):
+@pytest.mark.parametrize("which", ["fine-tuned canary", "fine-tuned canary2", "fine-tuned canary2bpe", "canary",
+                                   "canary2bpe", "single", "tiny", "4x"])
+def test_nemo_restores_the_export_and_decodes_as_aed(nemo, which, fine_tuned, tmp_path):
+    """Round trips of the released layouts (Canary-1B's; 180M-Flash's, whose encoder_decoder_proj
+    1B-Flash lacks; 1B-v2's CanaryBPETokenizer) fine-tuned in aed; a converted Canary-1B and 1B-v2
+    layout exported back as they are; models with aed's single-layout tokenizer exported as a
+    CanaryBPETokenizer (the word model: "canary" prompts; `make demo`'s model: canary2); and a model
+    at 4x subsampling."""
+    if which.startswith("fine-tuned "):
+        run, tmp, _ = fine_tuned(which.split()[1])
+        path, loaded = tmp / "avg.nemo", load_model(str(run), average=2)
+    elif which in ("single", "tiny", "4x"):
         ckpt = ROOT / "tests" / "fixtures" / "word_model.pt" if which == "single" else \
-            subsampling_4x_checkpoint(tmp_path / "x4.pt")
+            tiny_checkpoint(tmp_path / "t.pt", subsampling=4 if which == "4x" else 8)
         export(ckpt, tmp_path / "w.nemo", log=lambda _: None)
         path, loaded = tmp_path / "w.nemo", load_model(str(ckpt))
     else:
