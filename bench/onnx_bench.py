@@ -12,7 +12,7 @@ loading not:
     sherpa-onnx  the sherpa layout in sherpa-onnx's OfflineRecognizer (its own C++ features and loop)
 
 The model is the config's layout (default configs/canary-180m-flash.yaml) with random weights and
-data/mini's SentencePiece model plus the canary2 prompt tokens (536 ids, not Canary's 5248: the output
+data/mini's tokenizer (canary2 prompts, 536 ids with the padding, not Canary's 5248: the output
 layer is smaller), EOS never chosen (bias -1e9, as bench/common.py's `fixed_work`), so
 every system decodes the same number of tokens: sherpa-onnx's limit (30 per second of audio), which
 aed's search is given too, without its repetition guard. Exporting takes minutes for 17 encoder
@@ -21,9 +21,9 @@ layers; --enc-layers shortens that for a smoke run.
     python bench/onnx_bench.py --features-of runs/demo          # a trained model: tokens under sherpa-onnx's features
 
 A random-weight model's tokens hardly depend on the audio, so they cannot show what sherpa-onnx's own
-features (kaldi-native-fbank) do to a trained model's tokens, and sherpa-onnx takes only canary2
-models, which no bundled recipe trains. --features-of measures that on any trained checkpoint
-instead: on data/mini's dev files, how often greedy tokens from the features sherpa-onnx computes
+features (kaldi-native-fbank) do to a trained model's tokens. --features-of measures that on any
+trained checkpoint, canary2 or not (bench/export_agreement_bench.py runs sherpa-onnx itself on a
+canary2 one): on data/mini's dev files, how often greedy tokens from the features sherpa-onnx computes
 (kaldi-native-fbank with the options its Canary recognizer sets, offline-recognizer-canary-impl.h
 and offline-stream.cc: hann window, no DC removal, librosa mel banks, snip_edges=false, per-bin
 normalisation with the biased std) equal aed's, for both of the mel ranges its configs use.
