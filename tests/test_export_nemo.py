@@ -60,7 +60,7 @@ def pieces(model: bytes) -> list:
     return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
 
 
-@pytest.fixture(scope="module", params=["canary", "canary2", "canary2bpe"])
+@pytest.fixture(scope="module", params=["canary", "canary2", "canary2wide", "canary2bpe"])
 def round_trip(request, tmp_path_factory):
     """A fixture .nemo converted to aed and exported back."""
     tmp = tmp_path_factory.mktemp(request.param)
@@ -272,11 +272,11 @@ def test_4x_subsampling_exports_and_reads_back(tmp_path):
     assert all(torch.equal(v, ours.model.state_dict()[k]) for k, v in back.model.state_dict().items())
 
 
-@pytest.mark.parametrize("which", ["fine-tuned canary", "fine-tuned canary2", "fine-tuned canary2bpe", "canary",
-                                   "canary2bpe", "single", "tiny", "4x"])
+@pytest.mark.parametrize("which", ["fine-tuned canary", "fine-tuned canary2", "fine-tuned canary2wide",
+                                   "fine-tuned canary2bpe", "canary", "canary2bpe", "single", "tiny", "4x"])
 def test_nemo_restores_the_export_and_decodes_as_aed(nemo, which, fine_tuned, tmp_path):
-    """Round trips of the released layouts (Canary-1B's; 180M-Flash's, whose encoder_decoder_proj
-    1B-Flash lacks; 1B-v2's CanaryBPETokenizer) fine-tuned in aed; a converted Canary-1B and 1B-v2
+    """Round trips of the four released layouts (Canary-1B's; 180M-Flash's with its encoder_decoder_proj;
+    1B-Flash's without; 1B-v2's CanaryBPETokenizer) fine-tuned in aed; a converted Canary-1B and 1B-v2
     layout exported back as they are; models with aed's single-layout tokenizer exported as a
     CanaryBPETokenizer (the word model: "canary" prompts; `make demo`'s model: canary2); and a model
     at 4x subsampling."""

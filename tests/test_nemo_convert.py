@@ -1,8 +1,9 @@
 """tools/convert_nemo.py checked against real NeMo, without NeMo.
 
-tests/fixtures/nemo/ holds three small random-weight NeMo EncDecMultiTaskModel checkpoints (a "canary"
-and a Flash-style "canary2" model with NeMo's aggregate tokenizer, and "canary2bpe" in Canary-1B-v2's
-layout: "canary2" prompts and one CanaryBPETokenizer model) and NeMo's own outputs on data/mini utterances, made by
+tests/fixtures/nemo/ holds four small random-weight NeMo EncDecMultiTaskModel checkpoints, one per
+released layout: "canary" (Canary-1B), "canary2" (180M-Flash: an encoder_decoder_proj), "canary2wide"
+(1B-Flash: one width), all with NeMo's aggregate tokenizer, and "canary2bpe" (1B-v2: "canary2"
+prompts and one CanaryBPETokenizer model); and NeMo's own outputs on data/mini utterances, made by
 tests/fixtures/make_nemo_fixtures.py with nemo_toolkit 3.0.0. Float32 tolerances reached on this machine:
 features 4.6e-5, encoder output 1.0e-6, decoder log-probs 1.0e-6 (asserted: 1e-4 / 1e-5 / 1e-5).
 """
@@ -36,7 +37,7 @@ NEMO_GREEDY = dict(max_repeats=0, max_tokens_per_second=None)  # NeMo's greedy s
 MINI = ROOT / "data" / "mini"
 
 
-PROMPT_FORMAT = {"canary": "canary", "canary2": "canary2", "canary2bpe": "canary2"}
+PROMPT_FORMAT = {"canary": "canary", "canary2": "canary2", "canary2wide": "canary2", "canary2bpe": "canary2"}
 
 
 @pytest.fixture(scope="module", params=list(PROMPT_FORMAT))
