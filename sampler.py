@@ -1,7 +1,7 @@
 """Dynamic 2D bucketing batch sampler for speech encoder-decoder training (paper sec. 2).
 
 Every example has an input length (`duration`, seconds) and an output length (`num_tokens`,
-prompt included). A batch is padded along both, so batches group examples that are similar in
+prompt included); an in-memory one may carry a `weight`, its expected copies per pass (default 1). A batch is padded along both, so batches group examples that are similar in
 both. Bins (`bins.py`) give the buckets and map each example to one, or to the reason it is
 dropped. Documentation: docs/sampler.md. One part per concern:
 
@@ -156,8 +156,14 @@ class _ListSource:
         self.where = [limit.bucket(d, n) for d, n in meas]  # bucket, or why it is dropped
         self.entries = [Entry(i, d, n, None) for i, (d, n) in enumerate(meas)]
         self.durations = np.array([d for d, _ in meas])
+        self.weights = np.array([float(ex.get("weight", 1.0)) for ex in examples])
+        if len(self.weights) and not (np.isfinite(self.weights).all() and (self.weights >= 0).all()):
+            i = int(np.flatnonzero(~(np.isfinite(self.weights) & (self.weights >= 0)))[0])
+            raise ValueError(f"examples[{i}]: weight must be a finite number >= 0, got {self.weights[i]}")
+        self.weighted = bool((self.weights != 1.0).any())
         self.alloc = np.array([a if isinstance(a, int) else -1 for a in self.where], dtype=np.int64)
-        self.counts = np.bincount(self.alloc[self.alloc >= 0], minlength=len(self.sizes)).astype(np.float64)
+        ok = self.alloc >= 0
+        self.counts = np.bincount(self.alloc[ok], weights=self.weights[ok], minlength=len(self.sizes))
         self._targets = {}
         over = [d for (d, _), a in zip(meas, self.where) if a == OVER_LIMIT]
         if over and not (self.alloc >= 0).any():
@@ -168,12 +174,23 @@ class _ListSource:
                         "them: %s; raise it to train on them", len(over), len(meas), max(over), limit.why())
 
     def _permutation(self, epoch: int, pass_idx: int) -> np.ndarray:
-        return np.random.default_rng(_seed(self.seed, epoch, pass_idx, 3)).permutation(len(self.entries))
+        """The pass's examples in order: a seeded permutation of the list. An example of weight w
+        comes floor(w) times, and once more for a fraction frac(w) of the examples of that weight,
+        drawn anew each pass, so a down-weighted group shows all its examples over the passes."""
+        rng = np.random.default_rng(_seed(self.seed, epoch, pass_idx, 3))
+        if not self.weighted:
+            return rng.permutation(len(self.entries))
+        copies = np.floor(self.weights).astype(np.int64)
+        frac = self.weights - copies
+        for value in np.unique(frac[frac > 0]):
+            members = np.flatnonzero(frac == value)
+            copies[rng.choice(members, size=round(value * len(members)), replace=False)] += 1
+        return rng.permutation(np.repeat(np.arange(len(self.entries)), copies))
 
     def order(self, epoch: int, pass_idx: int, skip, rank: int, world_size: int, max_seconds=None) -> np.ndarray:
         """The examples `rank` reads in this pass, in order: its share of the pass's permutation,
         without those longer than max_seconds and those `skip` marks as used before a change of
-        world size."""
+        world size (every copy of them, when weights repeat an example in the pass)."""
         perm = self._permutation(epoch, pass_idx)
         if max_seconds is not None:
             perm = perm[self.durations[perm] <= max_seconds]
@@ -194,12 +211,11 @@ class _ListSource:
         """The most batches any rank makes of its share of the epoch (its buckets' ceil(n / batch
         size) summed): every rank yields that many (`_even_out`)."""
         if (epoch, world_size) not in self._targets:
-            perm = self._permutation(epoch, 0)
-            rank_of = np.empty(len(perm), dtype=np.int64)
-            rank_of[perm] = np.arange(len(perm)) % world_size
-            ok = self.alloc >= 0
+            alloc = self.alloc[self._permutation(epoch, 0)]  # bucket of each position of the pass
+            rank_of = np.arange(len(alloc)) % world_size
+            ok = alloc >= 0
             nb = len(self.sizes)
-            cells = np.bincount(rank_of[ok] * nb + self.alloc[ok], minlength=world_size * nb)
+            cells = np.bincount(rank_of[ok] * nb + alloc[ok], minlength=world_size * nb)
             per_rank = -(-cells.reshape(world_size, nb) // np.maximum(self.sizes, 1))  # ceil(n / batch size)
             self._targets = {(epoch, world_size): int(per_rank.sum(axis=1).max())}
         return self._targets[epoch, world_size]

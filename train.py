@@ -448,6 +448,8 @@ def main(argv: list[str] | None = None) -> None:
         last = step == cfg.max_steps or progress.budget_spent()
         if step % cfg.log_every == 0 or last:
             values, line = progress.report(step, setup.scheduler.get_last_lr()[0], len(step_flops.cache))
+            if data.counter.mix is not None:  # rank 0's realised shares of the audio since the start
+                values |= data.counter.mix.values()
             run_log.write(values, step)
             log.info(line)
         # A preempted job has a grace period (often ~30 s) to save: a signal skips validation, and

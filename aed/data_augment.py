@@ -172,10 +172,15 @@ def clip(wav: torch.Tensor, level: float) -> torch.Tensor:
     return wav.clamp(-limit, limit)
 
 
+RESAMPLE_WIDTH = 16  # torchaudio's sinc half-width in zero crossings: its default 6 leaves the band
+# above low_rate / 2 only ~27 dB down after the round trip (white noise, 16 -> 8 -> 16 kHz); 16: ~43 dB
+
+
 def resample_back(wav: torch.Tensor, rate: int, low_rate: int, low=lambda x: x) -> torch.Tensor:
     """wav taken down to `low_rate` (which band-limits it below low_rate / 2), through `low`, and
     back to `rate` at its own length (torchaudio's resampling is zero-phase: nothing shifts)."""
-    back = AF.resample(low(AF.resample(wav, rate, low_rate)), low_rate, rate)
+    down = AF.resample(wav, rate, low_rate, lowpass_filter_width=RESAMPLE_WIDTH)
+    back = AF.resample(low(down), low_rate, rate, lowpass_filter_width=RESAMPLE_WIDTH)
     n = wav.numel()
     return back[:n] if back.numel() >= n else torch.cat([back, back.new_zeros(n - back.numel())])
 

@@ -61,6 +61,7 @@ class Utterance:
     where: str = ""  # "manifest.jsonl:17", for error messages
     segment: bool = False  # the line gave an offset: a part of the file, so its duration may be shorter
     speed: float = 1.0  # speed perturbation (training): played this many times faster, and shorter
+    weight: float = 1.0  # training: expected copies per pass, drawn anew each pass (aed/data_mixing.py)
     token_ids: bytes | None = None  # prompt + text + EOS ids as array("i") bytes, once `encodable` counted them
     prompt_len: int = 0  # of token_ids
 

@@ -2,7 +2,7 @@
 examples whose target is empty.
 
     shares = temperature_shares({("ls", "en"): 960.0, ("mls", "de"): 2000.0}, temperature=2.0)
-    utts, num_tokens = temperature_mix(entries, 2.0, rng)      # in-memory manifests (train_data.load_examples)
+    utts, num_tokens = temperature_mix(entries, 2.0)            # in-memory manifests (train_data.load_examples)
     weights, shares, groups = stream_weights(specs, sources, 2.0)   # streamed sources (MixedSource's weights)
 
 Groups. Every example belongs to a (dataset, language) group: `dataset` is its train.manifests entry's
@@ -10,24 +10,29 @@ tag (default: the entry's path), `language` the entry's tag, else the utterance'
 source_lang; "src-tgt" for a translation). With `train.mix_temperature: T` a group's share of the
 training audio is hours^(1/T) / sum over groups: T=1 keeps the natural proportions, a large T
 approaches uniform. This is NeMo's `reweight_temperature` (w^tau with tau = 1/T) and the
-(n/N)^alpha of Canary-1B-v2's data balancing (alpha = 1/T). An epoch of in-memory manifests keeps
-the data's total hours, redistributed; inside one streamed source languages are not separated (give
-each language its own entry to balance them).
+(n/N)^alpha of Canary-1B-v2's data balancing (alpha = 1/T). A pass over in-memory manifests keeps
+the data's total hours, redistributed: each example carries a weight, its expected copies per pass,
+and the sampler draws the copies anew each pass (sampler.py), so a down-weighted group shows a
+different part of itself every pass and all of it over the passes. Inside one streamed source
+languages are not separated (give each language its own entry to balance them).
 
 Non-speech (`{path: noise.jsonl, nonspeech: true, rate: 0.05}`): the lines are audio without
 speech; each becomes prompt + EOS (an empty text), so the decoder learns to stop at once. A line's
 prompt is its own (when it names a language), else the entry's `language` (transcription), else
 that of a speech example drawn at random, so non-speech meets every task and language the model
-is trained on. `rate` is the fraction of the epoch's examples (all non-speech entries together
-below 1).
+is trained on: a clip weighted w > 1 is held ceil(w) times, each with its own prompt. `rate` is the
+expected fraction of a pass's examples (all non-speech entries together below 1).
 
-Every draw uses the seeded RNG that load_examples passes, so every rank and every restart builds
-the same epoch, and the sampler's state resumes it exactly.
+The prompts are drawn with the seeded RNG that load_examples passes, and the sampler's copies with
+its own seed, so every rank and every restart builds the same passes, and the sampler's state
+resumes them exactly.
 """
 
 import json
 import logging
+import math
 import random
+import re
 import time
 from collections import Counter
 from dataclasses import replace
@@ -74,26 +79,22 @@ def label(group: tuple[str, str]) -> str:
     return f"{group[0]} [{group[1]}]"
 
 
-def repeat(items: list, factor: float, rng: random.Random) -> list:
-    """`items` int(factor) times, plus a random fraction factor - int(factor) of them (seeded)."""
-    return items * int(factor) + rng.sample(items, round((factor - int(factor)) * len(items)))
-
-
-def log_table(title: str, hours: dict, shares: dict, realised: dict | None = None) -> None:
-    """The mix at start: per group its hours, natural share, target share (and this epoch's share)."""
+def log_table(title: str, hours: dict, shares: dict, factors: dict | None = None) -> None:
+    """The mix at start: per group its hours, natural share, target share (and the expected copies
+    of each of its examples per pass)."""
     total = sum(hours.values())
     width = max(len(label(g)) for g in hours)
-    head = f"  {'group':{width}s} {'hours':>10s} {'natural':>8s} {'target':>8s}" + (" epoch" if realised else "")
+    head = f"  {'group':{width}s} {'hours':>10s} {'natural':>8s} {'target':>8s}" + (" per pass" if factors else "")
     rows = [f"  {label(g):{width}s} {hours[g]:10.2f} {hours[g] / total:8.1%} {shares[g]:8.1%}"
-            + (f" {realised.get(g, 0.0):6.1%}" if realised else "") for g in sorted(hours)]
+            + (f" {factors[g]:8.3f}x" if factors else "") for g in sorted(hours)]
     log.info("%s: %d groups, %.2f h\n%s", title, len(hours), total, "\n".join([head, *rows]))
 
 
-def audio_shares(groups: list, seconds: list) -> dict:
-    """group -> share of the audio, over examples of the given groups and durations."""
+def audio_shares(groups: list, seconds: list, weights: list | None = None) -> dict:
+    """group -> share of the audio, over examples of the given groups, durations (and weights)."""
     total = Counter()
-    for g, s in zip(groups, seconds):
-        total[g] += s
+    for g, s, w in zip(groups, seconds, weights or [1.0] * len(groups)):
+        total[g] += s * w
     whole = sum(total.values()) or 1.0
     return {g: s / whole for g, s in total.items()}
 
@@ -101,11 +102,10 @@ def audio_shares(groups: list, seconds: list) -> dict:
 # --- in-memory manifests --------------------------------------------------------------------------
 
 
-def temperature_mix(entries: list, temperature: float, rng: random.Random) -> tuple[list, list]:
-    """entries: (spec, utterances, token counts) per speech manifest -> (utterances, token counts) of
-    one epoch. The epoch keeps the data's total hours; a group's utterances are repeated by
-    factor = target hours / its hours (`repeat`), so each group's share of the audio is its
-    temperature share (to within the fractional draw)."""
+def temperature_mix(entries: list, temperature: float) -> tuple[list, list]:
+    """entries: (spec, utterances, token counts) per speech manifest -> (utterances, token counts):
+    every utterance once, its `weight` its group's factor = target hours / its hours, so a pass
+    keeps the data's total hours and gives each group its temperature share of them."""
     members = {}  # group -> [(utterance, token count)]
     for spec, utts, num_tokens in entries:
         for u, n in zip(utts, num_tokens):
@@ -115,20 +115,17 @@ def temperature_mix(entries: list, temperature: float, rng: random.Random) -> tu
     hours = {g: sum(u.duration for u, _ in m) / 3600 for g, m in members.items()}
     shares = temperature_shares(hours, temperature)
     total = sum(hours.values())
-    picked, groups = [], []
-    for g in sorted(members):
-        got = repeat(members[g], shares[g] * total / hours[g], rng)
-        picked += got
-        groups += [g] * len(got)
-    log_table(f"train.mix_temperature={temperature:g}", hours, shares,
-              audio_shares(groups, [u.duration for u, _ in picked]))
+    factors = {g: shares[g] * total / hours[g] for g in members}
+    log_table(f"train.mix_temperature={temperature:g}", hours, shares, factors)
+    picked = [(replace(u, weight=factors[g]), n) for g in sorted(members) for u, n in members[g]]
     return [u for u, _ in picked], [n for _, n in picked]
 
 
 def nonspeech_examples(entries: list, speech: list, rng: random.Random) -> list:
-    """entries: (spec, utterances) per non-speech manifest; speech: the epoch's speech utterances ->
-    the epoch's non-speech utterances, entry i's count rate_i / (1 - sum of rates) x len(speech) (so
-    it makes up rate_i of all examples), each with its prompt fields set (module docstring)."""
+    """entries: (spec, utterances) per non-speech manifest; speech: the speech utterances -> the
+    non-speech utterances, entry i's weights adding up to rate_i / (1 - sum of rates) x the speech
+    examples of a pass (so it makes up rate_i of a pass's examples), each with its prompt fields set
+    (module docstring)."""
     rates = [spec["rate"] for spec, _ in entries]
     if sum(rates) >= 1:
         raise ConfigError(f"train.manifests: the non-speech rates add up to {sum(rates):g}; they are fractions "
@@ -136,18 +133,23 @@ def nonspeech_examples(entries: list, speech: list, rng: random.Random) -> list:
     if not speech:
         raise ConfigError("train.manifests: non-speech entries need speech examples to mix into")
     out = []
+    per_pass = sum(u.weight for u in speech)
     for (spec, utts), rate in zip(entries, rates):
         if not utts:
             raise ConfigError(f"train.manifests entry {spec['path']}: a non-speech manifest with no usable line")
-        count = round(rate / (1 - sum(rates)) * len(speech))
-        for u in repeat(utts, count / len(utts), rng):
-            if not u.source_lang:  # the line named no language: the entry's, or a speech example's prompt
-                lang = spec.get("language")
-                p = replace(u, source_lang=lang, target_lang=lang, taskname="asr") if lang else rng.choice(speech)
-                u = replace(u, source_lang=p.source_lang, target_lang=p.target_lang, pnc=p.pnc, taskname=p.taskname)
-            out.append(u)
-        log.info("%s: %d non-speech utterances, %.2f h; %d in the epoch (rate %g)", spec["path"], len(utts),
-                 sum(u.duration for u in utts) / 3600, count, rate)
+        count = rate / (1 - sum(rates)) * per_pass  # this entry's examples per pass
+        w = count / len(utts)  # each clip's expected copies per pass
+        variants = max(1, math.ceil(w))  # a clip seen more than once a pass: each time another prompt
+        for u in utts:
+            for _ in range(variants):
+                v = replace(u, weight=w / variants)
+                if not u.source_lang:  # the line named no language: the entry's, or a speech example's prompt
+                    lang = spec.get("language")
+                    p = replace(u, source_lang=lang, target_lang=lang, taskname="asr") if lang else rng.choice(speech)
+                    v = replace(v, source_lang=p.source_lang, target_lang=p.target_lang, pnc=p.pnc, taskname=p.taskname)
+                out.append(v)
+        log.info("%s: %d non-speech utterances, %.2f h; %.1f a pass (rate %g), drawn anew each pass", spec["path"],
+                 len(utts), sum(u.duration for u in utts) / 3600, count, rate)
     return out
 
 
@@ -215,28 +217,43 @@ class Tagged:
 
 
 class MixLog:
-    """The realised mix: each group's share of the audio in the batches taken from the sampler, one
-    log line per `every` examples, beside its target. `item` maps a batch element (an index into
-    the in-memory examples, or a streamed example dict) to (group, seconds)."""
+    """The realised mix: each group's share of the audio in the batches this rank takes from the
+    sampler, beside its target. Every `every` examples (about a pass of this rank) a log line gives
+    that window's shares and the shares since the run (re)started; `values` gives the latter for
+    metrics.jsonl and TensorBoard. A window's shares swing with the buckets its batches came from
+    (short non-speech clips sit in the short buckets, drawn in turn): the shares since the start are
+    the ones that converge on the target. `item` maps a batch element (an index into the in-memory
+    examples, or a streamed example dict) to (group, seconds)."""
 
     def __init__(self, item, targets: dict, every: int):
         self.item, self.targets, self.every = item, targets, max(1, every)
-        self.seconds, self.count, self.lines = Counter(), 0, 0
+        self.seconds, self.since_start, self.count, self.lines = Counter(), Counter(), 0, 0
 
     def see(self, batch: list) -> None:
         for element in batch:
             group, seconds = self.item(element)
             self.seconds[group] += seconds
+            self.since_start[group] += seconds
             self.count += 1
             if self.count >= self.every:
                 self.flush()
 
+    def shares(self) -> dict:
+        """group -> share of the audio since the run (re)started."""
+        total = sum(self.since_start.values()) or 1.0
+        return {g: self.since_start[g] / total for g in sorted(set(self.targets) | set(self.since_start))}
+
+    def values(self) -> dict:
+        """{"mix/<dataset>/<language>": share since the start} (TensorBoard's tag characters)."""
+        return {"mix/" + re.sub(r"[^A-Za-z0-9_.\-/]", "_", f"{g[0]}/{g[1]}").lstrip("/"): share
+                for g, share in self.shares().items()}
+
     def flush(self) -> None:
         total = sum(self.seconds.values()) or 1.0
+        since = self.shares()
         self.lines += 1
-        parts = [f"{label(g)} {self.seconds[g] / total:.1%} (target {self.targets.get(g, 0.0):.1%})"
-                 for g in sorted(set(self.targets) | set(self.seconds))]
-        log.info("realised mix #%d (share of the audio), %d examples, %.2f h: %s", self.lines, self.count,
-                 total / 3600, ", ".join(parts))
+        parts = [f"{label(g)} {self.seconds[g] / total:.1%} (since the start {since[g]:.1%}, target "
+                 f"{self.targets.get(g, 0.0):.1%})" for g in sorted(set(self.targets) | set(self.seconds))]
+        log.info("realised mix #%d, share of the audio in the last %d examples (%.2f h): %s", self.lines,
+                 self.count, total / 3600, ", ".join(parts))
         self.seconds, self.count = Counter(), 0
-

@@ -111,7 +111,7 @@ class AugmentConfig:
     noise_prob: float = 0.0  # chance an utterance gets additive noise
     noise_manifests: list[str] = field(default_factory=list)  # JSONL manifests of noise recordings (audio_filepath, duration[, offset]): MUSAN's, or tools/make_noise.py generate's; looped and cut at a random offset
     snr_db: tuple[float, float] = (0.0, 20.0)  # signal-to-noise ratio in dB, over the whole utterance
-    gain_prob: float = 0.0  # chance of a level change
+    gain_prob: float = 0.0  # chance of a level change; per-utterance feature normalisation removes a gain, so it acts only through the codecs after it
     gain_db: tuple[float, float] = (-12.0, 6.0)  # the level change in dB
     clip_prob: float = 0.0  # chance of hard clipping (an overdriven recording)
     clip_level: tuple[float, float] = (0.1, 0.5)  # clipping threshold as a fraction of the utterance's peak

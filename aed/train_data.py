@@ -21,7 +21,7 @@ from aed.data_augment import Augment
 from aed.data_bins import bucket_padding
 from aed.data_batch import Collate, ExampleDataset, encodable, fit_decoder, ignore_stop_signals
 from aed.data_manifest import Faults, ManifestError, check_audio, nonspeech_fields, read_manifest, read_rows
-from aed.data_mixing import (MixLog, Tagged, audio_shares, group_of, nonspeech_examples, repeat, stream_weights,
+from aed.data_mixing import (MixLog, Tagged, audio_shares, group_of, nonspeech_examples, stream_weights,
                              temperature_mix)
 from aed.data_sources import CountTokens, is_streamed, open_source, source_faults, spec_kind
 from aed.data_stream import MixedSource
@@ -38,14 +38,14 @@ log = logging.getLogger(__name__)
 def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_size: int,
                   faults: Faults | None = None) -> tuple[list, list]:
     """Manifests (paths or {path, weight, dataset, language}, and non-speech {path, nonspeech, rate})
-    -> (utterances carrying their token ids, token counts) of one epoch; weight w repeats a manifest's
-    utterances int(w) times per epoch plus a random fraction w - int(w) of them, or with
-    data_cfg.mix_temperature each (dataset, language) group gets its temperature share of the hours,
-    and non-speech lines (target: prompt + EOS) make up their rates of the examples
-    (aed/data_mixing.py). Invalid lines, lines the tokenizer cannot encode and (with check_audio)
-    utterances whose audio is unreadable or disagrees with its duration are skipped and counted in
-    `faults`, or stop the run without skip_invalid. tokenizer None (objective=ssl): audio-only lines
-    are read, and every token count is 0."""
+    -> (utterances carrying their token ids, token counts): every utterance once (once per speed with
+    speed perturbation), its `weight` its expected copies per pass, which the sampler draws anew
+    each pass: a manifest's `weight` w, or with data_cfg.mix_temperature its (dataset,
+    language) group's factor for its temperature share of the hours, and non-speech lines (target:
+    prompt + EOS) their rates of a pass's examples (aed/data_mixing.py). Invalid lines, lines the
+    tokenizer cannot encode and (with check_audio) utterances whose audio is unreadable or disagrees
+    with its duration are skipped and counted in `faults`, or stop the run without skip_invalid.
+    tokenizer None (objective=ssl): audio-only lines are read, and every token count is 0."""
     rng = random.Random(seed)
     faults = Faults() if faults is None else faults
     temperature = data_cfg.mix_temperature
@@ -80,13 +80,13 @@ def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_
         log.info("%s: %d utterances, %.2f h%s", spec["path"], len(utts), sum(u.duration for u in utts) / 3600,
                  "" if temperature is not None else f", weight {float(spec.get('weight', 1.0)):g}")
     if temperature is not None:
-        out, out_tokens = temperature_mix(speech, temperature, rng)
+        out, out_tokens = temperature_mix(speech, temperature)
     else:
         out, out_tokens = [], []
         for spec, utts, num_tokens in speech:
-            picked = repeat(list(zip(utts, num_tokens)), float(spec.get("weight", 1.0)), rng)
-            out += [u for u, _ in picked]
-            out_tokens += [n for _, n in picked]
+            weight = float(spec.get("weight", 1.0))
+            out += [replace(u, weight=weight) for u in utts] if weight != 1.0 else utts
+            out_tokens += num_tokens
     if nonspeech:
         extra, extra_tokens = encodable(nonspeech_examples(nonspeech, out, rng), tokenizer, data_cfg.skip_invalid,
                                         faults)
@@ -198,7 +198,8 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
                              cfg.train.sub_buckets if reads_text else 1, method=cfg.train.bin_method)
         if bins_out:
             bins.save(bins_out)
-    examples = [{"duration": u.perturbed_duration, "num_tokens": n} for u, n in zip(utts, num_tokens)]
+    examples = [{"duration": u.perturbed_duration, "num_tokens": n, "weight": u.weight}
+                for u, n in zip(utts, num_tokens)]
     seconds, steps = cfg.train.short_first or (None, 0)
     short_first = (seconds, int(steps) * cfg.optim.grad_accum) if seconds else None  # sampler batches
     try:
@@ -245,15 +246,17 @@ def compiled_shapes(cfg: TrainConfig, bins: Bins, reads_text: bool) -> list | No
 
 
 def epoch_mix_log(train, utts: list, world_size: int) -> MixLog | None:
-    """The realised-mix log of in-memory manifests mixed by temperature or with non-speech entries:
-    a line per pass (this rank's share of the epoch's examples), beside the epoch's own composition."""
+    """The realised-mix log of in-memory manifests mixed by weight, temperature or with non-speech
+    entries: a line per this rank's share of a pass, beside the pass's expected composition."""
     specs = [{"path": s} if isinstance(s, str) else s for s in train.manifests]
-    if train.mix_temperature is None and not any(s.get("nonspeech") for s in specs):
+    if train.mix_temperature is None and not any(s.get("nonspeech") or "weight" in s for s in specs):
         return None
     by_path = {s["path"]: s for s in specs}
     groups = [group_of(by_path[u.where.rsplit(":", 1)[0]], u) for u in utts]  # where: "path:line"
     seconds = [u.perturbed_duration for u in utts]
-    return MixLog(lambda i: (groups[i], seconds[i]), audio_shares(groups, seconds), len(utts) // world_size)
+    weights = [u.weight for u in utts]
+    return MixLog(lambda i: (groups[i], seconds[i]), audio_shares(groups, seconds, weights),
+                  round(sum(weights) / world_size))
 
 
 class BatchCounter:

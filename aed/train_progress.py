@@ -132,6 +132,7 @@ class Progress:
                   "train/data_wait": 100 * self.data_wait_s / dt,  # % of rank 0's training time spent waiting for data
                   "train/ctc_skipped": int(t["ctc_skipped"]),  # utterances left out of the CTC loss
                   "train/flops": self.total_flops, "train/flops_per_s": self.window_flops / dt,  # all ranks
+                  # model FLOPs over the matmul peak measured at start (matmul_peak), not a data sheet's
                   "train/mfu": self.window_flops / dt / self.world_size / self.peak_flops,
                   "train/flop_shapes": flop_shapes}
         line = (f"step {step} | loss {values['train/loss']:.3f} | lr {lr:.2e} | "
@@ -140,7 +141,8 @@ class Progress:
                 f"{values['train/audio_s_per_s']:.1f} audio s/s | {values['train/tokens_per_s']:.0f} tok/s | "
                 f"{values['train/step_time']:.2f} s/step | data wait {values['train/data_wait']:.0f}% | "
                 f"{self.total_flops:.3g} FLOPs | "
-                f"{values['train/flops_per_s'] / 1e9:.2f} GFLOP/s | MFU {100 * values['train/mfu']:.1f}% | "
+                f"{values['train/flops_per_s'] / 1e9:.2f} GFLOP/s | "
+                f"MFU {100 * values['train/mfu']:.1f}% of the measured peak | "
                 f"mem {mem:.2f} GB | eta {eta / 60:.1f} min"
                 + (f" | {int(t['ctc_skipped'])} utts too short for CTC" if t["ctc_skipped"] else ""))
         self.totals.zero_()
@@ -217,11 +219,13 @@ class CountFlops(TorchDispatchMode):
     formula in `FORMULAS`: the sum torch's FlopCounterMode gives. That one also keeps a table per
     module and, for every op without a formula, re-enters itself to try a decomposition that few
     ops have: most of what counting costs on a small model's CPU step (docs/REPORT.md, "FLOP
-    accounting")."""
+    accounting"). `c.recomputed` is the part activation checkpointing ran again: forward ops during
+    the backward pass, the only ones there that run with autograd on (the backward's own run
+    without). Model FLOPs, what MFU counts, are `flops - recomputed`."""
 
     def __init__(self):
         super().__init__()
-        self.flops = 0
+        self.flops = self.recomputed = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -231,7 +235,10 @@ class CountFlops(TorchDispatchMode):
                 return func.decompose(*args, **kwargs)
         out = func(*args, **kwargs)
         if formula is not None:
-            self.flops += formula(*args, **kwargs, out_val=out)
+            flops = formula(*args, **kwargs, out_val=out)
+            self.flops += flops
+            if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:  # recomputed in backward
+                self.recomputed += flops
         return out
 
 
@@ -257,8 +264,9 @@ def shape_terms(batches: list) -> np.ndarray:
 
 
 class StepFlops:
-    """FLOPs of training steps, counted on the real step once per `shape_key`, and predicted by a
-    fit of `shape_terms` once one predicts shapes it was not fitted on within `tolerance`."""
+    """Model FLOPs of training steps (what activation checkpointing recomputes left out), counted on
+    the real step once per `shape_key`, and predicted by a fit of `shape_terms` once one predicts
+    shapes it was not fitted on within `tolerance`."""
 
     def __init__(self, exact: int = 16, tolerance: float = 0.02):
         self.exact, self.tolerance = exact, tolerance  # shapes counted before the first try of the fit
@@ -275,7 +283,10 @@ class StepFlops:
             return step(), float(shape_terms(batches) @ self.coef)
         with CountFlops() as counter:
             result = step()
-        self.cache[key] = counter.flops
+        if counter.recomputed and not self.cache:
+            log.info("FLOPs: activation checkpointing recomputes %.1f%% of the step's FLOPs; FLOPs and MFU count "
+                     "the model's alone", 100 * counter.recomputed / counter.flops)
+        self.cache[key] = counter.flops - counter.recomputed
         self.counted.append((shape_terms(batches), self.cache[key]))
         if len(self.counted) >= self.exact:
             self._try_fit()

@@ -182,17 +182,20 @@ class Bench:
                 m.checkpoint_activations = on
         return counts[0] + (batch_size - 1) * (counts[1] - counts[0])
 
-    def profile(self, batch, rows: int) -> str:
-        """torch.profiler's table of one step's ops by their own time on the device (CUDA kernels'
-        time on a GPU, the CPU's otherwise): which kernels the step's time goes to."""
+    def profile(self, batch):
+        """torch.profiler's per-op averages of one step (`.table(sort_by=self.profile_key)`: its ops by
+        their own time on the device, CUDA kernels' time on a GPU, the CPU's otherwise)."""
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
             self.step(batch)
             self.sync()
-        key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+        return prof.key_averages()
+
+    @property
+    def profile_key(self) -> str:
+        return "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
 
     def trace(self, batch, steps: int, path: Path) -> dict:
         """`steps` steps under torch.profiler (after one unprofiled step): the trace, gzipped, at
@@ -299,7 +302,7 @@ def measure(bench: Bench, bucket, batch, timing: dict, flops: float, args, peaks
     peak = bench.peak_bytes(batch)
     if args.profile:
         log(f"  bucket {d:.2f} s, {tokens} tokens: one step's top {args.profile} ops by their own time\n"
-            + bench.profile(batch, args.profile))
+            + bench.profile(batch).table(sort_by=bench.profile_key, row_limit=args.profile, max_name_column_width=70))
     kernels = None
     if args.trace:
         slug = re.sub(r"[^a-z0-9]+", "-", bench.name.lower()).strip("-")

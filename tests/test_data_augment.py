@@ -10,7 +10,8 @@ import torch
 
 from aed.config import ConfigError
 from aed.data_audio import FeatureConfig, LogMel, load_audio
-from aed.data_augment import AllBad, Augment, RecordingPool, add_noise, lossy, read_recordings, reverberate
+from aed.data_augment import (AllBad, Augment, RecordingPool, add_noise, clip, lossy, lowpass, mulaw, read_recordings,
+                              reverberate, telephone)
 from aed.data_batch import ExampleDataset
 from aed.data_manifest import ManifestError, read_manifest
 from aed.train_config import AugmentConfig, TrainConfig
@@ -95,6 +96,57 @@ def test_snr_through_augment(sets):
         assert abs(snr_db(wav, a(wav, 0, index)) - 12.0) < 0.1
 
 
+def band_db(wav: torch.Tensor, low_hz: float, high_hz: float) -> float:
+    """Energy of wav between two frequencies, in dB."""
+    spectrum = torch.fft.rfft(wav.double()).abs() ** 2
+    hz = torch.fft.rfftfreq(wav.numel(), 1 / RATE)
+    return 10 * math.log10(float(spectrum[(hz >= low_hz) & (hz < high_hz)].sum()) + 1e-30)
+
+
+def white(seconds: float = 2.0, level: float = 0.1) -> torch.Tensor:
+    return level * torch.randn(round(seconds * RATE), generator=torch.Generator().manual_seed(5))
+
+
+def test_clipping_flattens_what_is_above_the_level_and_nothing_else():
+    wav = speech()
+    out = clip(wav, 0.4)
+    limit = 0.4 * float(wav.abs().max())
+    above = wav.abs() >= limit
+    assert 0.05 < float(above.float().mean()) < 0.6  # a fraction of the samples reaches the level
+    assert torch.equal(out[~above], wav[~above]) and torch.allclose(out[above].abs(), torch.tensor(limit))
+
+
+def test_lowpass_removes_the_band_above_its_cutoff_and_keeps_the_rest():
+    wav = white()
+    out = lowpass(wav, RATE, 3000.0)
+    assert out.shape == wav.shape
+    assert band_db(out, 3600, 8000) < band_db(wav, 3600, 8000) - 40  # the stop band
+    assert abs(band_db(out, 100, 2500) - band_db(wav, 100, 2500)) < 0.5  # the pass band
+
+
+def test_telephone_is_a_300_to_4000_hz_band_and_mu_law_levels():
+    wav = white()
+    out = telephone(wav, RATE)
+    assert out.shape == wav.shape
+    assert band_db(out, 4300, 8000) < band_db(wav, 4300, 8000) - 30  # 8 kHz sampling: nothing above 4 kHz
+    assert band_db(out, 20, 120) < band_db(wav, 20, 120) - 12  # the 300 Hz high-pass (2nd order)
+    assert abs(band_db(out, 600, 3200) - band_db(wav, 600, 3200)) < 1.5  # the voice band
+
+
+def test_mu_law_has_256_levels_and_a_companded_error():
+    wav = speech() * 0.5
+    out = mulaw(wav)
+    assert len(torch.unique(out)) <= 256
+    assert snr_db(wav, out) > 30  # G.711's 8 bits with companding: ~38 dB on speech at this level
+    assert float(mulaw(torch.tensor([3.0, -2.0])).abs().min()) == pytest.approx(1.0, abs=1e-3)  # clamped to [-1, 1]
+
+
+def test_gain_scales_by_its_decibels():
+    wav = speech()
+    out = Augment(AugmentConfig(gain_prob=1.0, gain_db=(-6.0, -6.0)), RATE)(wav, 0, 0)
+    torch.testing.assert_close(out, wav * 10 ** (-6 / 20))
+
+
 def test_rir_keeps_length_and_alignment():
     wav = speech(0.5)
     for at in (0, 37):  # a delta, with or without leading silence, gives the input back
@@ -169,6 +221,14 @@ def test_dataset_item_replays_with_augment(sets):
     assert torch.equal(drawn, dataset()[(1, 40)]["feats"]) and not torch.equal(drawn, dataset()[(1, 41)]["feats"])
 
 
+def schroeder_rt60(h: torch.Tensor, rate: int) -> float:
+    """Reverberation time of an impulse response's tail: 3 x T20 of its energy decay curve."""
+    energy = torch.flip(torch.cumsum(torch.flip(h.double() ** 2, [0]), 0), [0])
+    edc = 10 * torch.log10(energy / energy[0])
+    t5, t25 = int((edc > -5).sum()), int((edc > -25).sum())
+    return 3 * (t25 - t5) / rate
+
+
 def test_make_noise_writes_readable_sets(tmp_path):
     out = tmp_path / "noise"
     make_noise(["generate", "-o", str(out), "--speech", os.path.join(MINI, "train.jsonl"), "--types", "pink", "babble",
@@ -179,9 +239,17 @@ def test_make_noise_writes_readable_sets(tmp_path):
     assert len(noises) == 2 and len(rirs) == 2
     for r in noises + rirs:
         assert load_audio(r.path).abs().max() > 0
-    for r in rirs:  # the direct path is the peak
+    lines = [json.loads(line) for line in (out / "rir.jsonl").read_text().splitlines()]
+    for r, line in zip(rirs, lines):
         h = load_audio(r.path)
-        assert h.abs().max() == h.abs()[int(h.abs().argmax())] and h.abs().max() == 1.0
+        # The direct path is the peak, 1.0, within the 1-20 ms delay, before any of the tail.
+        peak = int(h.abs().argmax())
+        assert h[peak] == 1.0 and peak <= 0.02 * RATE + 1 and not h[:peak].any()
+        assert h[peak + 1:].abs().max() < 1.0
+        # The tail decays at the RT60 the line records (0.1-0.3 s asked), measured by Schroeder's
+        # backward integration: 3 x the time from -5 to -25 dB of the energy decay curve.
+        assert 0.1 <= line["rt60"] <= 0.3 and line["simulator"] == "decay"
+        assert schroeder_rt60(h[peak + 1:], RATE) == pytest.approx(line["rt60"], rel=0.25)
 
     test = tmp_path / "test.jsonl"
     test.write_text("".join((open(os.path.join(MINI, "dev.jsonl")).readlines()[:2])).replace(

@@ -42,13 +42,20 @@ def section(manifests, **kw) -> TrainSection:
     return TrainSection(manifests=manifests, check_audio=False, **kw)
 
 
-def shares_by_group(utts, specs) -> dict:
+def shares_by_group(utts, specs, weighted: bool = True) -> dict:
+    """Each group's share of the audio of a pass: durations times the utterances' weights (expected
+    copies per pass), or of the utterances as they come (weighted=False: a realised pass)."""
     by_path = {s["path"]: s for s in specs}
     hours = {}
     for u in utts:
         g = group_of(by_path[u.where.rsplit(":", 1)[0]], u)
-        hours[g] = hours.get(g, 0.0) + u.duration
+        hours[g] = hours.get(g, 0.0) + u.duration * (u.weight if weighted else 1.0)
     return {g: h / sum(hours.values()) for g, h in hours.items()}
+
+
+def pass_examples(data, passes: int) -> list[list]:
+    """The example indices of the sampler's first `passes` passes (rank 0 of 1), each in its order."""
+    return [data.sampler.data.order(0, k, None, 0, 1).tolist() for k in range(passes)]
 
 
 # --- the formula ----------------------------------------------------------------------------------
@@ -75,11 +82,10 @@ def test_in_memory_epoch_gives_each_source_and_language_its_share(tmp_path, toke
         with caplog.at_level(logging.INFO, logger="aed.data_mixing"):
             utts, num_tokens = load_examples(specs, section(specs, mix_temperature=temperature), tokenizer, 0, 0, 1)
         target = temperature_shares(hours, temperature)
-        realised = shares_by_group(utts, specs)
-        # Each group's count is exact up to rounding its fractional draw: one utterance of at most 2 s.
-        assert realised == pytest.approx(target, abs=2.0 / sum(hours.values()) * 1.01), temperature
-        assert sum(u.duration for u in utts) == pytest.approx(sum(hours.values()), abs=2.0)  # the epoch keeps the hours
-        assert len(num_tokens) == len(utts)
+        assert shares_by_group(utts, specs) == pytest.approx(target, abs=1e-9), temperature
+        assert len(utts) == 95 and len(num_tokens) == len(utts)  # every utterance once, weighted
+        # a pass keeps the hours: sum of duration x expected copies
+        assert sum(u.duration * u.weight for u in utts) == pytest.approx(sum(hours.values()))
         assert "big [de]" in caplog.text and "natural" in caplog.text and "target" in caplog.text
         caplog.clear()
 
@@ -160,6 +166,7 @@ def test_nonspeech_targets_are_the_prompt_then_eos_at_the_configured_rate(tmp_pa
     specs = nonspeech_setup(tmp_path)
     utts, num_tokens = load_examples(specs, section(specs), tokenizer, 0, 0, 1)
     noise = [u for u in utts if u.text == ""]
+    per_pass = sum(u.weight for u in utts)
     for u, n in zip(utts, num_tokens):
         if u.text:
             continue
@@ -167,10 +174,10 @@ def test_nonspeech_targets_are_the_prompt_then_eos_at_the_configured_rate(tmp_pa
         task = "transcribe" if u.taskname == "asr" else "translate"
         assert ids == tokenizer.prompt_ids(u.source_lang, u.target_lang, u.pnc, task) + [tokenizer.eos]
         assert u.prompt_len == len(ids) - 1 == n - 1
-    # Rates are fractions of all examples: 0.2 + 0.05 of them, to within one example each.
+    # Rates are fractions of a pass's examples (weights are expected copies per pass): 0.2 + 0.05 of them.
     from_noise = [u for u in noise if "noise" in u.where]
-    assert len(from_noise) / len(utts) == pytest.approx(0.2, abs=1 / len(utts))
-    assert len(noise) / len(utts) == pytest.approx(0.25, abs=2 / len(utts))
+    assert sum(u.weight for u in from_noise) / per_pass == pytest.approx(0.2)
+    assert sum(u.weight for u in noise) / per_pass == pytest.approx(0.25)
     # A line's own language wins, then the entry's tag; unmarked lines borrow speech prompts, both tasks.
     assert {(u.source_lang, u.taskname) for u in noise if "music" in u.audio_filepath} == {("fr", "asr")}
     assert {(u.source_lang, u.taskname) for u in noise if "silence" in u.where} == {("es", "asr")}
@@ -209,13 +216,18 @@ def test_nonspeech_batch_has_a_finite_loss_with_ctc(tokenizer):
 # --- resume and the realised-mix log --------------------------------------------------------------
 
 
-def test_resume_replays_the_same_mixed_examples_and_the_mix_is_logged(tmp_path, tokenizer, caplog):
-    specs = nonspeech_setup(tmp_path, rate=0.1)
+def mixed_setup(tmp_path, rate=0.1):
+    specs = nonspeech_setup(tmp_path, rate=rate)
     specs[0] = {"path": specs[0], "dataset": "speech"}
     cfg = load_train_config(None, [f"run_dir={tmp_path}", "train.mix_temperature=2", "train.check_audio=false",
                                    "train.num_buckets=2", "train.sub_buckets=1", "train.max_duration=20",
                                    "train.buffer_size=64", "model.dec_max_len=64"])
     cfg.train.manifests = specs
+    return cfg
+
+
+def test_resume_replays_the_same_mixed_examples_and_the_mix_is_logged(tmp_path, tokenizer, caplog):
+    cfg = mixed_setup(tmp_path)
     with caplog.at_level(logging.INFO, logger="aed.data_mixing"):
         data = build_training_data(cfg, tokenizer, 0, 1)
         first = iter(data.counter)
@@ -224,6 +236,7 @@ def test_resume_replays_the_same_mixed_examples_and_the_mix_is_logged(tmp_path, 
         state = data.sampler.state_dict()
         rest = [[(data.dataset.utterances[i].where, draw) for i, draw in next(first)] for _ in range(40)]
     assert "realised mix #1" in caplog.text and "speech [en-de]" in caplog.text and "[nonspeech]" in caplog.text
+    assert "since the start" in caplog.text
 
     again = build_training_data(cfg, tokenizer, 0, 1)
     assert [u.where for u in again.dataset.utterances] == [u.where for u in data.dataset.utterances]
@@ -233,8 +246,38 @@ def test_resume_replays_the_same_mixed_examples_and_the_mix_is_logged(tmp_path, 
     assert [[(again.dataset.utterances[i].where, draw) for i, draw in next(resumed)] for _ in range(40)] == rest
     assert [draw for batch in rest for _, draw in batch[:1]] == list(range(6, 46))
     # a rank sees 1/world_size of each pass, so its log line comes after that many examples
-    assert data.counter.mix.every == len(data.dataset.utterances)
-    assert build_training_data(cfg, tokenizer, 0, 2).counter.mix.every == len(data.dataset.utterances) // 2
+    per_pass = sum(u.weight for u in data.dataset.utterances)
+    assert data.counter.mix.every == round(per_pass)
+    assert build_training_data(cfg, tokenizer, 0, 2).counter.mix.every == round(per_pass / 2)
+
+
+def test_a_down_weighted_group_is_drawn_anew_each_pass_and_seen_whole(tmp_path, tokenizer):
+    """Non-speech at rate 0.05 of a pass holds fewer examples than the clips there are: each pass
+    takes another subset (all of them over a few passes), in its expected number, and the realised
+    shares since the start, which metrics.jsonl gets, converge on the targets."""
+    cfg = mixed_setup(tmp_path, rate=0.05)
+    data = build_training_data(cfg, tokenizer, 0, 1)
+    utts = data.dataset.utterances
+    noise = {i for i, u in enumerate(utts) if "noise_" in u.audio_filepath}
+    expected = sum(utts[i].weight for i in noise)
+    assert expected < len(noise) / 1.5  # fewer than the clips: a subset per pass
+    passes = pass_examples(data, 20)
+    subsets = [frozenset(i for i in p if i in noise) for p in passes]
+    assert all(abs(len(s) - expected) <= 1 for s in subsets)
+    assert len(set(subsets)) > 1  # drawn anew each pass ...
+    assert frozenset().union(*subsets) == noise  # ... so every clip is trained on
+    # Groups up-weighted by the temperature repeat their examples, to their expected count.
+    counts = np.bincount(np.concatenate(passes), minlength=len(utts)) / len(passes)
+    assert counts == pytest.approx([u.weight for u in utts], abs=0.5)
+
+    loader = iter(data.counter)
+    for _ in range(60):
+        next(loader)
+    targets = {g: t for g, t in data.counter.mix.targets.items()}
+    assert data.counter.mix.shares() == pytest.approx(targets, abs=0.06)
+    values = data.counter.mix.values()
+    assert set(values) == {"mix/speech/en", "mix/speech/en-de"} | {k for k in values if k.endswith("/nonspeech")}
+    assert sum(values.values()) == pytest.approx(1.0)
 
 
 # --- errors name the file and the field -----------------------------------------------------------
@@ -307,4 +350,33 @@ def test_streamed_sources_are_mixed_by_temperature_and_logged(tmp_path, tokenize
             next(batches)
     assert "train.mix_temperature=inf (streamed)" in caplog.text
     lines = [m for m in caplog.messages if m.startswith("realised mix")]
-    assert len(lines) == 2 and all("(target 50.0%)" in m for m in lines), lines
+    assert len(lines) == 2 and all("target 50.0%)" in m for m in lines), lines
+    # The realised shares of the audio: 400 examples drawn at weights that give each language half of
+    # it. The English clips are longer on average, so fewer of them: the shares are of seconds.
+    shares = data.counter.mix.shares()
+    assert len(shares) == 2 and sum(shares.values()) == pytest.approx(1.0)
+    assert all(abs(share - 0.5) < 0.08 for share in shares.values()), shares  # ~3 binomial sigmas of 400 draws
+
+
+@pytest.mark.slow(seconds=20)
+def test_a_mixed_run_logs_its_realised_shares_in_metrics_jsonl(tmp_path):
+    """train.py with a temperature mix and non-speech: every metrics.jsonl row of the progress line
+    carries each group's realised share of the audio since the start, adding up to 1."""
+    from test_train import train_in_process
+
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "data", "mini", "digits", "train.jsonl"))][:4]
+    noise = write(tmp_path / "noise.jsonl", [{"audio_filepath": os.path.join(ROOT, "data", "mini", "digits",
+                                                                           r["audio_filepath"]),
+                                              "duration": r["duration"]} for r in rows])
+    manifests = f"[data/mini/digits/train.jsonl, {{path: {noise}, nonspeech: true, rate: 0.1}}]"
+    p = train_in_process(["configs/tiny.yaml", f"run_dir={tmp_path / 'run'}", f"train.manifests={manifests}",
+                          "train.mix_temperature=2", "max_steps=4", "log_every=2", "ckpt_every=4", "val.every=0",
+                          "train.num_workers=0", "model.enc_layers=1", "model.dec_layers=1"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    logged = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    progress = [row for row in logged if "train/loss" in row]
+    assert [row["step"] for row in progress] == [2, 4]
+    for row in progress:
+        mix = {k: v for k, v in row.items() if k.startswith("mix/")}
+        assert any(k.endswith("/nonspeech") for k in mix) and len(mix) >= 5, mix  # 4 languages + non-speech
+        assert sum(mix.values()) == pytest.approx(1.0)

@@ -115,3 +115,32 @@ def test_an_op_autograd_would_decompose_is_counted_where_autograd_is_off():
     with torch.inference_mode(), CountFlops() as counted:
         linear(torch.randn(3, 8))
     assert counted.flops == 2 * 3 * 8 * 4
+
+
+def test_activation_checkpointing_recompute_is_left_out_of_model_flops():
+    """The same step with every layer checkpointed runs more FLOPs (forward ops again in backward):
+    CountFlops sets them apart, and StepFlops, which the progress line's FLOPs and MFU come from,
+    counts the model's alone, equal to the step without checkpointing."""
+    torch.manual_seed(0)
+    model = AED(AEDConfig(n_mels=24, vocab_size=40, pad_id=1, enc_d_model=32, enc_layers=2, enc_heads=4,
+                          subsampling_channels=8, dec_d_model=48, dec_layers=2, dec_heads=4, dec_max_len=64,
+                          ctc_weight=0.3))
+    feats, feat_lens = torch.randn(3, 90, 24), torch.tensor([90, 71, 40])
+    tokens, token_lens, prompt_lens = torch.randint(2, 40, (3, 12)), torch.tensor([12, 9, 7]), torch.tensor([4, 4, 4])
+
+    def step():
+        loss = model(feats, feat_lens, tokens, token_lens, prompt_lens)[0]
+        loss.backward()
+
+    counts = {}
+    for checkpointed in (False, True):
+        model.encoder.checkpoint_activations = model.decoder.checkpoint_activations = checkpointed
+        with CountFlops() as counted:
+            step()
+        counts[checkpointed] = counted
+    assert counts[False].recomputed == 0
+    assert counts[True].flops > counts[False].flops * 1.2  # the layers' forward ran twice
+    assert counts[True].flops - counts[True].recomputed == counts[False].flops
+    batch = [type("Batch", (), {"feats": feats, "tokens": tokens})()]
+    _, model_flops = StepFlops().run(step, batch)  # still checkpointed
+    assert model_flops == counts[False].flops

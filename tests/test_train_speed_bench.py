@@ -43,11 +43,16 @@ def test_model_flops_of_a_bucket_equal_a_direct_count_and_ignore_checkpointing()
 def test_the_profile_lists_the_step_s_matrix_products():
     cfg = load_train_config(["configs/tiny.yaml"], [])
     bench = Bench(cfg, torch.device("cpu"), "none", compiled=False)
-    table = bench.profile(bench.batch(2, 161, 12), rows=5)
+    averages = bench.profile(bench.batch(2, 161, 12))
+    # What the step ran, from the profiler's events: which ops lead the printed table depends on what
+    # a busy machine lets each take, their presence and counts do not.
+    counts = {event.key: event.count for event in averages}
+    assert counts.get("aten::mm", 0) + counts.get("aten::addmm", 0) >= 10, sorted(counts)  # every Linear, fwd and bwd
+    assert counts.get("aten::convolution", 0) > 0  # the subsampling
+    table = averages.table(sort_by=bench.profile_key, row_limit=5)
     ops = [line for line in table.splitlines()
            if line.strip() and not line.startswith("-") and "Name" not in line and "time total" not in line]
     assert "Self CPU" in table and len(ops) == 5, table  # the rows asked for, between rules, header and total
-    assert "aten::mm" in table or "aten::addmm" in table  # a transformer's step spends most in its products
 
 
 def test_interleaved_variants_take_their_steps_in_turn():
