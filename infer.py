@@ -87,6 +87,11 @@ def parse_args(argv: list[str] | None = None):
                      help="stop a hypothesis that repeats an n-gram more than this many times in a row; 0: never")
     dec.add_argument("--max-tokens-per-second", type=float, default=DecodingOptions.max_tokens_per_second,
                      help="stop a hypothesis at this many tokens per second of audio; 0: no bound")
+    dec.add_argument("--no-speech-threshold", type=float, default=DecodingOptions.no_speech_threshold, metavar="P",
+                     help="Whisper's no-speech check: the decoder's probability of ending right after the prompt "
+                          "(what non-speech training teaches) is written to --out as no_speech_prob, and a chunk "
+                          "above P gives no text. Greedy search ends there anyway above 0.5, so the values that "
+                          "act lie below it (Whisper's 0.6 applies to its own <|nospeech|> token); default: off")
     run = p.add_argument_group("execution")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
@@ -163,6 +168,8 @@ def parse_args(argv: list[str] | None = None):
         p.error(f"--streams {args.streams}: decode at least one stream at a time")
     if args.stream and (args.beam_size != 1 or args.timestamps or args.compile):
         p.error("--stream decodes greedily, eager: not with --beam-size > 1, --timestamps or --compile")
+    if args.stream and args.no_speech_threshold is not None:
+        p.error("--stream commits tokens as they come: not with --no-speech-threshold, which decides per chunk")
     if args.stream and args.ctc_weight:
         p.error(f"--stream decodes with the attention decoder alone (a token is committed before the audio "
                 f"that would rescore it has arrived): not with --ctc-weight {args.ctc_weight}")
@@ -190,7 +197,8 @@ def decoding_options(args) -> DecodingOptions:
     return DecodingOptions(beam_size=args.beam_size, length_penalty=args.length_penalty, max_delta=args.max_delta,
                            max_new_tokens=args.max_new_tokens,
                            ctc_weight=DecodingOptions.ctc_weight if args.ctc_weight is None else args.ctc_weight,
-                           max_repeats=args.max_repeats, max_tokens_per_second=args.max_tokens_per_second or None)
+                           max_repeats=args.max_repeats, max_tokens_per_second=args.max_tokens_per_second or None,
+                           no_speech_threshold=args.no_speech_threshold)
 
 
 class ProgressBar:
@@ -450,6 +458,10 @@ def main(argv: list[str] | None = None) -> None:
         write_subtitles(results, args.subtitles, args.timestamps)
 
     print_scores(results, args.normalizer)
+    if options.no_speech_threshold is not None:
+        silent = [r for r in results if r.error is None and r.no_speech_prob > options.no_speech_threshold]
+        print(f"no speech (no_speech_prob > {options.no_speech_threshold:g}) in {len(silent)} of "
+              f"{len(results) - len(failed)} file(s)", file=sys.stderr)
     t = timings
     print(f"RTFx {t.rtfx:.1f}: {t.audio:.1f} s of audio in {t.wall:.2f} s (load+features {t.load_features:.2f} s, "
           f"encoder {t.encoder:.2f} s, decoder {t.decoder:.2f} s"

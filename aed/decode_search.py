@@ -148,6 +148,9 @@ class DecodingOptions:
     # (espeak-ng speaks fast and their BPE pieces are short); Canary's tokenizers give about 4 on real speech.
     max_tokens_per_second: float | None = 25.0
     frame_seconds: float = 0.08  # seconds per encoder frame (aed.decode_timestamps.frame_seconds): converts the bound above
+    # Whisper's no-speech check: a hypothesis whose no-speech probability (`no_speech_probs`) is above
+    # this becomes empty; None: not computed. Whisper's default is 0.6.
+    no_speech_threshold: float | None = None
 
     def __post_init__(self):
         """ValueError naming the first option out of its range."""
@@ -155,6 +158,8 @@ class DecodingOptions:
             raise ValueError(f"beam size ({self.beam_size}) and max new tokens ({self.max_new_tokens}) must be >= 1")
         if not 0 <= self.ctc_weight <= 1:
             raise ValueError(f"CTC weight {self.ctc_weight} must lie in [0, 1]")
+        if self.no_speech_threshold is not None and not 0 <= self.no_speech_threshold <= 1:
+            raise ValueError(f"no-speech threshold {self.no_speech_threshold} must lie in [0, 1]")
         if self.max_repeats < 0 or (self.max_tokens_per_second or 0) < 0:
             raise ValueError(f"max repeats ({self.max_repeats}) and max tokens per second "
                              f"({self.max_tokens_per_second}) must be >= 0")
@@ -177,6 +182,15 @@ def search(model, memory, memory_lens, prompt, eos_id: int, options: DecodingOpt
     if options.beam_size > 1 or (options.ctc_weight > 0 and ctc_log_probs is not None):
         return beam_search(model, memory, memory_lens, prompt, eos_id, options, ctc_log_probs)
     return greedy_search(model, memory, memory_lens, prompt, eos_id, options)
+
+
+@torch.inference_mode()
+def no_speech_probs(model, memory, memory_lens, prompt, eos_id: int):
+    """(B,) the decoder's probability of EOS right after the prompt: that the audio holds nothing to
+    write. aed's non-speech examples train exactly that target (prompt then EOS), as Whisper's train
+    <|nospeech|> there, whose probability is Whisper's no_speech_prob. One prompt step of its own."""
+    cache = model.new_cache(memory, memory_lens, prompt.size(1))
+    return model.decode_step(prompt, cache).float().softmax(dim=-1)[:, eos_id]
 
 
 def token_budget(model, memory_lens, prompt_len: int, options: DecodingOptions):

@@ -56,7 +56,7 @@ from aed.data_manifest import PROMPT_TASKS, check_task, read_rows, request_field
 from aed.data_tokenizer import Tokenizer
 from aed.decode_merge import Chunk, MergeStats, merge_chunks
 from aed.decode_score import corpus_scores
-from aed.decode_search import DecodingOptions, search
+from aed.decode_search import DecodingOptions, no_speech_probs, search
 from aed.decode_segment import EDGE, frame_db, plan_segments, speech_frames
 from aed.decode_static import CompiledAED
 from aed.decode_timestamps import Word, align, feasible, frame_seconds, snap_to_speech, to_segments, to_words
@@ -269,6 +269,9 @@ class Result:
     decode_time: float = 0.0  # this file's share of its batches' wall time (split by audio duration)
     error: str | None = None  # why the file could not be transcribed
     words: list[Word] | None = None  # with timestamps: every word with its start and end in the file
+    # with DecodingOptions.no_speech_threshold: the lowest no-speech probability of the file's chunks
+    # (a file holds speech where any of its chunks does); chunks above the threshold gave no text
+    no_speech_prob: float | None = None
 
     def to_json(self, timestamps: str | None = None) -> dict:
         """One --out JSONL line: the manifest's own fields, then ours; with timestamps "segment" or
@@ -279,7 +282,9 @@ class Result:
         return {**r.fields, "audio_filepath": r.audio_filepath, "duration": round(self.duration, 3),
                 "pred_text": self.pred_text if self.error is None else "", "source_lang": r.source_lang,
                 "target_lang": r.target_lang, "pnc": "yes" if r.pnc else "no", "taskname": r.taskname,
-                "decode_time": round(self.decode_time, 4), **times, **({"error": self.error} if self.error else {})}
+                "decode_time": round(self.decode_time, 4), **times,
+                **({} if self.no_speech_prob is None else {"no_speech_prob": round(self.no_speech_prob, 4)}),
+                **({"error": self.error} if self.error else {})}
 
 
 @dataclass
@@ -447,19 +452,24 @@ def decode_features(model, feats, feat_lens, prompt, eos_id: int, options: Decod
     """The one path from a batch of features to hypotheses, for infer.py (`decode_batch`) and for
     validation during training: feats (B, T, F), feat_lens (B,) and prompts (B, P) -> generated ids
     per row (joint CTC/attention when the model has a CTC head and options.ctc_weight > 0); with_ctc,
-    the CTC head's log-probs (B, T', V) and valid lengths (B,) for alignment, else None; and the
-    seconds spent in the encoder and in the search (the device is synchronised between phases).
-    amp: the autocast context both run in; decoder: the model the search steps (a `CompiledAED` of
-    `model`), default `model`."""
+    the CTC head's log-probs (B, T', V) and valid lengths (B,) for alignment, else None; the seconds
+    spent in the encoder and in the search (the device is synchronised between phases); and with
+    options.no_speech_threshold, each row's no-speech probability (a list; rows above the threshold
+    come out empty), else None. amp: the autocast context both run in; decoder: the model the
+    search steps (a `CompiledAED` of `model`), default `model`."""
     device = feats.device
     t0 = _synced_time(device)
     with amp:
         memory, memory_lens, ctc_log_probs = model.encode_with_ctc(feats, feat_lens)  # ..., (B, T', V+1) or None
     t1 = _synced_time(device)
+    no_speech = None
     with amp:
         hyps = search(decoder or model, memory, memory_lens, prompt, eos_id, options, ctc_log_probs)
+        if options.no_speech_threshold is not None:
+            no_speech = no_speech_probs(model, memory, memory_lens, prompt, eos_id).tolist()
+            hyps = [[] if p > options.no_speech_threshold else ids for ids, p in zip(hyps, no_speech)]
     t2 = _synced_time(device)
-    return hyps, (ctc_log_probs, memory_lens) if with_ctc else None, t1 - t0, t2 - t1
+    return hyps, (ctc_log_probs, memory_lens) if with_ctc else None, t1 - t0, t2 - t1, no_speech
 
 
 def decode_batch(loaded: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], prompts: list[list[int]],
@@ -578,11 +588,11 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
     for batch in duration_batches([c.seconds for c in chunks], batch_duration):
         t0 = time.perf_counter()
         kept, wavs = load_chunks(loaded, requests, chunks, batch, results)
-        hyps, ctc, encoder_s, decoder_s, align_s = [], None, 0.0, 0.0, 0.0
+        hyps, ctc, encoder_s, decoder_s, align_s, no_speech = [], None, 0.0, 0.0, 0.0, None
         if kept:
             batch_prompts = [prompts[chunks[k].request] for k in kept]
-            hyps, ctc, encoder_s, decoder_s = decode_batch(loaded, logmel, wavs, batch_prompts, options, dtype,
-                                                           with_ctc=aligned)
+            hyps, ctc, encoder_s, decoder_s, no_speech = decode_batch(loaded, logmel, wavs, batch_prompts, options,
+                                                                      dtype, with_ctc=aligned)
         if words is not None:
             t_align = time.perf_counter()
             log_probs, lens = (ctc[0].cpu(), ctc[1].tolist()) if ctc is not None else (None, None)
@@ -598,9 +608,11 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
         timings.decoder += decoder_s
         timings.align += align_s
         samples = sum(w.numel() for w in wavs)
-        for k, wav, ids in zip(kept, wavs, hyps):
+        for j, (k, wav, ids) in enumerate(zip(kept, wavs, hyps)):
             i = chunks[k].request
             generated[i][k] = ids
+            if no_speech is not None:
+                results[i].no_speech_prob = min(no_speech[j], results[i].no_speech_prob or 1.0)
             end = chunks[k].offset - requests[i].offset + wav.numel() / loaded.features.sample_rate
             results[i].duration = max(results[i].duration, end)  # overlapping chunks count once
             results[i].decode_time += batch_s * wav.numel() / samples  # its share of the batch, by audio length

@@ -2,6 +2,7 @@ import json
 import logging
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -270,3 +271,41 @@ def test_make_noise_rooms_by_pyroomacoustics(tmp_path):
     line = json.loads((tmp_path / "rir.jsonl").read_text())
     assert line["simulator"] == "pyroomacoustics" and len(line["room"]) == 3
     assert load_audio(tmp_path / line["audio_filepath"]).abs().max() == 1.0
+
+
+def spectral_flatness(x: torch.Tensor) -> float:
+    """Geometric over arithmetic mean of the power spectrum: ~0.56 for white noise, near 0 for tones."""
+    power = torch.fft.rfft(x.double()).abs() ** 2 + 1e-20
+    return float(power.log().mean().exp() / power.mean())
+
+
+def test_make_noise_synthesises_sounds_of_each_kind(tmp_path):
+    """Each synthesised kind is what it says: tonal music and sirens, hum at the mains frequency, an
+    engine's low harmonics, rain's broadband droplets; the held-out kinds are not the training ones."""
+    from tools.make_noise import SPLIT_TYPES
+
+    assert not (set(SPLIT_TYPES["train"]) & set(SPLIT_TYPES["heldout"])) - {"babble"}
+    kinds = ["music", "hum", "engine", "rain", "siren"] + (["pluck"] if shutil.which("sox") else [])
+    make_noise(["generate", "-o", str(tmp_path), "--types", *kinds, "--noise-count", "2", "--seconds", "3",
+                "--rir-count", "0"])
+    lines = [json.loads(line) for line in (tmp_path / "noise.jsonl").read_text().splitlines()]
+    assert sorted({line["type"] for line in lines}) == sorted(kinds) and len(lines) == 2 * len(kinds)
+    for line in lines:
+        x = load_audio(tmp_path / line["audio_filepath"])
+        assert x.numel() == 3 * RATE and abs(float(x.abs().max()) - 0.5) < 1e-3, line
+        power = torch.fft.rfft(x.double()).abs() ** 2
+        hz = torch.fft.rfftfreq(x.numel(), 1 / RATE)
+        below = float(power[hz < 1000].sum() / power.sum())
+        kind = line["type"]
+        if kind in ("music", "siren", "pluck"):
+            assert spectral_flatness(x) < 0.05, line  # tones, not noise
+        if kind == "hum":
+            mains = min((50, 60), key=lambda f: -float(power[(hz - f).abs() < 1].sum()))
+            assert float(power[(hz % mains < 1) | (hz % mains > mains - 1)].sum() / power.sum()) > 0.9, line
+        if kind == "engine":
+            assert below > 0.75, line  # most of it in the low harmonics
+        if kind == "rain":
+            assert spectral_flatness(x) > 0.1 and below < 0.9, line  # broadband
+        if kind == "siren":
+            peak_hz = float(hz[int(power.argmax())])
+            assert 350 < peak_hz < 1700, line

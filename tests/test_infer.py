@@ -283,6 +283,45 @@ def test_joint_ctc_decoding_is_on_by_default_for_a_model_with_a_ctc_head(loaded)
     assert [r.tokens for r in joint] == [[] for _ in requests]
 
 
+def test_no_speech_check_is_the_first_steps_eos_probability_and_empties_what_is_above_it(loaded, tmp_path):
+    """Whisper's check with aed's non-speech target: P(EOS) right after the prompt. Biased towards EOS
+    at that step, the model's output for a file goes; a threshold above the probability keeps it."""
+    from aed.decode_search import no_speech_probs
+
+    requests = read_requests(EXAMPLES)
+    plain, _ = transcribe(loaded, requests)
+    kept, _ = transcribe(loaded, requests, DecodingOptions(no_speech_threshold=1.0))
+    assert [r.tokens for r in kept] == [r.tokens for r in plain] and all(r.tokens for r in plain)
+    probs = [r.no_speech_prob for r in kept]
+    assert all(0 <= p < 0.5 for p in probs), probs  # a trained model on its own training speech
+    # The probability is the softmax of the first step's logits at EOS, as computed by hand.
+    model, tok = loaded.model, loaded.tokenizer
+    wav = load_audio(requests[0].audio_filepath)
+    feats, feat_lens = LogMel(loaded.features).eval()(wav[None], torch.tensor([wav.numel()]))
+    prompt = torch.tensor([tok.prompt_ids(requests[0].source_lang, requests[0].target_lang, requests[0].pnc)])
+    with torch.no_grad():
+        memory, memory_lens = model.encode(feats, feat_lens)
+        hidden = model.decoder(prompt, memory, memory_lens)[:, -1]
+        by_hand = torch.softmax(model.decoder.output_proj(hidden).float(), -1)[0, tok.eos]
+    assert float(no_speech_probs(model, memory, memory_lens, prompt, tok.eos)[0]) == pytest.approx(float(by_hand),
+                                                                                                abs=1e-5)
+    assert probs[0] == pytest.approx(float(by_hand), abs=1e-4)
+    # EOS made likelier (a bias on its logit) until the first file gives it 0.2-0.5 at the first step,
+    # where greedy search still writes text: a threshold of 0.2 empties it, one of 0.5 does not.
+    first = requests[:1]
+    biased = dataclasses.replace(loaded, model=copy.deepcopy(loaded.model))
+    for _ in range(80):
+        with torch.no_grad():
+            biased.model.decoder.output_proj.bias[tok.eos] += 0.25
+        (probe,), _ = transcribe(biased, first, DecodingOptions(no_speech_threshold=0.5, ctc_weight=0.0))
+        if probe.no_speech_prob > 0.2:
+            break
+    assert 0.2 < probe.no_speech_prob < 0.5 and probe.tokens
+    (silent,), _ = transcribe(biased, first, DecodingOptions(no_speech_threshold=0.2, ctc_weight=0.0))
+    assert silent.tokens == [] and silent.pred_text == "" and silent.no_speech_prob == probe.no_speech_prob
+    assert "no_speech_prob" in silent.to_json() and "no_speech_prob" not in plain[0].to_json()
+
+
 @pytest.mark.slow
 def test_cli_directory_with_a_corrupt_file_and_a_manifest(run_dir, tmp_path):
     audio = tmp_path / "clips"

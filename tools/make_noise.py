@@ -16,13 +16,20 @@ what made each file):
   blue (-1), violet (-2);
 - babble: the sum of several utterances (equal loudness, each looped from a random point) of
   `--speech`, a speech manifest; give the held-out split other speakers than the training set's;
+- sounds that are not noise, synthesised here with numpy: `music` (instruments by additive
+  synthesis: a melody over chords, sometimes drums), `hum` (50/60 Hz mains and harmonics), `engine`
+  (a machine's harmonic series drifting in speed); and for the held-out split other sources and
+  kinds: `pluck` (sox's plucked strings playing a melody; needs sox), `rain` (droplets over a pink
+  bed), `siren` (swept or two-tone alarms). They serve as noise to mix under speech and, as a
+  `nonspeech: true` entry of train.manifests, as audio that must give no text;
 - rooms: pyroomacoustics' image-source model of a shoebox room (RT60, size, source and microphone
   drawn at random) where it is installed (pip install -r tests/requirements-augment.txt), else a
   direct path plus exponentially decaying Gaussian noise with the drawn RT60 and direct-to-reverberant
   ratio; `--simulator` picks, and every rir.jsonl line names the one that ran.
 
 `--split heldout` draws from another random stream than `train` for the same --seed (other rooms,
-other noise) and defaults to noise types the training split lacks (blue, violet, babble).
+other noise) and defaults to kinds the training split lacks (blue, violet, babble of other
+talkers, pluck, rain, siren): train on one, test on the other.
 
 `degrade` runs aed.data_augment.Augment (the training chain) once per utterance, seeded by (--seed,
 line number), and writes DIR/audio/*.wav (float WAV, the degradation exactly) and DIR/manifest.jsonl:
@@ -46,7 +53,10 @@ from aed.data_manifest import ManifestError, audio_path, json_object, manifest_l
 from aed.train_config import AugmentConfig
 
 COLOURS = {"white": 0.0, "pink": 1.0, "brown": 2.0, "blue": -1.0, "violet": -2.0}  # power spectrum ~ 1/f^beta
-SPLIT_TYPES = {"train": ["white", "pink", "brown", "babble"], "heldout": ["blue", "violet", "babble"]}
+SOUNDS = ("music", "hum", "engine", "pluck", "rain", "siren")  # synthesised non-speech (`sound`)
+# Each split's default kinds: the held-out one shares none with training but babble (of other talkers).
+SPLIT_TYPES = {"train": ["white", "pink", "brown", "babble", "music", "hum", "engine"],
+               "heldout": ["blue", "violet", "babble", "pluck", "rain", "siren"]}
 SPLIT_STREAM = {"train": 0, "heldout": 1}  # the second word of every generator's seed
 LN_1000 = 6.907755  # ln(1000): an amplitude decaying as exp(-LN_1000 t / rt60) is 60 dB down at rt60
 PEAK = 0.5  # generated noise is written at this peak: 16-bit PCM without clipping; its level is set by the SNR
@@ -66,6 +76,121 @@ def coloured(rng: np.random.Generator, n: int, beta: float) -> np.ndarray:
     spec[0] = 0
     x = np.fft.irfft(spec, n)
     return (PEAK * x / np.abs(x).max()).astype(np.float32)
+
+
+def peak(x: np.ndarray) -> np.ndarray:
+    return (PEAK * x / max(np.abs(x).max(), 1e-12)).astype(np.float32)
+
+
+def note(rng: np.random.Generator, hz: float, n: int, rate: int, harmonics: np.ndarray) -> np.ndarray:
+    """One instrument note: the given harmonic amplitudes with a little inharmonicity and vibrato, an
+    attack of 5-40 ms and an exponential decay."""
+    t = np.arange(n) / rate
+    vibrato = 1 + 0.004 * np.sin(2 * np.pi * rng.uniform(4, 7) * t)
+    stretch = rng.uniform(0, 0.0008)  # partial k at k * (1 + stretch * k^2) x the fundamental, as in a string
+    x = sum(a * np.sin(2 * np.pi * hz * k * (1 + stretch * k * k) * np.cumsum(vibrato) / rate)
+            for k, a in enumerate(harmonics, 1) if hz * k < rate / 2)
+    attack = np.minimum(1.0, t / rng.uniform(0.005, 0.04))
+    return x * attack * np.exp(-t * rng.uniform(0.5, 4.0))
+
+
+def music(rng: np.random.Generator, n: int, rate: int) -> np.ndarray:
+    """Instrumental music by additive synthesis: a melody in a random major or minor scale over held
+    chords, two random timbres, a random tempo; sometimes a kick and hi-hat pattern."""
+    scale = np.array([0, 2, 4, 5, 7, 9, 11] if rng.random() < 0.5 else [0, 2, 3, 5, 7, 8, 10])
+    root = 110 * 2 ** (rng.integers(0, 12) / 12)
+    beat = int(rate * 60 / rng.uniform(70, 160))
+    lead, pad = (rng.uniform(0, 1, 8) ** 2 / np.arange(1, 9) for _ in range(2))
+    x = np.zeros(n + 4 * beat)
+    for start in range(0, n, 4 * beat):  # a chord per bar
+        degree = int(rng.integers(0, 7))
+        for third in (0, 2, 4):
+            semis = scale[(degree + third) % 7] + 12 * ((degree + third) // 7)
+            x[start:start + 4 * beat] += 0.3 * note(rng, root * 2 ** (semis / 12), 4 * beat, rate, pad)
+    step = 0
+    for start in range(0, n, beat // 2):  # the melody in eighth notes, a random walk on the scale
+        step = int(np.clip(step + rng.integers(-2, 3), 0, 13))
+        if rng.random() < 0.8:
+            semis = 12 + scale[step % 7] + 12 * (step // 7)
+            x[start:start + beat] += note(rng, root * 2 ** (semis / 12), beat, rate, lead)
+    if rng.random() < 0.5:  # drums: a kick on each beat, a hi-hat between
+        t = np.arange(beat // 2) / rate
+        kick = np.sin(2 * np.pi * 60 * t * np.exp(-t * 8)) * np.exp(-t * 20)
+        hat = rng.standard_normal(beat // 4) * np.exp(-np.arange(beat // 4) / rate * 80)
+        for start in range(0, n, beat):
+            x[start:start + kick.size] += 0.8 * kick
+            x[start + beat // 2:start + beat // 2 + hat.size] += 0.15 * np.diff(hat, prepend=0)
+    return peak(x[:n])
+
+
+def hum(rng: np.random.Generator, n: int, rate: int) -> np.ndarray:
+    """Mains hum: 50 or 60 Hz and its harmonics (odd ones stronger, as a transformer's), slowly
+    wavering, over a faint noise floor."""
+    t = np.arange(n) / rate
+    f0 = 50.0 if rng.random() < 0.5 else 60.0
+    x = sum((1.0 if k % 2 else 0.3) * rng.uniform(0.2, 1) / k * np.sin(2 * np.pi * f0 * k * t + rng.uniform(0, 6.3))
+            for k in range(1, 12))
+    return peak(x * (1 + 0.1 * np.sin(2 * np.pi * rng.uniform(0.1, 1) * t)) + 0.02 * rng.standard_normal(n))
+
+
+def engine(rng: np.random.Generator, n: int, rate: int) -> np.ndarray:
+    """A running engine or machine: a harmonic series whose speed drifts (firing 20-120 Hz), with
+    amplitude modulation and brown noise."""
+    t = np.arange(n) / rate
+    f = rng.uniform(20, 120) * (1 + 0.15 * np.sin(2 * np.pi * rng.uniform(0.05, 0.5) * t + rng.uniform(0, 6.3)))
+    phase = 2 * np.pi * np.cumsum(f) / rate
+    x = sum(rng.uniform(0.1, 1) / k ** 0.7 * np.sin(k * phase) for k in range(1, 25))
+    x = x * (1 + 0.3 * np.sin(phase / 2)) + 0.5 * coloured(rng, n, 2.0) / PEAK
+    return peak(x)
+
+
+def pluck(rng: np.random.Generator, n: int, rate: int) -> np.ndarray:
+    """Music of another source and timbre: sox's plucked strings (Karplus-Strong) playing a random
+    melody. Needs sox on PATH."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("sox") is None:
+        raise SystemExit("--types pluck needs sox (apt-get install sox)")
+    notes, total = [], 0.0
+    while total < n / rate:
+        d = float(rng.choice([0.15, 0.3, 0.45, 0.6]))
+        notes += ["synth", f"{d}", "pluck", f"{110 * 2 ** (int(rng.integers(0, 30)) / 12):.2f}", ":"]
+        total += d
+    with tempfile.NamedTemporaryFile(suffix=".wav") as tmp:
+        subprocess.run(["sox", "-q", "-n", "-r", str(rate), "-b", "16", tmp.name, *notes[:-1]], check=True)
+        x = sf.read(tmp.name, dtype="float64")[0]
+    return peak(np.pad(x, (0, max(0, n - x.size)))[:n])
+
+
+def rain(rng: np.random.Generator, n: int, rate: int) -> np.ndarray:
+    """Rain on a surface: a Poisson stream of droplets (short decaying bursts, each through a random
+    resonance) over a pink-noise bed."""
+    x = 0.3 * coloured(rng, n, 1.0) / PEAK
+    drop = int(0.01 * rate)
+    for at in np.flatnonzero(rng.random(n) < rng.uniform(100, 600) / rate):
+        hz = rng.uniform(1000, 6000)
+        k = np.arange(min(drop, n - at))
+        x[at:at + k.size] += rng.uniform(0.2, 1) * np.sin(2 * np.pi * hz * k / rate) * np.exp(-k / (0.002 * rate))
+    return peak(x)
+
+
+def siren(rng: np.random.Generator, n: int, rate: int) -> np.ndarray:
+    """An alarm or siren: a tone with a few harmonics swept up and down (wail) or switched between
+    two pitches (hi-lo), with a little noise."""
+    t = np.arange(n) / rate
+    low, high = sorted(rng.uniform(400, 1600, 2))
+    period = rng.uniform(0.4, 3.0)
+    if rng.random() < 0.5:
+        f = low + (high - low) * (0.5 - 0.5 * np.cos(2 * np.pi * t / period))
+    else:
+        f = np.where((t // (period / 2)) % 2 == 0, low, high)
+    phase = 2 * np.pi * np.cumsum(f) / rate
+    return peak(sum(np.sin(k * phase) / k for k in (1, 2, 3)) + 0.05 * rng.standard_normal(n))
+
+
+SYNTHESISERS = {"music": music, "hum": hum, "engine": engine, "pluck": pluck, "rain": rain, "siren": siren}
 
 
 def babble(rng: np.random.Generator, speech: list, n: int, talkers: int, rate: int, bad: dict) -> np.ndarray:
@@ -147,8 +272,9 @@ def write_set(out_dir: str, name: str, items, total: int, rate: int, subtype: st
 
 def generate(args) -> None:
     types = (args.types or SPLIT_TYPES[args.split]) if args.noise_count else []
-    if unknown := sorted(set(types) - set(COLOURS) - {"babble"}):
-        raise SystemExit(f"--types: unknown {unknown}; expected some of {', '.join([*COLOURS, 'babble'])}")
+    if unknown := sorted(set(types) - set(COLOURS) - set(SYNTHESISERS) - {"babble"}):
+        raise SystemExit(f"--types: unknown {unknown}; expected some of "
+                         f"{', '.join([*COLOURS, 'babble', *SYNTHESISERS])}")
     if "babble" in types and not args.speech:
         raise SystemExit("babble needs --speech MANIFEST (speech to mix; for --split heldout, other speakers than "
                          "the training set's); or leave babble out of --types")
@@ -172,6 +298,8 @@ def generate(args) -> None:
                     talkers = int(rng.integers(args.talkers[0], args.talkers[1] + 1))
                     yield f"babble_{i:04d}", babble(rng, speech, n, talkers, args.rate, bad), {"type": kind,
                                                                                               "talkers": talkers}
+                elif kind in SYNTHESISERS:
+                    yield f"{kind}_{i:04d}", SYNTHESISERS[kind](rng, n, args.rate), {"type": kind}
                 else:
                     yield f"{kind}_{i:04d}", coloured(rng, n, COLOURS[kind]), {"type": kind}
 
