@@ -16,12 +16,14 @@ data in
   data_audio        audio files -> log-mel features (NeMo's), SpecAugment
   data_tokenizer    special tokens + SentencePiece models in one id space, Canary prompts
   data_manifest     JSONL manifest lines -> checked Utterances; everything skipped counted (Faults)
+  data_augment      degrading training audio on the fly: rooms, noise, gain, clipping, low-pass, codecs
   data_batch        an example -> its item (audio checked, features, ids) -> a padded Batch
   data_stream       what the streamed readers share: shard order and resume cursors, mixing
   data_shards       aed's own tar shards
   data_tarred       NeMo tarred datasets and Lhotse Shar, read in place
   data_parquet      Hugging Face parquet, read in place
   data_sources      a train.manifests entry -> its reader
+  data_mixing       temperature shares of sources and languages, non-speech examples, the realised mix
   data_bins         2D bucket bins estimated from manifests, and their shapes in frames
 model
   model_encoder     FastConformer encoder (NeMo's layout: Canary weights convert 1:1)
@@ -36,6 +38,7 @@ training
   train_checkpoint  DCP checkpoints: save, find the newest valid one, load
   train_step        the training step and what it is made of (model, optimizer, LR, precision)
   train_data        a run's training data: sources, sampler, DataLoader
+  train_ema         the exponential moving average of the weights
   train_progress    the progress line, metrics.jsonl, TensorBoard, FLOPs and MFU
   train_validation  dev loss, WER per language and BLEU per pair during training
 decoding
@@ -54,8 +57,9 @@ memory
 Exceptions to the order: decoding reads checkpoints (decode_transcribe -> train_checkpoint), and
 training decodes to validate (train_config, train_objective, train_validation -> decode_*) and
 measures its utterances' edge silence as decoding finds speech (train_data -> decode_segment).
-The scripts at the top level use the package: train.py, infer.py, oom.py. `sampler.py` and `bins.py`
-(2D bucketing) import nothing from it.
+The scripts at the top level use the package: train.py, infer.py, oom.py. The package uses two
+top-level modules that import nothing from it, `sampler.py` and `bins.py` (2D bucketing: the
+sampler, the bins and their allocation), so that they can be copied into another codebase alone.
 """
 from aed.decode_search import DecodingOptions
 from aed.decode_stream import StreamConfig, Streamer

@@ -60,7 +60,8 @@ def training_state(config: str, device: str) -> tuple[AED, dict]:
     return model, training_tensors(model, optimizer)  # what train.py hands to DCP
 
 
-def timed(fn) -> tuple[float, float]:
+def write_times(fn) -> tuple[float, float]:
+    """(seconds fn() took to write, seconds until the writes reached the disk: os.sync after it)."""
     t0 = time.perf_counter()
     fn()
     written = time.perf_counter() - t0
@@ -112,14 +113,14 @@ def main() -> None:
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     single = os.path.join(args.dir, "single.pt")
-    written, synced = timed(lambda: torch.save(state, single))
+    written, synced = write_times(lambda: torch.save(state, single))
     os.remove(single)
     print(f"single torch.save: written {written:.1f} s, on disk {synced:.1f} s ({gb / synced:.2f} GB/s)")
     results["single"] = {"written_s": round(written, 1), "on_disk_s": round(synced, 1)}
 
     for w in map(int, args.threads.split(",")):
         path = os.path.join(args.dir, f"ckpt-{w:08d}")
-        written, synced = timed(lambda: save_dcp(state, path, w))
+        written, synced = write_times(lambda: save_dcp(state, path, w))
         print(f"dcp/{w}: written {written:.1f} s, on disk {synced:.1f} s ({gb / synced:.2f} GB/s)")
         results[f"dcp/{w}"] = {"written_s": round(written, 1), "on_disk_s": round(synced, 1)}
 

@@ -115,6 +115,27 @@ def device_from_args(args):
     return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+def sync(device) -> None:
+    """Wait for the device's queued work, so that a wall time is the work's own (a CPU has none)."""
+    if device is not None and device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device=None, repeats: int = 1) -> tuple:
+    """(best wall time of `repeats` runs of fn(), the last run's output), the device synchronised
+    around each: the minimum is the least disturbed by other jobs."""
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        out = fn()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
 # --- several experiments in one script -----------------------------------------------------------
 
 def run_modes(doc: str, modes: dict, default: str, argv: list | None = None) -> None:

@@ -105,7 +105,8 @@ import numpy as np
 import soundfile as sf
 import torch
 from common import (LAYOUTS, MINI_TOKENIZER, PRESETS, add_device_args, add_width_args, device_from_args,
-                    fixed_work, load_avg, log, print_json, print_table, random_aed, random_asr, run_modes)
+                    fixed_work, load_avg, log, print_json, print_table, random_aed, random_asr, run_modes, sync,
+                    timed)
 
 from aed.data_tokenizer import Tokenizer
 from aed.decode_search import DecodingOptions
@@ -122,24 +123,6 @@ SYSTEMS = ["aed-eager", "aed-compiled", "aed-int8"]  # in this order: int8, last
 
 
 # --- measuring ------------------------------------------------------------------------------------
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device, repeats: int = 1) -> tuple:
-    """(best wall time of `repeats` runs, the last run's output): the minimum is the least disturbed by
-    other jobs."""
-    best = float("inf")
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        out = fn()
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best, out
-
 
 def reset_peak_memory(device) -> None:
     if device.type == "cuda":

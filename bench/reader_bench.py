@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import MINI_TOKENIZER, ROOT, JsonlSource, log, print_json, print_table, run_modes
+from common import MINI_TOKENIZER, ROOT, JsonlSource, log, print_json, print_table, run_modes, timed
 from tools import make_shards
 from tools.write_formats import read_rows, write_nemo_tarred, write_parquet, write_shar
 
@@ -122,12 +122,6 @@ def slow_opens(folders: list, seconds: float):
         yield
     finally:
         builtins.open = real_open
-
-
-def timed(fn) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    n = fn()
-    return time.perf_counter() - t0, n
 
 
 # --- formats: every format aed reads in place, one process and one thread ---------------------------

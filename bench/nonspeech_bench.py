@@ -1,0 +1,104 @@
+"""What the data levers buy on sounds a model never heard: clean WER, WER under held-out music, and
+how often non-speech clips come out with text, per model, with and without the no-speech check.
+
+    python tools/make_noise.py generate -o runs/lev/heldout --split heldout --types pluck rain siren blue violet \
+        --noise-count 12 --seconds 2 --rir-count 0
+    python tools/make_noise.py generate -o runs/lev/heldout_music --split heldout --types pluck --seed 1 \
+        --noise-count 20 --seconds 8 --rir-count 0
+    python bench/nonspeech_bench.py --ckpt demo=runs/demo ft=runs/ft --clips runs/lev/heldout/noise.jsonl \
+        --music runs/lev/heldout_music/noise.jsonl --manifest data/mini/digits/dev.jsonl
+
+For each model (NAME=CKPT; `NAME:ema` decodes a run's EMA weights), greedy decoding (infer.py's
+defaults otherwise):
+    clean WER          the manifest as it is
+    music WER          the manifest with --music mixed under every utterance at 0-20 dB SNR (seeded)
+    clips with text    of the --clips (none holds speech), each decoded with the prompt language of
+                       its position (round robin over the manifest's languages), per kind and in all
+    words per minute   the words written on the clips, per minute of clip audio
+and the same with `--no-speech-threshold` for each of --thresholds. A table, then the JSON line.
+"""
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import log, print_json, print_table  # noqa: E402
+
+
+def rows_of(manifest: Path) -> list[dict]:
+    with open(manifest, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    for row in rows:
+        row["audio_filepath"] = str((manifest.parent / row["audio_filepath"]).resolve())
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", nargs="+", required=True, metavar="NAME=CKPT", help="models to compare")
+    p.add_argument("--clips", required=True, help="manifest of non-speech clips (make_noise.py generate's)")
+    p.add_argument("--music", required=True, help="manifest of music to mix under the speech (held out)")
+    p.add_argument("--manifest", required=True, help="speech with references")
+    p.add_argument("--thresholds", type=float, nargs="*", default=[0.2, 0.4], help="no-speech thresholds to try")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    import soundfile as sf
+
+    from aed.data_audio import load_audio
+    from aed.data_augment import add_noise
+    from aed.decode_score import wer
+    from aed.decode_search import DecodingOptions
+    from aed.decode_transcribe import Request, load_model, read_requests, transcribe
+
+    speech, clips = read_requests(args.manifest), rows_of(Path(args.clips))
+    music = [load_audio(r["audio_filepath"]) for r in rows_of(Path(args.music))]
+    languages = sorted({r.source_lang for r in speech})
+    rng = random.Random(args.seed)
+    noisy_dir = Path(args.clips).parent / "speech_under_music"
+    noisy_dir.mkdir(exist_ok=True)
+    noisy = []
+    for i, r in enumerate(speech):  # the same mixtures for every model
+        mixed = add_noise(load_audio(r.audio_filepath), music[rng.randrange(len(music))], rng.uniform(0, 20),
+                          rng.randrange(10**6))
+        path = noisy_dir / f"{i:04d}.wav"
+        sf.write(path, mixed.numpy(), 16000, subtype="FLOAT")
+        noisy.append(dataclasses.replace(r, audio_filepath=str(path)))
+    # each clip with a prompt language, round robin over the speech's languages
+    clip_requests = [Request(c["audio_filepath"], languages[i % len(languages)], languages[i % len(languages)],
+                             True, "asr") for i, c in enumerate(clips)]
+
+    table, result = [], {}
+    for spec in args.ckpt:
+        name, ckpt = spec.split("=", 1)
+        loaded = load_model(ckpt, ema=name.endswith(":ema"))
+        for threshold in [None, *args.thresholds]:
+            options = DecodingOptions(ctc_weight=0.0, no_speech_threshold=threshold)
+            scores = {}
+            for label, requests in (("clean", speech), ("music", noisy)):
+                results, _ = transcribe(loaded, requests, options)
+                scores[label] = wer([r.text for r in requests], [res.pred_text for res in results])
+            results, _ = transcribe(loaded, clip_requests, options)
+            texts = [res.pred_text.split() for res in results]
+            minutes = sum(c["duration"] for c in clips) / 60
+            kinds = sorted({c["type"] for c in clips})
+            by_kind = {k: sum(bool(t) for t, c in zip(texts, clips) if c["type"] == k) for k in kinds}
+            row = {"clean_wer": round(scores["clean"], 2), "music_wer": round(scores["music"], 2),
+                   "clips_with_text": sum(bool(t) for t in texts), "clips": len(clips),
+                   "by_kind": by_kind, "words_per_minute": round(sum(len(t) for t in texts) / minutes, 1)}
+            key = f"{name}" + ("" if threshold is None else f" P>{threshold:g}")
+            result[key] = row
+            table.append([key, row["clean_wer"], row["music_wer"], f"{row['clips_with_text']}/{len(clips)}",
+                          " ".join(f"{k} {n}" for k, n in by_kind.items()), row["words_per_minute"]])
+            log(f"{key}: {row}")
+    print_table([("model", "<22"), ("clean WER", ">9.1f"), ("music WER", ">9.1f"), ("with text", ">9"),
+                 ("by kind", "<40"), ("words/min", ">9.1f")], table)
+    print_json({"manifest": args.manifest, "clips": args.clips, "music": args.music, "models": result})
+
+
+if __name__ == "__main__":
+    main()
