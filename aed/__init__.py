@@ -42,7 +42,7 @@ training
   train_progress    the progress line, metrics.jsonl, TensorBoard, FLOPs and MFU
   train_validation  dev loss, WER per language and BLEU per pair during training
 decoding
-  decode_search     batched greedy and beam search, joint with CTC prefix scores
+  decode_search     features -> hypotheses: batched greedy and beam search, joint with CTC prefix scores
   decode_static     the decoder step on fixed-shape buffers: compiled, CUDA graphs, torch.export
   decode_segment    where the speech is: long audio cut at its pauses (offline and streamed)
   decode_timestamps word and segment times, force-aligned to the CTC head

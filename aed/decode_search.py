@@ -3,7 +3,7 @@
 
     model.eval()
     options = DecodingOptions(beam_size=4)
-    hyps = decode(model, feats, feat_lens, prompt, eos_id, options)
+    hyps = decode_features(model, feats, feat_lens, prompt, eos_id, options)[0]  # features -> ids per row
     hyps = search(model, *model.encode_with_ctc(feats, feat_lens), prompt, eos_id, options)  # the same, in two steps
 
 CTC prefix scores of growing hypotheses.
@@ -50,6 +50,8 @@ hypothesis that ends in an n-gram repeated more than `max_repeats` times is stop
 exceed `max_tokens_per_second` of audio.
 """
 
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -166,22 +168,46 @@ class DecodingOptions:
 
 
 @torch.inference_mode()
-def decode(model, feats, feat_lens, prompt, eos_id: int, options: DecodingOptions = DecodingOptions()) -> list[list[int]]:
-    """feats (B, T, F), feat_lens (B,), prompt (B, P) long -> B lists of generated ids (no prompt, no EOS)."""
-    memory, memory_lens, ctc_log_probs = model.encode_with_ctc(feats, feat_lens)
-    return search(model, memory, memory_lens, prompt, eos_id, options, ctc_log_probs)
-
-
-@torch.inference_mode()
 def search(model, memory, memory_lens, prompt, eos_id: int, options: DecodingOptions = DecodingOptions(),
            ctc_log_probs=None) -> list[list[int]]:
-    """`decode` after the encoder: memory (B, T', D), memory_lens (B,) and the CTC head's log-probs
+    """`decode_features` after the encoder: memory (B, T', D), memory_lens (B,) and the CTC head's log-probs
     (B, T', V + 1) or None, from model.encode_with_ctc. For callers that time or batch the encoder
     themselves (aed/decode_transcribe.py). Joint CTC/attention decoding runs as a beam search, of one beam
     for greedy decoding."""
     if options.beam_size > 1 or (options.ctc_weight > 0 and ctc_log_probs is not None):
         return beam_search(model, memory, memory_lens, prompt, eos_id, options, ctc_log_probs)
     return greedy_search(model, memory, memory_lens, prompt, eos_id, options)
+
+
+def _synced_time(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # so each phase's wall time is its own, not queued work
+    return time.perf_counter()
+
+
+def decode_features(model, feats, feat_lens, prompt, eos_id: int, options: DecodingOptions = DecodingOptions(),
+                    amp=nullcontext(), decoder=None, with_ctc: bool = False):
+    """The one path from a batch of features to hypotheses, for infer.py (aed.decode_transcribe's
+    `decode_batch`), validation during training and the tests: feats (B, T, F), feat_lens (B,) and prompts (B, P) -> generated ids
+    per row (joint CTC/attention when the model has a CTC head and options.ctc_weight > 0); with_ctc,
+    the CTC head's log-probs (B, T', V) and valid lengths (B,) for alignment, else None; the seconds
+    spent in the encoder and in the search (the device is synchronised between phases); and with
+    options.no_speech_threshold, each row's no-speech probability (a list; rows above the threshold
+    come out empty), else None. amp: the autocast context both run in; decoder: the model the
+    search steps (a `CompiledAED` of `model`), default `model`."""
+    device = feats.device
+    t0 = _synced_time(device)
+    with amp:
+        memory, memory_lens, ctc_log_probs = model.encode_with_ctc(feats, feat_lens)  # ..., (B, T', V+1) or None
+    t1 = _synced_time(device)
+    no_speech = None
+    with amp:
+        hyps = search(decoder or model, memory, memory_lens, prompt, eos_id, options, ctc_log_probs)
+        if options.no_speech_threshold is not None:
+            no_speech = no_speech_probs(model, memory, memory_lens, prompt, eos_id).tolist()
+            hyps = [[] if p > options.no_speech_threshold else ids for ids, p in zip(hyps, no_speech)]
+    t2 = _synced_time(device)
+    return hyps, (ctc_log_probs, memory_lens) if with_ctc else None, t1 - t0, t2 - t1, no_speech
 
 
 @torch.inference_mode()

@@ -56,7 +56,7 @@ from aed.data_manifest import PROMPT_TASKS, check_task, read_rows, request_field
 from aed.data_tokenizer import Tokenizer
 from aed.decode_merge import Chunk, MergeStats, merge_chunks
 from aed.decode_score import corpus_scores
-from aed.decode_search import DecodingOptions, no_speech_probs, search
+from aed.decode_search import DecodingOptions, decode_features
 from aed.decode_segment import EDGE, frame_db, plan_segments, speech_frames
 from aed.decode_static import CompiledAED
 from aed.decode_timestamps import Word, align, feasible, frame_seconds, snap_to_speech, to_segments, to_words
@@ -439,37 +439,6 @@ def load_chunks(loaded: LoadedModel, requests: list[Request], chunks: list[Audio
         kept.append(k)
         wavs.append(wav)
     return kept, wavs
-
-
-def _synced_time(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # so each phase's wall time is its own, not queued work
-    return time.perf_counter()
-
-
-def decode_features(model, feats, feat_lens, prompt, eos_id: int, options: DecodingOptions, amp=nullcontext(),
-                    decoder=None, with_ctc: bool = False):
-    """The one path from a batch of features to hypotheses, for infer.py (`decode_batch`) and for
-    validation during training: feats (B, T, F), feat_lens (B,) and prompts (B, P) -> generated ids
-    per row (joint CTC/attention when the model has a CTC head and options.ctc_weight > 0); with_ctc,
-    the CTC head's log-probs (B, T', V) and valid lengths (B,) for alignment, else None; the seconds
-    spent in the encoder and in the search (the device is synchronised between phases); and with
-    options.no_speech_threshold, each row's no-speech probability (a list; rows above the threshold
-    come out empty), else None. amp: the autocast context both run in; decoder: the model the
-    search steps (a `CompiledAED` of `model`), default `model`."""
-    device = feats.device
-    t0 = _synced_time(device)
-    with amp:
-        memory, memory_lens, ctc_log_probs = model.encode_with_ctc(feats, feat_lens)  # ..., (B, T', V+1) or None
-    t1 = _synced_time(device)
-    no_speech = None
-    with amp:
-        hyps = search(decoder or model, memory, memory_lens, prompt, eos_id, options, ctc_log_probs)
-        if options.no_speech_threshold is not None:
-            no_speech = no_speech_probs(model, memory, memory_lens, prompt, eos_id).tolist()
-            hyps = [[] if p > options.no_speech_threshold else ids for ids, p in zip(hyps, no_speech)]
-    t2 = _synced_time(device)
-    return hyps, (ctc_log_probs, memory_lens) if with_ctc else None, t1 - t0, t2 - t1, no_speech
 
 
 def decode_batch(loaded: LoadedModel, logmel: LogMel, wavs: list[torch.Tensor], prompts: list[list[int]],

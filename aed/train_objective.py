@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from aed.decode_transcribe import decode_features
+from aed.decode_search import decode_features
 from aed.model import AED
 from aed.model_ssl import BestRQ
 from aed.model_transducer import TransducerASR

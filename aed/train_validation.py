@@ -7,7 +7,7 @@ transcribe, WER per language and BLEU per translation pair.
 
 Each rank scores a slice of every manifest; losses are all-reduced and hypotheses gathered, so
 every metric is a corpus metric over the whole manifest. Hypotheses come from the objective's
-`hypotheses`, the AED's through `aed.decode_transcribe.decode_features`, infer.py's own path.
+`hypotheses`, the AED's through `aed.decode_search.decode_features`, infer.py's own path.
 """
 
 import logging

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aed.decode_search import (DecodingOptions, beam_search, decode, ends_in_repeats, greedy_search, length_penalty,
+from aed.decode_search import (DecodingOptions, beam_search, decode_features, ends_in_repeats, greedy_search, length_penalty,
                                search, token_budget)
 from aed.model import AED, AEDConfig
 from aed.model_decoder import KVCache
@@ -125,22 +125,23 @@ def test_batched_greedy_equals_each_utterance_alone():
     memory, memory_lens = model.encode(feats, lens)
     eos = pick_eos(model, memory, memory_lens, prompt)
     options = DecodingOptions(**PLAIN)  # this random decoder repeats itself: no guards
-    hyps = decode(model, feats, lens, prompt, eos, options)
+    hyps = decode_features(model, feats, lens, prompt, eos, options)[0]
     assert len({len(h) for h in hyps}) >= 3, f"rows should stop at different steps: {hyps}"
     assert all(eos not in h for h in hyps)
     for i in range(len(lens)):
-        alone = decode(model, feats[i : i + 1, : lens[i]], lens[i : i + 1], prompt[i : i + 1], eos, options)
+        alone = decode_features(model, feats[i : i + 1, : lens[i]], lens[i : i + 1], prompt[i : i + 1], eos, options)[0]
         assert alone == [hyps[i]], f"utterance {i} decodes differently inside the padded batch"
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])
-def test_search_after_the_encoder_equals_decode(beam_size):
+def test_search_after_the_encoder_equals_decode_features(beam_size):
     model = random_model()
     feats, lens, prompt = batch()
     memory, memory_lens = model.encode(feats, lens)
     eos = pick_eos(model, memory, memory_lens, prompt)
     options = DecodingOptions(beam_size=beam_size, max_delta=6)
-    assert search(model, memory, memory_lens, prompt, eos, options) == decode(model, feats, lens, prompt, eos, options)
+    hyps = decode_features(model, feats, lens, prompt, eos, options)[0]
+    assert search(model, memory, memory_lens, prompt, eos, options) == hyps
 
 
 @pytest.mark.parametrize("per_second", [None, 25.0])
@@ -155,7 +156,7 @@ def test_generation_budget_is_encoder_frames_plus_delta_capped_by_positions_and_
     rate = [int(t) * 2 if per_second else 10**9 for t in memory_lens]  # 25 tokens/s x 0.08 s per frame
     assert limits.tolist() == [min(int(t) + 5, 40 - 3, r) for t, r in zip(memory_lens, rate)]
     for beam_size in (1, 3):
-        hyps = decode(model, feats, lens, prompt, V - 1, dataclasses.replace(options, beam_size=beam_size))
+        hyps = decode_features(model, feats, lens, prompt, V - 1, dataclasses.replace(options, beam_size=beam_size))[0]
         assert [len(h) for h in hyps] == limits.tolist()
 
 
@@ -269,7 +270,7 @@ def test_joint_search_with_ctc_weight_0_equals_attention_search(beam_size):
     options = DecodingOptions(beam_size, max_new_tokens=6, **PLAIN)  # 12+ frames: CTC fits any 6 tokens
     plain = search(model, memory, memory_lens, prompt, eos, options)
     assert plain == (greedy_search if beam_size == 1 else beam_search)(model, memory, memory_lens, prompt, eos, options)
-    assert decode(model, feats, lens, prompt, eos, options) == plain
+    assert decode_features(model, feats, lens, prompt, eos, options)[0] == plain
     tiny = dataclasses.replace(options, ctc_weight=1e-9)
     assert search(model, memory, memory_lens, prompt, eos, tiny, ctc_log_probs) == plain
 
@@ -281,10 +282,10 @@ def test_batched_joint_search_equals_each_utterance_alone(beam_size):
     memory, memory_lens = model.encode(feats, lens)
     eos = pick_eos(model, memory, memory_lens, prompt)
     options = DecodingOptions(beam_size, max_delta=8)  # CTC, repetition and rate guards on (the defaults)
-    hyps = decode(model, feats, lens, prompt, eos, options)
+    hyps = decode_features(model, feats, lens, prompt, eos, options)[0]
     assert len({len(h) for h in hyps}) >= 2, hyps
     for i in range(len(lens)):
-        alone = decode(model, feats[i : i + 1, : lens[i]], lens[i : i + 1], prompt[i : i + 1], eos, options)
+        alone = decode_features(model, feats[i : i + 1, : lens[i]], lens[i : i + 1], prompt[i : i + 1], eos, options)[0]
         assert alone == [hyps[i]], f"utterance {i} decodes differently inside the padded batch"
 
 
@@ -319,10 +320,10 @@ def test_ctc_rescues_an_attention_decoder_that_loops(beam_size):
         model.decoder.output_proj.bias[loop] = 15.0
         model.decoder.output_proj.bias[[5, 9, 7, 11, 6, eos]] = 8.0  # plausible to the decoder, never its first choice
     options = DecodingOptions(beam_size, max_delta=10)
-    assert decode(model, feats, lens, prompt, eos, dataclasses.replace(options, **PLAIN)) == [[loop] * 25, [loop] * 22]
-    assert decode(model, feats, lens, prompt, eos, options) == transcripts
+    assert decode_features(model, feats, lens, prompt, eos, dataclasses.replace(options, **PLAIN))[0] == [[loop] * 25, [loop] * 22]
+    assert decode_features(model, feats, lens, prompt, eos, options)[0] == transcripts
     guard = dataclasses.replace(options, ctc_weight=0.0, max_repeats=3)
-    assert decode(model, feats, lens, prompt, eos, guard) == [[loop] * 4, [loop] * 4]
+    assert decode_features(model, feats, lens, prompt, eos, guard)[0] == [[loop] * 4, [loop] * 4]
 
 
 def test_repetition_guard_finds_repeated_ngrams_at_the_end():
@@ -373,7 +374,7 @@ def test_tiny_model_overfits_eight_synthetic_utterances():
         opt.step()
         if step % 25 == 0:
             model.eval()
-            hyps = decode(model, feats, feat_lens, tokens[:, : len(prompt)], eos)
+            hyps = decode_features(model, feats, feat_lens, tokens[:, : len(prompt)], eos)[0]
             if hyps == texts:
                 break
     assert hyps == texts, f"after {step} steps (loss {(loss / count).item():.3f}): {hyps} != {texts}"

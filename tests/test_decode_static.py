@@ -13,7 +13,7 @@ from test_decode_search import batch, pick_eos, random_model
 from torch import nn
 
 from aed.decode_score import wer
-from aed.decode_search import DecodingOptions, decode
+from aed.decode_search import DecodingOptions, decode_features
 from aed.decode_static import CompiledAED
 from aed.decode_transcribe import load_model, quantize_int8, transcribe
 from aed.model_decoder import KVCache
@@ -73,8 +73,8 @@ def test_the_static_cache_decodes_the_tokens_of_the_eager_one(name, monkeypatch)
     compiled = CompiledAED(model)
     monkeypatch.setattr(compiled, "_step", model.decode_step)
     options = dataclasses.replace(SEARCHES[name], max_delta=12, max_repeats=0, max_tokens_per_second=None)
-    ref = decode(model, feats, lens, prompt, eos, options)
-    assert decode(compiled, feats, lens, prompt, eos, options) == ref
+    ref = decode_features(model, feats, lens, prompt, eos, options)[0]
+    assert decode_features(compiled, feats, lens, prompt, eos, options)[0] == ref
     assert len({len(h) for h in ref}) > 1, f"every hypothesis has the same length: {ref}"
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from aed.decode_search import DecodingOptions, decode
+from aed.decode_search import DecodingOptions, decode_features
 from aed.model import AED, AEDConfig
 
 pytest.importorskip("torch.export", reason="torch.export is unavailable in this torch")
@@ -93,7 +93,7 @@ def test_the_searches_decode_with_the_exported_programs_as_with_the_eager_model(
     model, encoder, step = exported
     feats, feat_lens, prompt, eos = decoding_inputs()
     options = dataclasses.replace(SEARCHES[name], **LIMITS)
-    got = decode(ExportedAED(encoder, step, max_len=40), feats, feat_lens, prompt, eos, options)
-    ref = decode(model, feats, feat_lens, prompt, eos, options)
+    got = decode_features(ExportedAED(encoder, step, max_len=40), feats, feat_lens, prompt, eos, options)[0]
+    ref = decode_features(model, feats, feat_lens, prompt, eos, options)[0]
     assert got == ref and len({t for row in got for t in row}) > 1, (got, ref)
 

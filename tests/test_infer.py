@@ -20,7 +20,7 @@ from aed.data_batch import encode_utterance
 from aed.data_manifest import ManifestError, read_manifest
 from aed.data_tokenizer import Tokenizer
 from aed.decode_score import corpus_scores, wer
-from aed.decode_search import DecodingOptions, decode
+from aed.decode_search import DecodingOptions, decode_features
 from aed.decode_transcribe import (LoadedModel, Request, chunk_length, expand_inputs, load_model, plan_chunks,
                                    read_requests, request_prompts, transcribe)
 from aed.model import AED, AEDConfig, CTCHead
@@ -97,7 +97,7 @@ def run_dir(made_once, train_utts):
         def all_correct():
             model.eval()
             for pads in (torch.zeros(len(wavs), 2), random_pads(len(wavs))):
-                hyps = decode(model, *features_of(pads), tokens[:, :5], tokenizer.eos)
+                hyps = decode_features(model, *features_of(pads), tokens[:, :5], tokenizer.eos, DecodingOptions())[0]
                 texts = [tokenizer.decode_hypothesis(h) for h in hyps]
                 if texts != [u.text for u in train_utts]:
                     return False
