@@ -136,6 +136,16 @@ def timed(fn, device=None, repeats: int = 1) -> tuple:
     return best, out
 
 
+def manifest_rows(manifest) -> list[dict]:
+    """A JSONL manifest's lines as dicts, each audio_filepath resolved against the manifest's folder."""
+    manifest = Path(manifest)
+    with open(manifest, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    for row in rows:
+        row["audio_filepath"] = str((manifest.parent / row["audio_filepath"]).resolve())
+    return rows
+
+
 # --- several experiments in one script -----------------------------------------------------------
 
 def run_modes(doc: str, modes: dict, default: str, argv: list | None = None) -> None:

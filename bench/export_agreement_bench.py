@@ -27,17 +27,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, log, print_json, print_table  # noqa: E402
+from common import ROOT, log, manifest_rows, print_json, print_table  # noqa: E402
 
 NEMO_DELTA = 50  # NeMo's max_generation_delta in the released configs
-
-
-def rows_of(manifest: Path) -> list[dict]:
-    with open(manifest, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    for row in rows:
-        row["audio_filepath"] = str((manifest.parent / row["audio_filepath"]).resolve())
-    return rows
 
 
 def export_all(ckpt: str, work: Path) -> None:
@@ -110,7 +102,7 @@ def main(argv=None):
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     export_all(args.ckpt, work)
-    rows = rows_of(Path(args.manifest))
+    rows = manifest_rows(args.manifest)
     asr = load_model(args.ckpt)
     tok = asr.tokenizer
     refs = [row["text"] for row in rows]

@@ -20,21 +20,12 @@ and the same with `--no-speech-threshold` for each of --thresholds. A table, the
 
 import argparse
 import dataclasses
-import json
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import log, print_json, print_table  # noqa: E402
-
-
-def rows_of(manifest: Path) -> list[dict]:
-    with open(manifest, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    for row in rows:
-        row["audio_filepath"] = str((manifest.parent / row["audio_filepath"]).resolve())
-    return rows
+from common import log, manifest_rows, print_json, print_table  # noqa: E402
 
 
 def main(argv=None):
@@ -55,8 +46,8 @@ def main(argv=None):
     from aed.decode_search import DecodingOptions
     from aed.decode_transcribe import Request, load_model, read_requests, transcribe
 
-    speech, clips = read_requests(args.manifest), rows_of(Path(args.clips))
-    music = [load_audio(r["audio_filepath"]) for r in rows_of(Path(args.music))]
+    speech, clips = read_requests(args.manifest), manifest_rows(args.clips)
+    music = [load_audio(r["audio_filepath"]) for r in manifest_rows(args.music)]
     languages = sorted({r.source_lang for r in speech})
     rng = random.Random(args.seed)
     noisy_dir = Path(args.clips).parent / "speech_under_music"

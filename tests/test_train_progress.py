@@ -89,9 +89,9 @@ def test_attention_backward_is_counted_on_the_cpu_too():
     assert flops == 2 * 2 * b * h * t * t * d + 5 * 2 * b * h * t * t * d
 
 
-def test_the_count_of_a_whole_model_step_is_torchs_own():
-    """CountFlops leaves out FlopCounterMode's module tables and decompositions: on a training step of
-    the AED (convolutions, relative-position and cross attention, CTC head) both give the same sum."""
+def small_step():
+    """(model, step, feats, tokens): one training step of a small AED with every kind of layer
+    (convolutions, relative-position and cross attention, CTC head), run again by each step() call."""
     torch.manual_seed(0)
     model = AED(AEDConfig(n_mels=24, vocab_size=40, pad_id=1, enc_d_model=32, enc_layers=2, enc_heads=4,
                           subsampling_channels=8, dec_d_model=48, dec_layers=2, dec_heads=4, dec_max_len=64,
@@ -102,6 +102,14 @@ def test_the_count_of_a_whole_model_step_is_torchs_own():
     def step():
         loss = model(feats, feat_lens, tokens, token_lens, prompt_lens)[0]
         loss.backward()
+
+    return model, step, feats, tokens
+
+
+def test_the_count_of_a_whole_model_step_is_torchs_own():
+    """CountFlops leaves out FlopCounterMode's module tables and decompositions: on a training step of
+    the AED (convolutions, relative-position and cross attention, CTC head) both give the same sum."""
+    _, step, _, _ = small_step()
 
     with CountFlops() as ours:
         step()
@@ -121,16 +129,7 @@ def test_activation_checkpointing_recompute_is_left_out_of_model_flops():
     """The same step with every layer checkpointed runs more FLOPs (forward ops again in backward):
     CountFlops sets them apart, and StepFlops, which the progress line's FLOPs and MFU come from,
     counts the model's alone, equal to the step without checkpointing."""
-    torch.manual_seed(0)
-    model = AED(AEDConfig(n_mels=24, vocab_size=40, pad_id=1, enc_d_model=32, enc_layers=2, enc_heads=4,
-                          subsampling_channels=8, dec_d_model=48, dec_layers=2, dec_heads=4, dec_max_len=64,
-                          ctc_weight=0.3))
-    feats, feat_lens = torch.randn(3, 90, 24), torch.tensor([90, 71, 40])
-    tokens, token_lens, prompt_lens = torch.randint(2, 40, (3, 12)), torch.tensor([12, 9, 7]), torch.tensor([4, 4, 4])
-
-    def step():
-        loss = model(feats, feat_lens, tokens, token_lens, prompt_lens)[0]
-        loss.backward()
+    model, step, feats, tokens = small_step()
 
     counts = {}
     for checkpointed in (False, True):
