@@ -11,10 +11,12 @@ Padding never changes the answer: an utterance alone and inside a padded batch g
 features (tests/test_data_audio.py checks it).
 """
 
+import io
 import json
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,38 +39,58 @@ class AudioError(RuntimeError):
 FFMPEG_EXTENSIONS = {".m4a", ".mp4", ".aac", ".webm", ".mkv", ".mov", ".wma", ".amr", ".3gp"}
 
 
-def load_audio(path, offset=0.0, duration=None, sample_rate=16000):
+def load_audio(path, offset=0.0, duration=None, sample_rate=16000, name: str | None = None):
     """Read `duration` seconds from `offset` (whole file by default) as mono float32 (S,) at `sample_rate`.
 
-    Only the requested frames are decoded, so cutting a segment from a long recording is cheap.
-    A duration reaching past the end of the file returns what is there: manifest durations are
-    rounded, and a few missing milliseconds are not worth failing a batch over. What soundfile
-    cannot decode (m4a/AAC, mp4, webm, ...) is decoded by the ffmpeg command where it is installed.
+    `path` is a file, or the bytes of one (a member of a tar shard, a parquet cell), named `name` in
+    errors: the one audio reader of training and inference. Only the requested frames are decoded,
+    so cutting a segment from a long recording is cheap. A duration reaching past the end of the file
+    returns what is there: manifest durations are rounded, and a few missing milliseconds are not
+    worth failing a batch over. What soundfile cannot decode (m4a/AAC, mp4, webm, ...) is decoded by
+    the ffmpeg command where it is installed (bytes through a temporary file: mp4's index may sit at
+    the end, where a pipe cannot seek).
     """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise AudioError(path, "file not found")
+    in_memory = isinstance(path, (bytes, bytearray, memoryview))
+    if in_memory:
+        name = name or "audio bytes"
+        source = io.BytesIO(path)
+    elif path is None:
+        raise AudioError(name or "example", "no audio")
+    else:
+        path = name = os.fspath(path)
+        if not os.path.isfile(path):
+            raise AudioError(path, "file not found")
+        source = path
     if offset < 0:
-        raise AudioError(path, f"negative offset {offset}")
+        raise AudioError(name, f"negative offset {offset}")
     if duration is not None and duration <= 0:
-        raise AudioError(path, f"non-positive duration {duration}")
+        raise AudioError(name, f"non-positive duration {duration}")
     try:
-        with sf.SoundFile(path) as f:
+        with sf.SoundFile(source) as f:
             file_rate, total = f.samplerate, f.frames
             start = round(offset * file_rate)
             if total == 0:
-                raise AudioError(path, "no samples")
+                raise AudioError(name, "no samples")
             if start >= total:
-                raise AudioError(path, f"offset {offset}s is beyond the end ({total / file_rate:.3f}s)")
+                raise AudioError(name, f"offset {offset}s is beyond the end ({total / file_rate:.3f}s)")
             f.seek(start)
             frames = -1 if duration is None else round(duration * file_rate)
             data = f.read(frames, dtype="float32", always_2d=True)  # (S, channels)
     except AudioError:
         raise
     except (RuntimeError, ValueError) as e:  # sf.LibsndfileError is a RuntimeError
-        data, file_rate = ffmpeg_read(path, offset, duration, reason=str(e))
+        if not in_memory:
+            data, file_rate = ffmpeg_read(path, offset, duration, reason=str(e))
+        else:
+            with tempfile.NamedTemporaryFile() as tmp:
+                tmp.write(path)
+                tmp.flush()
+                try:
+                    data, file_rate = ffmpeg_read(tmp.name, offset, duration, reason=str(e))
+                except AudioError as err:
+                    raise AudioError(name, err.reason) from None
     if data.shape[0] == 0:  # compressed formats may report an estimated frame count
-        raise AudioError(path, "no samples")
+        raise AudioError(name, "no samples")
     wav = torch.from_numpy(data).mean(dim=1)  # average channels: (S, channels) -> (S,)
     if file_rate != sample_rate:
         wav = AF.resample(wav, file_rate, sample_rate)

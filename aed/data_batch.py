@@ -10,7 +10,6 @@
 - `duration_batches`: batches by padded duration, for validation and inference.
 """
 
-import io
 import logging
 import signal
 import zlib
@@ -18,10 +17,8 @@ from array import array
 from collections import Counter
 from dataclasses import dataclass, replace
 
-import soundfile as sf
 import torch
 import torchaudio
-import torchaudio.functional as AF
 from torch.utils.data import Dataset
 
 from aed.data_audio import AudioError, LogMel, load_audio
@@ -225,32 +222,15 @@ def fit_duration(data, rate: int, duration: float, segment: bool | None, where: 
 
 
 def decode_audio(example: dict, sample_rate: int = 16000, tolerance: float = DURATION_TOLERANCE) -> torch.Tensor:
-    """An example's audio bytes -> mono float32 (S,) at `sample_rate`: a whole member decoded whole,
-    a segment (NeMo's members shared by the rows of one file) for its duration from its offset,
-    then checked and cut by `fit_duration`."""
+    """An example's audio bytes -> mono float32 (S,) at `sample_rate`, by the one reader
+    (`aed.data_audio.load_audio`, ffmpeg's fallback included): a whole member decoded whole, a
+    segment (NeMo's members shared by the rows of one file) for its duration from its offset, then
+    checked and cut by `fit_duration`."""
     where = example.get("where", "example")
     duration, offset = example["duration"], example.get("offset", 0.0)
     segment = example.get("segment", offset > 0)
-    try:
-        with sf.SoundFile(io.BytesIO(example["audio"])) as f:
-            start = round(offset * f.samplerate)
-            if start >= f.frames > 0:
-                raise AudioError(where, f"offset {offset}s is beyond the end ({f.frames / f.samplerate:.3f}s)")
-            if start:
-                f.seek(start)
-            data = f.read(round(duration * f.samplerate) if segment else -1, dtype="float32", always_2d=True)
-            file_rate = f.samplerate
-    except AudioError:
-        raise
-    except (RuntimeError, ValueError, TypeError) as e:  # sf.LibsndfileError is a RuntimeError; TypeError: no bytes
-        raise AudioError(where, f"cannot decode ({e})") from e
-    if data.shape[0] == 0:
-        raise AudioError(where, "no samples")
-    data = fit_duration(data, file_rate, duration, segment, where, tolerance, offset)
-    wav = torch.from_numpy(data).mean(dim=1)  # average channels: (S, channels) -> (S,)
-    if file_rate != sample_rate:
-        wav = AF.resample(wav, file_rate, sample_rate)
-    return wav
+    wav = load_audio(example.get("audio"), offset, duration if segment else None, sample_rate, name=where)
+    return fit_duration(wav, sample_rate, duration, segment, where, tolerance, offset)
 
 
 def file_audio(utt: Utterance, sample_rate: int, tolerance: float) -> torch.Tensor:

@@ -185,6 +185,33 @@ def test_a_file_inference_reads_passes_trainings_audio_check(tmp_path):
     assert "lasts" in check_audio([Utterance(path, 3.0, "a tone", "en", "en", True, "asr")], tolerance=0.05)[0][1]
 
 
+@pytest.mark.skipif(shutil.which("ffmpeg") is None, reason="needs the ffmpeg command (apt-get install ffmpeg)")
+def test_an_m4a_member_of_a_shard_decodes_as_the_file_does(tmp_path):
+    """Training reads streamed members (tar shards, parquet cells) as bytes, through the same reader
+    as files: an m4a member decodes to the file's samples, whole and as a segment."""
+    from aed.data_batch import decode_audio
+
+    sf.write(tmp_path / "a.flac", 0.3 * np.sin(2 * np.pi * 440 * np.arange(32000) / 16000), 16000)
+    subprocess.run(["ffmpeg", "-v", "error", "-i", str(tmp_path / "a.flac"), "-c:a", "aac", str(tmp_path / "a.m4a")],
+                   check=True)
+    member = (tmp_path / "a.m4a").read_bytes()
+    whole = load_audio(tmp_path / "a.m4a")
+    seconds = whole.numel() / RATE_16K
+    assert torch.equal(decode_audio({"audio": member, "duration": seconds, "where": "shard-0.tar:a"}), whole)
+    part = decode_audio({"audio": member, "duration": 0.5, "offset": 1.0, "where": "shard-0.tar:a"})
+    assert torch.equal(part, load_audio(tmp_path / "a.m4a", offset=1.0, duration=0.5))
+
+
+def test_without_ffmpeg_a_member_soundfile_cannot_read_names_ffmpeg_and_the_member(monkeypatch):
+    from aed.data_batch import decode_audio
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(AudioError, match=r"shard-3.tar:utt7: cannot decode .*ffmpeg"):
+        decode_audio({"audio": b"\x00\x00\x00\x20ftypM4A " + bytes(200), "duration": 1.0, "where": "shard-3.tar:utt7"})
+    with pytest.raises(AudioError, match="shard-3.tar:utt8: no audio"):
+        decode_audio({"duration": 1.0, "where": "shard-3.tar:utt8"})
+
+
 def test_without_ffmpeg_a_container_soundfile_cannot_read_names_ffmpeg(tmp_path, monkeypatch):
     (tmp_path / "a.m4a").write_bytes(b"\x00\x00\x00\x20ftypM4A " + bytes(200))
     monkeypatch.setattr(shutil, "which", lambda name: None)
