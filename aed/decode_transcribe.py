@@ -61,8 +61,8 @@ from aed.decode_segment import EDGE, frame_db, plan_segments, speech_frames
 from aed.decode_static import CompiledAED
 from aed.decode_timestamps import Word, align, feasible, frame_seconds, snap_to_speech, to_segments, to_words
 from aed.model import AED
-from aed.train_checkpoint import (INFERENCE_KEYS, Checkpoint, average_checkpoints, is_checkpoint, load_latest,
-                                  model_from_checkpoint, read_checkpoint, read_ema)
+from aed.train_checkpoint import (INFERENCE_KEYS, Checkpoint, average_checkpoints, is_checkpoint,
+                                  model_from_checkpoint, read_checkpoint_or_run, read_ema)
 
 log = logging.getLogger(__name__)
 
@@ -138,15 +138,8 @@ def load_model(path: str, device="cpu", *, compile: bool = False, int8: bool = F
         averaged, ckpt = average_checkpoints(path, average)
         log.info("averaged the weights of %s", ", ".join(map(os.path.basename, averaged)))
         path = averaged[-1]
-    elif os.path.isdir(path) and not is_checkpoint(path):
-        newest, ckpt = load_latest(path, INFERENCE_KEYS)
-        if ckpt is None:
-            raise FileNotFoundError(f"{path}: a directory without ckpt-* checkpoints")
-        path = newest
-    elif os.path.exists(path):
-        ckpt = read_checkpoint(path, INFERENCE_KEYS)
     else:
-        raise FileNotFoundError(f"{path}: no such checkpoint file or run directory")
+        path, ckpt = read_checkpoint_or_run(path, INFERENCE_KEYS)
     model, tokenizer, features = model_from_checkpoint(ckpt, device)
     if ema:  # by parameter, as training kept it: a tied weight (the output projection) is one parameter
         params = dict(model.named_parameters())

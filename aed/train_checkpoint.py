@@ -391,6 +391,20 @@ def load_latest(run_dir: str, required=TRAINING_KEYS,
     return None, None
 
 
+def read_checkpoint_or_run(path: str, required=TRAINING_KEYS) -> tuple[str, dict]:
+    """(path, checkpoint) of a checkpoint (a file or a `ckpt-*` directory) or of a run directory's
+    newest valid one (`load_latest`): what every --ckpt of infer.py and the tools takes.
+    FileNotFoundError names what is missing."""
+    if os.path.isdir(path) and not is_checkpoint(path):
+        newest, ckpt = load_latest(path, required)
+        if ckpt is None:
+            raise FileNotFoundError(f"{path}: a directory without ckpt-* checkpoints")
+        return newest, ckpt
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such checkpoint file or run directory")
+    return path, read_checkpoint(path, required)
+
+
 def average_checkpoints(run_dir: str, count: int) -> tuple[list[str], dict]:
     """(paths, checkpoint) of the newest `count` valid checkpoints of run_dir, the checkpoint being
     the newest with its model weights replaced by their mean (ESPnet's and icefall's averaging:

@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-from aed.train_checkpoint import (INFERENCE_KEYS, grow_vocabulary, is_checkpoint, load_latest, pack_dir, read_checkpoint,
-                            unpack_tokenizer)
+from aed.train_checkpoint import (INFERENCE_KEYS, CheckpointError, grow_vocabulary, pack_dir, read_checkpoint_or_run,
+                                  unpack_tokenizer)
 from aed.model import AED, AEDConfig
 from aed.data_tokenizer import SentencePieceBlock, SpecialBlock, Tokenizer, lang_token
 from tools.train_tokenizer import read_manifests, sample_sentences, train_sentencepiece
@@ -63,12 +63,10 @@ def main(argv=None):
     p.add_argument("-o", "--out", required=True, help="output checkpoint path (OUT.pt)")
     args = p.parse_args(argv)
 
-    if os.path.isdir(args.ckpt) and not is_checkpoint(args.ckpt):  # a run directory
-        path, ckpt = load_latest(args.ckpt, INFERENCE_KEYS)
-        if ckpt is None:
-            sys.exit(f"error: {args.ckpt} has no checkpoints")
-    else:
-        path, ckpt = args.ckpt, read_checkpoint(args.ckpt, INFERENCE_KEYS)
+    try:
+        path, ckpt = read_checkpoint_or_run(args.ckpt, INFERENCE_KEYS)
+    except (OSError, CheckpointError) as e:
+        sys.exit(f"error: {e}")
     old = unpack_tokenizer(ckpt["tokenizer"])
 
     if args.spm:
