@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     loader = position.start()
 
     def stop_workers():
-        """The workers ignore SIGTERM (aed.data_manifest.ignore_stop_signals), so multiprocessing's own exit
+        """The workers ignore SIGTERM (aed.data_batch.ignore_stop_signals), so multiprocessing's own exit
         hook, which terminates them with SIGTERM and then waits, would hang: release the iterator
         first, which shuts them down cleanly. Registered after that hook, so it runs before it."""
         nonlocal loader

@@ -243,8 +243,8 @@ def file_audio(utt: Utterance, sample_rate: int, tolerance: float) -> torch.Tens
 
 
 class ExampleDataset(Dataset):
-    """The one dataset: an example -> `aed.data_manifest.make_item`'s item, made in DataLoader
-    workers and padded by `aed.data_manifest.Collate`. An example is a manifest `Utterance` (audio
+    """The one dataset: an example -> `aed.data_batch.make_item`'s item, made in DataLoader
+    workers and padded by `aed.data_batch.Collate`. An example is a manifest `Utterance` (audio
     read from its file) or a streamed example dict (its audio bytes decoded); either way the audio
     is checked against the duration by one rule (`decode_audio`), and audio that cannot be read
     or disagrees comes back as {"error": ...}, which `Collate` reports.

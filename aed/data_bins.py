@@ -7,7 +7,7 @@ Streamed entries (aed/data_sources.py) give their rows' metadata: NeMo manifests
 columns hold the durations, so no audio is read (parquet without a duration column: headers only).
 
 An example's token count is the length of what the decoder is trained on: prompt + text + EOS,
-from `aed.data_manifest.encode_utterance` with the training tokenizer (train.tokenizer), after the line is
+from `aed.data_batch.encode_utterance` with the training tokenizer (train.tokenizer), after the line is
 read and parsed as training reads it (`manifest_lines` + `parse_line`: .gz, `lang` / `answer`, errors
 naming file:line:field). Bins are estimated from a uniform random sample of
 the non-empty lines of all manifests (one pass, reservoir sampling); lines that do not parse or

@@ -30,7 +30,7 @@ Layout of a sharded set (a folder):
   is checked against the index.
 
 Examples are dicts with the JSON fields plus `audio` (the encoded bytes) and `where`
-("shard-000003.tar#17", for messages); `aed.data_stream.ExampleDataset` decodes them.
+("shard-000003.tar#17", for messages); `aed.data_batch.ExampleDataset` decodes them.
 """
 
 import json

@@ -16,7 +16,7 @@ Streamed-source protocol (`sampler.py`; as `aed.data_shards.ShardSource`):
   member): a resume seeks into the open shard and re-reads one member, no earlier example.
 - faults (`self.faults`, `aed.data_manifest.Faults`): a missing or unreadable shard (the rest of it is
   lost), a member no row names, a row whose member is absent (known at the end of the shard),
-  an invalid row. Audio is decoded later (`aed.data_stream.ExampleDataset`), where an undecodable member or
+  an invalid row. Audio is decoded later (`aed.data_batch.ExampleDataset`), where an undecodable member or
   one whose length disagrees with its duration is reported.
 
 NeMo tarred audio datasets:

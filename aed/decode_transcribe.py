@@ -24,7 +24,7 @@ How the work is cut:
    "Long audio", says why) the next segment starts that many seconds before the previous one ends,
    so the words around the cut are heard whole by one of the two, and the two hypotheses are merged.
 2. Batch: chunks sorted by duration, longest first, and cut into batches of at most
-   `batch_duration` padded seconds (batch size x longest chunk): `aed.data_manifest.duration_batches`.
+   `batch_duration` padded seconds (batch size x longest chunk): `aed.data_batch.duration_batches`.
 3. Per batch: load + log-mel features, then `decode_features`: encoder, then greedy or beam search
    (`aed.decode_search.search`), joint with the CTC head when the model has one; each phase is timed
    separately (the device is synchronised between phases) for the RTFx report. Validation during
@@ -517,7 +517,7 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
     options: the search (`aed.decode_search.DecodingOptions`); its frame_seconds is the model's own, not the
     caller's, as it converts max_tokens_per_second into encoder frames.
     source_lang/target_lang/task/pnc apply to plain paths (Requests carry their own).
-    batch_duration: padded seconds of audio per batch (`aed.data_manifest.duration_batches`). chunk_seconds:
+    batch_duration: padded seconds of audio per batch (`aed.data_batch.duration_batches`). chunk_seconds:
     longer inputs are cut at pauses (see the module docstring); None: `chunk_length` picks it.
     chunk_overlap: seconds by which a chunk starts before the previous one ends where their cut is not
     a pause, the hypotheses merged (`aed.decode_merge`); 0: never.

@@ -243,7 +243,7 @@ class StepResult:
 
 def train_step(model: nn.Module, batches: list, optimizer, scaler, spec_augment, precision: str,
                clip_grad: float, num_targets: float, world_size: int = 1, no_sync=None) -> StepResult:
-    """One optimizer step over micro-batches (aed.data_manifest.Batch, on the host or the device).
+    """One optimizer step over micro-batches (aed.data_batch.Batch, on the host or the device).
 
     Each micro-batch's summed loss is scaled by world_size / num_targets, with num_targets the
     step's target count over all ranks and micro-batches: ranks and micro-batches of different

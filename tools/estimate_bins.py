@@ -6,7 +6,7 @@
         --buckets 30 --sub-buckets 2 --method equal --sample 100000 --max-tokens 512 -o bins.json
 
 An example's token count is the length of what the decoder is trained on: prompt + text + EOS,
-from `aed.data_manifest.encode_utterance` with the training tokenizer (train.tokenizer), after the line is
+from `aed.data_batch.encode_utterance` with the training tokenizer (train.tokenizer), after the line is
 parsed by the manifest reader training uses (.gz manifests and NeMo's `lang` / `answer` included). Bins are estimated from a uniform random sample of
 the non-empty lines of all manifests (one pass, reservoir sampling); lines that do not parse or
 tokenize are skipped and counted by reason (aed/data_bins.py, shared with oom.py --manifest).
