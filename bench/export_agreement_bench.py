@@ -95,8 +95,7 @@ def main(argv=None):
     import export_onnx
     from aed.data_audio import load_audio
     from aed.decode_score import wer
-    from aed.decode_search import DecodingOptions
-    from aed.decode_transcribe import load_model, transcribe
+    from aed import DecodingOptions, load_model, transcribe
     from aed.model_encoder import subsampled_length
 
     work = Path(args.work_dir)

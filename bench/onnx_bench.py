@@ -150,8 +150,7 @@ def main(argv=None):
     import export_onnx
     from aed.data_audio import audio_seconds, load_audio
     from aed.data_manifest import read_rows
-    from aed.decode_search import DecodingOptions
-    from aed.decode_transcribe import load_model, transcribe
+    from aed import DecodingOptions, load_model, transcribe
 
     torch.set_num_threads(args.threads)
     rows = list(read_rows(str(ROOT / "data" / "mini" / "dev.jsonl"), lambda d, where, base: (

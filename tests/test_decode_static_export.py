@@ -4,6 +4,9 @@ searches decode the same tokens with them as with the eager model (tests/test_de
 compares the compiled model's searches with eager ones)."""
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,8 @@ from aed.model import AED, AEDConfig
 
 pytest.importorskip("torch.export", reason="torch.export is unavailable in this torch")
 from aed.decode_static import ExportedAED, empty_cache, export_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow  # the tests share one export: 7-10 s on 2 CPU cores
 
@@ -97,3 +102,14 @@ def test_the_searches_decode_with_the_exported_programs_as_with_the_eager_model(
     ref = decode_features(model, feats, feat_lens, prompt, eos, options)[0]
     assert got == ref and len({t for row in got for t in row}) > 1, (got, ref)
 
+
+
+@pytest.mark.slow(seconds=30)
+def test_the_tool_exports_and_decodes_a_file_as_eager_decoding_does(tmp_path):
+    """tools/export.py as its docstring runs it, --audio included: the programs' tokens are eager's."""
+    p = subprocess.run([sys.executable, "tools/export.py", "--ckpt", "tests/fixtures/word_model.pt", "-o",
+                        str(tmp_path / "exported"), "--max-len", "64", "--audio", "data/mini/examples/en_asr_16k.wav"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "(same as eager decoding)" in p.stdout + p.stderr
+    assert (tmp_path / "exported" / "encoder.pt2").exists() and (tmp_path / "exported" / "decoder_step.pt2").exists()

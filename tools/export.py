@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
+from aed import load_model
 from aed.data_audio import LogMel, load_audio
-from aed.decode_search import DecodingOptions, decode
+from aed.decode_search import DecodingOptions, decode_features
 from aed.decode_static import MIN_FRAMES, ExportedAED, empty_cache, export_model
-from aed.decode_transcribe import load_model
 
 
 def largest_errors(model, encoder, step, max_len: int) -> tuple[float, float]:
@@ -85,8 +85,8 @@ def main(argv=None):
         prompt = torch.tensor([asr.tokenizer.prompt_ids(args.lang, args.lang, True)])
         options = DecodingOptions(max_new_tokens=max_len - prompt.size(1))  # both within the step's positions
         exported = ExportedAED(encoder.module(), step.module(), max_len)
-        got = decode(exported, feats, feat_lens, prompt, asr.tokenizer.eos, options)[0]
-        ref = decode(model, feats, feat_lens, prompt, asr.tokenizer.eos, options)[0]
+        got = decode_features(exported, feats, feat_lens, prompt, asr.tokenizer.eos, options)[0][0]
+        ref = decode_features(model, feats, feat_lens, prompt, asr.tokenizer.eos, options)[0][0]
         text = asr.tokenizer.decode_hypothesis(got)
         print(f"{args.audio}: {text!r} ({'same as' if got == ref else 'DIFFERENT from'} eager decoding)")
         if got != ref:

@@ -56,9 +56,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
+from aed import load_model
 from aed.data_audio import FeatureConfig
 from aed.data_tokenizer import BOS, EOS, PAD, UNK, SentencePieceBlock, SpecialBlock, Tokenizer
-from aed.decode_transcribe import load_model
 from aed.model import AED
 from aed.model_encoder import subsampled_length
 

@@ -50,9 +50,9 @@ sys.path.insert(0, ROOT)
 
 from convert_nemo import SPECIAL_BLOCK, ConversionError, check_features, rename  # noqa: E402
 
+from aed import load_model  # noqa: E402
 from aed.data_audio import FeatureConfig, LogMel  # noqa: E402
 from aed.data_tokenizer import UNK, SentencePieceBlock, SpecialBlock, Tokenizer  # noqa: E402
-from aed.decode_transcribe import load_model  # noqa: E402
 from aed.model import AEDConfig  # noqa: E402
 
 NEMO_VERSION = "3.0.0"  # the NeMo release this layout was checked against (tests/test_export_nemo.py)

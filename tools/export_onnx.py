@@ -46,12 +46,12 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
+from aed import load_model
 from aed.data_audio import FeatureConfig, LogMel, load_audio
 from aed.data_tokenizer import CONTEXT, EMO_UNDEFINED, NODIARIZE, NOITN, NOPNC, NOTIMESTAMP, PNC, Tokenizer
 from aed.decode_search import DecodingOptions, greedy_search
 from aed.decode_static import MIN_FRAMES
 from aed.decode_timestamps import frame_seconds
-from aed.decode_transcribe import load_model
 from aed.model import AED
 
 OPSET = 18  # the lowest opset torch's ONNX exporter writes; onnxruntime >= 1.14 runs it
