@@ -47,7 +47,8 @@ from aed.train_distributed import (all_reduce, cleanup, gather_objects, init_dis
 from aed.train_ema import ExponentialMovingAverage
 from aed.train_progress import Progress, RunLog, StepFlops, matmul_peak
 from aed.train_step import TrainingSetup, build_training_setup, compile_layers, count_targets, train_step
-from aed.train_validation import LISTENING_GAP, batch_listening_gap, evaluate, not_listening, whole_model
+from aed.train_validation import (LISTENING_GAP, batch_listening_gap, evaluate, listening_gaps, listens, not_listening,
+                                  whole_model)
 
 log = logging.getLogger("train")
 
@@ -343,16 +344,19 @@ def set_attention_guide(setup: TrainingSetup, batch, step: int, guide: GuideStat
 
 
 def validate(setup: TrainingSetup, val_names: dict, proc: Process, unreadable: Faults,
-             run_log: RunLog, step: int, ema: ExponentialMovingAverage | None) -> None:
-    """Every rank calls this at the same step (aed/train_validation.py); rank 0 logs and records it.
-    With an EMA of the weights, validation scores the EMA (what infer.py --ema decodes), swapped
-    into the model for the duration."""
+             run_log: RunLog, step: int, ema: ExponentialMovingAverage | None) -> dict:
+    """Every rank calls this at the same step (aed/train_validation.py); rank 0 logs and records it,
+    with `val/listening` (1 or 0: whether the decoder uses the audio on every set). With an EMA of
+    the weights, validation scores the EMA (what infer.py --ema decodes), swapped into the model for
+    the duration. Returns the results."""
     t0 = time.time()
     with ema.swapped(setup.model) if ema is not None else nullcontext():
         model = whole_model(setup.model, lambda: setup.objective.build(setup.cfg, setup.tokenizer.vocab_size))
         # train.skip_invalid is one switch for all of a run's manifests, validation's included
         res = evaluate(setup, model, val_names, proc.rank, proc.world_size, setup.cfg.train.skip_invalid, unreadable)
-    run_log.write({f"val/{k}": v for k, v in res.items()} | {"val/seconds": time.time() - t0}, step)
+    heard = listens(res)
+    run_log.write({f"val/{k}": v for k, v in res.items()} | {"val/seconds": time.time() - t0}
+                  | ({} if heard is None else {"val/listening": float(heard)}), step)
     for k, v in res.items():
         if isinstance(v, list):
             for line in v:
@@ -362,6 +366,23 @@ def validate(setup: TrainingSetup, val_names: dict, proc: Process, unreadable: F
     if step > 0:  # at step 0 no decoder listens yet
         for line in not_listening(res):
             log.warning("step %d: %s", step, line)
+    return res
+
+
+def report_listening(results: dict, step: int) -> None:
+    """The end of a run: whether the model it leaves uses the audio, from its last validation."""
+    gaps = listening_gaps(results)
+    if not gaps:
+        return
+    measured = ", ".join(f"{name} {gap:+.2f}" for name, gap in gaps.items())
+    if listens(results):
+        log.info("the final model (validated at step %d) uses the audio: its cross-entropy rises by %s nats/token "
+                 "with other utterances' audio", step, measured)
+    else:
+        log.warning("*** the final model (validated at step %d) does not use the audio: its cross-entropy changes by "
+                    "%s nats/token with other utterances' audio (under %g): it writes what a language model of the "
+                    "training text would. Train longer, guide the attention (train.attention_guide), or check that "
+                    "the transcripts belong to their audio (docs/training.md) ***", step, measured, LISTENING_GAP)
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -402,9 +423,10 @@ def main(argv: list[str] | None = None) -> None:
              f" of a {cfg.budget_flops:.4g} budget" if cfg.budget_flops else "")
     progress = Progress(device, proc.world_size, cfg, cfg.features.hop_length / cfg.features.sample_rate, peak,
                         step, flops)
+    last_validation = None  # (step, results) of the latest validation
     if step == 0 and cfg.val.every > 0:
         with progress.paused():
-            validate(setup, val_names, proc, unreadable, run_log, 0, ema)
+            last_validation = 0, validate(setup, val_names, proc, unreadable, run_log, 0, ema)
     step_flops, bad_steps = StepFlops(), 0
     loader = position.start()
 
@@ -457,7 +479,7 @@ def main(argv: list[str] | None = None) -> None:
         stop = stop_requested(received, device)
         if not stop and cfg.val.every > 0 and (step % cfg.val.every == 0 or last):
             with progress.paused():
-                validate(setup, val_names, proc, unreadable, run_log, step, ema)
+                last_validation = step, validate(setup, val_names, proc, unreadable, run_log, step, ema)
             stop = stop_requested(received, device)
         if stop or step % cfg.ckpt_every == 0 or last:
             save(writer, setup, position, step, progress.total_flops, proc, ema, guide)
@@ -468,6 +490,9 @@ def main(argv: list[str] | None = None) -> None:
         if stop:
             log.info("stopping on signal at step %d; rerun the same command to resume", step)
             break
+
+    if proc.master and last_validation is not None and last_validation[0] == step and step > 0:
+        report_listening(last_validation[1], step)
 
     # --- clean up
     if skipped := data.skipped(unreadable):  # readers', sampler's and batches' skips, on this rank

@@ -193,6 +193,19 @@ def listening(name: str, parts: list) -> dict:
     return results | {f"{name}/ce_gap_{lang}": (t[1] - t[0]) / t[2] for lang, t in sorted(total.items()) if t[2]}
 
 
+def listening_gaps(results: dict) -> dict:
+    """{validation set: its cross-entropy with other utterances' audio minus with its own} (nats per
+    token), for the sets where validation measured both."""
+    return {key[:-len("/ce")]: results[f"{key}_other_audio"] - own for key, own in results.items()
+            if key.endswith("/ce") and f"{key}_other_audio" in results}
+
+
+def listens(results: dict) -> bool | None:
+    """Whether the decoder uses the audio on every validation set that measured it (None: none did)."""
+    gaps = listening_gaps(results)
+    return None if not gaps else all(gap >= LISTENING_GAP for gap in gaps.values())
+
+
 def not_listening(results: dict) -> list[str]:
     """Warnings, one per validation set, where the decoder's cross-entropy barely changes when it is
     given other utterances' audio: it predicts the text from the text alone."""

@@ -293,6 +293,27 @@ def test_tiny_config_learns_to_transcribe_unseen_digit_strings(tmp_path):
     wer = {r["step"]: r["val/dev/wer"] for r in rows if "val/dev/wer" in r}
     assert sorted(wer) == [0, 300]
     assert wer[0] >= 95 and wer[300] < 80, wer
+    # A run that learned from its audio ends saying so (the other side: a run on shuffled transcripts).
+    assert [r["val/listening"] for r in rows if "val/listening" in r] == [0.0, 1.0]
+    assert "the final model (validated at step 300) uses the audio" in p.stderr
+
+
+@pytest.mark.slow(seconds=20)
+def test_a_run_whose_text_does_not_depend_on_the_audio_ends_saying_its_model_does_not_listen(tmp_path):
+    """The transcripts of the digits set given to other utterances' audio: no decoder can use the
+    audio, and the run's last validation says so, in metrics.jsonl (val/listening 0) and in one
+    line at the end of the run."""
+    digits = os.path.join(ROOT, "data", "mini", "digits")
+    rows = [json.loads(line) for line in open(os.path.join(digits, "train.jsonl"))]
+    texts = [r["text"] for r in rows]
+    shuffled = [dict(r, text=texts[(i * 7 + 3) % len(texts)], audio_filepath=os.path.join(digits, r["audio_filepath"]))
+                for i, r in enumerate(rows)]
+    (tmp_path / "deaf.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shuffled))
+    p = run_train(tmp_path / "run", "max_steps=6", "val.every=6", f"train.manifests=[{tmp_path / 'deaf.jsonl'}]",
+                  "val.manifests=[data/mini/digits/dev.jsonl]", "val.max_utterances=16")
+    logged = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["val/listening"] for r in logged if "val/listening" in r] == [0.0, 0.0]  # steps 0 and 6
+    assert "*** the final model (validated at step 6) does not use the audio" in p.stderr
 
 
 @pytest.mark.slow
