@@ -35,7 +35,7 @@ import torch
 
 from aed.config import ConfigError, to_dict
 from aed.data_manifest import Faults, ManifestError
-from aed.data_sources import KINDS, spec_kind
+from aed.data_sources import KINDS, as_entry, spec_kind
 from aed.memory_measure import format_bytes, parse_bytes
 from aed.memory_oomptimizer import MemoryBudgetError, TrainingStep, preflight
 from aed.train_checkpoint import (Checkpoint, CheckpointError, CheckpointWriter, init_from_checkpoint, load_latest,
@@ -76,7 +76,7 @@ def val_set_names(specs: list) -> dict:
     """Metric prefix per validation set: its file stem, or folder_stem when stems repeat
     (data/mini/dev.jsonl and data/mini/digits/dev.jsonl -> mini_dev, digits_dev). A Shar or shard
     directory is named by the directory, a NeMo set or parquet files by the folder that holds them."""
-    paths = [spec if isinstance(spec, str) else named_path(spec) for spec in specs]
+    paths = [named_path(as_entry(spec)) for spec in specs]
     stems = [os.path.splitext(os.path.basename(p))[0] for p in paths]
     names = [f"{os.path.basename(os.path.dirname(os.path.abspath(p)))}_{s}" if stems.count(s) > 1 else s
              for p, s in zip(paths, stems)]
@@ -86,7 +86,7 @@ def val_set_names(specs: list) -> dict:
 
 
 def named_path(spec: dict) -> str:
-    """The path that names a streamed validation entry (aed/data_sources.py)."""
+    """The path that names a validation entry (`as_entry`'s dict; aed/data_sources.py)."""
     kind = spec_kind(spec)
     if kind in ("shar", "shards", "manifest"):
         return os.path.normpath(spec[KINDS[kind][0]])

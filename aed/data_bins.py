@@ -26,7 +26,7 @@ from collections import Counter
 from aed.data_audio import FeatureConfig, num_frames
 from aed.data_batch import ROUNDING_SLACK, encode_utterance
 from aed.data_manifest import Faults, ManifestError, Utterance, manifest_lines, parse_line
-from aed.data_sources import metadata, open_source, source_faults, spec_kind
+from aed.data_sources import as_entry, metadata, open_source, source_faults, spec_kind
 from bins import Bins, estimate_bins
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def spec_rows(spec, faults: Counter):
     as training reads them, .gz too; parsed by training's `parse_line` only when sampled), or a
     streamed source's checked example fields; what the source skips is added to `faults`."""
     if spec_kind(spec) == "manifest":
-        path = spec if isinstance(spec, str) else spec["path"]
+        path = as_entry(spec)["path"]
         base = os.path.dirname(os.path.abspath(path))
         for where, line in manifest_lines(path):
             yield where, base, line

@@ -41,7 +41,7 @@ from pathlib import Path
 from aed.config import ConfigError
 from aed.data_manifest import Utterance
 from aed.data_shards import ShardSource
-from aed.data_sources import KINDS, metadata, spec_kind
+from aed.data_sources import KINDS, as_entry, metadata, spec_kind
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,7 @@ def temperature_shares(hours: dict, temperature: float) -> dict:
 
 def entry_name(spec) -> str:
     """The path (or directory, glob) that names a train.manifests entry in logs and errors."""
-    if isinstance(spec, str):
-        return spec
+    spec = as_entry(spec)
     return str(spec[KINDS[spec_kind(spec)][0]])
 
 
@@ -68,7 +67,7 @@ def utterance_language(u: Utterance) -> str:
 
 def group_of(spec, u: Utterance | None = None) -> tuple[str, str]:
     """(dataset, language) of an example of `spec` (u None: a streamed entry, its language tag or "*")."""
-    spec = {"path": spec} if isinstance(spec, str) else spec
+    spec = as_entry(spec)
     dataset = spec.get("dataset", entry_name(spec))
     if spec.get("nonspeech"):
         return dataset, "nonspeech"

@@ -96,6 +96,12 @@ def parse_spec(text: str):
     return text
 
 
+def as_entry(spec) -> dict:
+    """A train.manifests entry as a dict, checked (`spec_kind`): a bare path is {"path": path}."""
+    spec_kind(spec)
+    return {"path": spec} if isinstance(spec, str) else spec
+
+
 def is_streamed(spec) -> bool:
     return spec_kind(spec) != "manifest"
 

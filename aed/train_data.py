@@ -23,7 +23,7 @@ from aed.data_batch import Collate, ExampleDataset, encodable, fit_decoder, igno
 from aed.data_manifest import Faults, ManifestError, check_audio, nonspeech_fields, read_manifest, read_rows
 from aed.data_mixing import (MixLog, Tagged, audio_shares, group_of, nonspeech_examples, stream_weights,
                              temperature_mix)
-from aed.data_sources import CountTokens, is_streamed, open_source, source_faults, spec_kind
+from aed.data_sources import CountTokens, as_entry, is_streamed, open_source, source_faults, spec_kind
 from aed.data_stream import MixedSource
 from aed.decode_segment import EDGE_SAMPLE, edge_silence
 from aed.train_config import TrainConfig
@@ -53,7 +53,7 @@ def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_
     for spec in specs:
         if spec_kind(spec) != "manifest":
             raise ConfigError(f"train.manifests entry {spec!r} is streamed: every entry must then be streamed")
-        spec = {"path": spec} if isinstance(spec, str) else spec
+        spec = as_entry(spec)
         if spec.get("nonspeech"):
             if tokenizer is None:
                 raise ConfigError(f"train.manifests entry {spec['path']}: non-speech examples teach the decoder to "
@@ -248,7 +248,7 @@ def compiled_shapes(cfg: TrainConfig, bins: Bins, reads_text: bool) -> list | No
 def epoch_mix_log(train, utts: list, world_size: int) -> MixLog | None:
     """The realised-mix log of in-memory manifests mixed by weight, temperature or with non-speech
     entries: a line per this rank's share of a pass, beside the pass's expected composition."""
-    specs = [{"path": s} if isinstance(s, str) else s for s in train.manifests]
+    specs = [as_entry(s) for s in train.manifests]
     if train.mix_temperature is None and not any(s.get("nonspeech") or "weight" in s for s in specs):
         return None
     by_path = {s["path"]: s for s in specs}

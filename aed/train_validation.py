@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from aed.data_audio import LogMel
 from aed.data_batch import Collate, ExampleDataset, as_utterance, duration_batches, encodable, fit_decoder
 from aed.data_manifest import Faults, read_manifest
-from aed.data_sources import metadata, open_source, spec_kind
+from aed.data_sources import as_entry, metadata, open_source, spec_kind
 from aed.decode_score import corpus_scores
 from aed.decode_search import DecodingOptions
 from aed.decode_static import CompiledAED
@@ -118,7 +118,7 @@ def val_dataset(spec, max_utterances: int | None, tokenizer, logmel: LogMel, ski
     first `max_utterances` in file order are used. tokenizer None: audio only (objective=ssl).
     Utterances over `max_tokens` (model.dec_max_len) are dropped and counted, as training drops them."""
     if spec_kind(spec) == "manifest":
-        path = spec if isinstance(spec, str) else spec["path"]
+        path = as_entry(spec)["path"]
         utts = read_manifest(path, skip_invalid, needs_text=tokenizer is not None)[:max_utterances]
         if tokenizer is not None:
             utts, num_tokens = encodable(utts, tokenizer, skip_invalid)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from aed.data_audio import AudioError  # noqa: E402
 from aed.data_batch import decode_audio, file_audio  # noqa: E402
 from aed.data_manifest import AUDIO_LENGTH, DURATION_TOLERANCE, Faults, iter_manifest  # noqa: E402
-from aed.data_sources import CountTokens, open_source, parse_spec, source_faults, spec_kind  # noqa: E402
+from aed.data_sources import CountTokens, as_entry, open_source, parse_spec, source_faults, spec_kind  # noqa: E402
 from aed.data_tokenizer import Tokenizer  # noqa: E402
 
 SAMPLE_RATE = 16000
@@ -37,7 +37,7 @@ def examples(spec, tokenizer):
     """(id, fields, a function giving the 16 kHz samples, checked against the duration as training
     checks them) per example, in file order, and the Faults that say what the reading skipped."""
     if spec_kind(spec) == "manifest":
-        path = spec if isinstance(spec, str) else spec["path"]
+        path = as_entry(spec)["path"]
         faults = Faults()
 
         def manifest_items():
