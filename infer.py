@@ -52,8 +52,9 @@ from aed.decode_score import NORMALIZERS
 from aed.decode_search import DecodingOptions
 from aed.decode_stream import POLICIES, StreamConfig, Streamer, stream_latency, stream_requests
 from aed.decode_timestamps import srt, to_segments, webvtt
-from aed.decode_transcribe import (check_loading, check_settings, expand_inputs, known_languages, load_model,
-                                   make_request, read_requests, score, transcribe)
+from aed.decode_transcribe import (check_settings, expand_inputs, known_languages, make_request, read_requests, score,
+                                   transcribe)
+from aed.model_checkpoint import check_loading, load_model
 
 
 def parse_args(argv: list[str] | None = None):

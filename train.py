@@ -38,8 +38,9 @@ from aed.data_manifest import Faults, ManifestError
 from aed.data_sources import KINDS, as_entry, spec_kind
 from aed.memory_measure import format_bytes, parse_bytes
 from aed.memory_oomptimizer import MemoryBudgetError, TrainingStep, preflight
-from aed.train_checkpoint import (Checkpoint, CheckpointError, CheckpointWriter, init_from_checkpoint, load_latest,
-                                  load_training_state, pack_dir, rng_state, set_rng_state, training_tensors)
+from aed.model_checkpoint import Checkpoint, CheckpointError, load_latest, pack_dir
+from aed.train_checkpoint import (CheckpointWriter, init_from_checkpoint, load_training_state, rng_state, set_rng_state,
+                                  training_tensors)
 from aed.train_config import help_text, load_train_config
 from aed.train_data import TrainingData, build_training_data
 from aed.train_distributed import (all_reduce, cleanup, gather_objects, init_distributed, is_distributed, peer_lost,

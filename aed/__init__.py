@@ -8,19 +8,20 @@
     stream = aed.Streamer(model, aed.StreamConfig(chunk=1.0)).open(source_lang="en")
     stream.feed(samples); stream.finish(); print(stream.text)   # mono float samples at 16 kHz, any pieces
 
-The package, one module per concept, in the order data flows through it. A module imports only
-modules of its own group or of the groups above it; the two exceptions are named below.
+The package, one module per concept, in layers: inference at the base, training on top of it. Each
+module imports only modules listed above it here (tests/test_layers.py checks it), so `import aed`
+for decoding loads no training code.
 
 config              typed dataclass configs: defaults, then YAML files, then key=value overrides
-data in
+data
   data_audio        audio files -> log-mel features (NeMo's), SpecAugment
   data_tokenizer    special tokens + SentencePiece models in one id space, Canary prompts
   data_manifest     JSONL manifest lines -> checked Utterances; everything skipped counted (Faults)
   data_augment      degrading training audio on the fly: rooms, noise, gain, clipping, low-pass, codecs
   data_batch        an example -> its item (audio checked, features, ids) -> a padded Batch
   data_stream       what the streamed readers share: shard order and resume cursors, mixing
-  data_shards       aed's own tar shards
   data_tarred       NeMo tarred datasets and Lhotse Shar, read in place
+  data_shards       aed's own tar shards
   data_parquet      Hugging Face parquet, read in place
   data_sources      a train.manifests entry -> its reader
   data_mixing       temperature shares of sources and languages, non-speech examples, the realised mix
@@ -28,41 +29,40 @@ data in
 model
   model_encoder     FastConformer encoder (NeMo's layout: Canary weights convert 1:1)
   model_decoder     Transformer decoder with its KV cache
+  model             the AED: encoder + decoder + optional CTC head, its AEDConfig and losses
   model_transducer  transducer (RNN-T) head and loss
   model_ssl         BEST-RQ self-supervised encoder pretraining
-  model             the AED: encoder + decoder + optional CTC head, its AEDConfig and losses
-training
-  train_config      TrainConfig and its sections: what train.py and oom.py read
-  train_objective   the three objectives (aed, rnnt, ssl): what objective=... changes
-  train_distributed torchrun ranks, DDP and FSDP2
-  train_checkpoint  DCP checkpoints: save, find the newest valid one, load
-  train_step        the training step and what it is made of (model, optimizer, LR, precision)
-  train_data        a run's training data: sources, sampler, DataLoader
-  train_ema         the exponential moving average of the weights
-  train_progress    the progress line, metrics.jsonl, TensorBoard, FLOPs and MFU
-  train_validation  dev loss, WER per language and BLEU per pair during training
+  model_static      the decoder step on fixed-shape buffers: compiled, CUDA graphs, torch.export
+  model_checkpoint  a checkpoint on disk -> the model, tokenizer and features (load_model)
 decoding
   decode_search     features -> hypotheses: batched greedy and beam search, joint with CTC prefix scores
-  decode_static     the decoder step on fixed-shape buffers: compiled, CUDA graphs, torch.export
-  decode_segment    where the speech is: long audio cut at its pauses (offline and streamed)
   decode_timestamps word and segment times, force-aligned to the CTC head
+  decode_segment    where the speech is: long audio cut at its pauses (offline and streamed)
   decode_merge      joining the hypotheses of overlapping chunks of a long file
   decode_score      WER and BLEU, and the text normalisers leaderboards use
-  decode_transcribe files -> Results: the API behind infer.py (load_model, transcribe)
+  decode_transcribe files -> Results: the API behind infer.py (transcribe)
   decode_stream     streams: decoding while the audio arrives (wait-k, AlignAtt), and its latency
+training
+  train_distributed torchrun ranks, DDP and FSDP2
+  train_objective   the three objectives (aed, rnnt, ssl): what objective=... changes
+  train_config      TrainConfig and its sections: what train.py and oom.py read
+  train_checkpoint  a run's checkpoints written (DCP, completion marker) and its state loaded back
+  train_step        the training step and what it is made of (model, optimizer, LR, precision)
+  train_ema         the exponential moving average of the weights
+  train_data        a run's training data: sources, sampler, DataLoader
+  train_progress    the progress line, metrics.jsonl, TensorBoard, FLOPs and MFU
+  train_validation  dev loss, WER per language and BLEU per pair during training
 memory
   memory_measure    peak memory of a step, on the real device or a simulated CUDA device
   memory_oomptimizer the largest batch of every bucket (oom.py), and the memory model
 
-Exceptions to the order: decoding reads checkpoints (decode_transcribe -> train_checkpoint), and
-training decodes to validate (train_config, train_objective, train_validation -> decode_*) and
-measures its utterances' edge silence as decoding finds speech (train_data -> decode_segment).
 The scripts at the top level use the package: train.py, infer.py, oom.py. The package uses two
 top-level modules that import nothing from it, `sampler.py` and `bins.py` (2D bucketing: the
 sampler, the bins and their allocation), so that they can be copied into another codebase alone.
 """
 from aed.decode_search import DecodingOptions
 from aed.decode_stream import StreamConfig, Streamer
-from aed.decode_transcribe import load_model, transcribe
+from aed.decode_transcribe import transcribe
+from aed.model_checkpoint import load_model
 
 __all__ = ["DecodingOptions", "StreamConfig", "Streamer", "load_model", "transcribe"]

@@ -39,8 +39,8 @@ The searches. `prompt` (B, P) holds the same-length Canary prompt per utterance 
 <|tgt|><|pnc|>`); the result is, per utterance, the generated ids after the prompt, without EOS.
 Both searches run one batched decoder step per token for the whole batch, keep finished rows at EOS,
 and look at the device (to stop early) only every SYNC_EVERY steps. `model` is an AED, an
-aed.decode_static.CompiledAED of one (the same steps: cfg, encode_with_ctc, new_cache, decode_step, on a
-fixed-shape cache, compiled), or an aed.decode_static.ExportedAED of its torch.export programs: these
+aed.model_static.CompiledAED of one (the same steps: cfg, encode_with_ctc, new_cache, decode_step, on a
+fixed-shape cache, compiled), or an aed.model_static.ExportedAED of its torch.export programs: these
 loops are the only decoding loops, and the searches cannot tell the three apart.
 
 An attention decoder trained on little data babbles: it repeats a word until the length limit. Three

@@ -207,7 +207,7 @@ class Streamer:
 
     def __init__(self, loaded, config: StreamConfig = StreamConfig(), options: DecodingOptions = DecodingOptions(),
                  partials: bool = False):
-        """loaded: an `aed.decode_transcribe.LoadedModel`. options: the limits of the search
+        """loaded: an `aed.model_checkpoint.LoadedModel`. options: the limits of the search
         (max_repeats, max_tokens_per_second, max_delta, max_new_tokens); greedy only. partials: go on
         decoding what the policy holds back, up to the chunk's cap of tokens, into `Stream.partial`
         (for a caption's grey tail: more decoder steps, the same committed tokens)."""

@@ -1,7 +1,8 @@
 """Batched transcription and translation of audio files: the Python API behind infer.py.
 
     from aed.decode_search import DecodingOptions
-    from aed.decode_transcribe import load_model, transcribe, read_requests, score
+    from aed.decode_transcribe import transcribe, read_requests, score
+    from aed.model_checkpoint import load_model
     loaded = load_model("runs/tiny")                         # a checkpoint file, or a run dir (newest)
     results, timings = transcribe(loaded, ["a.wav", "clips/"], source_lang="en")
     results, timings = transcribe(loaded, read_requests("test.jsonl"), DecodingOptions(beam_size=4))
@@ -41,16 +42,14 @@ import logging
 import math
 import os
 import time
-import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import soundfile as sf
 import torch
-from torch import nn
 
-from aed.data_audio import FFMPEG_EXTENSIONS, AudioError, FeatureConfig, LogMel, audio_seconds, load_audio, num_frames
+from aed.data_audio import FFMPEG_EXTENSIONS, AudioError, LogMel, audio_seconds, load_audio, num_frames
 from aed.data_batch import duration_batches
 from aed.data_manifest import PROMPT_TASKS, check_task, read_rows, request_fields
 from aed.data_tokenizer import Tokenizer
@@ -58,115 +57,12 @@ from aed.decode_merge import Chunk, MergeStats, merge_chunks
 from aed.decode_score import corpus_scores
 from aed.decode_search import DecodingOptions, decode_features
 from aed.decode_segment import EDGE, frame_db, plan_segments, speech_frames
-from aed.decode_static import CompiledAED
 from aed.decode_timestamps import Word, align, feasible, frame_seconds, snap_to_speech, to_segments, to_words
-from aed.model import AED
-from aed.train_checkpoint import (INFERENCE_KEYS, Checkpoint, average_checkpoints, is_checkpoint,
-                                  model_from_checkpoint, read_checkpoint_or_run, read_ema)
+from aed.model_checkpoint import LoadedModel
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK = 40.0  # seconds per chunk for a checkpoint that does not record its training maximum
-
-
-# --- the model --------------------------------------------------------------------------------
-
-
-@dataclass
-class LoadedModel:
-    """What `load_model` returns: a model ready to decode and what it needs to read audio and text."""
-
-    model: AED  # eval mode, on its device
-    tokenizer: Tokenizer
-    features: FeatureConfig
-    path: str  # the checkpoint file that was loaded
-    max_train_duration: float | None = None  # longest utterance it was trained on (s); None: not recorded
-    edge_silence: tuple | None = None  # (before, after) s of silence around its training utterances' speech
-    compiled: CompiledAED | None = None  # the model with a compiled decoder step, which decoding then uses
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-
-def quantize_int8(model: AED) -> AED:
-    """`model` with int8 weights in every nn.Linear of encoder and decoder (activations quantized per
-    call: torch's dynamic quantization), for CPUs: a batch-1 decoder step reads every weight once per
-    token, and int8 weights are a quarter of the bytes. In place: a copy of the fp32 weights beside the
-    int8 ones would double the memory the model needs while it loads. One scale per output channel,
-    which keeps the WER of fp32 where one per matrix does not (docs/inference.md). Convolutions, norms
-    and the embedding stay fp32 (the tied output projection gets its own int8 copy). CPU only: the
-    kernels are fbgemm/oneDNN."""
-    check_loading(next(model.parameters()).device, compile=False, int8=True)
-    # torch.ao.quantization warns that it is deprecated in favour of torchao; it is still in torch, and
-    # its eager int8 Linear is the one bench/infer_speed_bench.py measures.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
-        qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
-        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear: qconfig}, dtype=torch.qint8, inplace=True)
-
-
-def check_loading(device, compile: bool, int8: bool, average: int = 1, ema: bool = False) -> None:
-    """ValueError unless `load_model` can load with these settings; infer.py calls it before any work."""
-    if ema and average > 1:
-        raise ValueError("--ema and --average do not combine: the EMA is itself an average of the weights over the "
-                         "last steps; decode one checkpoint's EMA")
-    if compile and int8:
-        raise ValueError("int8 and compile do not combine: torch.compile cannot trace torch's int8 Linear "
-                         "into one graph; on a CPU at batch 1, int8 is the faster of the two")
-    if int8 and torch.device(device).type != "cpu":
-        raise ValueError("int8 weights run on CPUs only (torch's dynamic int8 Linear kernels); on a GPU use bf16")
-
-
-def load_model(path: str, device="cpu", *, compile: bool = False, int8: bool = False, average: int = 1,
-               ema: bool = False) -> LoadedModel:
-    """A checkpoint (a train.py `ckpt-*` directory or a single file), or a run directory (its newest
-    valid checkpoint: a truncated newer one is skipped with a warning naming it), ready for inference.
-    average > 1: the mean weights of a run directory's newest `average` valid checkpoints.
-    ema: the checkpoint's EMA of the weights (train.py's ema_decay, aed/train_ema.py) in place of its
-    weights; buffers (BatchNorm statistics) and frozen parameters, which it does not average, are the
-    checkpoint's own. CheckpointError when it has none; not with average (`check_loading`).
-
-    compile: decode with a compiled decoder step (aed/decode_static.py), compiled on the first batch of each
-    shape bucket. int8: int8 Linear weights (`quantize_int8`), CPU only; the two do not combine (torch
-    cannot trace the int8 Linear into one graph)."""
-    check_loading(device, compile, int8, average, ema)
-    if average > 1:
-        if not os.path.isdir(path) or is_checkpoint(path):
-            raise ValueError(f"{path}: averaging needs a run directory (its newest checkpoints are averaged)")
-        averaged, ckpt = average_checkpoints(path, average)
-        log.info("averaged the weights of %s", ", ".join(map(os.path.basename, averaged)))
-        path = averaged[-1]
-    else:
-        path, ckpt = read_checkpoint_or_run(path, INFERENCE_KEYS)
-    model, tokenizer, features = model_from_checkpoint(ckpt, device)
-    if ema:  # by parameter, as training kept it: a tied weight (the output projection) is one parameter
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, weight in read_ema(path).items():
-                params[name].copy_(weight)
-        log.info("decoding the EMA of the weights of %s", path)
-    if int8:
-        model = quantize_int8(model)
-    trained = Checkpoint.from_dict(ckpt)
-    return LoadedModel(model, tokenizer, features, path, trained.max_train_duration,
-                       trained.edge_silence and tuple(trained.edge_silence), CompiledAED(model) if compile else None)
-
-
-def chunk_length(loaded: LoadedModel, chunk_seconds: float | None) -> float:
-    """Seconds per chunk of a long input: `chunk_seconds` when given, else the longest utterance
-    the model was trained on (an attention model trained on short utterances drops most of the
-    words of much longer ones), else 40 s (Canary's training maximum). A chunk longer than the
-    training maximum gets a warning."""
-    trained = loaded.max_train_duration
-    if chunk_seconds is None:
-        return trained if trained is not None else DEFAULT_CHUNK
-    if trained is not None and chunk_seconds > trained:
-        log.warning("chunks of up to %.1f s, but %s was trained on utterances of at most %.1f s: expect "
-                    "dropped words; leave the chunk length unset to use the training maximum",
-                    chunk_seconds, loaded.path, trained)
-    return chunk_seconds
 
 
 # --- inputs -----------------------------------------------------------------------------------
@@ -305,6 +201,21 @@ def score(results: list[Result], normalizer: str = "simple") -> dict:
 
 
 # --- planning: durations and chunks -----------------------------------------------------------
+
+
+def chunk_length(loaded: LoadedModel, chunk_seconds: float | None) -> float:
+    """Seconds per chunk of a long input: `chunk_seconds` when given, else the longest utterance
+    the model was trained on (an attention model trained on short utterances drops most of the
+    words of much longer ones), else 40 s (Canary's training maximum). A chunk longer than the
+    training maximum gets a warning."""
+    trained = loaded.max_train_duration
+    if chunk_seconds is None:
+        return trained if trained is not None else DEFAULT_CHUNK
+    if trained is not None and chunk_seconds > trained:
+        log.warning("chunks of up to %.1f s, but %s was trained on utterances of at most %.1f s: expect "
+                    "dropped words; leave the chunk length unset to use the training maximum",
+                    chunk_seconds, loaded.path, trained)
+    return chunk_seconds
 
 
 BLOCK_SECONDS = 60.0  # a long file's energies are read this much at a time: memory bounded by the block

@@ -23,7 +23,7 @@ class KVCache:
     """Decoding state of R rows (utterances, or utterances x beams), in gpt-fast's manner: preallocated
     buffers that every step writes at its positions, read by one decoder forward
     (`TransformerDecoder.forward_cached`) for the prompt chunk and for each later token. Eager,
-    compiled (aed/decode_static.py `CompiledAED`) and exported (`StepProgram`) decoding all use it.
+    compiled (aed/model_static.py `CompiledAED`) and exported (`StepProgram`) decoding all use it.
 
     keys, values: L tensors (R, H, U_max, d_k) each, the self-attention keys and values of each layer.
         Separate tensors, or views of one (L, 2, R, H, U_max, d_k) tensor where nothing compiles them:

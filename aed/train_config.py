@@ -160,7 +160,7 @@ class ValConfig:
     num_examples: int = 4  # transcripts shown in the log and TensorBoard
     ctc_weight: float = DecodingOptions.ctc_weight  # joint CTC/attention decoding weight for models with a CTC head (infer.py's default too); 0: attention only
     normalizer: str = "simple"  # WER text normaliser: simple (case, punctuation) | whisper (the leaderboards', aed/decode_score.py)
-    compile: bool = False  # decode with a compiled decoder step (aed/decode_static.py; infer.py --compile): the same tokens, compiled at the first validation; pays on GPUs
+    compile: bool = False  # decode with a compiled decoder step (aed/model_static.py; infer.py --compile): the same tokens, compiled at the first validation; pays on GPUs
 
     def __post_init__(self):
         if self.normalizer not in NORMALIZERS:

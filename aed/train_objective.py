@@ -44,7 +44,7 @@ class Objective:
     reads_text: bool  # False: audio-only manifests, 1D (duration) buckets, no token bound in oom.py
     spec_augment: bool  # False: the objective masks its input itself (BEST-RQ)
     describe_head: Callable[..., str]  # TrainConfig -> what sits on the encoder, in words, for the start-up log
-    compiles: bool = False  # its validation decoding steps a KV cache that val.compile can compile (aed/decode_static.py)
+    compiles: bool = False  # its validation decoding steps a KV cache that val.compile can compile (aed/model_static.py)
 
 
 OBJECTIVES = {

@@ -36,8 +36,8 @@ from aed.data_audio import SpecAugment
 from aed.data_bins import bucket_shapes
 from aed.data_tokenizer import Tokenizer
 from aed.model import AED, infeasible, param_groups, text_targets
+from aed.model_checkpoint import Checkpoint, CheckpointError, read_checkpoint
 from aed.model_encoder import subsampled_length
-from aed.train_checkpoint import Checkpoint, CheckpointError, read_checkpoint
 from aed.train_config import OptimConfig, TrainConfig, load_train_config, resolve_model
 from aed.train_distributed import is_distributed, peer_lost, shard, world_size
 from aed.train_objective import OBJECTIVES, Objective

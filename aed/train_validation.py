@@ -23,8 +23,8 @@ from aed.data_manifest import Faults, read_manifest
 from aed.data_sources import as_entry, metadata, open_source, spec_kind
 from aed.decode_score import corpus_scores
 from aed.decode_search import DecodingOptions
-from aed.decode_static import CompiledAED
 from aed.decode_timestamps import frame_seconds
+from aed.model_static import CompiledAED
 from aed.train_distributed import all_gather_objects, all_reduce, full_copy
 from aed.train_step import autocast, count_ctc_skipped, train_mode
 

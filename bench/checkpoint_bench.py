@@ -36,8 +36,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from aed.train_checkpoint import (begin_checkpoint, publish_checkpoint, quiet_single_process, read_checkpoint,  # noqa: E402
-                            training_tensors, write_meta)
+from aed.model_checkpoint import quiet_single_process, read_checkpoint  # noqa: E402
+from aed.train_checkpoint import begin_checkpoint, publish_checkpoint, training_tensors, write_meta  # noqa: E402
 from aed.train_config import OptimConfig  # noqa: E402
 from aed.model import AED, AEDConfig  # noqa: E402
 from aed.train_step import build_optimizer  # noqa: E402

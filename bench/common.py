@@ -198,7 +198,7 @@ def fixed_work(model, tokenizer):
     import torch
 
     from aed.data_audio import FeatureConfig
-    from aed.decode_transcribe import LoadedModel
+    from aed.model_checkpoint import LoadedModel
 
     with torch.no_grad():
         model.decoder.output_proj.bias[tokenizer.eos] = -1e9

@@ -38,7 +38,7 @@ Every system gets the same audio, the same number of decoded tokens (every utter
 
 1. Decoder step: ms per step of the Canary layouts' decoders (both 4 x 1024; canary-180m-flash's encoder
    is 17 x 512, canary-1b-flash's 32 x 1024), 100 encoder frames, at batch 1 and 16: eager, compiled (the
-   static cache, aed/decode_static.py) and int8 weights (aed.decode_transcribe.quantize_int8); the systems
+   static cache, aed/model_static.py) and int8 weights (aed.model_checkpoint.quantize_int8); the systems
    take turns, the fastest of --repeats runs kept. GB/s: the weight bytes a batch-1 step reads per second,
    beside the CPU's read bandwidth (summing 512 MB), the rate a step bound by reading its weights cannot beat.
 2. Short utterances: --utterances generated files of --min-seconds to --max-seconds through the real
@@ -110,10 +110,11 @@ from common import (LAYOUTS, MINI_TOKENIZER, PRESETS, add_device_args, add_width
 
 from aed.data_tokenizer import Tokenizer
 from aed.decode_search import DecodingOptions
-from aed.decode_static import CompiledAED
-from aed.decode_transcribe import LoadedModel, Timings, quantize_int8, transcribe
+from aed.decode_transcribe import Timings, transcribe
 from aed.model import AED, count_parameters
+from aed.model_checkpoint import LoadedModel, quantize_int8
 from aed.model_encoder import subsampled_length
+from aed.model_static import CompiledAED
 
 WHISPER = {  # size: (d_model, layers of encoder and of decoder, heads), as in openai/whisper
     "base": (512, 6, 8), "small": (768, 12, 12), "medium": (1024, 24, 16)}

@@ -25,7 +25,8 @@ from common import add_device_args, device_from_args, load_avg, log, print_json,
 
 from aed.decode_score import simple
 from aed.decode_search import DecodingOptions
-from aed.decode_transcribe import load_model, read_requests, score, transcribe
+from aed.decode_transcribe import read_requests, score, transcribe
+from aed.model_checkpoint import load_model
 
 SETTINGS = {  # name: DecodingOptions fields other than beam_size
     "attention": dict(ctc_weight=0.0, max_repeats=0, max_tokens_per_second=None),

@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # the fixtures
 
 import aed.decode_transcribe  # noqa: E402
-from aed.decode_transcribe import Request, load_model, plan_chunks, transcribe  # noqa: E402
+from aed.decode_transcribe import Request, plan_chunks, transcribe  # noqa: E402
+from aed.model_checkpoint import load_model  # noqa: E402
 from aed.decode_timestamps import snap_to_speech  # noqa: E402
 from common import ROOT, log, print_json, print_table  # noqa: E402
 from fixtures.make_word_model import SAMPLE_RATE, load_clips, word_sequence  # noqa: E402

@@ -30,7 +30,8 @@ from aed.decode_score import simple
 from aed.decode_search import DecodingOptions
 from aed.data_audio import load_audio
 from aed.decode_stream import StreamConfig, Streamer, average_lagging, spoken_ends, stream_requests
-from aed.decode_transcribe import load_model, make_request, transcribe
+from aed.decode_transcribe import make_request, transcribe
+from aed.model_checkpoint import load_model
 from common import log, print_json, print_table
 
 

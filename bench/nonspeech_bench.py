@@ -44,7 +44,8 @@ def main(argv=None):
     from aed.data_augment import add_noise
     from aed.decode_score import wer
     from aed.decode_search import DecodingOptions
-    from aed.decode_transcribe import Request, load_model, read_requests, transcribe
+    from aed.decode_transcribe import Request, read_requests, transcribe
+    from aed.model_checkpoint import load_model
 
     speech, clips = read_requests(args.manifest), manifest_rows(args.clips)
     music = [load_audio(r["audio_filepath"]) for r in manifest_rows(args.music)]

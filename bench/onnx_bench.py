@@ -49,7 +49,7 @@ def make_checkpoint(config: Path, enc_layers: int | None, path: Path) -> None:
     from aed.data_audio import FeatureConfig
     from aed.data_tokenizer import Tokenizer
     from aed.model import AED, AEDConfig
-    from aed.train_checkpoint import pack_dir
+    from aed.model_checkpoint import pack_dir
 
     tokenizer = Tokenizer.load(MINI_TOKENIZER)  # canary2 prompts, as sherpa-onnx builds them
     tokenizer.save(path.parent / "tokenizer")
@@ -104,7 +104,7 @@ def feature_agreement(ckpt: str, rows: list) -> dict:
     from aed.data_audio import LogMel, load_audio
     from aed.decode_search import DecodingOptions, greedy_search
     from aed.decode_timestamps import frame_seconds
-    from aed.decode_transcribe import load_model
+    from aed.model_checkpoint import load_model
 
     asr = load_model(ckpt)
     options = DecodingOptions(ctc_weight=0, frame_seconds=frame_seconds(asr.features, asr.model.cfg.subsampling_factor))

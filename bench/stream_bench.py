@@ -36,7 +36,8 @@ from common import (MINI_TOKENIZER, add_device_args, device_from_args, load_avg,
 from aed.data_tokenizer import Tokenizer
 from aed.decode_search import DecodingOptions
 from aed.decode_stream import StreamConfig, Streamer
-from aed.decode_transcribe import quantize_int8, transcribe
+from aed.decode_transcribe import transcribe
+from aed.model_checkpoint import quantize_int8
 
 
 def parse_args(argv=None):

@@ -15,9 +15,10 @@ from aed.data_audio import FeatureConfig
 from aed.data_batch import Batch
 from aed.data_tokenizer import Tokenizer
 from aed.decode_search import DecodingOptions
-from aed.decode_transcribe import load_model, read_requests, transcribe
+from aed.decode_transcribe import read_requests, transcribe
 from aed.model import AED, AEDConfig
-from aed.train_checkpoint import init_from_checkpoint, pack_dir, save_checkpoint
+from aed.model_checkpoint import load_model, pack_dir
+from aed.train_checkpoint import init_from_checkpoint, save_checkpoint
 from aed.train_config import TrainConfig
 from aed.train_step import build_model, build_optimizer, new_tokens, train_mode, train_step
 

@@ -21,11 +21,12 @@ from aed.data_audio import FeatureConfig, SpecAugment, num_frames
 from aed.data_batch import Batch
 from aed.data_tokenizer import Tokenizer
 from aed.decode_search import DecodingOptions
-from aed.decode_transcribe import LoadedModel, load_model, transcribe
+from aed.decode_transcribe import transcribe
 from aed.memory_oomptimizer import TrainingStep, optimize
 from aed.model import AED, AEDConfig
+from aed.model_checkpoint import LoadedModel, load_model, pack_dir, read_checkpoint
 from aed.model_encoder import ConvSubsampling
-from aed.train_checkpoint import pack_dir, read_checkpoint, save_checkpoint
+from aed.train_checkpoint import save_checkpoint
 from aed.train_step import train_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -256,7 +257,7 @@ def test_compiled_step_as_a_cuda_graph_gives_eager_tokens(tmp_path):
     (mode reduce-overhead); greedy, beam and joint decoding give eager decoding's transcripts, in fp32
     and under bf16 autocast. Its speed (target: >= 2x eager at batch 1) is the benchmark's to measure:
     bench/infer_speed_bench.py --device cuda, which make gpu-check runs."""
-    from test_decode_static import SEARCHES, WORD_MODEL, word_files
+    from test_model_static import SEARCHES, WORD_MODEL, word_files
     paths, _ = word_files(tmp_path, 6, seed=5)
     eager, compiled = load_model(WORD_MODEL, "cuda"), load_model(WORD_MODEL, "cuda", compile=True)
     assert compiled.compiled.mode == "reduce-overhead"
@@ -268,6 +269,6 @@ def test_compiled_step_as_a_cuda_graph_gives_eager_tokens(tmp_path):
 
 
 def test_int8_weights_are_refused_on_cuda():
-    from test_decode_static import WORD_MODEL
+    from test_model_static import WORD_MODEL
     with pytest.raises(ValueError, match="CPUs only"):
         load_model(WORD_MODEL, "cuda", int8=True)

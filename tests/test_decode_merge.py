@@ -14,7 +14,8 @@ from fixtures.make_word_model import load_clips, word_sequence
 
 from aed.decode_merge import Chunk, MergeStats, longest_common_run, merge_chunks
 from aed.decode_timestamps import Word
-from aed.decode_transcribe import Request, load_model, plan_chunks, transcribe
+from aed.decode_transcribe import Request, plan_chunks, transcribe
+from aed.model_checkpoint import load_model
 
 WORD_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "word_model.pt")
 

@@ -21,8 +21,9 @@ from aed.data_tokenizer import Tokenizer
 from aed.decode_score import wer
 from aed.decode_search import DecodingOptions
 from aed.decode_stream import StreamConfig, Streamer, average_lagging, stream_latency
-from aed.decode_transcribe import LoadedModel, load_model, transcribe
+from aed.decode_transcribe import transcribe
 from aed.model import AED, AEDConfig
+from aed.model_checkpoint import LoadedModel, load_model
 from aed.model_decoder import KVCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,11 +16,12 @@ from aed.data_audio import FeatureConfig, load_audio
 from aed.data_tokenizer import Tokenizer
 from aed.decode_search import DecodingOptions
 from aed.decode_segment import speech_frames
-from aed.decode_timestamps import (Segment, Word, align, frame_seconds, snap_to_speech, srt, to_segments,
-                                   to_words, webvtt)
-from aed.decode_transcribe import Request, load_model, plan_chunks, transcribe
+from aed.decode_timestamps import (Segment, Word, align, frame_seconds, snap_to_speech, srt, to_segments, to_words,
+                                   webvtt)
+from aed.decode_transcribe import Request, plan_chunks, transcribe
 from aed.model import AED, AEDConfig
-from aed.train_checkpoint import pack_dir, save_checkpoint
+from aed.model_checkpoint import load_model, pack_dir
+from aed.train_checkpoint import save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINI = os.path.join(ROOT, "data", "mini")

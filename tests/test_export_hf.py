@@ -11,9 +11,9 @@ import torch
 from aed.data_audio import FeatureConfig, LogMel, load_audio
 from aed.data_tokenizer import SentencePieceBlock, SpecialBlock, Tokenizer, default_special_tokens
 from aed.decode_search import DecodingOptions
-from aed.decode_transcribe import load_model, transcribe
+from aed.decode_transcribe import transcribe
 from aed.model import AED, AEDConfig
-from aed.train_checkpoint import pack_dir
+from aed.model_checkpoint import load_model, pack_dir
 
 try:
     import librosa  # noqa: F401

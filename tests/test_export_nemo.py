@@ -28,10 +28,9 @@ from export_nemo import export  # noqa: E402
 from aed.data_audio import FeatureConfig, LogMel, load_audio  # noqa: E402
 from aed.data_tokenizer import Tokenizer  # noqa: E402
 from aed.model import AED, AEDConfig  # noqa: E402
-from aed.train_checkpoint import pack_dir  # noqa: E402
+from aed.model_checkpoint import list_checkpoints, load_model, pack_dir  # noqa: E402
 from aed.decode_search import DecodingOptions  # noqa: E402
-from aed.decode_transcribe import load_model, make_request, transcribe  # noqa: E402
-from aed.train_checkpoint import list_checkpoints  # noqa: E402
+from aed.decode_transcribe import make_request, transcribe  # noqa: E402
 from test_train import run_in_process, train_in_process  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "nemo"

@@ -26,10 +26,10 @@ import export_onnx  # noqa: E402
 from aed.data_audio import FeatureConfig, load_audio  # noqa: E402
 from aed.data_tokenizer import CONTEXT, SpecialBlock, Tokenizer  # noqa: E402
 from aed.decode_search import DecodingOptions  # noqa: E402
-from aed.decode_transcribe import load_model, transcribe  # noqa: E402
+from aed.decode_transcribe import transcribe  # noqa: E402
 from aed.model import AED, AEDConfig  # noqa: E402
+from aed.model_checkpoint import load_model, pack_dir  # noqa: E402
 from aed.model_encoder import subsampled_length  # noqa: E402
-from aed.train_checkpoint import pack_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow(seconds=90)  # two exports: ~30 s and ~60 s on 2 busy cores
 

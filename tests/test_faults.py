@@ -17,10 +17,10 @@ from test_train import ROOT, SMALL, run_in_process, run_train
 
 from aed.data_audio import FeatureConfig
 from aed.data_manifest import Utterance, check_audio
-from aed.decode_transcribe import load_model
 from aed.model import AED, AEDConfig
-from aed.train_checkpoint import (TRAINING_KEYS, CheckpointError, begin_checkpoint, list_checkpoints, load_latest,
-                                  load_training_state, pack_dir, read_checkpoint, save_checkpoint, write_meta)
+from aed.model_checkpoint import (TRAINING_KEYS, CheckpointError, list_checkpoints, load_latest, load_model, pack_dir,
+                                  read_checkpoint)
+from aed.train_checkpoint import begin_checkpoint, load_training_state, save_checkpoint, write_meta
 from bins import estimate_bins
 from sampler import BucketingSampler
 

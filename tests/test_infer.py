@@ -21,10 +21,11 @@ from aed.data_manifest import ManifestError, read_manifest
 from aed.data_tokenizer import Tokenizer
 from aed.decode_score import corpus_scores, wer
 from aed.decode_search import DecodingOptions, decode_features
-from aed.decode_transcribe import (LoadedModel, Request, chunk_length, expand_inputs, load_model, plan_chunks,
-                                   read_requests, request_prompts, transcribe)
+from aed.decode_transcribe import (Request, chunk_length, expand_inputs, plan_chunks, read_requests, request_prompts,
+                                   transcribe)
 from aed.model import AED, AEDConfig, CTCHead
-from aed.train_checkpoint import CheckpointError, pack_dir, save_checkpoint
+from aed.model_checkpoint import CheckpointError, LoadedModel, load_model, pack_dir
+from aed.train_checkpoint import save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINI = os.path.join(ROOT, "data", "mini")
@@ -419,7 +420,7 @@ def test_expand_inputs_walks_directories_and_keeps_unmatched_patterns(tmp_path):
 def test_average_of_the_newest_checkpoints(run_dir, tmp_path):
     """--average N decodes with the mean weights of a run's newest N checkpoints; asking for more
     than the run keeps is an error that says so."""
-    from aed.train_checkpoint import average_checkpoints, checkpoint_step, read_checkpoint
+    from aed.model_checkpoint import average_checkpoints, checkpoint_step, read_checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)

@@ -13,7 +13,8 @@ from fixtures.make_word_model import load_clips, word_sequence
 from aed.decode_score import simple
 from aed.decode_search import DecodingOptions
 from aed.decode_stream import StreamConfig, Streamer, spoken_ends, stream_requests
-from aed.decode_transcribe import load_model, make_request, transcribe
+from aed.decode_transcribe import make_request, transcribe
+from aed.model_checkpoint import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORD_MODEL = os.path.join(ROOT, "tests", "fixtures", "word_model.pt")

@@ -27,9 +27,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 from convert_nemo import ConversionError, convert, read_nemo  # noqa: E402
 
 from aed.data_audio import LogMel, load_audio  # noqa: E402
-from aed.train_checkpoint import list_checkpoints  # noqa: E402
 from aed.decode_search import DecodingOptions, greedy_search  # noqa: E402
-from aed.decode_transcribe import load_model  # noqa: E402
+from aed.model_checkpoint import list_checkpoints, load_model  # noqa: E402
 from test_train import train_in_process  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "nemo"

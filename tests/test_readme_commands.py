@@ -115,7 +115,8 @@ def test_sherpa_onnx_decodes_the_readme_export_as_aed(demo):
     sherpa_onnx = pytest.importorskip("sherpa_onnx", reason="pip install sherpa-onnx (tests/requirements-onnx.txt)")
     from test_export_onnx import same_stop, sherpa_limit
 
-    from aed.decode_transcribe import load_model, transcribe
+    from aed.decode_transcribe import transcribe
+    from aed.model_checkpoint import load_model
 
     d = demo / "onnx" / "demo" / "sherpa"
     if not d.exists():

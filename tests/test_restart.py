@@ -15,7 +15,7 @@ import torch
 from test_train import ROOT, SMALL, losses
 from test_train_distributed import TWO_RANK, two_rank_run
 
-from aed.train_checkpoint import read_checkpoint
+from aed.model_checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.slow(seconds=80)
 # The reference run's settings: the kill comes right after the first checkpoint (step 3), with steps 4-6 to go.

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from aed.train_checkpoint import TRAINING_KEYS, read_checkpoint
+from aed.model_checkpoint import TRAINING_KEYS, read_checkpoint
 from aed.train_config import OptimConfig
 from aed.train_step import lr_factor
 

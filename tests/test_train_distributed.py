@@ -12,8 +12,9 @@ import pytest
 import torch
 from test_train import MINI, losses, run_train
 
-from aed.decode_transcribe import load_model, read_requests, transcribe
-from aed.train_checkpoint import TRAINING_KEYS, CheckpointWriter, load_latest, read_checkpoint
+from aed.decode_transcribe import read_requests, transcribe
+from aed.model_checkpoint import TRAINING_KEYS, load_latest, load_model, read_checkpoint
+from aed.train_checkpoint import CheckpointWriter
 
 pytestmark = pytest.mark.slow
 # FSDP reduce-scatters where DDP all-reduces, and sums in another order: not bitwise, but close.

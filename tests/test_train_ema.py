@@ -17,11 +17,11 @@ from test_train_distributed import copy_until, metric
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from aed.decode_transcribe import load_model
 from aed.memory_measure import fake_world
 from aed.memory_oomptimizer import TrainingStep
 from aed.model import AED, AEDConfig
-from aed.train_checkpoint import CheckpointError, has_ema, read_checkpoint, read_ema
+from aed.model_checkpoint import CheckpointError, load_model, read_checkpoint, read_ema
+from aed.train_checkpoint import has_ema
 from aed.train_distributed import shard
 from aed.train_ema import ExponentialMovingAverage, local
 

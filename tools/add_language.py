@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-from aed.train_checkpoint import (INFERENCE_KEYS, CheckpointError, grow_vocabulary, pack_dir, read_checkpoint_or_run,
-                                  unpack_tokenizer)
+from aed.model_checkpoint import INFERENCE_KEYS, CheckpointError, pack_dir, read_checkpoint_or_run, unpack_tokenizer
+from aed.train_checkpoint import grow_vocabulary
 from aed.model import AED, AEDConfig
 from aed.data_tokenizer import SentencePieceBlock, SpecialBlock, Tokenizer, lang_token
 from tools.train_tokenizer import read_manifests, sample_sentences, train_sentencepiece

@@ -54,8 +54,8 @@ from aed.data_audio import FeatureConfig, LogMel
 from aed.data_tokenizer import (PROMPT_FORMATS, SentencePieceBlock, SpecialBlock, Tokenizer, inline_special_pieces,
                                 lang_token)
 from aed.model import AED, AEDConfig
+from aed.model_checkpoint import pack_dir
 from aed.model_encoder import SUBSAMPLING_FACTORS
-from aed.train_checkpoint import pack_dir
 
 SPECIAL_BLOCK = "spl_tokens"  # NeMo's name of the special-token model in the aggregate tokenizer
 TIMESTAMPS_MODEL = "timestamps_asr_model"  # members of the companion CTC model for timestamps: not read

@@ -9,7 +9,7 @@ Writes, in the output directory:
     export.json        {"features": the log-mel settings the encoder expects (aed.data_audio.FeatureConfig),
                         "max_len": the step's cache positions}
     tokenizer/         the checkpoint's tokenizer (prompt ids, EOS, detokenisation)
-(aed/decode_static.py documents the shapes; docs/inference.md "Export" decodes with them.)
+(aed/model_static.py documents the shapes; docs/inference.md "Export" decodes with them.)
 
 Before writing, both programs are run on inputs of other sizes than they were traced with and
 compared with the eager model (largest absolute difference printed; an error above --tolerance
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from aed import load_model
 from aed.data_audio import LogMel, load_audio
 from aed.decode_search import DecodingOptions, decode_features
-from aed.decode_static import MIN_FRAMES, ExportedAED, empty_cache, export_model
+from aed.model_static import MIN_FRAMES, ExportedAED, empty_cache, export_model
 
 
 def largest_errors(model, encoder, step, max_len: int) -> tuple[float, float]:

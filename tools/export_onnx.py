@@ -50,9 +50,9 @@ from aed import load_model
 from aed.data_audio import FeatureConfig, LogMel, load_audio
 from aed.data_tokenizer import CONTEXT, EMO_UNDEFINED, NODIARIZE, NOITN, NOPNC, NOTIMESTAMP, PNC, Tokenizer
 from aed.decode_search import DecodingOptions, greedy_search
-from aed.decode_static import MIN_FRAMES
 from aed.decode_timestamps import frame_seconds
 from aed.model import AED
+from aed.model_static import MIN_FRAMES
 
 OPSET = 18  # the lowest opset torch's ONNX exporter writes; onnxruntime >= 1.14 runs it
 SHERPA_LANGUAGES = ("en", "es", "de", "fr")  # the language tokens sherpa-onnx's Canary recognizer looks up
@@ -411,7 +411,7 @@ def export(ckpt: str, out: str, int8: bool = False, sherpa: bool = False, tolera
            average: int = 1) -> None:
     """Export, check against the eager model, then write `out` (see the module docstring). Export and
     checks run in a temporary directory, so a failed check leaves nothing in `out`. `ckpt` and `average`
-    as aed.decode_transcribe.load_model takes them (DDP and FSDP runs' checkpoints, averaged weights)."""
+    as aed.model_checkpoint.load_model takes them (DDP and FSDP runs' checkpoints, averaged weights)."""
     asr = load_model(ckpt, average=average)
     model = asr.model.float().eval()
     if sherpa:

@@ -22,8 +22,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from aed.config import from_dict  # noqa: E402
-from aed.train_checkpoint import (COMPLETE, CheckpointError, checkpoint_step, list_checkpoints,  # noqa: E402
-                                  save_checkpoint, training_tensors, unpack_tokenizer)
+from aed.model_checkpoint import (COMPLETE, CheckpointError, checkpoint_step, list_checkpoints,  # noqa: E402
+                                  unpack_tokenizer)
+from aed.train_checkpoint import save_checkpoint, training_tensors  # noqa: E402
 from aed.train_config import TrainConfig  # noqa: E402
 from aed.train_step import build_model, build_optimizer  # noqa: E402
 

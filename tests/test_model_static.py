@@ -1,5 +1,5 @@
-"""The fixed-shape decoder step (aed/decode_static.py: the KVCache with a tensor position) gives eager decoding's tokens, and int8 weights keep
-a trained model's transcripts (aed.decode_transcribe.quantize_int8)."""
+"""The fixed-shape decoder step (aed/model_static.py: the KVCache with a tensor position) gives eager decoding's tokens, and int8 weights keep
+a trained model's transcripts (aed.model_checkpoint.quantize_int8)."""
 
 import dataclasses
 import os
@@ -14,9 +14,10 @@ from torch import nn
 
 from aed.decode_score import wer
 from aed.decode_search import DecodingOptions, decode_features
-from aed.decode_static import CompiledAED
-from aed.decode_transcribe import load_model, quantize_int8, transcribe
+from aed.decode_transcribe import transcribe
+from aed.model_checkpoint import load_model, quantize_int8
 from aed.model_decoder import KVCache
+from aed.model_static import CompiledAED
 
 WORD_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "word_model.pt")
 SEARCHES = {  # name: options; "joint" ranks by CTC and attention scores (the word model has a CTC head)

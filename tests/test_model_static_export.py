@@ -1,6 +1,6 @@
 """torch.export of the encoder and of one decoder step with its KV cache: the exported programs
 compute what the eager model does, for shapes other than the ones they were traced with, and the
-searches decode the same tokens with them as with the eager model (tests/test_decode_static.py
+searches decode the same tokens with them as with the eager model (tests/test_model_static.py
 compares the compiled model's searches with eager ones)."""
 
 import dataclasses
@@ -15,7 +15,7 @@ from aed.decode_search import DecodingOptions, decode_features
 from aed.model import AED, AEDConfig
 
 pytest.importorskip("torch.export", reason="torch.export is unavailable in this torch")
-from aed.decode_static import ExportedAED, empty_cache, export_model  # noqa: E402
+from aed.model_static import ExportedAED, empty_cache, export_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,13 +12,13 @@ KVCache has its length in a device tensor: buffers of a fixed shape, written at 
 attention masked to the filled positions. So `torch.compile(fullgraph=True)` traces the whole step
 once per shape, and on CUDA `mode="reduce-overhead"` captures it as a CUDA graph that replays in one
 launch. On a CPU a batch-1 step is bound by reading the weights instead: compiling it gains little
-there (int8 weights do: aed.decode_transcribe.quantize_int8).
+there (int8 weights do: aed.model_checkpoint.quantize_int8).
 
 Shapes are rounded up to buckets (rows to a power of two, decoder positions to a multiple of
 POSITION_BUCKET, encoder frames to a multiple of FRAME_BUCKET), so a few compiled graphs serve every
 batch. Each bucket's buffers are allocated on first use and reused by every later batch of that bucket:
 a CUDA graph reads and writes fixed addresses. Padded frames are masked out and padded rows are dropped,
-so the tokens are eager decoding's (tests/test_decode_static.py; the attention sums over more, masked,
+so the tokens are eager decoding's (tests/test_model_static.py; the attention sums over more, masked,
 positions, which may change the last bits of a logit but has not changed a token there).
 
 CompiledAED has what aed.decode_search uses of a model (cfg, encode_with_ctc, new_cache, decode_step); the
