@@ -228,9 +228,9 @@ def main(argv=None) -> None:
 
 def warn_ddp_rebuild(model, budget_bytes: int, margin: float) -> None:
     """DDP's second step rebuilds its gradient buckets in the order the first step's gradients came
-    in, and held one more copy of the gradients at its peak on an H200 (docs/REPORT.md, "On a GPU:
-    the third run"), once per run. The sizes here are for the later steps: say when the margin is
-    smaller than that copy."""
+    in, and held one more copy of the gradients at its peak on an H200 (docs/REPORT.md, "Simulated
+    memory against real memory"), once per run. The sizes here are for the later steps: say when the
+    margin is smaller than that copy."""
     copy = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if margin * budget_bytes < copy:
         log.warning("DDP's second step rebuilds its gradient buckets and may hold one more copy of the gradients "
