@@ -19,12 +19,11 @@ data
   data_manifest     JSONL manifest lines -> checked Utterances; everything skipped counted (Faults)
   data_augment      degrading training audio on the fly: rooms, noise, gain, clipping, low-pass, codecs
   data_batch        an example -> its item (audio checked, features, ids) -> a padded Batch
-  data_stream       what the streamed readers share: shard order and resume cursors, mixing
-  data_tarred       NeMo tarred datasets and Lhotse Shar, read in place
-  data_shards       aed's own tar shards
+  data_shards       aed's own tar shards; what all streamed readers share (shard order, resume, tar members)
+  data_nemo_shar    NeMo tarred datasets and Lhotse Shar, read in place
   data_parquet      Hugging Face parquet, read in place
   data_sources      a train.manifests entry -> its reader
-  data_mixing       temperature shares of sources and languages, non-speech examples, the realised mix
+  data_mixing       temperature shares of sources and languages, non-speech examples, streams mixed by weight
   data_bins         2D bucket bins estimated from manifests, and their shapes in frames
 model
   model_encoder     FastConformer encoder (NeMo's layout: Canary weights convert 1:1)

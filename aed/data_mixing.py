@@ -4,6 +4,7 @@ examples whose target is empty.
     shares = temperature_shares({("ls", "en"): 960.0, ("mls", "de"): 2000.0}, temperature=2.0)
     utts, num_tokens = temperature_mix(entries, 2.0)            # in-memory manifests (train_data.load_examples)
     weights, shares, groups = stream_weights(specs, sources, 2.0)   # streamed sources (MixedSource's weights)
+    source = MixedSource([ShardSource("shards/en"), ShardSource("shards/de")], weights=[2, 1])  # endless, resumable
 
 Groups. Every example belongs to a (dataset, language) group: `dataset` is its train.manifests entry's
 tag (default: the entry's path), `language` the entry's tag, else the utterance's own (its
@@ -34,9 +35,13 @@ import math
 import random
 import re
 import time
+from bisect import bisect_right
 from collections import Counter
 from dataclasses import replace
+from itertools import accumulate
 from pathlib import Path
+
+import numpy as np
 
 from aed.config import ConfigError
 from aed.data_manifest import Utterance
@@ -194,6 +199,58 @@ def stream_weights(specs: list, sources: list, temperature: float) -> tuple[list
     weights = [shares[g] * n / hours[g] for g, (n, _) in zip(groups, sizes)]
     log_table(f"train.mix_temperature={temperature:g} (streamed)", dict(hours), shares)
     return weights, shares, groups
+
+
+class MixedSource:
+    """Several sources mixed by weight: each example comes from source i with probability
+    weights[i] / sum(weights) (weights count examples, not hours). Every source is cycled in
+    its own reshuffled passes, so the mix is endless: use the sampler with infinite=True.
+
+    Keys are (source index, *source key); the cursor is (examples drawn, per source (pass, cursor)),
+    and the draws are a fixed function of (seed, rank, draw number), so a resume continues exactly.
+    """
+
+    BLOCK = 4096  # draws generated at a time
+
+    def __init__(self, sources: list, weights: list):
+        if len(sources) != len(weights) or not sources:
+            raise ValueError(f"MixedSource: {len(sources)} sources but {len(weights)} weights")
+        if any(not w > 0 for w in weights):
+            raise ValueError(f"MixedSource: weights must be positive, got {weights}")
+        self.sources = sources
+        total = float(sum(weights))
+        self.cum_weights = list(accumulate(w / total for w in weights))
+
+    def read(self, seed: int, rank: int, world_size: int, cursor=None):
+        n, subs = cursor or (0, [(0, None)] * len(self.sources))
+        subs = [tuple(s) for s in subs]
+        streams = [self._cycle(i, seed, rank, world_size, *subs[i]) for i in range(len(self.sources))]
+        draws = None
+        while True:
+            if draws is None or n % self.BLOCK == 0:
+                draws = np.random.default_rng([seed, rank, n // self.BLOCK]).random(self.BLOCK).tolist()
+            i = min(bisect_right(self.cum_weights, draws[n % self.BLOCK]), len(self.sources) - 1)
+            key, sub, ex = next(streams[i])
+            subs[i] = sub
+            n += 1
+            yield (i, *key), (n, list(subs)), ex
+
+    def _cycle(self, i: int, seed: int, rank: int, world_size: int, pass_idx: int, cursor):
+        while True:
+            got = 0
+            pass_seed = random.Random(f"{seed}/{i}/{pass_idx}").getrandbits(64)
+            for key, cur, ex in self.sources[i].read(pass_seed, rank, world_size, cursor):
+                got += 1
+                yield key, (pass_idx, cur), ex
+            if got == 0 and cursor is None:
+                raise ValueError(f"MixedSource: source {i} gave rank {rank} no example in a whole pass")
+            pass_idx, cursor = pass_idx + 1, None
+
+    def get(self, key) -> dict:
+        return self.sources[key[0]].get(tuple(key[1:]))
+
+    def describe(self, key) -> str:
+        return self.sources[key[0]].describe(tuple(key[1:]))
 
 
 class Tagged:

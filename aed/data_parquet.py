@@ -24,7 +24,7 @@ from collections import OrderedDict
 import soundfile as sf
 
 from aed.data_manifest import Faults
-from aed.data_stream import resume_shards
+from aed.data_shards import resume_shards
 
 FIELDS = ("text", "answer", "duration", "offset", "source_lang", "target_lang", "lang", "pnc", "taskname")
 

@@ -1,7 +1,22 @@
-"""Sharded tar datasets: sequential reading of many small utterances.
+"""Sharded tar datasets: sequential reading of many small utterances, and what every streamed
+reader shares.
 
 At cluster scale, opening one small audio file per example on a shared filesystem is the
 bottleneck. `tools/make_shards.py` packs a manifest into tar shards; this module streams them.
+
+What every streamed reader shares (`ShardSource` here, aed/data_nemo_shar.py's NeMo tarred and Shar
+sets, aed/data_parquet.py; `sampler.py` describes the streamed-source protocol they follow):
+
+- `shard_order`: the shards a rank reads in a pass, disjoint across ranks, reshuffled every pass;
+  `resume_shards`: that order walked from a resume cursor, the one loop every reader's `read` uses.
+- `tar_members`: the regular members of a tar, streamed in large reads or one at a byte offset.
+
+Their examples are dicts: the checked fields of `aed.data_manifest.example_fields`, `audio` (the
+encoded bytes of the file that holds the utterance), `offset` (seconds into that audio where it
+starts) and `where` (a stable id naming the shard and member or row, for messages and
+`inspect_data`). Compressed audio is small, so the sampler's buffer holds it (as Lhotse Shar
+does), and DataLoader workers decode it (`aed.data_batch.ExampleDataset`). Several sources are
+mixed by weight by `aed.data_mixing.MixedSource`.
 
 Layout of a sharded set (a folder):
 
@@ -26,20 +41,132 @@ Layout of a sharded set (a folder):
 - A missing, corrupt or truncated shard is logged with its path and skipped (the rest of that
   shard is lost); `faults` (`aed.data_manifest.Faults`) counts them (bad_shard) and the bad
   examples (bad_example), each logged once. A tar cut before a header ends silently (tarfile's rule,
-  kept by the shared member reader `aed.data_tarred.tar_members`), so the number of examples read
-  is checked against the index.
+  kept by `tar_members`), so the number of examples read is checked against the index.
 
 Examples are dicts with the JSON fields plus `audio` (the encoded bytes) and `where`
 ("shard-000003.tar#17", for messages); `aed.data_batch.ExampleDataset` decodes them.
 """
 
 import json
+import random
 import tarfile
 from pathlib import Path
 
 from aed.data_manifest import Faults
-from aed.data_stream import resume_shards
-from aed.data_tarred import CHUNK, tar_members
+
+
+# --- the shards a rank reads ------------------------------------------------------------------
+
+
+def shard_order(num_shards: int, seed: int, rank: int, world_size: int, shuffle: bool, what: str) -> list:
+    """Shard indices this rank reads in the pass seeded by `seed`: every rank shuffles with the
+    same seed and takes every world_size-th, so ranks read disjoint shards and all of them."""
+    if num_shards < world_size:
+        raise ValueError(f"{what}: {num_shards} shards cannot feed {world_size} readers: use fewer ranks "
+                         "or write the data in more shards")
+    order = list(range(num_shards))
+    if shuffle:
+        random.Random(seed).shuffle(order)
+    return order[rank::world_size]
+
+
+def resume_shards(num_shards: int, seed: int, rank: int, world_size: int, shuffle: bool, what: str,
+                  cursor, start: tuple):
+    """Yields (position in this rank's shard order, shard, where in it to start) for the pass seeded
+    by `seed`, from a resume `cursor` on. Every reader's cursor is (position, shard, *inner), its
+    own inner part saying where in the shard to go on (`start`: the beginning of a shard); the
+    resumed shard starts at the cursor's inner part, every later one at `start`. A cursor whose
+    shard is not at its position in this order (shards or ranks changed) raises ValueError."""
+    order = shard_order(num_shards, seed, rank, world_size, shuffle, what)
+    pos, shard, *inner = cursor or (0, None, *start)
+    if shard is not None and (pos >= len(order) or order[pos] != shard):
+        raise ValueError(f"resume cursor {cursor} does not match the shard order of {what}: the shards or "
+                         "the number of readers changed since the checkpoint")
+    for p in range(pos, len(order)):
+        yield p, order[p], tuple(inner)
+        inner = start
+
+
+# --- the members of a tar ---------------------------------------------------------------------
+
+
+BLOCK = 512
+ZERO_BLOCK = bytes(BLOCK)  # two of them end an archive
+REGULAR = (b"0", b"\0", b"7")  # file types that hold a member's bytes
+CHUNK = 1 << 22  # bytes read at a time when streaming a shard
+
+
+def octal(field: bytes) -> int:
+    """A tar header number: octal text, or base-256 when the high bit is set (GNU, > 8 GiB)."""
+    if field[0] & 0x80:
+        return int.from_bytes(field[1:], "big")
+    return int(field.strip(b"\0 ") or b"0", 8)
+
+
+def tar_members(f, offset: int = 0, chunk: int = CHUNK):
+    """Yields (byte offset of the member's first header, name, bytes, byte offset after it) of the
+    regular members of a tar, from the header at `offset`: a resume or `get` seeks to such an offset.
+
+    Read in `chunk`-byte pieces and parsed here, not by tarfile: tarfile makes several calls per
+    member (header object, seek, tell, one read each), and a read per member is a GIL hand-off per
+    member with the sampler's producer thread (docs/data.md). Handles
+    ustar, pax (long names) and GNU long-name headers. chunk=0 reads only what one member needs
+    (`get`). Raises tarfile.ReadError on a header with a wrong checksum or data cut short; a tar
+    cut before a header ends silently (tarfile's rule too), which callers detect by what is missing."""
+    f.seek(offset)
+    buf, base = memoryview(b""), offset  # the file's bytes from `base` on
+
+    def need(pos: int, n: int) -> bytes:
+        """n bytes from `pos` (fewer at the end of the file). Each byte is copied twice, from the
+        kernel into a chunk and from the chunk into the member's own bytes."""
+        nonlocal buf, base
+        end = base + len(buf)
+        if pos + n > end:
+            if pos > end:  # past what was read (the data of a member not needed): skip it
+                f.seek(pos)
+            kept = buf[pos - base :] if pos < end else b""
+            fresh = bytearray(max(chunk, n))
+            fresh[: len(kept)] = kept
+            got, view = len(kept), memoryview(fresh)
+            while got < n and (k := f.readinto(view[got:])):
+                got += k
+            buf, base = view[:got], pos
+        return bytes(buf[pos - base : pos - base + n])
+
+    pos = first = offset
+    long_name = None
+    while len(header := need(pos, BLOCK)) == BLOCK and header != ZERO_BLOCK:
+        try:
+            if octal(header[148:156]) != sum(header[:148]) + 8 * 32 + sum(header[156:]):  # chksum counts as spaces
+                raise ValueError("wrong checksum")
+            size, kind = octal(header[124:136]), header[156:157]
+        except ValueError as e:
+            raise tarfile.ReadError(f"bad tar header at byte {pos} ({e})") from None
+        data_pos, pos = pos + BLOCK, pos + BLOCK + -(-size // BLOCK) * BLOCK
+        if kind in (b"x", b"L"):  # the next member's long name: a pax record "path=..." or GNU's
+            data = need(data_pos, size)
+            if kind == b"L":
+                long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
+            for record in data.decode("utf-8", "surrogateescape").split("\n"):
+                if " path=" in record:
+                    long_name = record.split(" path=", 1)[1]
+            continue
+        if kind in REGULAR:
+            name = long_name
+            if name is None:
+                name = header[:100].split(b"\0", 1)[0]
+                if header[257:262] == b"ustar" and header[345] != 0:  # ustar's name prefix
+                    name = header[345:500].split(b"\0", 1)[0] + b"/" + name
+                name = name.decode("utf-8", "surrogateescape")
+            data = need(data_pos, size)
+            if len(data) < size:
+                raise tarfile.ReadError(f"{name}: data cut short ({len(data)} of {size} bytes)")
+            yield first, name, data, pos
+        long_name, first = None, pos
+
+
+# --- aed's own shards -------------------------------------------------------------------------
+
 
 INDEX_NAME = "shards.jsonl"
 SHARD_NAME = "shard-{:06d}.tar"
@@ -105,7 +232,7 @@ class ShardSource:
     def _examples(self, shard: int, f, member: int, offset: int, chunk: int = CHUNK):
         """Yields (key, (next member, next offset), example) from the example whose header is at
         `offset`; example is None for a bad one (logged and counted). Raises tarfile/OS errors on
-        a corrupt shard. Members are read by `aed.data_tarred.tar_members` (chunk=0: one example)."""
+        a corrupt shard. Members are read by `tar_members` (chunk=0: one example)."""
         pending = None  # (key, name, bytes) of a .json waiting for its audio
         for at, name, data, end in tar_members(f, offset, chunk):
             stem, _, ext = name.rpartition(".")

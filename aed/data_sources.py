@@ -2,12 +2,12 @@
 
     data/train.jsonl  or  {path: data/train.jsonl, weight: 2}       JSONL manifest (read into memory)
     {shards: DIR}                                                   aed's own tar shards (aed/data_shards.py)
-    {manifest_filepath: ..., tarred_audio_filepaths: ...}          NeMo tarred set (aed/data_tarred.py)
-    {shar: DIR}                                                     Lhotse Shar (aed/data_tarred.py)
+    {manifest_filepath: ..., tarred_audio_filepaths: ...}          NeMo tarred set (aed/data_nemo_shar.py)
+    {shar: DIR}                                                     Lhotse Shar (aed/data_nemo_shar.py)
     {parquet: GLOB, audio_column: audio, text_column: text, ...}    Hugging Face parquet (aed/data_parquet.py)
 
 Every kind but a manifest is streamed: `open_source` gives an object of the sampler's
-streamed-source protocol (aed/data_stream.py has what those readers share). Each takes `weight`
+streamed-source protocol (aed/data_shards.py has what those readers share). Each takes `weight`
 (examples drawn in proportion when several are mixed), and the tags that group entries for
 `train.mix_temperature` (aed/data_mixing.py): `dataset` and `language`. A streamed entry may declare
 its size, `hours` and `examples` (read from the source's metadata otherwise); a manifest may be
@@ -21,9 +21,9 @@ import yaml
 from aed.config import ConfigError
 from aed.data_batch import as_utterance, encode_utterance
 from aed.data_manifest import Faults
+from aed.data_nemo_shar import NemoTarredSource, SharSource
 from aed.data_parquet import FIELDS, ParquetSource
 from aed.data_shards import ShardSource
-from aed.data_tarred import NemoTarredSource, SharSource
 
 PARQUET_KEYS = {"parquet", "audio_column", *(f"{f}_column" for f in FIELDS), *FIELDS}
 SIZE_KEYS = {"hours", "examples"}  # a streamed source's declared size (aed/data_mixing.py: stream_weights)

@@ -21,10 +21,9 @@ from aed.data_augment import Augment
 from aed.data_bins import bucket_padding
 from aed.data_batch import Collate, ExampleDataset, encodable, fit_decoder, ignore_stop_signals
 from aed.data_manifest import Faults, ManifestError, check_audio, nonspeech_fields, read_manifest, read_rows
-from aed.data_mixing import (MixLog, Tagged, audio_shares, group_of, nonspeech_examples, stream_weights,
+from aed.data_mixing import (MixLog, MixedSource, Tagged, audio_shares, group_of, nonspeech_examples, stream_weights,
                              temperature_mix)
 from aed.data_sources import CountTokens, as_entry, is_streamed, open_source, source_faults, spec_kind
-from aed.data_stream import MixedSource
 from aed.decode_segment import EDGE_SAMPLE, edge_silence
 from aed.train_config import TrainConfig
 from aed.train_distributed import all_gather_objects

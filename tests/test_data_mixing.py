@@ -111,8 +111,7 @@ class FakeSource:
 
 
 def test_streamed_weights_converge_to_the_target_shares_within_the_binomial_error():
-    from aed.data_mixing import Tagged
-    from aed.data_stream import MixedSource
+    from aed.data_mixing import MixedSource, Tagged
 
     specs = [{"shar": "en", "language": "en", "hours": 100.0, "examples": 36000},  # mean 10 s
              {"shar": "de", "language": "de", "hours": 10.0, "examples": 7200},  # mean 5 s

@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader
 from aed.data_audio import LogMel, load_audio
 from aed.data_batch import Collate, ExampleDataset, decode_audio, encode_utterance
 from aed.data_manifest import read_manifest
-from aed.data_shards import INDEX_NAME, ShardSource
-from aed.data_stream import MixedSource, shard_order
+from aed.data_mixing import MixedSource
+from aed.data_shards import INDEX_NAME, ShardSource, shard_order
 from aed.data_tokenizer import Tokenizer
 from bins import Bins
 from sampler import BucketingSampler
@@ -222,7 +222,7 @@ def test_shard_dataset_matches_per_file_dataset(shards):
 def test_resume_shards_is_the_one_cursor_loop():
     """Every reader's cursor is (position, shard, *its own inner part); the resumed shard starts at
     the inner part, later ones at the start, and a cursor from another order is refused."""
-    from aed.data_stream import resume_shards
+    from aed.data_shards import resume_shards
 
     order = shard_order(6, 3, 1, 2, True, "x")
     walk = list(resume_shards(6, 3, 1, 2, True, "x", None, (0, 0)))
