@@ -1,4 +1,5 @@
-"""Where the speech is, and long audio cut at its pauses into segments a model can decode.
+"""Long audio: where the speech is, the audio cut at its pauses into segments a model can decode,
+and the hypotheses of overlapping segments joined back.
 
 An attention decoder trained on utterances of a few seconds transcribes such an utterance well and a
 stretch that starts or ends inside a word, or holds several utterances, badly. So a long file is cut
@@ -12,21 +13,45 @@ where its speaker paused, as a recording is cut into the utterances a corpus tra
    limit (the longest utterance the model was trained on) is split at its longest inner gap, then the
    longer of the two parts again, ...; a stretch with no gap at all is cut at its quietest 100 ms in
    the last quarter of the limit (that cut may split a word). Where a cut is not at a pause, with an
-   overlap the next segment starts that much earlier so that `aed.decode_merge` can join the two.
+   overlap the next segment starts that much earlier so that `merge_chunks` can join the two.
 3. Edges: each segment keeps as much of its pauses' silence before and after its speech as the
    model's training utterances held (`edge_silence`, measured when training starts and kept in the
    checkpoint; EDGE where it is not known): a model trained on utterances with little silence at
    their edges mishears segments with more (docs/inference.md, "Long audio"). Longer silence is not
    decoded at all, and a file without speech has no segments (its text is empty).
 
+4. Joining: where segments overlap (a cut inside continuous speech, with an overlap), the words
+   spoken in the overlap are in both hypotheses, and the words at a chunk's edges (cut mid-word, or
+   heard without context) are the least reliable. Each join keeps chunk i's words up to the middle
+   of the overlap and chunk i + 1's from there on, the middle being as far as possible from both
+   edges (`merge_chunks`):
+
+       words = merge_chunks([Chunk(0.0, 10.0, words_a, timed=True), Chunk(8.0, 18.0, words_b, timed=True)])
+
+   - Timed words (the model has a CTC head: `aed.decode_timestamps` aligns every chunk): by time.
+     A word belongs to the chunk on whose side of the middle its centre lies, so a word both chunks
+     heard at about the same time is kept once, whatever else the two hypotheses disagree on; only
+     a word the two chunks time on opposite sides of the middle could be lost or repeated. Where
+     the two words at the join overlap in time, they meet halfway, so times stay ordered.
+   - Untimed words (no CTC head): by text. The longest run of words (compared lower-cased, without
+     punctuation) that ends chunk i's overlap region and starts chunk i + 1's is the overlap both
+     heard; the join falls at its middle word. This is the word-level form of the longest-common-
+     subsequence merge of buffered decoding. When the two share no word there (a model that
+     misheard either side), the words' times are estimated by spreading each chunk's words evenly
+     over it and the join falls at the middle by those estimates: approximate, and counted
+     (`MergeStats.estimated`), so the caller can say so.
+
 The streams of aed/decode_stream.py end their sentences at the same pauses (`Streamer.window`).
 """
 
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+
+from aed.decode_timestamps import Word
 
 FRAME = 0.01  # seconds per energy frame
 SPEECH_ABOVE_FLOOR_DB = 10.0  # a 10 ms frame is speech this much above the noise floor ...
@@ -176,3 +201,95 @@ def own_edges(db: torch.Tensor, lo: int, hi: int, start: int, end: int) -> tuple
     fading word ends); (start, end) where that finds no speech."""
     spoken = is_speech(db[lo:hi]).nonzero().flatten()
     return (lo + int(spoken[0]), lo + int(spoken[-1]) + 1) if spoken.numel() else (start, end)
+
+
+# --- joining overlapping chunks ---------------------------------------------------------------
+
+NON_WORD = re.compile(r"[^\w']+")
+
+
+@dataclass
+class Chunk:
+    start: float  # seconds in the file
+    end: float
+    words: list[Word]  # in order; untimed: start/end ignored
+    timed: bool
+
+
+@dataclass
+class MergeStats:
+    joins: int = 0  # joins of overlapping chunks
+    by_text: int = 0  # placed by matching words
+    estimated: int = 0  # placed by evenly spread word times (no common word in the overlap)
+
+
+def spread(chunk: Chunk) -> list[Word]:
+    """The chunk's words with times spread evenly over it: the estimate for a chunk without alignments."""
+    n, length = len(chunk.words), chunk.end - chunk.start
+    return [Word(w.text, chunk.start + k * length / n, chunk.start + (k + 1) * length / n, w.ids)
+            for k, w in enumerate(chunk.words)]
+
+
+def _key(word: Word) -> str:
+    return NON_WORD.sub("", word.text.lower()) or word.text
+
+
+def longest_common_run(a: list[str], b: list[str]) -> tuple[int, int, int]:
+    """(i, j, n): a[i:i+n] == b[j:j+n] with n as large as possible; among equally long runs the one
+    nearest a's end and b's start (where an overlap lies); n = 0 when they share no word."""
+    best, best_key = (0, 0, 0), (0, 0)
+    run = [0] * (len(b) + 1)  # run[j + 1]: length of the common run ending at a[i - 1], b[j]
+    for i in range(len(a)):
+        new = [0] * (len(b) + 1)
+        for j in range(len(b)):
+            if a[i] == b[j]:
+                n = new[j + 1] = run[j] + 1
+                key = (n, (i - n + 1) - (j - n + 1))
+                if key > best_key:
+                    best, best_key = (i - n + 1, j - n + 1, n), key
+        run = new
+    return best
+
+
+def _centre(w: Word) -> float:
+    return (w.start + w.end) / 2
+
+
+def merge_chunks(chunks: list[Chunk], stats: MergeStats | None = None) -> list[Word]:
+    """Consecutive chunks of one file (chunk i + 1 may start before chunk i ends) -> their words,
+    each spoken word once, in order. Words keep their times when timed (estimated ones are not
+    returned: untimed input gives untimed output, the words as the chunks had them)."""
+    stats = stats if stats is not None else MergeStats()
+    out: list[Word] = []  # words kept so far, with (possibly estimated) times
+    originals: list[Word] = []  # the same words as the chunks gave them
+    for k, chunk in enumerate(chunks):
+        words = chunk.words if chunk.timed else spread(chunk)
+        if k == 0 or chunk.start >= chunks[k - 1].end:
+            out, originals = out + words, originals + chunk.words
+            continue
+        prev = chunks[k - 1]
+        middle = (chunk.start + prev.end) / 2
+        stats.joins += 1
+        cut_out, cut_new = None, None
+        if not (chunk.timed and prev.timed):
+            # The overlap regions, with a margin of one overlap for speech that is not evenly spread.
+            margin = prev.end - chunk.start
+            tail = [i for i, w in enumerate(out) if _centre(w) >= chunk.start - margin]
+            head = [j for j, w in enumerate(words) if _centre(w) < prev.end + margin]
+            if tail and head:
+                i, j, n = longest_common_run([_key(out[i]) for i in tail], [_key(words[j]) for j in head])
+                if n:
+                    cut_out, cut_new = tail[0] + i + n // 2, head[0] + j + n // 2
+                    stats.by_text += 1
+            if cut_out is None:
+                stats.estimated += 1
+        if cut_out is None:
+            cut_out = sum(_centre(w) < middle for w in out)  # words are in time order
+            cut_new = sum(_centre(w) < middle for w in words)
+        if 0 < cut_out and cut_new < len(words) and out[cut_out - 1].end > words[cut_new].start:
+            # The two chunks placed the words at the join a little differently: they meet halfway.
+            a, b = out[cut_out - 1], words[cut_new]
+            t = min(max((a.end + b.start) / 2, a.start), b.end)
+            out[cut_out - 1], words = replace(a, end=t), words[:cut_new] + [replace(b, start=t)] + words[cut_new + 1:]
+        out, originals = out[:cut_out] + words[cut_new:], originals[:cut_out] + chunk.words[cut_new:]
+    return out if all(c.timed for c in chunks) else originals

@@ -13,7 +13,7 @@ installed: m4a, mp4, webm, ...), directories, glob patterns, or
 `Request`s (one per manifest line, with per-line task fields). Every input gets one `Result`, in
 input order; an unreadable file gets `error` set instead of a transcript, never dropped.
 
-A *chunk* is a stretch of one input that is decoded on its own (`AudioChunk`; `aed.decode_merge.Chunk`
+A *chunk* is a stretch of one input that is decoded on its own (`AudioChunk`; `aed.decode_segment.Chunk`
 once decoded); a *segment* is a subtitle cue (`aed.decode_timestamps.Segment`).
 
 How the work is cut:
@@ -33,8 +33,8 @@ How the work is cut:
 4. With timestamps, or to merge overlapping chunks with a CTC head: each hypothesis is force-aligned
    to the CTC head's posteriors of its own chunk (`aed.decode_timestamps`), and the chunk's start is added,
    so times count from the start of the file.
-5. Join: overlapping chunks' words are merged (`aed.decode_merge`: by time when aligned, else by the words
-   both chunks heard); chunks that do not overlap are joined with spaces.
+5. Join: overlapping chunks' words are merged (`aed.decode_segment.merge_chunks`: by time when aligned,
+   else by the words both chunks heard); chunks that do not overlap are joined with spaces.
 """
 
 import glob
@@ -53,10 +53,9 @@ from aed.data_audio import FFMPEG_EXTENSIONS, AudioError, LogMel, audio_seconds,
 from aed.data_batch import duration_batches
 from aed.data_manifest import PROMPT_TASKS, check_task, read_rows, request_fields
 from aed.data_tokenizer import Tokenizer
-from aed.decode_merge import Chunk, MergeStats, merge_chunks
 from aed.decode_score import corpus_scores
 from aed.decode_search import DecodingOptions, decode_features
-from aed.decode_segment import EDGE, frame_db, plan_segments, speech_frames
+from aed.decode_segment import EDGE, Chunk, MergeStats, frame_db, merge_chunks, plan_segments, speech_frames
 from aed.decode_timestamps import Word, align, feasible, frame_seconds, snap_to_speech, to_segments, to_words
 from aed.model_checkpoint import LoadedModel
 
@@ -238,7 +237,7 @@ def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int, overlap: f
     of at most `chunk_seconds` (`aed.decode_segment.plan_segments`) with `edges` s of silence before
     and after their speech, the rest of the silence between them not decoded; with `overlap`, a
     segment that follows a cut inside continuous speech starts that many seconds before the previous
-    one ends (the words around the cut are then merged: `aed.decode_merge`; `transcribe` checks
+    one ends (the words around the cut are then merged: `aed.decode_segment.merge_chunks`; `transcribe` checks
     that overlap is at most half of chunk_seconds)."""
     if req.duration is not None:
         total = req.duration
@@ -253,7 +252,7 @@ def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int, overlap: f
     for cut in plan_segments(file_db(req.audio_filepath, req.offset, total, sample_rate), chunk_seconds,
                              edges=edges):
         joined = overlap > 0 and previous is not None and not previous.pause_after
-        # ... by at most half the previous chunk (`aed.decode_merge` joins two chunks, never three)
+        # ... by at most half the previous chunk (`aed.decode_segment.merge_chunks` joins two chunks, never three)
         start = max((chunks[-1][0] - req.offset + previous.end) / 2, previous.end - overlap) if joined else cut.start
         end = min(cut.end, total)
         chunks.append((req.offset + start, end - start, end - start))
@@ -400,8 +399,8 @@ def join_chunks(results: list[Result], generated: list[dict], tokenizer: Tokeniz
 
 def merge_overlapping_chunks(results: list[Result], chunks: list[AudioChunk], words: list[dict], timed: bool,
                              keep_words: bool) -> None:
-    """Each transcribed file's words from overlapping chunks (`aed.decode_merge`): every word once, its text
-    the words joined with spaces, its ids the kept words' (special tokens are not kept)."""
+    """Each transcribed file's words from overlapping chunks (`aed.decode_segment.merge_chunks`): every
+    word once, its text the words joined with spaces, its ids the kept words' (special tokens are not kept)."""
     stats = MergeStats()
     for i, res in enumerate(results):
         if res.error is None:
@@ -431,7 +430,7 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
     batch_duration: padded seconds of audio per batch (`aed.data_batch.duration_batches`). chunk_seconds:
     longer inputs are cut at pauses (see the module docstring); None: `chunk_length` picks it.
     chunk_overlap: seconds by which a chunk starts before the previous one ends where their cut is not
-    a pause, the hypotheses merged (`aed.decode_merge`); 0: never.
+    a pause, the hypotheses merged (`aed.decode_segment.merge_chunks`); 0: never.
     dtype: torch.bfloat16 for bf16 autocast, None for fp32. timestamps: set every Result's `words`
     (`aed.decode_timestamps`); a model without a CTC head raises ValueError, before any work.
     progress(done_s, total_s) is called after every batch with seconds of audio.
