@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from aed.data_manifest import PROMPT_TASKS
-from aed.decode_score import NORMALIZERS
+from aed.decode_metrics import NORMALIZERS
 from aed.decode_search import DecodingOptions
 from aed.decode_stream import POLICIES, StreamConfig, Streamer, stream_latency, stream_requests
 from aed.decode_timestamps import srt, to_segments, webvtt

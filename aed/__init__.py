@@ -37,7 +37,7 @@ decoding
   decode_search     features -> hypotheses: batched greedy and beam search, joint with CTC prefix scores
   decode_timestamps word and segment times, force-aligned to the CTC head
   decode_segment    long audio: where the speech is, cut at its pauses, overlapping chunks joined back
-  decode_score      WER and BLEU, and the text normalisers leaderboards use
+  decode_metrics    WER and BLEU, and the text normalisers leaderboards use
   decode_transcribe files -> Results: the API behind infer.py (transcribe)
   decode_stream     streams: decoding while the audio arrives (wait-k, AlignAtt), and its latency
 training

@@ -53,7 +53,7 @@ from aed.data_audio import FFMPEG_EXTENSIONS, AudioError, LogMel, audio_seconds,
 from aed.data_batch import duration_batches
 from aed.data_manifest import PROMPT_TASKS, check_task, read_rows, request_fields
 from aed.data_tokenizer import Tokenizer
-from aed.decode_score import corpus_scores
+from aed.decode_metrics import corpus_scores
 from aed.decode_search import DecodingOptions, decode_features
 from aed.decode_segment import EDGE, Chunk, MergeStats, frame_db, merge_chunks, plan_segments, speech_frames
 from aed.decode_timestamps import Word, align, feasible, frame_seconds, snap_to_speech, to_segments, to_words
@@ -191,9 +191,9 @@ class Timings:
 
 
 def score(results: list[Result], normalizer: str = "simple") -> dict:
-    """`aed.decode_score.corpus_scores` of the results that have a reference and did not fail:
+    """`aed.decode_metrics.corpus_scores` of the results that have a reference and did not fail:
     {"asr en": {"wer": .., "wer_pnc": .., "n": ..}, "ast es-en": {"bleu": .., "n": ..}}; `wer` after
-    `normalizer` ("simple" or "whisper": aed/decode_score.py), `wer_pnc` on the raw text."""
+    `normalizer` ("simple" or "whisper": aed/decode_metrics.py), `wer_pnc` on the raw text."""
     rows = [(res.request.taskname, res.request.source_lang, res.request.target_lang, res.request.text, res.pred_text)
             for res in results if res.error is None and res.request.text is not None]
     return corpus_scores(rows, normalizer)[0]

@@ -20,7 +20,7 @@ from aed.config import ConfigError, describe, dotted_keys, from_dict, help_table
 from aed.data_augment import CODECS
 from aed.data_audio import FeatureConfig, SpecAugmentConfig
 from aed.data_manifest import DURATION_TOLERANCE
-from aed.decode_score import NORMALIZERS
+from aed.decode_metrics import NORMALIZERS
 from aed.decode_search import DecodingOptions
 from aed.model import AEDConfig
 from aed.model_ssl import SSLConfig
@@ -159,7 +159,7 @@ class ValConfig:
     max_utterances: int | None = None  # validate on the first N utterances of each manifest only
     num_examples: int = 4  # transcripts shown in the log and TensorBoard
     ctc_weight: float = DecodingOptions.ctc_weight  # joint CTC/attention decoding weight for models with a CTC head (infer.py's default too); 0: attention only
-    normalizer: str = "simple"  # WER text normaliser: simple (case, punctuation) | whisper (the leaderboards', aed/decode_score.py)
+    normalizer: str = "simple"  # WER text normaliser: simple (case, punctuation) | whisper (the leaderboards', aed/decode_metrics.py)
     compile: bool = False  # decode with a compiled decoder step (aed/model_static.py; infer.py --compile): the same tokens, compiled at the first validation; pays on GPUs
 
     def __post_init__(self):

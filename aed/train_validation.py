@@ -21,7 +21,7 @@ from aed.data_audio import LogMel
 from aed.data_batch import Collate, ExampleDataset, as_utterance, duration_batches, encodable, fit_decoder
 from aed.data_manifest import Faults, read_manifest
 from aed.data_sources import as_entry, metadata, open_source, spec_kind
-from aed.decode_score import corpus_scores
+from aed.decode_metrics import corpus_scores
 from aed.decode_search import DecodingOptions
 from aed.decode_timestamps import frame_seconds
 from aed.model_static import CompiledAED

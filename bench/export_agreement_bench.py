@@ -94,7 +94,7 @@ def main(argv=None):
     sys.path.insert(0, str(ROOT / "tools"))
     import export_onnx
     from aed.data_audio import load_audio
-    from aed.decode_score import wer
+    from aed.decode_metrics import wer
     from aed import DecodingOptions, load_model, transcribe
     from aed.model_encoder import subsampled_length
 

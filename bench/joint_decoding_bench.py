@@ -23,7 +23,7 @@ from pathlib import Path
 import jiwer
 from common import add_device_args, device_from_args, load_avg, log, print_json, print_table
 
-from aed.decode_score import simple
+from aed.decode_metrics import simple
 from aed.decode_search import DecodingOptions
 from aed.decode_transcribe import read_requests, score, transcribe
 from aed.model_checkpoint import load_model

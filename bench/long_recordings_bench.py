@@ -12,7 +12,7 @@ file set it decodes
 3. the long files as streams (`infer.py --stream`'s path: AlignAtt and wait-k at the default
    buffer), with LAAL per utterance, the lag from each word's end in the audio (the CTC head's
    forced alignment) to its commit per minute of the file, and the sentences the streams ended.
-WER (lower-cased, no punctuation: `aed.decode_score.simple`) with its deletions, insertions and
+WER (lower-cased, no punctuation: `aed.decode_metrics.simple`) with its deletions, insertions and
 substitutions over all files, as a table, then one JSON line.
 """
 
@@ -26,7 +26,7 @@ from collections import defaultdict
 
 import jiwer
 
-from aed.decode_score import simple
+from aed.decode_metrics import simple
 from aed.decode_search import DecodingOptions
 from aed.data_audio import load_audio
 from aed.decode_stream import StreamConfig, Streamer, average_lagging, spoken_ends, stream_requests

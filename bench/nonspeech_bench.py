@@ -42,7 +42,7 @@ def main(argv=None):
 
     from aed.data_audio import load_audio
     from aed.data_augment import add_noise
-    from aed.decode_score import wer
+    from aed.decode_metrics import wer
     from aed.decode_search import DecodingOptions
     from aed.decode_transcribe import Request, read_requests, transcribe
     from aed.model_checkpoint import load_model

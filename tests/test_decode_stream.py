@@ -18,7 +18,7 @@ from test_train import run_in_process
 
 from aed.data_audio import FeatureConfig
 from aed.data_tokenizer import Tokenizer
-from aed.decode_score import wer
+from aed.decode_metrics import wer
 from aed.decode_search import DecodingOptions
 from aed.decode_stream import StreamConfig, Streamer, average_lagging, stream_latency
 from aed.decode_transcribe import transcribe

@@ -226,7 +226,7 @@ def test_int8_graphs_keep_a_trained_models_accuracy(tmp_path):
     import soundfile as sf
     from fixtures.make_word_model import load_clips, word_sequence
 
-    from aed.decode_score import wer
+    from aed.decode_metrics import wer
 
     ckpt = str(ROOT / "tests" / "fixtures" / "word_model_canary2.pt")
     export_onnx.export(ckpt, str(tmp_path / "onnx"), int8=True)

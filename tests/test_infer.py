@@ -19,7 +19,7 @@ from aed.data_audio import FeatureConfig, LogMel, load_audio
 from aed.data_batch import encode_utterance
 from aed.data_manifest import ManifestError, read_manifest
 from aed.data_tokenizer import Tokenizer
-from aed.decode_score import corpus_scores, wer
+from aed.decode_metrics import corpus_scores, wer
 from aed.decode_search import DecodingOptions, decode_features
 from aed.decode_transcribe import (Request, chunk_length, expand_inputs, plan_chunks, read_requests, request_prompts,
                                    transcribe)

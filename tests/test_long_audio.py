@@ -10,7 +10,7 @@ import soundfile as sf
 import torch
 from fixtures.make_word_model import load_clips, word_sequence
 
-from aed.decode_score import simple
+from aed.decode_metrics import simple
 from aed.decode_search import DecodingOptions
 from aed.decode_stream import StreamConfig, Streamer, spoken_ends, stream_requests
 from aed.decode_transcribe import make_request, transcribe

@@ -12,7 +12,7 @@ from fixtures.make_word_model import load_clips, word_sequence
 from test_decode_search import batch, pick_eos, random_model
 from torch import nn
 
-from aed.decode_score import wer
+from aed.decode_metrics import wer
 from aed.decode_search import DecodingOptions, decode_features
 from aed.decode_transcribe import transcribe
 from aed.model_checkpoint import load_model, quantize_int8

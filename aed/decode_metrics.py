@@ -18,7 +18,7 @@ english: lower case; bracketed text and the fillers hmm/mm/mhm/mmm/uh/um removed
     (`NumberNormalizer`); British spellings become American (`american_spelling`); punctuation
     removed except in numbers ("3.5", "$20", "5%").
 
-Differences from Whisper's (whisper-normalizer 0.1.15, not a dependency; tests/test_decode_score.py
+Differences from Whisper's (whisper-normalizer 0.1.15, not a dependency; tests/test_decode_metrics.py
 compares the two when it is installed): the spelling step maps British patterns by rule plus a
 short list of irregular words, where Whisper looks words up in a list of 1,739; the rules map
 1,472 of those words as the list does (the rest are rare: "pouffe", "gaging", "snowploughs").
@@ -433,7 +433,7 @@ def corpus_scores(rows: list[tuple[str, str, str, str, str]],
     """Rows (taskname, source_lang, target_lang, reference, hypothesis) -> per group, sorted by key,
     {"asr en": {"wer": .., "wer_pnc": .., "n": ..}, "ast es-en": {"bleu": .., "n": ..}}, and the
     normalised WER of all ASR rows together (None without ASR rows), a headline number for logs.
-    `wer` is normalised (`aed.decode_score.get_normalizer(normalizer, language)`: "simple" or
+    `wer` is normalised (`aed.decode_metrics.get_normalizer(normalizer, language)`: "simple" or
     "whisper", the leaderboards' convention); `wer_pnc` scores the raw text, punctuation and case.
     """
     groups = {}

@@ -1,4 +1,4 @@
-"""aed/decode_score.py: the leaderboard normalisers, from a table of cases.
+"""aed/decode_metrics.py: the leaderboard normalisers, from a table of cases.
 
 Every expected output below is what Whisper's normalisers give (checked against the
 whisper-normalizer package, which `test_agrees_with_whisper_normalizer` re-checks when installed).
@@ -6,7 +6,7 @@ whisper-normalizer package, which `test_agrees_with_whisper_normalizer` re-check
 
 import pytest
 
-from aed.decode_score import american_spelling, basic, corpus_scores, english, get_normalizer, simple
+from aed.decode_metrics import american_spelling, basic, corpus_scores, english, get_normalizer, simple
 
 ENGLISH = [
     # numbers
