@@ -24,7 +24,7 @@ memory as a low-order function of (B, T, U) to --fit-steps steps (aed/memory_oom
 bucket's size from it and measures --verify buckets at their answer.
 
 The search itself is aed/memory_oomptimizer.py: every bucket's largest batch, found by running train.py's
-own training step (built by aed/train_step.py from the same config) on an artificial batch at
+own training step (built by aed/train_setup.py from the same config) on an artificial batch at
 the bucket's bounds, doubling and bisecting. Steps must fit the budget minus a safety margin (10%)
 for what an artificial step does not see: allocator fragmentation, pinned loader buffers,
 validation decoding. Writes `bins.save_batch_sizes`'s format and prints a table.
@@ -61,7 +61,7 @@ from aed.memory_oomptimizer import (MemoryBudgetError, TrainingStep, fit_memory_
                                     optimize_with_model)
 from aed.train_config import load_train_config
 from aed.train_ema import ExponentialMovingAverage
-from aed.train_step import AMP_DTYPES, load_training_setup
+from aed.train_setup import AMP_DTYPES, load_training_setup
 from bins import Bins, save_batch_sizes
 
 log = logging.getLogger("oom")

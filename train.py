@@ -47,7 +47,7 @@ from aed.train_distributed import (all_reduce, cleanup, gather_objects, init_dis
                                    share_rank0_buffers, torchrun_restart, wrap)
 from aed.train_ema import ExponentialMovingAverage
 from aed.train_progress import Progress, RunLog, StepFlops, matmul_peak
-from aed.train_step import TrainingSetup, build_training_setup, compile_layers, count_targets, train_step
+from aed.train_setup import TrainingSetup, build_training_setup, compile_layers, count_targets, train_step
 from aed.train_validation import (LISTENING_GAP, batch_listening_gap, evaluate, listening_gaps, listens, not_listening,
                                   whole_model)
 

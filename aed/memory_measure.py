@@ -30,7 +30,7 @@ Why: the paper's memory claims live at 1B parameters on 80 GB GPUs, where long t
 the decoder's B x U x V logits dominate; a CPU cannot hold such a step, but it can run it on fake
 tensors (`FakeTensorMode`: every op computes its output's shape, dtype and strides, no data), and
 `LiveTensorMemory` counts their storages from creation to free exactly as it does
-for real ones. The step is train.py's own (`aed.train_step.train_step`), so nothing is re-modelled.
+for real ones. The step is train.py's own (`aed.train_setup.train_step`), so nothing is re-modelled.
 
 Fake tensors have no values, so code that reads data on the host (`int(lens.max())`, `.tolist()`,
 boolean-mask indexing, whose output size depends on the mask) cannot run. In a training step those

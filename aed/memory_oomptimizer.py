@@ -27,7 +27,7 @@ error on shapes it was not fitted on (`relative_errors`) before trusting it.
 
 The search.
 
-    step = TrainingStep.of(setup)                      # aed/train_step.py: the run's model and optimizer
+    step = TrainingStep.of(setup)                      # aed/train_setup.py: the run's model and optimizer
     shapes = bucket_shapes(bins, cfg.features, cfg.model.dec_max_len)
     rows = optimize(step, shapes, limit)               # one row per bucket: batch_size, peak, ...
     peaks = preflight(step, shapes, batch_sizes, budget)   # train.py's check before step 0
@@ -41,7 +41,7 @@ buckets). For each bucket, from the largest to the smallest:
 1. An artificial batch at the bucket's upper bounds: random features of num_frames(d) frames and
    random tokens of its token bound U (1D bins: U = the bin's max tokens/s x d, from bins.max_tps
    or --max-tps; filter the data with train.max_tps to match, or outliers may not fit).
-2. One full training step, the very function train.py runs (`aed.train_step.train_step`: zero_grad,
+2. One full training step, the very function train.py runs (`aed.train_setup.train_step`: zero_grad,
    SpecAugment, forward, loss, backward, clip, AdamW step), for the config's objective (aed, rnnt
    or ssl; ssl's 1D bins get 2-token batches, as it reads no text) and precision, with its peak
    memory measured: on CUDA by the allocator under set_per_process_memory_fraction, on CPU by
@@ -68,7 +68,7 @@ from torch.utils._pytree import tree_map
 from aed.data_audio import SpecAugment
 from aed.data_batch import Batch
 from aed.memory_measure import OutOfMemory, format_bytes, peak_memory
-from aed.train_step import count_targets, train_step
+from aed.train_setup import count_targets, train_step
 
 
 TERMS = ("B*T", "B*T^2", "B*U", "B*U*T", "B*U^2", "k*U*T")
@@ -158,7 +158,7 @@ def artificial_batch(batch_size: int, frames: int, tokens: int, n_mels: int, voc
 
 
 class TrainingStep:
-    """train.py's training step (aed.train_step.train_step) on an artificial batch at a bucket's
+    """train.py's training step (aed.train_setup.train_step) on an artificial batch at a bucket's
     bounds, and its peak memory. text_vocab_size bounds the random target ids: the tokenizer's
     real ids (a transducer's blank comes right after them); default: the model's vocabulary.
     `model` may also be a real DistributedDataParallel module: on a GPU the allocator counts its
@@ -181,7 +181,7 @@ class TrainingStep:
 
     @classmethod
     def of(cls, setup, ddp: bool = False, granularity: int = 1, ema=None) -> "TrainingStep":
-        """The step of a run's `aed.train_step.TrainingSetup` (and its EMA, if it keeps one)."""
+        """The step of a run's `aed.train_setup.TrainingSetup` (and its EMA, if it keeps one)."""
         return cls(setup.model, setup.optimizer, setup.precision, setup.spec_augment, ddp, setup.tokenizer.vocab_size,
                    granularity, ema)
 

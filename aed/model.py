@@ -55,7 +55,7 @@ class CTCHead(nn.Module):
         rows (B,) bool or None: only these rows count (the AED passes its transcriptions: a
         translation's words were never spoken, so no alignment to the audio exists).
         An utterance that no alignment fits (`infeasible`) is left out of both the sum and the count;
-        train.py counts them from the batch lengths (aed.train_step.count_ctc_skipped) and logs the
+        train.py counts them from the batch lengths (aed.train_setup.count_ctc_skipped) and logs the
         number with each progress line and validation.
         """
         B, U = targets.shape

@@ -28,7 +28,7 @@ from aed.train_distributed import STRATEGIES
 from aed.train_objective import OBJECTIVES
 
 
-FREEZE = ("none", "encoder", "all_but_new_tokens")  # TrainConfig.freeze (aed/train_step.py: build_model)
+FREEZE = ("none", "encoder", "all_but_new_tokens")  # TrainConfig.freeze (aed/train_setup.py: build_model)
 CHECKPOINTED = ("none", "encoder", "decoder", "both")  # TrainConfig.activation_checkpointing: which layers recompute
 
 
@@ -199,7 +199,7 @@ class TrainConfig:
     keep_last: int = 3  # checkpoints kept in run_dir
     async_checkpoint: bool = True  # write checkpoints in the background: the loop waits only for the copy of the state (torch.distributed.checkpoint.async_save)
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
-    compile: bool = False  # torch.compile every encoder layer and decoder block for training, each batch padded to its bucket's bounds (one shape per bucket; aed/train_step.py compile_layers; docs/training.md has its cost and gain)
+    compile: bool = False  # torch.compile every encoder layer and decoder block for training, each batch padded to its bucket's bounds (one shape per bucket; aed/train_setup.py compile_layers; docs/training.md has its cost and gain)
     activation_checkpointing: str = "none"  # none | encoder | decoder | both: recompute these layers in backward instead of keeping their activations (less memory, more compute; docs/training.md)
     init_from: str | None = None  # initialise weights from this checkpoint (a fresh run, new optimizer)
     init_encoder_only: bool = False  # with init_from: only encoder weights; extra layers stay random

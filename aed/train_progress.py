@@ -48,7 +48,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from torch.utils.tensorboard import SummaryWriter
 
 from aed.train_distributed import all_reduce
-from aed.train_step import AMP_DTYPES, count_ctc_skipped
+from aed.train_setup import AMP_DTYPES, count_ctc_skipped
 
 
 log = logging.getLogger(__name__)

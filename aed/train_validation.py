@@ -26,7 +26,7 @@ from aed.decode_search import DecodingOptions
 from aed.decode_timestamps import frame_seconds
 from aed.model_static import CompiledAED
 from aed.train_distributed import all_gather_objects, all_reduce, full_copy
-from aed.train_step import autocast, count_ctc_skipped, train_mode
+from aed.train_setup import autocast, count_ctc_skipped, train_mode
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
              unreadable: Faults) -> dict:
     """{name: path} -> {"name/loss": ..., "name/wer": ..., "name/examples": [lines], ...}.
 
-    setup: the run's aed.train_step.TrainingSetup; model: its model, whole on every rank
+    setup: the run's aed.train_setup.TrainingSetup; model: its model, whole on every rank
     (`whole_model`: each rank decodes its own slice, for its own number of steps).
     Random draws in the model's forward (BEST-RQ's masks) come from a generator reseeded for
     every validation, so each one masks the same frames (losses of different steps compare) and

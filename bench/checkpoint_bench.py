@@ -40,7 +40,7 @@ from aed.model_checkpoint import quiet_single_process, read_checkpoint  # noqa: 
 from aed.train_checkpoint import begin_checkpoint, publish_checkpoint, training_tensors, write_meta  # noqa: E402
 from aed.train_config import OptimConfig  # noqa: E402
 from aed.model import AED, AEDConfig  # noqa: E402
-from aed.train_step import build_optimizer  # noqa: E402
+from aed.train_setup import build_optimizer  # noqa: E402
 
 
 def training_state(config: str, device: str) -> tuple[AED, dict]:

@@ -229,7 +229,7 @@ def simulated_step(cfg, strategy: str | None = None, world_size: int = 1, checkp
     from aed.model import AED
     from aed.train_config import OptimConfig
     from aed.train_distributed import shard
-    from aed.train_step import build_optimizer
+    from aed.train_setup import build_optimizer
 
     model = AED(cfg).train()
     model.encoder.checkpoint_activations = checkpointing in ("encoder", "both")
@@ -465,7 +465,7 @@ def fixed_overrides(batch_size: int) -> list:
 def worst_bucket(setup, bins, sizes: list, max_tps=None, budget: int = 1 << 40) -> int:
     """The memory a scheme must provision: the peak bytes of its worst bucket, one real step at every
     bucket's bounds and batch size (aed.memory_oomptimizer.preflight; CPU: live tensor bytes).
-    setup: aed.train_step.load_training_setup of the run's config."""
+    setup: aed.train_setup.load_training_setup of the run's config."""
     from aed.memory_oomptimizer import TrainingStep, preflight
 
     return max(preflight(TrainingStep.of(setup), setup.bucket_shapes(bins, max_tps), sizes, budget))

@@ -53,7 +53,7 @@ py=${PYTHON:-python3}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 [ -f "$tokenizer/tokenizer.json" ] || { echo "$tokenizer: not a tokenizer directory (no tokenizer.json)"; exit 2; }
 "$py" -c "import torch, sys; torch.cuda.is_available() or sys.exit('torch sees no CUDA GPU')" || exit 2
-"$py" -c "import aed.train_step" || { echo "$py cannot import aed: requirements.txt's packages are missing"; exit 2; }
+"$py" -c "import aed.train_setup" || { echo "$py cannot import aed: requirements.txt's packages are missing"; exit 2; }
 
 sizes() {  # sizes NAME BATCH_2S BATCH_16S BATCH_40S: oom.py's -o format for the three buckets
     printf '{"bins": {"durations": [2, 16, 40], "tokens": [[16], [128], [640]]}, "batch_sizes": [[%s], [%s], [%s]]}\n' \

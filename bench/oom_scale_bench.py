@@ -56,7 +56,7 @@ from aed.model import AED, AEDConfig
 from aed.model_transducer import TransducerASR
 from aed.train_config import OptimConfig
 from aed.train_distributed import shard
-from aed.train_step import build_optimizer
+from aed.train_setup import build_optimizer
 
 # (seconds of audio, tokens per second, seconds in the batch): 0.5-40 s, 3-25 tokens/s, batches of
 # 500 or 900 s (Canary-1B fills 80 GiB near 900 s), and long-transcript outliers at 45-80 tokens/s

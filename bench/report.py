@@ -58,7 +58,7 @@ from aed.data_batch import encode_utterance
 from aed.data_manifest import read_manifest
 from aed.data_tokenizer import Tokenizer
 from aed.model import AED, AEDConfig, count_parameters
-from aed.train_step import load_training_setup
+from aed.train_setup import load_training_setup
 from bins import estimate_bins, load_batch_sizes
 
 PAPER = {"sync": {2: 7, 16: 13, 128: 20}, "b/a": 3.4, "c/a": 5.0,

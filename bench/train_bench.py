@@ -70,7 +70,7 @@ from oom import device_memory, manifest_bins
 
 from aed.data_manifest import read_manifest
 from aed.model import AED, AEDConfig, count_parameters
-from aed.train_step import load_training_setup
+from aed.train_setup import load_training_setup
 from bins import Bins, load_batch_sizes
 
 # name -> (model overrides of configs/tiny.yaml, default steps). 30m: Canary-1B-Flash's shape

@@ -9,7 +9,7 @@ without activation checkpointing, AdamW's fused kernel against torch's default.
     python oom.py --config configs/canary-1b-flash.yaml --manifest train.jsonl -o bs.json   # on the GPU
     python bench/train_speed_bench.py configs/canary-1b-flash.yaml --batch-sizes bs.json --compile both
 
-The step is train.py's (`aed.train_step.train_step`: the config's precision policy, SpecAugment,
+The step is train.py's (`aed.train_setup.train_step`: the config's precision policy, SpecAugment,
 the CTC head where configured, AdamW with gradient clipping), built by the same
 `build_training_setup`, under DDP or FSDP2 over a process group of one (the config's
 train.strategy). `--compile on` compiles every encoder layer and decoder block as
@@ -65,7 +65,7 @@ from aed.memory_oomptimizer import artificial_batch
 from aed.train_config import load_train_config
 from aed.train_distributed import init_distributed
 from aed.train_progress import CountFlops, matmul_peak
-from aed.train_step import autocast, build_training_setup, compile_layers, count_targets, train_step
+from aed.train_setup import autocast, build_training_setup, compile_layers, count_targets, train_step
 from bins import load_batch_sizes
 
 # Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from the vendors' data sheets; matched by name.

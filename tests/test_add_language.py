@@ -20,7 +20,7 @@ from aed.model import AED, AEDConfig
 from aed.model_checkpoint import load_model, pack_dir
 from aed.train_checkpoint import init_from_checkpoint, save_checkpoint
 from aed.train_config import TrainConfig
-from aed.train_step import build_model, build_optimizer, new_tokens, train_mode, train_step
+from aed.train_setup import build_model, build_optimizer, new_tokens, train_mode, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINI = os.path.join(ROOT, "data", "mini")
@@ -179,7 +179,7 @@ def test_freeze_all_but_new_tokens_under_fsdp_trains_only_the_added_rows(grown, 
         "import sys, torch, torch.distributed as dist\n"
         "from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict\n"
         "from aed.train_distributed import shard\n"
-        "from aed.train_step import build_optimizer, train_mode, train_step\n"
+        "from aed.train_setup import build_optimizer, train_mode, train_step\n"
         "from test_add_language import freeze_setup\n"
         "dist.init_process_group('gloo')\n"
         "cfg, tokenizer, added, model, batch = freeze_setup(sys.argv[1])\n"

@@ -27,7 +27,7 @@ from aed.model import AED, AEDConfig
 from aed.model_checkpoint import LoadedModel, load_model, pack_dir, read_checkpoint
 from aed.model_encoder import ConvSubsampling
 from aed.train_checkpoint import save_checkpoint
-from aed.train_step import train_step
+from aed.train_setup import train_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -144,7 +144,7 @@ def test_compiled_bf16_blocks_train_as_eager_ones_and_keep_one_graph_per_length(
     from test_train_compile import SHAPES, padded_batch, setup_of
     from torch._dynamo.utils import counters
 
-    from aed.train_step import compile_layers, count_targets
+    from aed.train_setup import compile_layers, count_targets
 
     losses, graphs = {}, []
     for compiled in (False, True):

@@ -174,7 +174,7 @@ def test_sampler_token_counts_are_the_batch_lengths_and_count_targets_is_what_th
     """The sampler buckets on num_tokens (train.py: len(encode_utterance(...)[0])), the batch pads to
     those lengths, and the global loss normaliser (count_targets) equals the forward's own count."""
     from aed.model import AED, AEDConfig
-    from aed.train_step import count_targets
+    from aed.train_setup import count_targets
 
     tok = Tokenizer.load(os.path.join(MINI, "tokenizer"))
     utts = read_manifest(os.path.join(MINI, "train.jsonl"))[:6]  # asr and ast, four languages

@@ -385,7 +385,7 @@ def test_a_checkpoint_from_before_dcp_is_refused_then_converted_exactly(tmp_path
     import dataclasses
     from aed.config import to_dict
     from aed.train_config import load_train_config
-    from aed.train_step import build_training_setup
+    from aed.train_setup import build_training_setup
     cfg = load_train_config("configs/tiny.yaml")
 
     def setup(seed):

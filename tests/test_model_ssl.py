@@ -15,7 +15,7 @@ from aed.model import AEDConfig
 from aed.model_encoder import subsampled_length
 from aed.model_ssl import BestRQ, RandomProjectionQuantizer, SSLConfig, span_mask, target_mask
 from aed.train_config import OptimConfig
-from aed.train_step import build_optimizer, count_targets, train_step
+from aed.train_setup import build_optimizer, count_targets, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINI = os.path.join(ROOT, "data", "mini")

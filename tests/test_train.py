@@ -21,7 +21,7 @@ import torch
 
 from aed.model_checkpoint import TRAINING_KEYS, read_checkpoint
 from aed.train_config import OptimConfig
-from aed.train_step import lr_factor
+from aed.train_setup import lr_factor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINI = os.path.join(ROOT, "data", "mini")

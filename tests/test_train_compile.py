@@ -18,7 +18,7 @@ from aed.memory_oomptimizer import artificial_batch
 from aed.train_config import load_train_config
 from aed.train_data import build_training_data
 from aed.train_distributed import cleanup, init_distributed
-from aed.train_step import build_training_setup, compile_layers, count_targets, train_step
+from aed.train_setup import build_training_setup, compile_layers, count_targets, train_step
 from test_train import run_train
 
 SMALL = ["model.enc_d_model=64", "model.enc_layers=2", "model.enc_heads=2", "model.dec_d_model=64",

@@ -92,7 +92,7 @@ def main(argv=None):
     tokenizer.save(tok_dir)
     out = {"model_config": dataclasses.asdict(config), "model": state, "features": ckpt["features"],
            "tokenizer": pack_dir(tok_dir)}
-    # Which rows are new, for freeze=all_but_new_tokens (aed/train_step.py): recorded, never typed by hand.
+    # Which rows are new, for freeze=all_but_new_tokens (aed/train_setup.py): recorded, never typed by hand.
     out["new_tokens"] = {"language": args.lang, "first": old.vocab_size, "language_token": tokenizer.lang_id(args.lang),
                          "vocab_size": tokenizer.vocab_size}
     if "max_train_duration" in ckpt:

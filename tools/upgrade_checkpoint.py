@@ -26,7 +26,7 @@ from aed.model_checkpoint import (COMPLETE, CheckpointError, checkpoint_step, li
                                   unpack_tokenizer)
 from aed.train_checkpoint import save_checkpoint, training_tensors  # noqa: E402
 from aed.train_config import TrainConfig  # noqa: E402
-from aed.train_step import build_model, build_optimizer  # noqa: E402
+from aed.train_setup import build_model, build_optimizer  # noqa: E402
 
 
 def read_rank_shards(path: str) -> dict:

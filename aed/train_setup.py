@@ -1,24 +1,17 @@
-"""The training step and what it is made of: precision, model, optimizer, learning-rate schedule,
-built from a run's config in one place for train.py and oom.py.
+"""What a training run is made of, built from its config in one place for train.py and oom.py
+(`TrainingSetup`), and the training step run on it (`train_step`).
 
-    model = build_model(cfg, tokenizer.vocab_size)
-    optimizer = build_optimizer(model, cfg.optim)
-    result = train_step(model, [batch], optimizer, scaler, spec_augment, "bf16", clip_grad=1.0,
-                        num_targets=count_targets(model, [batch]))
-
-train.py runs `train_step` every step; oom.py runs the same function on artificial batches to
-measure its memory, so the memory it finds is the memory of the real step by construction.
-Nothing here knows about processes: the caller passes the global target count and world size.
-
-`build_training_setup` makes what a run is made of: the tokenizer (which sets the model's
-vocabulary), the model of the run's objective, the optimizer with its schedule, SpecAugment and
-the resolved precision.
-
-    setup = build_training_setup(cfg, device)
+    setup = build_training_setup(cfg, device)    # the run's tokenizer, model, optimizer, schedule, precision
     setup.model, setup.optimizer, setup.scheduler, setup.scaler, setup.spec_augment
     shapes = setup.bucket_shapes(bins)           # the OOMptimizer's bucket bounds for this run
+    result = train_step(setup.model, [batch], setup.optimizer, setup.scaler, setup.spec_augment, "bf16",
+                        clip_grad=1.0, num_targets=count_targets(setup.model, [batch]))
 
-oom.py measures the memory of exactly the step train.py runs because both build it here.
+The tokenizer sets the model's vocabulary, and the objective which model is built
+(aed/train_objective.py). train.py runs `train_step` every step; oom.py runs the same function on
+artificial batches to measure its memory (aed.memory_oomptimizer.TrainingStep), so the memory it
+finds is the memory of the real step by construction. Nothing here knows about processes: the
+caller passes the global target count and world size.
 """
 
 import logging
@@ -100,7 +93,7 @@ def build_model(cfg: TrainConfig, text_vocab_size: int, added_tokens: dict | Non
         model.encoder.requires_grad_(False)
     elif cfg.freeze == "all_but_new_tokens":
         if added_tokens is None:
-            raise ValueError("freeze=all_but_new_tokens needs the added tokens (aed.train_step.new_tokens)")
+            raise ValueError("freeze=all_but_new_tokens needs the added tokens (aed.train_setup.new_tokens)")
         train_only_rows(model, added_tokens)
     return model
 
