@@ -28,7 +28,7 @@ batch.
 Exported programs: the encoder, and one decoder step with its KV cache.
 
     encoder, step = export_model(model, max_len=256)     # torch.export.ExportedProgram, each
-    torch.export.save(encoder, "encoder.pt2")           # tools/export.py writes both, checked
+    torch.export.save(encoder, "encoder.pt2")           # tools/export_torch.py writes both, checked
 
     cross_kv, memory_lens, *ctc = encoder.module()(feats, feat_lens)
     logits, self_kv = step.module()(tokens, position, self_kv, cross_kv, memory_lens)

@@ -106,8 +106,8 @@ def test_the_searches_decode_with_the_exported_programs_as_with_the_eager_model(
 
 @pytest.mark.slow(seconds=30)
 def test_the_tool_exports_and_decodes_a_file_as_eager_decoding_does(tmp_path):
-    """tools/export.py as its docstring runs it, --audio included: the programs' tokens are eager's."""
-    p = subprocess.run([sys.executable, "tools/export.py", "--ckpt", "tests/fixtures/word_model.pt", "-o",
+    """tools/export_torch.py as its docstring runs it, --audio included: the programs' tokens are eager's."""
+    p = subprocess.run([sys.executable, "tools/export_torch.py", "--ckpt", "tests/fixtures/word_model.pt", "-o",
                         str(tmp_path / "exported"), "--max-len", "64", "--audio", "data/mini/examples/en_asr_16k.wav"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -1,7 +1,7 @@
 """Export a checkpoint's encoder and one decoder step (with its KV cache) with torch.export.
 
-    python tools/export.py --ckpt runs/tiny -o exported/tiny
-    python tools/export.py --ckpt canary-180m-flash.pt -o exported/flash --max-len 256 --audio a.wav
+    python tools/export_torch.py --ckpt runs/tiny -o exported/tiny
+    python tools/export_torch.py --ckpt canary-180m-flash.pt -o exported/flash --max-len 256 --audio a.wav
 
 Writes, in the output directory:
     encoder.pt2        feats (B, T, F), feat_lens (B,) -> cross_kv, memory_lens[, ctc_log_probs]
