@@ -58,3 +58,10 @@ def test_importing_aed_loads_no_training_code():
                              "if m.startswith(('aed.train', 'aed.memory'))))"],
                             capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip()
     assert loaded == "[]"
+
+
+def test_the_readme_layout_lists_the_modules_in_the_maps_order():
+    readme = (ROOT / "README.md").read_text()
+    listed = [line.split("`")[1][len("aed/"): -len(".py")] for line in readme.splitlines()
+              if line.startswith("| `aed/")]
+    assert listed == mapped_modules()
