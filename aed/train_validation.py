@@ -55,7 +55,8 @@ def whole_model(model, build):
 @torch.no_grad()
 def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int, skip_invalid: bool,
              unreadable: Faults) -> dict:
-    """{name: path} -> {"name/loss": ..., "name/wer": ..., "name/examples": [lines], ...}.
+    """{name: path} -> {"name/loss": ..., "name/wer": ..., "name/examples": [lines], ...}; with a CTC
+    head, also "name/ctc_wer" (its greedy transcripts' WER).
 
     setup: the run's aed.train_setup.TrainingSetup; model: its model, whole on every rank
     (`whole_model`: each rank decodes its own slice, for its own number of steps).
@@ -82,6 +83,7 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
             sums = torch.zeros(3, device=device)  # loss, targets, transcriptions too short for CTC
             rows = []  # (task, source language, target language, reference, hypothesis)
             heard = {}  # source language -> [NLL with its own audio, NLL with another's, targets]
+            ctc_rows = []  # the CTC head's greedy transcripts: the same rows as `rows`, transcriptions only
             for group in duration_batches([u.duration for u in ds.utterances], cfg.val.batch_duration):
                 b = collate([ds[j] for j in group]).to(device)
                 unreadable.report(b.errors, "validation")
@@ -92,6 +94,8 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
                     if hasattr(model, "token_nll") and len(b) > 1:
                         languages = [ds.utterances[j].source_lang for j in b.indices]
                         add_listening(heard, model, b, languages)
+                    if getattr(model, "ctc", None) is not None:
+                        ctc_rows += ctc_transcripts(model, b, [ds.utterances[j] for j in b.indices], tokenizer)
                 hyps = [] if objective.hypotheses is None else objective.hypotheses(
                     model, b, tokenizer.eos, options, autocast(device, setup.precision), decoder)
                 sums += torch.stack([loss.float(), n.float(), torch.tensor(float(count_ctc_skipped(model, [b])),
@@ -104,6 +108,11 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
             results[f"{name}/loss"] = (sums[0] / sums[1].clamp(min=1)).item()
             if objective.hypotheses is not None:
                 results |= scores(name, [r for part in all_gather_objects(rows) for r in part], int(sums[2]), cfg.val)
+            if getattr(model, "ctc", None) is not None:
+                _, ctc_wer = corpus_scores([r for part in all_gather_objects(ctc_rows) for r in part],
+                                           cfg.val.normalizer)
+                if ctc_wer is not None:
+                    results[f"{name}/ctc_wer"] = ctc_wer
             if hasattr(model, "token_nll"):
                 results |= listening(name, all_gather_objects(heard))
     train_mode(model, cfg.freeze)
@@ -137,6 +146,15 @@ def val_dataset(spec, max_utterances: int | None, tokenizer, logmel: LogMel, ski
         kept = {u.where for u in utts}
         examples = [ex for ex in examples if ex["where"] in kept]
     return ExampleDataset(examples, tokenizer, logmel)
+
+
+def ctc_transcripts(model, b, utterances: list, tokenizer) -> list[tuple]:
+    """The CTC head's greedy transcripts of batch b's transcription rows, as `scores` takes rows:
+    whether the encoder has learned the sounds, apart from whether the decoder uses them."""
+    enc, enc_lens = model.encoder(b.feats, b.feat_lens)
+    transcribed = [True] * len(b) if b.transcribed is None else b.transcribed.tolist()
+    return [("asr", u.source_lang, u.target_lang, u.text, tokenizer.decode(ids))
+            for u, ids, asr in zip(utterances, model.ctc.greedy_decode(enc, enc_lens), transcribed) if asr]
 
 
 # A decoder that uses the audio scores over a nat per token worse when it gets another utterance's;

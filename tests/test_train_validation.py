@@ -12,7 +12,7 @@ from test_train import SMALL, losses, run_in_process
 
 from aed.data_batch import Batch
 from aed.model import AED
-from aed.train_validation import LISTENING_GAP, batch_listening_gap, listening, not_listening
+from aed.train_validation import LISTENING_GAP, batch_listening_gap, ctc_transcripts, listening, not_listening
 
 
 @pytest.mark.parametrize("loss_on_prompt", [True, False])
@@ -26,6 +26,28 @@ def test_token_nll_with_its_own_audio_is_the_training_loss(loss_on_prompt):
     assert nll.shape == count.shape == (3,)
     assert int(count.sum()) == int(n)
     torch.testing.assert_close(nll.sum(), loss)
+
+
+def test_the_ctc_head_s_transcripts_are_of_the_transcribed_rows_in_batch_order():
+    """Validation's ctc_wer scores the CTC head's best path on the rows whose text is their words:
+    a head that always emits token 7 on one frame then blank gives one 7 per row, translations left out."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    model = AED(tiny_config(ctc_weight=0.5)).eval()
+    with torch.no_grad():
+        model.ctc.proj.weight.zero_()
+        model.ctc.proj.bias.fill_(-10).index_fill_(0, torch.tensor([7]), 10.0)  # every frame says 7: merged to one 7
+    feats, feat_lens = torch.randn(3, 80, 24), torch.tensor([80, 61, 40])
+    tokens = torch.randint(2, 40, (3, 9))
+    batch = Batch(feats, feat_lens, tokens, torch.tensor([9, 7, 5]), torch.tensor([3, 3, 2]), ["a", "b", "c"],
+                  [0, 1, 2], [], torch.tensor([True, False, True]))
+    utts = [SimpleNamespace(source_lang=s, target_lang=t, text=x) for s, t, x in
+            [("en", "en", "one"), ("en", "de", "eins"), ("de", "de", "drei")]]
+    tokenizer = SimpleNamespace(decode=lambda ids: "+".join(map(str, ids)))
+    with torch.no_grad():
+        rows = ctc_transcripts(model, batch, utts, tokenizer)
+    assert rows == [("asr", "en", "en", "one", "7"), ("asr", "de", "de", "drei", "7")]
 
 
 def test_listening_sums_ranks_per_language_and_warns_below_the_gap():
