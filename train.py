@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from aed.config import ConfigError, to_dict
 from aed.data_manifest import Faults, ManifestError
@@ -218,10 +219,14 @@ class DataPosition:
 @dataclasses.dataclass
 class GuideState:
     """Where train.attention_guide_until=listening stands, kept in checkpoints so that a resumed run
-    guides the same steps: the step the guide ended at, and whether a check is due at the next step
-    (the last one found no rank with two rows to swap audio between)."""
+    guides the same steps: the step the guide ended at, whether a check is due at the next step
+    (the last one found no rank with two rows to swap audio between), the step it last (re)started
+    at, and the decoder restarts so far. A run that stopped on a decoder that does not listen saved
+    a check as due: resumed, it checks at once, and restarts the decoder if the config now allows."""
     ended: int | None = None
     check_due: bool = False
+    start: int = 0
+    restarts: int = 0
 
 
 def resume(setup: TrainingSetup, position: DataPosition, proc: Process,
@@ -257,7 +262,8 @@ def resume(setup: TrainingSetup, position: DataPosition, proc: Process,
     position.restore(ckpt, path)
     log.info("resumed from %s at step %d%s", path, ckpt.step, "" if ckpt.guide_ended is None else
              f" (its attention guide ended at step {ckpt.guide_ended}, when the decoder listened)")
-    return ckpt.step, ckpt.flops, GuideState(ckpt.guide_ended, ckpt.guide_check_due)
+    return ckpt.step, ckpt.flops, GuideState(ckpt.guide_ended, ckpt.guide_check_due, ckpt.guide_start,
+                                             ckpt.guide_restarts)
 
 
 def save(writer: CheckpointWriter, setup: TrainingSetup, position: DataPosition, step: int, flops: float,
@@ -284,7 +290,8 @@ def save(writer: CheckpointWriter, setup: TrainingSetup, position: DataPosition,
                            step=step, flops=flops, scheduler=setup.scheduler.state_dict(),
                            scaler=setup.scaler.state_dict(), sampler=[s["sampler"] for s in states],
                            rng=[s["rng"] for s in states], config=to_dict(cfg), guide_ended=guide.ended,
-                           guide_check_due=guide.check_due,
+                           guide_check_due=guide.check_due, guide_start=guide.start,
+                           guide_restarts=guide.restarts,
                            **state).to_dict()
     path = writer.save(state, step)
     log.info("%s %s in %.1f s%s", "saving" if writer.pending else "saved", path, time.time() - t0,
@@ -312,17 +319,21 @@ def stop_requested(received: list, device: torch.device) -> bool:
 GUIDE_CHECK_EVERY = 50  # steps between the checks that end train.attention_guide once the decoder listens
 
 
-def set_attention_guide(setup: TrainingSetup, batch, step: int, guide: GuideState) -> None:
-    """Sets the model's guided-attention weight for this step (train.attention_guide: [weight, steps]).
-    With attention_guide_until=listening, every GUIDE_CHECK_EVERY steps the decoder's cross-entropy on
-    this step's first batch is measured with other utterances' audio against its own; once the gap
-    reaches validation's LISTENING_GAP, the guide ends for good: it has taught the decoder to use the
-    audio, and holding attention to a path any longer only constrains it. A check that finds no batch
-    of two rows (long utterances: often one per batch) is repeated at the next step until one does."""
+def set_attention_guide(setup: TrainingSetup, batch, step: int, guide: GuideState) -> float | None:
+    """Sets the model's guided-attention weight for this step (train.attention_guide: [weight, steps],
+    counted from `guide.start`). With attention_guide_until=listening, every GUIDE_CHECK_EVERY steps
+    the decoder's cross-entropy on this step's first batch is measured with other utterances' audio
+    against its own; once the gap reaches validation's LISTENING_GAP, the guide ends for good: it has
+    taught the decoder to use the audio, and holding attention to a path any longer only constrains
+    it. A check that finds no batch of two rows (long utterances: often one per batch) is repeated at
+    the next step until one does. The last check falls on the guide's last step: returns its gap when
+    the decoder is still deaf there (`act_on_deafness` takes it from there), else None."""
     cfg, model = setup.cfg, setup.model
     weight, steps = cfg.train.attention_guide
-    if (guide.ended is None and 0 < step < steps and (step % GUIDE_CHECK_EVERY == 0 or guide.check_due)
-            and cfg.train.attention_guide_until == "listening"):
+    since = step - guide.start
+    deaf_at_end = None
+    if (guide.ended is None and 0 < since and (since % GUIDE_CHECK_EVERY == 0 or since == steps or guide.check_due)
+            and (since <= steps or guide.check_due) and cfg.train.attention_guide_until == "listening"):
         def whole():  # the copy validation decodes with: a sharded model's layers run only inside its forward
             return whole_model(model, lambda: setup.objective.build(cfg, setup.tokenizer.vocab_size))
 
@@ -334,14 +345,81 @@ def set_attention_guide(setup: TrainingSetup, batch, step: int, guide: GuideStat
         if gap is not None:
             if gap >= LISTENING_GAP:
                 guide.ended = step
+            elif since >= steps:
+                deaf_at_end = gap
             log.info("step %d: the decoder's cross-entropy on its training batch is %.2f nats/token higher with "
                      "other utterances' audio than with its own: %s", step, gap,
                      "it listens, attention guide off" if guide.ended is not None else
-                     f"attention guide stays on until {LISTENING_GAP} (or step {int(steps)})")
+                     "the guide's steps are over" if deaf_at_end is not None else
+                     f"attention guide stays on until {LISTENING_GAP} (or step {guide.start + int(steps)})")
     ramp = cfg.train.attention_guide_ramp
-    weight *= min(1.0, step / ramp) if ramp else 1.0  # weak while the CTC head that sets the path is still untrained
-    model.attention_guide = weight if step < steps and guide.ended is None else 0.0
+    weight *= min(1.0, since / ramp) if ramp else 1.0  # weak while the CTC head that sets the path is still untrained
+    model.attention_guide = weight if since < steps and guide.ended is None else 0.0
     model.guide_to, model.guide_heads = cfg.train.attention_guide_to, cfg.train.attention_guide_heads
+    return deaf_at_end
+
+
+DECODER = ("decoder.", "encoder_decoder_proj.")  # the parameters a decoder restart draws anew
+
+
+def restart_decoder(setup: TrainingSetup, step: int, ema: ExponentialMovingAverage | None) -> None:
+    """Gives the decoder (and the projection into it) the weights a new model of this config would
+    draw, seeded by the step so that every rank draws the same, and drops their optimizer moments;
+    the encoder and CTC head keep what they have learned. A decoder that has settled on predicting
+    the text from the text alone gets little gradient toward the audio; a fresh one meets an encoder
+    that already tells sounds apart, and the guide points it at them again."""
+    cfg, model = setup.cfg, setup.model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed + step)
+        fresh = setup.objective.build(cfg, setup.tokenizer.vocab_size).state_dict()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith(DECODER):
+                new = fresh[name].to(p.device, p.dtype)
+                if isinstance(p, DTensor):  # FSDP2: this rank's shard of the same full tensor
+                    new = distribute_tensor(new, p.device_mesh, p.placements)
+                p.copy_(new)
+                setup.optimizer.state.pop(p, None)  # AdamW starts its moments anew at the next step
+    if ema is not None:
+        ema.reset(model)
+
+
+def act_on_deafness(setup: TrainingSetup, guide: GuideState, step: int, gap: float, validation: dict | None,
+                    ema: ExponentialMovingAverage | None) -> str | None:
+    """The guide's steps ended with a decoder that does not use the audio (its training-batch gap
+    `gap`, under LISTENING_GAP): restart the decoder and guide it again, up to train.decoder_restarts
+    times, saying so in one line; after that, the message the run stops with: what was measured
+    (the gap, and from the last validation the CTC head's WER: whether the encoder learned the
+    sounds at all) and what to try. Every rank decides alike: the gap is all-reduced."""
+    cfg = setup.cfg
+    steps = int(cfg.train.attention_guide[1])
+    ctc = {k: v for k, v in (validation or {}).items() if k.endswith("/ctc_wer")}
+    heard = ", ".join(f"{k[:-len('/ctc_wer')]} {v:.1f}%" for k, v in ctc.items())
+    measured = (f"after {steps} guided steps (step {step}) the decoder's cross-entropy on its training batch is "
+                f"{gap:+.2f} nats/token with other utterances' audio (a decoder that listens: over {LISTENING_GAP})"
+                + (f"; the CTC head's WER at the last validation: {heard}" if heard else ""))
+    if guide.restarts < cfg.train.decoder_restarts:
+        restart_decoder(setup, step, ema)
+        guide.restarts, guide.start, guide.ended, guide.check_due = guide.restarts + 1, step, None, False
+        log.warning("*** the decoder does not use the audio: %s. Restarting the decoder from fresh weights on the encoder "
+                    "trained so far, guided again for up to %d steps (restart %d of train.decoder_restarts=%d) ***",
+                    measured, steps, guide.restarts, cfg.train.decoder_restarts)
+        return None
+    guide.check_due = True  # resumed, the run checks again at once
+    encoder_learned = ctc and min(ctc.values()) < 90
+    advice = ("The encoder has learned the sounds (the CTC head transcribes them) but the decoder does not attend "
+              "to them: raise train.attention_guide's weight or steps, or train.decoder_restarts"
+              if encoder_learned else
+              "The encoder has not learned the sounds either (the CTC head's WER is near 100%): the decoder has "
+              "nothing to listen to. Check that the transcripts belong to their audio (tools/inspect_data.py), "
+              "lower optim.lr or raise optim.warmup_steps, or train the encoder alone first (model.ctc_weight, "
+              "init_from with init_encoder_only)" if ctc else
+              "Validate with a CTC head (model.ctc_weight > 0) to see whether the encoder has learned the sounds; "
+              "check that the transcripts belong to their audio (tools/inspect_data.py)")
+    return (f"stopping: the decoder does not use the audio after {guide.restarts} restart(s): {measured}. "
+            f"Training on would make a language model of the text. {advice} (docs/training.md). Rerun the same "
+            f"command to resume from this step with a changed config (raising train.decoder_restarts restarts the "
+            f"decoder again).")
 
 
 def validate(setup: TrainingSetup, val_names: dict, proc: Process, unreadable: Faults,
@@ -449,8 +527,11 @@ def main(argv: list[str] | None = None) -> None:
             progress.skipped_audio += len(batch.errors)
             if len(batch):
                 micro.append(batch)
-        if cfg.train.attention_guide:
-            set_attention_guide(setup, micro[0], step, guide)
+        if cfg.train.attention_guide and (deaf := set_attention_guide(setup, micro[0], step, guide)) is not None:
+            if stop_message := act_on_deafness(setup, guide, step, deaf, last_validation and last_validation[1], ema):
+                save(writer, setup, position, step, progress.total_flops, proc, ema, guide)
+                writer.finish()
+                sys.exit(stop_message)
         num_targets = all_reduce(torch.tensor(float(count_targets(model, micro)), device=device))
         result, step_flop_count = step_flops.run(lambda: train_step(
             parallel_model, micro, setup.optimizer, setup.scaler, setup.spec_augment, setup.precision,
@@ -481,6 +562,11 @@ def main(argv: list[str] | None = None) -> None:
         if not stop and cfg.val.every > 0 and (step % cfg.val.every == 0 or last):
             with progress.paused():
                 last_validation = step, validate(setup, val_names, proc, unreadable, run_log, step, ema)
+            if guide.ended is not None and listens(last_validation[1]) is False:
+                log.warning("*** step %d: the decoder no longer uses the audio on validation, though it did when its "
+                            "attention guide ended at step %d: the guide resumes for up to %d steps ***", step,
+                            guide.ended, int(cfg.train.attention_guide[1]))
+                guide.ended, guide.start = None, step
             stop = stop_requested(received, device)
         if stop or step % cfg.ckpt_every == 0 or last:
             save(writer, setup, position, step, progress.total_flops, proc, ema, guide)

@@ -92,6 +92,8 @@ class Checkpoint:
     config: dict | None = field(default=None, metadata=RESUME)  # the run's resolved TrainConfig
     guide_ended: int | None = None  # the step train.attention_guide ended at because the decoder listened (until=listening)
     guide_check_due: bool = False  # until=listening: the last check found no two rows to compare, so one is due at the next step
+    guide_start: int = 0  # the step the guide last (re)started at: its ramp and steps count from there
+    guide_restarts: int = 0  # the decoder restarts so far (train.decoder_restarts)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}

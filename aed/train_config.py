@@ -65,6 +65,7 @@ class TrainSection:
     attention_guide_heads: int | None = None  # guide only the first this many heads of each cross-attention layer, leaving the others free to look anywhere (None: every head)
     attention_guide_ramp: int = 0  # steps over which the guide's weight rises linearly from 0 to its full value (0: full from the first step)
     attention_guide_until: str = "steps"  # steps: the guide lasts its steps | listening: it also ends at the first check (every 50 steps) where the decoder uses the audio of its training batch (train.py)
+    decoder_restarts: int = 1  # attention_guide_until=listening: a decoder still deaf when the guide's steps end is restarted (fresh weights on the encoder trained so far) and guided again this many times; then the run stops, saying what it measured
     speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]: every utterance once at each speed (Kaldi, ESPnet, icefall); in-memory manifests
     mix_temperature: float | None = None  # balance sources and languages: each (dataset, language) group of train.manifests gets a share of the audio proportional to hours^(1/T); 1: natural proportions, .inf: uniform; None: the entries' weights (aed/data_mixing.py)
     mix_log_every: int = 100000  # streamed sources: examples between log lines of the realised mix (in-memory manifests: one line per pass)
@@ -94,6 +95,8 @@ class TrainSection:
             raise ConfigError(f"train.attention_guide_ramp: expected >= 0 steps, got {self.attention_guide_ramp}")
         if self.attention_guide_until not in ("steps", "listening"):
             raise ConfigError(f"train.attention_guide_until: expected steps or listening, got {self.attention_guide_until!r}")
+        if self.decoder_restarts < 0:
+            raise ConfigError(f"train.decoder_restarts: expected >= 0, got {self.decoder_restarts}")
         if any(not 0.5 <= f <= 2.0 or abs(100 * f - round(100 * f)) > 1e-6 for f in self.speed_perturb):
             raise ConfigError(f"train.speed_perturb: factors between 0.5 and 2 in steps of 0.01, got {self.speed_perturb}")
         if self.mix_temperature is not None and not self.mix_temperature > 0:

@@ -198,3 +198,108 @@ def test_the_listening_check_runs_on_a_sharded_model(tmp_path, monkeypatch):
                                     "train.strategy=fsdp", "train.num_workers=0"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert re.search(r"step 2: the decoder's cross-entropy on its training batch is -?\d+\.\d\d nats/token", p.stderr)
+
+
+def test_a_decoder_restart_draws_the_decoder_anew_alike_on_every_rank_and_keeps_the_encoder():
+    """restart_decoder: the decoder's and its input projection's weights become a new model's (the
+    same for the same step, as every rank must draw), the encoder and CTC head keep theirs, and the
+    optimizer forgets the restarted parameters' moments only."""
+    from types import SimpleNamespace
+
+    import train
+    from aed.train_config import load_train_config
+    from aed.train_objective import OBJECTIVES
+
+    cfg = load_train_config("configs/tiny.yaml", [])
+    cfg.model.vocab_size, cfg.model.pad_id = 40, 1  # what the tokenizer sets in a run
+    objective = OBJECTIVES["aed"]
+
+    def trained_setup():
+        torch.manual_seed(5)
+        model = objective.build(cfg, 40)
+        optimizer = torch.optim.AdamW(model.parameters())
+        loss = sum(p.sum() for p in model.parameters())  # a gradient of 1 everywhere
+        loss.backward()
+        optimizer.step()  # every parameter moves off its initial value and gets moments
+        return SimpleNamespace(cfg=cfg, model=model, optimizer=optimizer, objective=objective,
+                               tokenizer=SimpleNamespace(vocab_size=40))
+
+    a, b = trained_setup(), trained_setup()
+    before = {k: v.clone() for k, v in a.model.state_dict().items()}
+    train.restart_decoder(a, 300, None)
+    train.restart_decoder(b, 300, None)
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.seed + 300)
+        new = objective.build(cfg, 40).state_dict()
+    params = dict(a.model.named_parameters())
+    restarted = [k for k in params if k.startswith(("decoder.", "encoder_decoder_proj."))]
+    kept = [k for k in params if k not in restarted]
+    assert restarted and any(k.startswith("encoder.") for k in kept) and any(k.startswith("ctc.") for k in kept)
+    for k in restarted:
+        assert torch.equal(params[k], new[k]) and not torch.equal(params[k], before[k]), k
+        assert params[k] not in a.optimizer.state
+    for k in kept:
+        assert torch.equal(params[k], before[k]), k
+        assert params[k] in a.optimizer.state
+    assert all(torch.equal(x, y) for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values()))
+
+
+@pytest.mark.slow(seconds=60)
+def test_a_guided_decoder_that_never_listens_is_restarted_then_the_run_stops_saying_what_it_measured(tmp_path):
+    """Transcripts given to other utterances' audio: no decoder can listen. With the guide until
+    listening for 4 steps and one restart allowed, the decoder is restarted at step 4, and at step 8
+    the run stops (exit status 1) with the gap and the CTC head's WER, having saved a checkpoint.
+    Rerun as it is, it stops again at once; with train.decoder_restarts=2 it restarts and goes on."""
+    import json
+    import os
+
+    from test_train import ROOT, run_train
+
+    digits = os.path.join(ROOT, "data", "mini", "digits")
+    rows = [json.loads(line) for line in open(os.path.join(digits, "train.jsonl"))]
+    texts = [r["text"] for r in rows]
+    shuffled = [dict(r, text=texts[(i * 7 + 3) % len(texts)], audio_filepath=os.path.join(digits, r["audio_filepath"]))
+                for i, r in enumerate(rows)]
+    (tmp_path / "deaf.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shuffled))
+    guided = ["max_steps=20", "val.every=2", "val.max_utterances=16", "ckpt_every=100", "train.num_workers=0",
+              f"train.manifests=[{tmp_path / 'deaf.jsonl'}]", "val.manifests=[data/mini/digits/dev.jsonl]",
+              "train.attention_guide=[1.0,4]", "train.attention_guide_until=listening"]
+    run = tmp_path / "run"
+    p = run_train(run, *guided, check=False)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "*** the decoder does not use the audio: after 4 guided steps (step 4)" in p.stderr
+    assert "(restart 1 of train.decoder_restarts=1) ***" in p.stderr
+    (line,) = [x for x in p.stderr.splitlines() if x.startswith("stopping: the decoder does not use the audio")]
+    assert "after 1 restart(s): after 4 guided steps (step 8)" in line
+    assert re.search(r"the CTC head's WER at the last validation: dev \d+\.\d%", line)
+    assert "Rerun the same command to resume" in line
+    assert (run / "ckpt-00000008").is_dir()
+    steps = sorted(losses(run))
+    assert steps[-1] == 8
+    p = run_train(run, *guided, check=False)  # resumed: checks at once, stops again without training
+    assert p.returncode == 1 and "stopping: the decoder does not use the audio after 1 restart(s)" in p.stderr
+    assert sorted(losses(run)) == steps
+    p = run_train(run, *guided, "max_steps=10", "train.decoder_restarts=2", check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "(restart 2 of train.decoder_restarts=2)" in p.stderr
+    assert max(losses(run)) == 10
+
+
+@pytest.mark.slow(seconds=30)
+def test_the_guide_resumes_when_validation_finds_the_decoder_deaf_after_it_ended(tmp_path, monkeypatch):
+    """The guide ends at a check that (faked) says the decoder listens; validation at step 4 measures
+    the real 4-step decoder, which cannot listen yet: the guide resumes from step 4, and its checks
+    with it (the next at step 6, two steps on)."""
+    import train
+
+    gaps = [LISTENING_GAP, 0.0]
+    monkeypatch.setattr(train, "GUIDE_CHECK_EVERY", 2)
+    monkeypatch.setattr(train, "batch_listening_gap", lambda *args: gaps.pop(0))
+    p = run_in_process(train.main, ["configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=7", "val.every=4",
+                                    "val.max_utterances=8", "train.num_workers=0", "train.attention_guide=[1.0,100]",
+                                    "train.attention_guide_until=listening"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "step 2: the decoder's cross-entropy on its training batch is 0.25" in p.stderr
+    assert ("*** step 4: the decoder no longer uses the audio on validation, though it did when its attention guide "
+            "ended at step 2: the guide resumes for up to 100 steps ***") in p.stderr
+    assert "step 6: the decoder's cross-entropy on its training batch is 0.00" in p.stderr and gaps == []
