@@ -359,6 +359,9 @@ def set_attention_guide(setup: TrainingSetup, batch, step: int, guide: GuideStat
     return deaf_at_end
 
 
+# A CTC head at or above this WER on every validation set has not learned the sounds (greedy, where
+# an untrained head's blanks and babble score 100%).
+ENCODER_LEARNED = 90.0
 DECODER = ("decoder.", "encoder_decoder_proj.")  # the parameters a decoder restart draws anew
 
 
@@ -388,9 +391,10 @@ def act_on_deafness(setup: TrainingSetup, guide: GuideState, step: int, gap: flo
                     ema: ExponentialMovingAverage | None) -> str | None:
     """The guide's steps ended with a decoder that does not use the audio (its training-batch gap
     `gap`, under LISTENING_GAP): restart the decoder and guide it again, up to train.decoder_restarts
-    times, saying so in one line; after that, the message the run stops with: what was measured
-    (the gap, and from the last validation the CTC head's WER: whether the encoder learned the
-    sounds at all) and what to try. Every rank decides alike: the gap is all-reduced."""
+    times, saying so in one line; after that, or at once when the last validation found the CTC
+    head's WER near 100% (an encoder that has not learned the sounds gives a new decoder nothing to
+    listen to either), the message the run stops with: what was measured and what to try. Every
+    rank decides alike: the gap is all-reduced, validation's results are the same on every rank."""
     cfg = setup.cfg
     steps = int(cfg.train.attention_guide[1])
     ctc = {k: v for k, v in (validation or {}).items() if k.endswith("/ctc_wer")}
@@ -398,7 +402,8 @@ def act_on_deafness(setup: TrainingSetup, guide: GuideState, step: int, gap: flo
     measured = (f"after {steps} guided steps (step {step}) the decoder's cross-entropy on its training batch is "
                 f"{gap:+.2f} nats/token with other utterances' audio (a decoder that listens: over {LISTENING_GAP})"
                 + (f"; the CTC head's WER at the last validation: {heard}" if heard else ""))
-    if guide.restarts < cfg.train.decoder_restarts:
+    encoder_learned = min(ctc.values()) < ENCODER_LEARNED if ctc else None
+    if guide.restarts < cfg.train.decoder_restarts and encoder_learned is not False:
         restart_decoder(setup, step, ema)
         guide.restarts, guide.start, guide.ended, guide.check_due = guide.restarts + 1, step, None, False
         log.warning("*** the decoder does not use the audio: %s. Restarting the decoder from fresh weights on the encoder "
@@ -406,17 +411,17 @@ def act_on_deafness(setup: TrainingSetup, guide: GuideState, step: int, gap: flo
                     measured, steps, guide.restarts, cfg.train.decoder_restarts)
         return None
     guide.check_due = True  # resumed, the run checks again at once
-    encoder_learned = ctc and min(ctc.values()) < 90
     advice = ("The encoder has learned the sounds (the CTC head transcribes them) but the decoder does not attend "
               "to them: raise train.attention_guide's weight or steps, or train.decoder_restarts"
               if encoder_learned else
               "The encoder has not learned the sounds either (the CTC head's WER is near 100%): the decoder has "
               "nothing to listen to. Check that the transcripts belong to their audio (tools/inspect_data.py), "
               "lower optim.lr or raise optim.warmup_steps, or train the encoder alone first (model.ctc_weight, "
-              "init_from with init_encoder_only)" if ctc else
-              "Validate with a CTC head (model.ctc_weight > 0) to see whether the encoder has learned the sounds; "
+              "init_from with init_encoder_only)" if encoder_learned is False else
+              "Validate (val.manifests, val.every) with a CTC head (model.ctc_weight > 0) to see whether the encoder "
+              "has learned the sounds; "
               "check that the transcripts belong to their audio (tools/inspect_data.py)")
-    return (f"stopping: the decoder does not use the audio after {guide.restarts} restart(s): {measured}. "
+    return (f"stopping: the decoder does not use the audio after {guide.restarts} decoder restart(s): {measured}. "
             f"Training on would make a language model of the text. {advice} (docs/training.md). Rerun the same "
             f"command to resume from this step with a changed config (raising train.decoder_restarts restarts the "
             f"decoder again).")
@@ -528,6 +533,9 @@ def main(argv: list[str] | None = None) -> None:
             if len(batch):
                 micro.append(batch)
         if cfg.train.attention_guide and (deaf := set_attention_guide(setup, micro[0], step, guide)) is not None:
+            if last_validation is None and cfg.val.every > 0:  # resumed: the decision needs the CTC head's WER
+                with progress.paused():
+                    last_validation = step, validate(setup, val_names, proc, unreadable, run_log, step, ema)
             if stop_message := act_on_deafness(setup, guide, step, deaf, last_validation and last_validation[1], ema):
                 save(writer, setup, position, step, progress.total_flops, proc, ema, guide)
                 writer.finish()
