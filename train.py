@@ -10,8 +10,8 @@
 
 `main()` reads top to bottom in the order things happen: build (config, processes, model and
 optimizer, data), resume, loop, clean up; each helper sits above its first use. What a run is made
-of lives in `aed/`: the model, optimizer and schedule (`aed/train_step.py`, which oom.py builds
-too), the data (`aed/train_data.py`), the step (`aed.train_step.train_step`, the function oom.py
+of lives in `aed/`: the model, optimizer and schedule (`aed/train_setup.py`, which oom.py builds
+too), the data (`aed/train_data.py`), the step (`aed.train_setup.train_step`, the function oom.py
 measures), validation (`aed/train_validation.py`) and the progress line (`aed/train_progress.py`). Re-running
 the same command resumes from the newest checkpoint in `run_dir`; SIGTERM / SIGUSR1 (a cluster
 job's time limit) saves one and exits 0.

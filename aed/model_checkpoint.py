@@ -354,7 +354,7 @@ def load_model(path: str, device="cpu", *, compile: bool = False, int8: bool = F
     weights; buffers (BatchNorm statistics) and frozen parameters, which it does not average, are the
     checkpoint's own. CheckpointError when it has none; not with average (`check_loading`).
 
-    compile: decode with a compiled decoder step (aed/decode_static.py), compiled on the first batch of each
+    compile: decode with a compiled decoder step (aed/model_static.py), compiled on the first batch of each
     shape bucket. int8: int8 Linear weights (`quantize_int8`), CPU only; the two do not combine (torch
     cannot trace the int8 Linear into one graph)."""
     check_loading(device, compile, int8, average, ema)
