@@ -12,7 +12,7 @@ Every number in the report comes from this run: the existing benchmarks run as s
 their JSON last lines are parsed, and the training runs are real `train.py` runs.
 
 - E1 synchronized bucketing: (a) bench/sync_bench.py with its cost model calibrated on
-  configs/tiny.yaml (2/16/128 simulated ranks; --quick: 2/16 with its FLOP cost model, no timing); (b) bench/sync_real_bench.py under torchrun with
+  configs/tiny.yaml (2/16/128 simulated ranks; --quick: 2/16 with its FLOP cost model, no timing); (b) `bench/sync_bench.py real` under torchrun with
   2 and 4 gloo processes (1 thread each; 4 processes time-share 2 cores; --quick: 2 only).
 - E2 sampling schemes A-D: sampler-only figures from bench/sampler_bench.py and bench/oom_bench.py
   on the synthetic 100k corpus; then real training of configs/tiny.yaml's model on a corpus from
@@ -365,7 +365,7 @@ def e1_section(res: dict, figure) -> list:
                      pct(100 * r["speedup"]), f"{PAPER['sync'].get(r['ranks'], '-')}%",
                      pct(100 * r["sync"]["same_bucket"])] for r in res["e1a"]["results"]]))
     b0 = res["e1b"][0]
-    s += ["", f"**(b) Measured** (`bench/sync_real_bench.py` under torchrun, gloo, 1 torch thread per process; "
+    s += ["", f"**(b) Measured** (`bench/sync_bench.py real` under torchrun, gloo, 1 torch thread per process; "
           f"{b0['steps']} steps per scheme, alternating blocks of {b0['block']}; the model of {b0['config']} "
           f"({b0['parameters'] / 1e6:.2f}M parameters) trained on random features of each sampled batch's shape; "
           f"synthetic corpus with durations / {b0['time_scale']:g}, 2D {len(b0['bins_shape'])}x2 buckets, "
@@ -523,7 +523,7 @@ def main():
            "machine": machine()}
     res["e1a"] = run_json(["bench/sync_bench.py", *mode["sync_bench"]], work / "sync_bench.log", args.quick)
     res["e1b"] = [run_json(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                            "bench/sync_real_bench.py", *mode["sync_real"]], work / f"sync_real_{n}.log")
+                            "bench/sync_bench.py", "real", *mode["sync_real"]], work / f"sync_real_{n}.log")
                   for n in mode["sync_real_ranks"]]
     # (a subprocess even for --quick: its schemes run in spawned processes, which would import this script)
     res["sampler"] = run_json(["bench/sampler_bench.py", *mode["sampler_bench"]], work / "sampler_bench.log")
