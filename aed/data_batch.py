@@ -258,13 +258,14 @@ class ExampleDataset(Dataset):
     A key may also be (index or example dict, draw), as `aed.train_data.BatchCounter` hands them:
     `augment` (aed.data_augment.Augment, training only) degrades the waveform after speed
     perturbation and before the features, its random choices seeded by (seed, index, draw), so each
-    pass over the data draws new degradations (a plain key is draw 0).
+    pass over the data draws new degradations (a plain key is draw 0). `trim` (wav (S,) -> wav,
+    train.trim_silence's cut: aed.train_data) comes first, on the audio as read.
     """
 
     def __init__(self, examples: list | None, tokenizer, logmel, seed: int = 0,
-                 tolerance: float = DURATION_TOLERANCE, augment=None):
+                 tolerance: float = DURATION_TOLERANCE, augment=None, trim=None):
         self.examples, self.tokenizer, self.logmel = examples, tokenizer, logmel
-        self.seed, self.tolerance, self.augment = seed, tolerance, augment
+        self.seed, self.tolerance, self.augment, self.trim = seed, tolerance, augment, trim
         self.utterances = None if examples is None else [
             ex if isinstance(ex, Utterance) else as_utterance(ex) for ex in examples]
 
@@ -286,6 +287,8 @@ class ExampleDataset(Dataset):
         except AudioError as e:
             return {"error": f"{utt.where}: {e}" if isinstance(ex, Utterance) else str(e),
                     "audio_filepath": utt.audio_filepath}
+        if self.trim is not None:
+            wav = self.trim(wav)
         if utt.speed != 1.0:
             wav = perturb_speed(wav, utt.speed)
         if self.augment is not None:

@@ -171,6 +171,16 @@ def edge_silence(wavs, sample_rate: int) -> tuple[float, float] | None:
     return round(float(torch.tensor(lead).median()), 3), round(max(0.0, float(torch.tensor(trail).median())), 3)
 
 
+def trim_silence(wav: torch.Tensor, sample_rate: int, keep: float) -> torch.Tensor:
+    """wav (S,) -> the part from `keep` s before its first speech frame to `keep` s after its last
+    (`speech_frames`, as much of it as there is); unchanged when no frame sounds like speech."""
+    spoken = speech_frames(wav, sample_rate).nonzero().flatten()
+    if not spoken.numel():
+        return wav
+    hop, margin = round(FRAME * sample_rate), round(keep / FRAME)
+    return wav[max(0, int(spoken[0]) - margin) * hop: (int(spoken[-1]) + 1 + margin) * hop]
+
+
 def plan_segments(db: torch.Tensor, limit: float, pause: float = PAUSE,
                   edges: tuple[float, float] = (EDGE, EDGE)) -> list[Cut]:
     """Frame energies (frames,) of a whole input -> its segments (`Cut`s, in seconds), each at most

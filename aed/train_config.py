@@ -66,6 +66,7 @@ class TrainSection:
     attention_guide_ramp: int = 0  # steps over which the guide's weight rises linearly from 0 to its full value (0: full from the first step)
     attention_guide_until: str = "steps"  # steps: the guide lasts its steps | listening: it also ends at the first check (every 50 steps) where the decoder uses the audio of its training batch (train.py)
     decoder_restarts: int = 1  # attention_guide_until=listening: a decoder still deaf when the guide's steps end is restarted (fresh weights on the encoder trained so far) and guided again this many times; then the run stops, saying what it measured
+    trim_silence: float | None = None  # cut each training and validation utterance to this many seconds of silence before its first and after its last speech frame (energy-based, as inference finds speech; NeMo's trim_silence); None: as read. Long, varied edge silence kept a small model's encoder from learning (docs/training.md)
     speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]: every utterance once at each speed (Kaldi, ESPnet, icefall); in-memory manifests
     mix_temperature: float | None = None  # balance sources and languages: each (dataset, language) group of train.manifests gets a share of the audio proportional to hours^(1/T); 1: natural proportions, .inf: uniform; None: the entries' weights (aed/data_mixing.py)
     mix_log_every: int = 100000  # streamed sources: examples between log lines of the realised mix (in-memory manifests: one line per pass)
@@ -95,6 +96,8 @@ class TrainSection:
             raise ConfigError(f"train.attention_guide_ramp: expected >= 0 steps, got {self.attention_guide_ramp}")
         if self.attention_guide_until not in ("steps", "listening"):
             raise ConfigError(f"train.attention_guide_until: expected steps or listening, got {self.attention_guide_until!r}")
+        if self.trim_silence is not None and self.trim_silence < 0:
+            raise ConfigError(f"train.trim_silence: expected >= 0 seconds or null, got {self.trim_silence}")
         if self.decoder_restarts < 0:
             raise ConfigError(f"train.decoder_restarts: expected >= 0, got {self.decoder_restarts}")
         if any(not 0.5 <= f <= 2.0 or abs(100 * f - round(100 * f)) > 1e-6 for f in self.speed_perturb):

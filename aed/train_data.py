@@ -6,6 +6,7 @@
     data.sampler.state_dict(rewind=data.counter.taken - consumed)   # exact resume (train.py: DataPosition)
 """
 
+import functools
 import logging
 import random
 import time
@@ -24,7 +25,7 @@ from aed.data_manifest import Faults, ManifestError, check_audio, nonspeech_fiel
 from aed.data_mixing import (MixLog, MixedSource, Tagged, audio_shares, group_of, nonspeech_examples, stream_weights,
                              temperature_mix)
 from aed.data_sources import CountTokens, as_entry, is_streamed, open_source, source_faults, spec_kind
-from aed.decode_segment import EDGE_SAMPLE, edge_silence
+from aed.decode_segment import EDGE_SAMPLE, edge_silence, trim_silence
 from aed.train_config import TrainConfig
 from aed.train_distributed import all_gather_objects
 from aed.train_objective import OBJECTIVES
@@ -140,6 +141,7 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
     logmel = LogMel(cfg.features).train()  # train mode: dither
     # Degradations in the workers, training data only; the noise/RIR manifests are read (and checked) now.
     augment = Augment(cfg.augment, cfg.features.sample_rate) if cfg.augment.enabled else None
+    trim = silence_trimmer(cfg)
     sampler_args = dict(allocation=cfg.train.allocation, min_tps=cfg.train.min_tps,
                         max_tps=cfg.train.max_tps, buffer_size=cfg.train.buffer_size, seed=cfg.seed,
                         rank=rank, world_size=world_size, sync_buckets=cfg.train.sync_buckets,
@@ -182,7 +184,7 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
             mix = MixLog(lambda ex: (groups[ex["mix_source"]], ex["duration"]), shares, cfg.train.mix_log_every)
         source = sources[0] if len(sources) == 1 else MixedSource(sources, weights)
         sampler = BucketingSampler(source, bins, **sampler_args)
-        dataset = ExampleDataset(None, tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance, augment)
+        dataset = ExampleDataset(None, tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance, augment, trim)
         return TrainingData(sampler, dataset, bins, BatchCounter(sampler, mix), **data,
                             faults=tuple(f for s in sources for f in source_faults(s)),
                             pad_to=compiled_shapes(cfg, bins, reads_text))
@@ -207,22 +209,31 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
         raise ConfigError(f"train: {e}") from None
     if faults.counts:
         log.warning("train.manifests: skipped %s", faults.summary())
-    dataset = ExampleDataset(utts, text_tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance, augment)
+    dataset = ExampleDataset(utts, text_tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance, augment, trim)
     counter = BatchCounter(sampler, epoch_mix_log(cfg.train, utts, world_size))
     return TrainingData(sampler, dataset, bins, counter, **data, faults=(faults,),
                         pad_to=compiled_shapes(cfg, bins, reads_text),
-                        edge_silence=measure_edges(utts, cfg.features.sample_rate, cfg.seed))
+                        edge_silence=measure_edges(utts, cfg.features.sample_rate, cfg.seed, trim))
 
 
-def measure_edges(utts: list, sample_rate: int, seed: int) -> tuple[float, float] | None:
+def silence_trimmer(cfg: TrainConfig):
+    """train.trim_silence's cut, wav (S,) -> wav, for the datasets (None when off): a picklable
+    function, as DataLoader workers may need."""
+    if cfg.train.trim_silence is None:
+        return None
+    return functools.partial(trim_silence, sample_rate=cfg.features.sample_rate, keep=cfg.train.trim_silence)
+
+
+def measure_edges(utts: list, sample_rate: int, seed: int, trim=None) -> tuple[float, float] | None:
     """The silence the training utterances hold before and after their speech (medians over
-    EDGE_SAMPLE of them, `aed.decode_segment.edge_silence`): inference cuts long audio into segments
-    with as much, the edges the model was trained on. Unreadable audio is left out of the sample."""
+    EDGE_SAMPLE of them, `aed.decode_segment.edge_silence`, after `trim`): inference cuts long audio
+    into segments with as much, the edges the model was trained on. Unreadable audio is left out."""
     t0 = time.time()
     wavs = []
     for u in random.Random(seed).sample(utts, min(EDGE_SAMPLE, len(utts))):
         try:
-            wavs.append(load_audio(u.audio_filepath, u.offset, u.duration if u.segment else None, sample_rate))
+            wav = load_audio(u.audio_filepath, u.offset, u.duration if u.segment else None, sample_rate)
+            wavs.append(wav if trim is None else trim(wav))
         except AudioError:
             continue
     edges = edge_silence(wavs, sample_rate)

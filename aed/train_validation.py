@@ -25,6 +25,7 @@ from aed.decode_metrics import corpus_scores
 from aed.decode_search import DecodingOptions
 from aed.decode_timestamps import frame_seconds
 from aed.model_static import CompiledAED
+from aed.train_data import silence_trimmer
 from aed.train_distributed import all_gather_objects, all_reduce, full_copy
 from aed.train_setup import autocast, count_ctc_skipped, train_mode
 
@@ -79,7 +80,7 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
         torch.manual_seed(cfg.seed + rank)
         for name, spec in manifests.items():
             ds = val_dataset(spec, cfg.val.max_utterances, tokenizer if objective.reads_text else None, logmel,
-                             skip_invalid, rank, world_size, cfg.model.dec_max_len)
+                             skip_invalid, rank, world_size, cfg.model.dec_max_len, silence_trimmer(cfg))
             sums = torch.zeros(3, device=device)  # loss, targets, transcriptions too short for CTC
             rows = []  # (task, source language, target language, reference, hypothesis)
             heard = {}  # source language -> [NLL with its own audio, NLL with another's, targets]
@@ -120,12 +121,13 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
 
 
 def val_dataset(spec, max_utterances: int | None, tokenizer, logmel: LogMel, skip_invalid: bool, rank: int,
-                world_size: int, max_tokens: int | None = None):
+                world_size: int, max_tokens: int | None = None, trim=None):
     """This rank's share of a validation set, the shortest first: every world_size-th utterance in
     order of duration. spec: a manifest path, or a streamed train.manifests entry (aed/data_sources.py),
     whose examples are held in memory (a validation set is small) and decoded when scored; the
     first `max_utterances` in file order are used. tokenizer None: audio only (objective=ssl).
-    Utterances over `max_tokens` (model.dec_max_len) are dropped and counted, as training drops them."""
+    Utterances over `max_tokens` (model.dec_max_len) are dropped and counted, as training drops them;
+    `trim` cuts their edge silence as training's (`aed.train_data.silence_trimmer`)."""
     if spec_kind(spec) == "manifest":
         path = as_entry(spec)["path"]
         utts = read_manifest(path, skip_invalid, needs_text=tokenizer is not None)[:max_utterances]
@@ -134,7 +136,7 @@ def val_dataset(spec, max_utterances: int | None, tokenizer, logmel: LogMel, ski
             if max_tokens is not None:
                 utts, _ = fit_decoder(utts, num_tokens, max_tokens, f"validation on {path}")
         order = sorted(range(len(utts)), key=lambda i: utts[i].duration)[rank::world_size]
-        return ExampleDataset([utts[i] for i in order], tokenizer, logmel)
+        return ExampleDataset([utts[i] for i in order], tokenizer, logmel, trim=trim)
     source = open_source(spec, shuffle_shards=False)
     rows = [(fields["duration"], where) for where, fields in islice(metadata(source), max_utterances)]
     mine = {where for _, where in sorted(rows)[rank::world_size]}  # durations from metadata: no audio read
@@ -145,7 +147,7 @@ def val_dataset(spec, max_utterances: int | None, tokenizer, logmel: LogMel, ski
             utts, _ = fit_decoder(utts, num_tokens, max_tokens, "validation")
         kept = {u.where for u in utts}
         examples = [ex for ex in examples if ex["where"] in kept]
-    return ExampleDataset(examples, tokenizer, logmel)
+    return ExampleDataset(examples, tokenizer, logmel, trim=trim)
 
 
 def ctc_transcripts(model, b, utterances: list, tokenizer) -> list[tuple]:

@@ -7,7 +7,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from aed.decode_segment import EDGE, FRAME, PAUSE, edge_silence, frame_db, plan_segments, speech_frames
+from aed.decode_segment import EDGE, FRAME, PAUSE, edge_silence, frame_db, plan_segments, speech_frames, trim_silence
 from aed.decode_transcribe import Request, plan_chunks
 
 
@@ -77,6 +77,26 @@ def test_plan_chunks_keeps_short_files_whole_and_reads_long_ones_in_blocks(tmp_p
     assert seconds == pytest.approx(total)
     assert [(round(o, 2), round(d, 2)) for o, d, _ in chunks] == \
         [(round(c.start, 2), round(c.end - c.start, 2)) for c in plan_segments(frame_db(wav, 16000), 4.0)]
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.003])
+def test_trim_silence_keeps_its_margin_around_the_speech_and_leaves_silence_alone(floor):
+    """Over digital silence and over a faint noise floor: 0.6 s before and 1.1 s after 1 s of speech
+    trimmed to 0.15 s each side (to the frame); an edge shorter than the margin stays as it is."""
+    g = torch.Generator().manual_seed(1)
+    speech = loud(1.0, g)
+
+    def padded(before, after):
+        wav = torch.cat([torch.zeros(round(before * 16000)), speech, torch.zeros(round(after * 16000))])
+        return wav + floor * torch.randn(wav.numel(), generator=g)
+
+    trimmed = trim_silence(padded(0.6, 1.1), 16000, 0.15)
+    assert trimmed.numel() / 16000 == pytest.approx(1.3, abs=2 * FRAME)
+    assert edge_silence([trimmed], 16000) == pytest.approx((0.15, 0.15), abs=FRAME)
+    short = trim_silence(padded(0.05, 0.6), 16000, 0.15)
+    assert edge_silence([short], 16000) == pytest.approx((0.05, 0.15), abs=FRAME)
+    quiet = floor * torch.randn(16000, generator=g)
+    assert torch.equal(trim_silence(quiet, 16000, 0.15), quiet)
 
 
 def test_edge_silence_is_the_median_silence_around_the_speech():

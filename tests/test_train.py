@@ -434,6 +434,36 @@ def test_utterances_longer_than_the_batch_limit_are_dropped_not_fatal(tmp_path, 
     assert drawn and max(drawn) <= 3.5
 
 
+def test_trim_silence_cuts_training_and_validation_audio_and_the_recorded_edges(tmp_path):
+    """train.trim_silence=0.05 on data/mini (0.10 s before and 0.15 s after its speech, as the file
+    says): every training and validation item is shorter than its audio by about 0.15 s (less where a file's
+    speech starts or ends sooner), and the
+    edges recorded for inference's segmenter are the trimmed ones."""
+    from aed.data_audio import LogMel
+    from aed.data_tokenizer import Tokenizer
+    from aed.train_config import load_train_config
+    from aed.train_data import build_training_data
+    from aed.train_validation import val_dataset
+
+    def data(*overrides):
+        cfg = load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), ["train.manifests=[data/mini/train.jsonl]",
+                                                                          f"run_dir={tmp_path}", *overrides])
+        return cfg, build_training_data(cfg, Tokenizer.load(os.path.join(MINI, "tokenizer")), 0, 1)
+
+    cfg, trimmed = data("train.trim_silence=0.05")
+    _, whole = data()
+    assert whole.edge_silence == pytest.approx((0.10, 0.15), abs=0.03)
+    assert trimmed.edge_silence == pytest.approx((0.05, 0.05), abs=0.015)
+    frames = [len(ds[i]["feats"]) for ds in (trimmed.dataset, whole.dataset) for i in range(8)]
+    cut = [(b - a) * 0.01 for a, b in zip(frames[:8], frames[8:])]
+    assert all(0.0 <= c <= 0.4 for c in cut) and sum(cut) / len(cut) >= 0.1, str(cut)
+    from aed.train_data import silence_trimmer
+    tokenizer, logmel = Tokenizer.load(os.path.join(MINI, "tokenizer")), LogMel(cfg.features).eval()
+    dev = [val_dataset("data/mini/dev.jsonl", 4, tokenizer, logmel, False, 0, 1, trim=trim)
+           for trim in (silence_trimmer(cfg), None)]
+    assert all(len(dev[0][i]["feats"]) < len(dev[1][i]["feats"]) - 10 for i in range(4))
+
+
 def test_validation_runs_a_whole_model_itself_and_builds_no_copy():
     """One process or DDP: validation decodes with the training's own module (the one DDP wraps),
     never a copy; only a model sharded with FSDP2 gets one (tests/test_train_distributed.py)."""
