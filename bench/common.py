@@ -215,33 +215,6 @@ def random_asr(preset: str, tokenizer, device):
     return fixed_work(AED(AEDConfig.from_yaml(PRESETS[preset])).to(device).eval(), tokenizer)
 
 
-def simulated_step(cfg, strategy: str | None = None, world_size: int = 1, checkpointing: str = "none"):
-    """The training step of the memory model fits (oom_scale_bench.py fit) and their checks
-    (oom_bench.py --confirm), to be built inside SimulatedDevice() (and for fsdp inside
-    fake_world(world_size)): the AEDConfig's model, AdamW with train.py's defaults, bf16 autocast,
-    CUDA's 512-byte rounding, optimizer state created. ddp adds its gradient buckets; fsdp shards
-    the model as train.py does on CUDA (bf16 parameters, fp32 reductions); checkpointing: train.py's
-    activation_checkpointing (none, encoder, decoder, both)."""
-    import torch
-
-    from aed.memory_measure import CUDA_BLOCK
-    from aed.memory_oomptimizer import TrainingStep
-    from aed.model import AED
-    from aed.train_config import OptimConfig
-    from aed.train_distributed import shard
-    from aed.train_setup import build_optimizer
-
-    model = AED(cfg).train()
-    model.encoder.checkpoint_activations = checkpointing in ("encoder", "both")
-    model.decoder.checkpoint_activations = checkpointing in ("decoder", "both")
-    if strategy == "fsdp":
-        shard(model, torch.device("cpu"), world_size, "bf16", bf16_params=True)
-    step = TrainingStep(model, build_optimizer(model, OptimConfig()), "bf16", ddp=strategy == "ddp",
-                        granularity=CUDA_BLOCK)
-    step.warm_up(101, 10)
-    return step
-
-
 # --- workloads: synthetic corpora, and a JSONL manifest streamed to the sampler -------------------
 
 def synthetic_corpus(n: int, seed: int = 0) -> list:

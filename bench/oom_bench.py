@@ -1,15 +1,27 @@
-"""OOMptimizer benchmark: mean batch size under one memory limit, heuristic vs per-bucket sizes.
+"""The OOMptimizer at CPU scale and at the paper's, in modes (`python bench/oom_bench.py MODE --help` lists a
+mode's flags):
+
+    e2 (default)   mean batch size under one memory limit, heuristic vs per-bucket sizes: a CPU-scaled
+                   model's real steps, or (--scale) the paper's E2 table for a 1B preset from a memory model
+    fit            simulated steps of a preset without a GPU (aed/memory_measure.py), a memory model fitted
+    validate       the simulator against real CPU steps of small configs
+    validate-fsdp  the simulator against a real 2-rank FSDP step (torchrun, gloo)
+    validate-cuda  the simulator against a preset's real steps on a CUDA GPU
 
     python bench/oom_bench.py                                   # CPU-scaled model, 198 MB limit: ~5 min
     python bench/oom_bench.py --d-model 256 --heads 4 --enc-layers 12 --dec-layers 4 \\
         --subsampling-channels 64 --n-mels 128 --vocab-size 5248 --budget 2GB   # 25M parameters: hours on CPU
-    python bench/oom_scale_bench.py fit configs/canary-1b.yaml --out canary-1b.model.json     # ~30-60 min
+    python bench/oom_bench.py fit configs/canary-1b.yaml --out canary-1b.model.json     # 18 steps, ~30-60 min
     python bench/oom_bench.py --scale configs/canary-1b.yaml --memory-model canary-1b.model.json \\
         [--confirm 1]                                           # E2 at the paper's scale: ~5 min
+    python bench/oom_bench.py fit configs/canary-1b.yaml --strategy fsdp --world-size 8 --out 1b.fsdp8.json
+    python bench/oom_bench.py fit configs/canary-1b.yaml --strategy ddp --activation-checkpointing both --out 1b.ddp.ckpt.json
+    python bench/oom_bench.py validate --out validation.json                             # real vs simulated
+    python bench/oom_bench.py validate-fsdp --out fsdp.json    # real 2-rank FSDP vs simulated, fp32, ~1 min
+    python bench/oom_bench.py validate-fsdp --precision fp32 bf16 --out fsdp.json    # and bf16, as on CUDA
+    python bench/oom_bench.py validate-cuda configs/canary-1b.yaml --out 1b.cuda.json     # on a GPU: real steps
 
-Two modes.
-
-The small-scale table (default), every number from a real step on the CPU. Three ways to give
+`e2`, the small-scale table (default), every number from a real step on the CPU. Three ways to give
 each bucket its batch size, on the synthetic corpus (common.synthetic_corpus) and the same model,
 optimizer and memory limit (budget minus oom.py's 10% margin):
 (a) 1D, 30 duration buckets, padded-duration heuristic: n = floor(M / d) with the largest M for
@@ -27,13 +39,13 @@ layers (Canary-1B: 24+24): 0.7M parameters, chosen so that attention (quadratic 
 per-frame and per-token memory keep roughly Canary's proportions. Timings share 2 cores with
 other jobs.
 
-`--scale PRESET --memory-model FIT.json`: the paper's E2 table (sec. 4) for a 1B preset on an
+`e2 --scale PRESET --memory-model FIT.json`: the paper's E2 table (sec. 4) for a 1B preset on an
 80 GiB CUDA device in bf16, simulated (aed/memory_measure.py). The workload is
 common.paper_corpus (0.5-40 s, four languages' speech rates, 6% long low-speech segments,
 1% long-transcript outliers); examples longer than the decoder (model.dec_max_len) are dropped,
 as train.py does. Every batch of one full epoch of the real sampler (one rank) is checked against
 the limit (allocated_limit: 80 GiB minus the 10% margin, the CUDA context and cuBLAS) with the
-memory model fitted to simulated steps of the preset by bench/oom_scale_bench.py fit, less the
+memory model fitted to simulated steps of the preset by `fit`, less the
 model's worst under-estimate on the fit's held-out shapes (its errors are in the JSON; `--confirm
 K` also runs the K worst batches of every scheme as simulated steps and reports predicted vs
 simulated). The paper's schemes:
@@ -51,38 +63,92 @@ Prints a per-bucket table, a per-scheme table next to the paper's numbers, then 
 the same schemes per device size, DDP against FSDP (one rank of each): DDP is FIT.json's model
 plus DDP's gradient buckets (a constant 4 bytes x parameters, exactly what oom.py --ddp adds)
 unless FIT.json was fitted with --strategy ddp; FSDP's model is fitted to simulated steps of the
-sharded model (bench/oom_scale_bench.py fit --strategy fsdp --world-size 8). A scheme "does not
+sharded model (`fit --strategy fsdp --world-size 8`). A scheme "does not
 fit" a device when one utterance of its largest bucket is over the limit (A's, without the TPS
 filter, holds the long-transcript outliers; B-D's hold the filtered data); `fits` says all four
 do. JSON line: {preset: {GB: {ddp: {mean_batch, ratios, fits, fits_scheme, ...}, fsdp: {...}}}}.
+
+`fit`: simulated training steps (aed/memory_measure.py: the real train_step on fake CPU tensors,
+bf16 autocast, AdamW, SpecAugment, CUDA's 512-byte allocation rounding) of a preset at FIT shapes,
+a MemoryModel (aed/memory_oomptimizer.py) fitted to them, and its error on HELD_OUT shapes it did not
+see. Batch sizes are picked so the steps are near an 80 GiB device's limit, where the fit matters.
+Writes the coefficients, every step and the errors as JSON.
+
+`validate`: the simulator against real CPU steps (aed/memory_measure.py's LiveTensorMemory, the same count
+of live tensor storages, exact to the byte against the c10 allocator) for small configs, both
+objectives, fp32 and bf16, long transcripts included. Both run on the CPU, so this checks the
+fake-tensor execution and the host values; what a CUDA device adds is checked by
+tests/test_cuda_oom.py on a GPU.
+
+`fit --strategy fsdp --world-size W`: the same steps on one rank of FSDP over W ranks: the model
+sharded as train.py shards it (aed/train_distributed.py, bf16 parameters as on CUDA) over a fake process
+group (aed/memory_measure.py `fake_world`). `--strategy ddp` adds DDP's gradient buckets.
+
+`validate-fsdp`: a real FSDP step at world size 2 (torchrun, gloo; fp32, and/or bf16 parameters and
+autocast as train.py runs FSDP on CUDA; one world runs every precision asked for) measured on rank 0
+with LiveTensorMemory, against the simulated step on a fake world of 2 for the same shapes; rank 0's
+process RSS growth over one larger step checks that the tracker sees FSDP's memory (DTensor shards,
+storages resized in place) at all.
+
+`validate-cuda` (a CUDA GPU with ~32 GB): a preset's real steps at three shapes, on one device and
+under a real DDP wrapper, against the simulated step and the DDP constant the E2 table per GPU size adds.
 """
 
 import argparse
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import (add_width_args, epoch_batch, log, paper_corpus, print_json, print_table, random_aed,
-                    show_library_logs, simulated_step, synthetic_corpus)
+import torch.distributed as dist
+from common import (add_width_args, epoch_batch, log, paper_corpus, print_json, print_table, random_aed, run_modes,
+                    show_library_logs, synthetic_corpus)
+from torch.nn.parallel import DistributedDataParallel
 
 from aed.data_audio import FeatureConfig, num_frames
 from aed.data_bins import bucket_shapes
-from aed.memory_measure import SimulatedDevice, allocated_limit, format_bytes, parse_bytes
+from aed.memory_measure import (CUBLAS_WORKSPACE, CUDA_BLOCK, LiveTensorMemory, SimulatedDevice, allocated_limit,
+                                fake_world, format_bytes, parse_bytes)
 from aed.memory_oomptimizer import (MemoryBudgetError, MemoryModel, TrainingStep, make_monotone, optimize,
                                     optimize_with_model, preflight)
 from aed.model import AED, AEDConfig, count_parameters
-from aed.train_config import load_train_config
+from aed.model_transducer import TransducerASR
+from aed.train_config import OptimConfig, load_train_config
+from aed.train_distributed import shard
+from aed.train_setup import build_optimizer
 from bins import estimate_bins
 from sampler import BucketingSampler
 
 PAPER = {"C/A": 3.4, "D/A": 5.0, "tps_peak_reduction": 0.20}  # sec. 4, E2
 
 
-# --- E2 at the paper's scale: every batch of an epoch against a fitted memory model ----------------
+def simulated_step(cfg, strategy: str | None = None, world_size: int = 1, checkpointing: str = "none"):
+    """The training step of the memory model fits (`fit`) and their checks
+    (--confirm), to be built inside SimulatedDevice() (and for fsdp inside
+    fake_world(world_size)): the AEDConfig's model, AdamW with train.py's defaults, bf16 autocast,
+    CUDA's 512-byte rounding, optimizer state created. ddp adds its gradient buckets; fsdp shards
+    the model as train.py does on CUDA (bf16 parameters, fp32 reductions); checkpointing: train.py's
+    activation_checkpointing (none, encoder, decoder, both)."""
+    model = AED(cfg).train()
+    model.encoder.checkpoint_activations = checkpointing in ("encoder", "both")
+    model.decoder.checkpoint_activations = checkpointing in ("decoder", "both")
+    if strategy == "fsdp":
+        shard(model, torch.device("cpu"), world_size, "bf16", bf16_params=True)
+    step = TrainingStep(model, build_optimizer(model, OptimConfig()), "bf16", ddp=strategy == "ddp",
+                        granularity=CUDA_BLOCK)
+    step.warm_up(101, 10)
+    return step
+
+
+# --- e2 at the paper's scale: every batch of an epoch against a fitted memory model ----------------
 
 
 def run_epoch(examples: list, bins, seed: int = 0, **batching) -> tuple:
@@ -230,8 +296,8 @@ def strategy_grid(args) -> None:
 
 
 def confirm(preset: AEDConfig, worst: dict, frames) -> list:
-    """Runs every scheme's worst predicted batches as simulated steps (common.simulated_step, the step
-    bench/oom_scale_bench.py fitted the memory model to): [{scheme, B, T, U, predicted, simulated, error}]."""
+    """Runs every scheme's worst predicted batches as simulated steps (simulated_step, the step `fit`
+    fits the memory model to): [{scheme, B, T, U, predicted, simulated, error}]."""
     rows = []
     with SimulatedDevice():
         step = simulated_step(preset)
@@ -423,17 +489,218 @@ def small(args) -> None:
         "targets": {"c_over_a_ge_3x": mean["c"] / mean["a"] >= 3.0}, "seconds": total})
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+# --- fit and validate: the memory simulator and the memory model at the paper's scale -----------------
+
+# (seconds of audio, tokens per second, seconds in the batch): 0.5-40 s, 3-25 tokens/s, batches of
+# 500 or 900 s (Canary-1B fills 80 GiB near 900 s), and long-transcript outliers at 45-80 tokens/s
+# (e2 --scale's workload has them, up to the decoder's dec_max_len) in smaller batches.
+FIT = [(1, 12, 900), (4, 4, 500), (4, 20, 900), (10, 8, 500), (10, 25, 900), (20, 3, 900), (20, 12, 500),
+       (30, 8, 900), (40, 4, 500), (40, 12, 900), (10, 50, 400), (20, 45, 500)]
+HELD_OUT = [(2, 8, 700), (15, 15, 700), (25, 6, 700), (35, 10, 700), (6, 80, 400), (15, 60, 450)]
+FRAMES_PER_SECOND = 100  # 10 ms hop
+
+
+def shape(d, tps, seconds, max_tokens):
+    return max(1, int(seconds // d)), d * FRAMES_PER_SECOND + 1, max(2, min(max_tokens, round(d * tps)))
+
+
+def fit(args):
+    cfg = AEDConfig.from_yaml(args.config)
+    steps = []
+    t0 = time.time()
+    with fake_world(args.world_size) if args.strategy == "fsdp" else nullcontext(), SimulatedDevice():
+        step = simulated_step(cfg, args.strategy, args.world_size, args.activation_checkpointing)
+        for name, shapes in (("fit", FIT), ("held_out", HELD_OUT)):
+            for d, tps, seconds in shapes:
+                B, T, U = shape(d, tps, seconds, cfg.dec_max_len)
+                t = time.time()
+                peak = step.peak(B, T, U)
+                steps.append({"set": name, "B": B, "T": T, "U": U, "peak": peak, "seconds": time.time() - t})
+                print(json.dumps(steps[-1]), flush=True)
+    samples = {s: [(x["B"], x["T"], x["U"], x["peak"]) for x in steps if x["set"] == s] for s in ("fit", "held_out")}
+    mm = MemoryModel.fit(samples["fit"])
+    errors = {s: mm.relative_errors(samples[s]) for s in samples}
+    out = {"config": args.config, "strategy": args.strategy, "world_size": args.world_size if args.strategy == "fsdp"
+           else None, "activation_checkpointing": args.activation_checkpointing, "model": mm.to_dict(), "steps": steps, "errors": errors,
+           "held_out_max_abs_error": max(map(abs, errors["held_out"])), "seconds": time.time() - t0}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(mm)
+    print(json.dumps({k: out[k] for k in ("errors", "held_out_max_abs_error", "seconds")}))
+
+
+TINY = dict(n_mels=24, vocab_size=40, pad_id=1, enc_d_model=32, enc_layers=2, enc_heads=4, subsampling_channels=8,
+            dec_d_model=48, dec_layers=2, dec_heads=4, dec_max_len=512)
+SMALL = dict(n_mels=80, vocab_size=256, pad_id=1, enc_d_model=128, enc_layers=4, enc_heads=2, subsampling_channels=32,
+             dec_d_model=128, dec_layers=4, dec_heads=2, dec_max_len=512)
+# (name, model dims, objective, precision, [(B, T frames, U tokens)]): short, long, long-transcript.
+CASES = [("tiny", TINY, "aed", "fp32", [(8, 201, 10), (4, 1001, 40), (4, 401, 200)]),
+         ("tiny", TINY, "aed", "bf16", [(8, 201, 10), (4, 1001, 40), (4, 401, 200)]),
+         ("small", SMALL, "aed", "bf16", [(4, 501, 30), (2, 2001, 100), (4, 501, 250)]),
+         ("tiny", TINY, "rnnt", "fp32", [(8, 201, 10), (4, 1001, 40), (4, 401, 100)]),
+         ("small", SMALL, "rnnt", "fp32", [(4, 501, 30), (2, 1001, 60)])]  # bf16: oneDNN's CPU LSTM fails
+
+
+def build(dims, objective):
+    torch.manual_seed(0)
+    cfg = AEDConfig(**dims)
+    model = AED(cfg) if objective == "aed" else TransducerASR(cfg, cfg.vocab_size - 2, 4, pred_dim=64, joint_dim=64)
+    return model.train()
+
+
+def validate(args):
+    rows = []
+    for name, dims, objective, precision, shapes in CASES:
+        def steps():
+            model = build(dims, objective)
+            return TrainingStep(model, build_optimizer(model, OptimConfig()), precision,
+                                text_vocab_size=dims["vocab_size"] - 2)
+        real = steps()
+        real.warm_up(101, 5)
+        measured = [real.peak(*s) for s in shapes]
+        with SimulatedDevice():
+            sim = steps()
+            sim.warm_up(101, 5)
+            simulated = [sim.peak(*s) for s in shapes]
+        for s, m, p in zip(shapes, measured, simulated):
+            rows.append({"model": name, "objective": objective, "precision": precision, "B": s[0], "T": s[1],
+                         "U": s[2], "measured": m, "simulated": p, "error": p / m - 1})
+            print(json.dumps(rows[-1]), flush=True)
+    errors = [r["error"] for r in rows]
+    summary = {"median_error": statistics.median(map(abs, errors)), "max_underestimate": max(0.0, -min(errors)),
+               "max_overestimate": max(0.0, max(errors))}
+    Path(args.out).write_text(json.dumps({"rows": rows, **summary}, indent=1))
+    print(f"{'model':>6} {'obj':>5} {'prec':>5} {'B':>3} {'T':>5} {'U':>4} {'measured':>10} {'simulated':>10} {'error':>7}")
+    for r in rows:
+        print(f"{r['model']:>6} {r['objective']:>5} {r['precision']:>5} {r['B']:>3} {r['T']:>5} {r['U']:>4} "
+              f"{r['measured'] / 1e6:>8.2f}MB {r['simulated'] / 1e6:>8.2f}MB {100 * r['error']:>+6.2f}%")
+    print(json.dumps(summary))
+
+
+FSDP_SHAPES = [(8, 201, 10), (4, 1001, 40), (4, 401, 200)]  # (B, T, U): short, long, long-transcript
+RSS_SHAPE = (8, 2001, 40)  # a step large enough (~0.1 GB) for the process RSS to resolve
+
+
+def fsdp_step(world_size: int, precision: str) -> TrainingStep:
+    """The tiny AED sharded over `world_size` ranks (a real or a fake process group): fp32, or bf16
+    as on CUDA (bf16 parameters gathered, fp32 shards and reductions, bf16 autocast)."""
+    model = build(TINY, "aed")
+    shard(model, torch.device("cpu"), world_size, precision, bf16_params=precision == "bf16")
+    step = TrainingStep(model, build_optimizer(model, OptimConfig()), precision, text_vocab_size=TINY["vocab_size"] - 2)
+    step.warm_up(101, 5)
+    return step
+
+
+def fsdp_rank(args):
+    """Under torchrun (gloo), for each precision: FSDP_SHAPES measured on a real world; rank 0
+    writes them, and its RSS growth over one RSS_SHAPE step next to the tracker's count of it."""
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    dist.init_process_group("gloo")
+    results = {}
+    for precision in args.precision:
+        step = fsdp_step(dist.get_world_size(), precision)
+        measured = [step.peak(*s) for s in FSDP_SHAPES]
+        step.optimizer.zero_grad(set_to_none=True)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS, so that the step's peak is the highest since (Linux)
+        before = status("VmRSS:")
+        with LiveTensorMemory() as mem:  # counts what the step allocates, as RSS growth does
+            step.run(*RSS_SHAPE)
+        rss = {"tracked": mem.peak, "rss_growth": status("VmHWM:") - before}
+        results[precision] = {"measured": measured, "rss": rss}
+        del step
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps({"world_size": dist.get_world_size(), "precisions": results}))
+    dist.destroy_process_group()
+
+
+def validate_fsdp(args):
+    real = Path(args.out).with_suffix(".real.json")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}  # RSS: see aed/memory_measure.py
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                    str(args.world_size), __file__, "fsdp-rank", "--out", str(real), "--precision", *args.precision],
+                   env=env, check=True)
+    real_world = json.loads(real.read_text())["precisions"]
+    out = {"world_size": args.world_size, "precisions": {}}
+    for precision in args.precision:
+        with fake_world(args.world_size), SimulatedDevice():  # one step for every shape, as each rank runs them
+            step = fsdp_step(args.world_size, precision)
+            simulated = [step.peak(*s) for s in FSDP_SHAPES]
+        rows = [{"B": B, "T": T, "U": U, "measured": m, "simulated": p, "error": p / m - 1}
+                for (B, T, U), m, p in zip(FSDP_SHAPES, real_world[precision]["measured"], simulated)]
+        out["precisions"][precision] = {"rows": rows, "rss": real_world[precision]["rss"],
+                                        "max_abs_error": max(abs(r["error"]) for r in rows)}
+        for r in rows:
+            print(f"FSDP {precision} rank 0 of {args.world_size}: B {r['B']} T {r['T']} U {r['U']}: "
+                  f"measured {r['measured']} B, simulated {r['simulated']} B ({100 * r['error']:+.2f}%)")
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps(out))
+
+
+# (B, T frames, U tokens) at a 1B preset's scale: 32 x 5 s, 8 x 20 s with a long transcript, 4 x 40 s.
+CUDA_SHAPES = [(32, 501, 60), (8, 2001, 240), (4, 4001, 160)]
+
+
+def validate_cuda(args):
+    """A preset's real bf16 steps on a CUDA device, on one device and under a real
+    DistributedDataParallel (nccl, world size 1: its gradient buckets do not depend on the world
+    size), against the simulated step the fits are made of (plus cuBLAS's workspace, which
+    max_memory_allocated counts) and that step plus the constant the E2 table's DDP rows add. DDP's
+    second step, where it rebuilds its buckets, is measured apart: the constant is the later steps'."""
+    if not torch.cuda.is_available():
+        raise SystemExit("validate-cuda: torch sees no CUDA GPU (it measures real steps on one: ~32 GB for canary-1b)")
+    cfg = AEDConfig.from_yaml(args.config)
+    torch.manual_seed(0)
+    model = AED(cfg).train().cuda()
+    one_device = TrainingStep(model, build_optimizer(model, OptimConfig()), "bf16")
+    one_device.warm_up(101, 10)
+    measured = [one_device.peak(*s) for s in CUDA_SHAPES]
+    with tempfile.TemporaryDirectory() as store:
+        dist.init_process_group("nccl", init_method=f"file://{store}/store", rank=0, world_size=1)
+        try:
+            ddp = TrainingStep(DistributedDataParallel(model), one_device.optimizer, "bf16")
+            ddp.peak(*CUDA_SHAPES[0])  # buckets in parameter order; the backward records the order gradients come in
+            rebuild = ddp.peak(*CUDA_SHAPES[0])  # the second step rebuilds the buckets in that order, once
+            measured_ddp = [ddp.peak(*s) for s in CUDA_SHAPES]
+        finally:
+            dist.destroy_process_group()
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters())
+    rebuild_extra = (rebuild - measured_ddp[0]) / buckets  # gradient copies past the steady state's one
+    with SimulatedDevice():
+        step = simulated_step(cfg)
+        simulated = [step.peak(*s) + CUBLAS_WORKSPACE for s in CUDA_SHAPES]
+    rows = [{"B": B, "T": T, "U": U, "measured": m, "simulated": p, "error": p / m - 1, "measured_ddp": md,
+             "simulated_ddp": p + buckets, "error_ddp": (p + buckets) / md - 1, "ddp_minus_one_device": md - m}
+            for (B, T, U), m, p, md in zip(CUDA_SHAPES, measured, simulated, measured_ddp)]
+    print(f"{args.config} on {torch.cuda.get_device_name()}, GB (simulated / measured - 1); DDP's buckets "
+          f"{buckets / 1e9:.2f} GB")
+    print(f"{'B x T x U':>16} {'one device':>11} {'simulated':>16} {'DDP':>7} {'simulated':>16} {'DDP - one':>10}")
+    for r in rows:
+        print(f"{r['B']:>4} x {r['T']:>4} x {r['U']:>3} {r['measured'] / 1e9:>11.2f} "
+              f"{r['simulated'] / 1e9:>7.2f} ({100 * r['error']:+5.1f}%) {r['measured_ddp'] / 1e9:>7.2f} "
+              f"{r['simulated_ddp'] / 1e9:>7.2f} ({100 * r['error_ddp']:+5.1f}%) "
+              f"{r['ddp_minus_one_device'] / 1e9:>10.2f}")
+    print(f"DDP's second step (buckets rebuilt) at {CUDA_SHAPES[0]}: {rebuild / 1e9:.2f} GB, "
+          f"{rebuild_extra:+.2f} x the buckets over the later steps")
+    out = {"config": args.config, "device": torch.cuda.get_device_name(), "ddp_buckets": buckets, "rows": rows,
+           "ddp_rebuild_step": rebuild, "ddp_rebuild_extra_buckets": rebuild_extra}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps(out))
+
+
+def e2_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic", type=int, default=100_000, help="examples in the synthetic corpus")
     p.add_argument("--margin", type=float, default=0.1)
     p.add_argument("--buckets", type=int, default=30, help="duration buckets (2D: x2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scale", metavar="PRESET", help="E2 at the paper's scale for this preset (configs/canary-1b.yaml)")
-    p.add_argument("--memory-model", help="--scale: the preset's fit (bench/oom_scale_bench.py fit --out)")
+    p.add_argument("--memory-model", help="--scale: the preset's fit (the fit mode's --out)")
     p.add_argument("--device-memory", default="80GiB", help="--scale: the simulated CUDA device (with "
                    "--fsdp-memory-model: a comma-separated list, e.g. 24GiB,48GiB,80GiB)")
-    p.add_argument("--fsdp-memory-model", help="--scale: FSDP's fit (oom_scale_bench.py fit --strategy fsdp): "
+    p.add_argument("--fsdp-memory-model", help="--scale: FSDP's fit (fit --strategy fsdp): "
                    "the schemes per --device-memory, DDP (--memory-model) vs FSDP")
     p.add_argument("--confirm", type=int, default=0, help="--scale: run every scheme's K worst batches as simulated "
                    "steps (tens of seconds to minutes each)")
@@ -445,14 +712,59 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-mels", type=int, default=80)
     p.add_argument("--vocab-size", type=int, default=320)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = p.parse_args(argv)
+
+
+def e2(args) -> None:
     if args.scale:
         if not args.memory_model:
-            p.error("--scale needs --memory-model (bench/oom_scale_bench.py fit PRESET --out FIT.json)")
+            raise SystemExit("--scale needs --memory-model (bench/oom_bench.py fit PRESET --out FIT.json)")
         torch.set_num_threads(args.threads or 1)
         strategy_grid(args) if args.fsdp_memory_model else scale(args)
     else:
         small(args)
+
+
+def one_thread(run):
+    """`run` with one torch thread, as the simulator's modes run."""
+    return lambda args: (torch.set_num_threads(1), run(args))
+
+
+def preset_flags(p: argparse.ArgumentParser) -> None:
+    """validate-cuda's flags, with which fit's begin."""
+    p.add_argument("config")
+    p.add_argument("--out", required=True)
+
+
+def fit_flags(p: argparse.ArgumentParser) -> None:
+    preset_flags(p)
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], default=None, help="default: one device, no data parallelism")
+    p.add_argument("--world-size", type=int, default=8, help="--strategy fsdp: ranks the model is sharded over")
+    p.add_argument("--activation-checkpointing", choices=["none", "encoder", "decoder", "both"], default="none",
+                   help="train.py's activation_checkpointing: layers recomputed in backward")
+
+
+def fsdp_flags(p: argparse.ArgumentParser, world_size: int | None = 2) -> None:
+    """validate-fsdp's flags (world_size: --world-size's default), and its worker's (None: no --world-size)."""
+    p.add_argument("--out", required=True)
+    if world_size:
+        p.add_argument("--world-size", type=int, default=world_size)
+    p.add_argument("--precision", choices=["fp32", "bf16"], nargs="+", default=["fp32"])
+
+
+MODES = {  # name: (its flags, its run, what it measures)
+    "e2": (e2_flags, e2, "mean batch size under one memory limit, heuristic vs per-bucket sizes (E2)"),
+    "fit": (fit_flags, one_thread(fit), "fit a memory model to simulated steps of a preset"),
+    "validate": (lambda p: p.add_argument("--out", required=True), one_thread(validate),
+                 "simulated vs measured peaks of real CPU steps"),
+    "validate-fsdp": (fsdp_flags, one_thread(validate_fsdp), "simulated vs measured peaks of a real 2-rank FSDP step"),
+    "validate-cuda": (preset_flags, one_thread(validate_cuda),
+                      "simulated vs measured peaks of a preset's real steps on a CUDA device, one device and DDP"),
+    "fsdp-rank": (lambda p: fsdp_flags(p, None), one_thread(fsdp_rank), "(validate-fsdp's torchrun worker)"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_modes(__doc__, MODES, "e2", argv)
 
 
 if __name__ == "__main__":

@@ -281,7 +281,7 @@ def scale_section(path: Path = E2_SCALE) -> list:
          "paper's data: `common.paper_corpus`) is checked against the tensor limit (80 GiB minus the 10% "
          "margin, CUDA context and cuBLAS workspace; batches are sized to it less the model's worst held-out "
          "under-estimate) with a memory model fitted to simulated bf16 training steps of the preset "
-         "(`bench/oom_scale_bench.py fit`); each scheme's two worst batches are then run as simulated steps. "
+         "(`bench/oom_bench.py fit`); each scheme's two worst batches are then run as simulated steps. "
          "A's and B's batch_duration is the largest at which no batch of the epoch is over the limit (bisection "
          "to 1 s). B's TPS filter is each duration bin's own max tokens/s (outliers past 4 standard deviations; "
          "the paper filters at 25). Numbers from the runs below, not from `make report`.", ""]

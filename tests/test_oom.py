@@ -91,7 +91,7 @@ def test_simulated_fsdp_step_matches_a_real_two_rank_step(tmp_path):
     # fake tensors sharded over a fake world of 2. bf16: the parameters gathered in bf16 and autocast,
     # as train.py runs FSDP on CUDA. Both precisions in one world.
     sys.path.insert(0, str(ROOT / "bench"))
-    from oom_scale_bench import FSDP_SHAPES, TINY, build, fsdp_step
+    from oom_bench import FSDP_SHAPES, TINY, build, fsdp_step
 
     # The simulation's own figures, exact: they are arithmetic on shapes, the same on every CPU. Rank 0
     # of 2 holds the first ceil(d0 / 2) rows of every parameter (FSDP2 shards dim 0), fp32 in both
@@ -115,7 +115,7 @@ def test_simulated_fsdp_step_matches_a_real_two_rank_step(tmp_path):
         assert held == {"params": shard, "grads": shard, "adamw": 2 * shard + 4 * len(params)}, (precision, held)
 
     out = tmp_path / "fsdp.json"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "oom_scale_bench.py"), "validate-fsdp", "--out", str(out),
+    subprocess.run([sys.executable, str(ROOT / "bench" / "oom_bench.py"), "validate-fsdp", "--out", str(out),
                     "--precision", "fp32", "bf16"], cwd=ROOT, check=True, capture_output=True, text=True)
     r = json.loads(out.read_text())
     assert r["world_size"] == 2 and sorted(r["precisions"]) == ["bf16", "fp32"]
