@@ -60,7 +60,7 @@ gpu-check: venv
 	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('gpu-check: torch sees no CUDA GPU')"
 	$(PY) -m pytest -q -rfEs tests/test_cuda.py tests/test_cuda_oom.py
 	$(PY) bench/infer_speed_bench.py --device cuda --no-peers --utterances 16 --long-seconds 300  # eager vs CUDA graphs
-	$(PY) bench/stream_bench.py --device cuda --streams 1 4 16 64  # concurrent real-time streams
+	$(PY) bench/infer_speed_bench.py stream --device cuda --streams 1 4 16 64  # concurrent real-time streams
 	$(PY) bench/train_speed_bench.py configs/canary-180m-flash.yaml --device cuda --compile both --checkpointing none both  # the training step
 	@$(PY) -c "import torch; print('gpu-check passed on', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| CUDA', torch.version.cuda)"
 
