@@ -102,6 +102,18 @@ def load_avg() -> list:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def proc_status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status in bytes (Linux): VmRSS, the resident
+    set, or VmHWM, its high-water mark."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))  # given in kB
+
+
+def reset_peak_rss() -> None:
+    """Starts VmHWM again from the current resident set (Linux), so that a later peak is the highest since."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def add_device_args(parser, threads: int = 1) -> None:
     parser.add_argument("--threads", type=int, default=threads, help="CPU threads; 1 avoids thrashing a shared machine")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -537,6 +549,11 @@ def max_duration_sizes(bins, max_duration: float) -> list:
     from sampler import BucketingSampler
 
     return BucketingSampler([], bins, max_duration=max_duration, rank=0, world_size=1).sizes
+
+
+def flat_sizes(sizes: list) -> list:
+    """Per-bucket batch sizes in bins.buckets() order (oom.py writes a list per duration bin)."""
+    return [s for row in sizes for s in row] if isinstance(sizes[0], list) else list(sizes)
 
 
 def epoch_batch(bins, sizes: list) -> float:

@@ -50,7 +50,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from common import (MINI_TOKENIZER, ROOT, cores, epoch_batch, fixed_overrides, last_json, load_avg, log,
+from common import (MINI_TOKENIZER, ROOT, cores, epoch_batch, fixed_overrides, flat_sizes, last_json, load_avg, log,
                     max_duration_sizes, oom_sizes, python_script, run_script, script_failed, train_run, worst_bucket,
                     write_config)
 
@@ -182,7 +182,7 @@ def run_training(mode: dict, args, work: Path) -> dict:
     }
     runs = {}
     for name, (overrides, b, sizes, max_tps) in schemes.items():
-        flat = [s for row in sizes for s in row] if isinstance(sizes[0], list) else list(sizes)
+        flat = flat_sizes(sizes)
         run = train_run(name, config, common + overrides, work, steps=mode.get("steps"), budget_s=mode["budget_s"],
                         val_every=mode["val_every"], in_process=args.quick)
         run["rss_gb"] = run.pop("memory_gb")  # the report's name for train.py's memory: a CPU process's RSS

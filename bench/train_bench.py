@@ -64,8 +64,8 @@ from pathlib import Path
 
 import torch
 import yaml
-from common import (ROOT, cores, epoch_batch, fixed_overrides, load_avg, log, max_duration_sizes, oom_sizes, print_json,
-                    print_table, run_modes, train_run, worst_bucket, write_config)
+from common import (ROOT, cores, epoch_batch, fixed_overrides, flat_sizes, load_avg, log, max_duration_sizes, oom_sizes,
+                    print_json, print_table, run_modes, train_run, worst_bucket, write_config)
 from oom import device_memory, manifest_bins
 
 from aed.data_manifest import read_manifest
@@ -95,10 +95,6 @@ def longest_utterance(manifests: list) -> float:
                     except (ValueError, KeyError) as e:
                         raise SystemExit(f"{path}:{i}: no numeric 'duration' ({e!r})") from None
     return longest
-
-
-def flat(sizes: list) -> list:
-    return [s for row in sizes for s in row] if isinstance(sizes[0], list) else list(sizes)
 
 
 # --- throughput: equal steps of every scheme --------------------------------------------------------
@@ -159,7 +155,7 @@ def bench_model(name: str, args, work: Path, device: torch.device) -> dict:
         res = train_run(run, config, overrides[scheme], work, steps=steps, threads=threads, warmup=args.warmup)
         if scheme == "2D + oom.py":
             bins, sizes = load_batch_sizes(sizes_path)
-            sizes = flat(sizes)
+            sizes = flat_sizes(sizes)
             res["oom_seconds"] = oom_seconds
         else:
             bins = Bins.load(work / "runs" / run / "bins.json")
@@ -257,7 +253,7 @@ def e4_mode(args) -> None:
     schemes, budget, fixed_n = e4_schemes(args, work)
     runs = {}
     for name, (config, overrides, sizes, bins) in schemes.items():
-        sizes = flat(sizes)
+        sizes = flat_sizes(sizes)
         runs[name] = train_run(name.split()[0].lower(), config, overrides + ["optim.schedule=inverse_sqrt"], work,
                                budget_s=args.budget_s, val_every=args.val_every, threads=args.threads)
         runs[name] |= {"rss_gb": runs[name].pop("memory_gb"), "buckets": len(sizes),

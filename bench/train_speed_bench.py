@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import (ROOT, cores, json_line, load_avg, log, max_duration_sizes, print_json, print_table,
+from common import (ROOT, cores, flat_sizes, json_line, load_avg, log, max_duration_sizes, print_json, print_table,
                     show_library_logs)
 from torch.nn.parallel import DistributedDataParallel
 
@@ -101,8 +101,7 @@ def bucket_table(cfg, setup, batch_sizes: str | None) -> list:
         bins, _ = bins_from_manifests([str(ROOT / s) for s in specs], setup.tokenizer, cfg.train.num_buckets,
                                       cfg.train.sub_buckets, cfg.train.bin_method, seed=cfg.seed)
         sizes = max_duration_sizes(bins, cfg.train.max_duration)
-    flat = [s for row in sizes for s in row] if isinstance(sizes[0], list) else list(sizes)
-    return [(*shape, n) for shape, n in zip(setup.bucket_shapes(bins, cfg.train.max_tps), flat) if n > 0]
+    return [(*shape, n) for shape, n in zip(setup.bucket_shapes(bins, cfg.train.max_tps), flat_sizes(sizes)) if n > 0]
 
 
 def spread(items: list, k: int) -> list:
