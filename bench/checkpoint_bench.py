@@ -36,6 +36,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import proc_status_bytes  # noqa: E402
+
 from aed.model_checkpoint import quiet_single_process, read_checkpoint  # noqa: E402
 from aed.train_checkpoint import begin_checkpoint, publish_checkpoint, training_tensors, write_meta  # noqa: E402
 from aed.train_config import OptimConfig  # noqa: E402
@@ -148,9 +150,7 @@ def main() -> None:
     loaded = time.perf_counter() - t0
     print(f"load ({'cold' if cold else 'warm'} page cache): weights read in {read:.1f} s, in the model after {loaded:.1f} s")
     results["load"] = {"read_s": round(read, 1), "weights_loaded_s": round(loaded, 1), "cold_cache": cold}
-    with open("/proc/self/status") as f:
-        peak = next(line.split()[1] for line in f if line.startswith("VmHWM"))
-    results["peak_rss_gb"] = round(int(peak) / 1e6, 2)
+    results["peak_rss_gb"] = round(proc_status_bytes("VmHWM") / 1024 / 1e6, 2)  # (kB / 1e6, as before)
     shutil.rmtree(args.dir)
     print(json.dumps(results))
 

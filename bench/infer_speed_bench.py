@@ -129,8 +129,8 @@ import numpy as np
 import soundfile as sf
 import torch
 from common import (LAYOUTS, MINI_TOKENIZER, PRESETS, add_device_args, add_width_args, device_from_args,
-                    fixed_work, load_avg, log, print_json, print_table, random_aed, random_asr, run_modes, sync,
-                    timed)
+                    fixed_work, load_avg, log, print_json, print_table, proc_status_bytes, random_aed, random_asr,
+                    reset_peak_rss, run_modes, sync, timed)
 
 from aed.data_tokenizer import Tokenizer
 from aed.decode_search import DecodingOptions
@@ -154,7 +154,7 @@ def reset_peak_memory(device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM starts again from the current RSS
+        reset_peak_rss()
 
 
 def release_memory() -> None:
@@ -171,8 +171,7 @@ def release_memory() -> None:
 def peak_memory_gb(device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    status = Path("/proc/self/status").read_text()
-    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 2**20
+    return proc_status_bytes("VmHWM") / 2**30
 
 
 def result(audio_s: float, wall_s: float, encoder_s: float, decoder_s: float, tokens: int, peak_gb: float) -> dict:

@@ -109,8 +109,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from common import (add_width_args, epoch_batch, log, paper_corpus, print_json, print_table, random_aed, run_modes,
-                    show_library_logs, synthetic_corpus)
+from common import (add_width_args, epoch_batch, log, paper_corpus, print_json, print_table, proc_status_bytes,
+                    random_aed, reset_peak_rss, run_modes, show_library_logs, synthetic_corpus)
 from torch.nn.parallel import DistributedDataParallel
 
 from aed.data_audio import FeatureConfig, num_frames
@@ -593,23 +593,17 @@ def fsdp_step(world_size: int, precision: str) -> TrainingStep:
 def fsdp_rank(args):
     """Under torchrun (gloo), for each precision: FSDP_SHAPES measured on a real world; rank 0
     writes them, and its RSS growth over one RSS_SHAPE step next to the tracker's count of it."""
-
-    def status(key):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
     dist.init_process_group("gloo")
     results = {}
     for precision in args.precision:
         step = fsdp_step(dist.get_world_size(), precision)
         measured = [step.peak(*s) for s in FSDP_SHAPES]
         step.optimizer.zero_grad(set_to_none=True)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS, so that the step's peak is the highest since (Linux)
-        before = status("VmRSS:")
+        reset_peak_rss()  # so that the step's peak is the highest since
+        before = proc_status_bytes("VmRSS")
         with LiveTensorMemory() as mem:  # counts what the step allocates, as RSS growth does
             step.run(*RSS_SHAPE)
-        rss = {"tracked": mem.peak, "rss_growth": status("VmHWM:") - before}
+        rss = {"tracked": mem.peak, "rss_growth": proc_status_bytes("VmHWM") - before}
         results[precision] = {"measured": measured, "rss": rss}
         del step
     if dist.get_rank() == 0:

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from common import last_json, log, print_json, print_table
+from common import last_json, log, print_json, print_table, proc_status_bytes, reset_peak_rss
 
 SHAPES = [(8, 100, 20, 256), (32, 150, 40, 512), (32, 200, 50, 1024), (64, 250, 60, 1024)]
 TARGET_SHAPE = (32, 200, 50, 1024)  # the target: sample-wise memory <= 0.1x, time <= 1.5x batched here
@@ -63,8 +63,8 @@ def run_worker(args):
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         else:
-            open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM (peak RSS) to the current RSS
-            before = _proc_status_bytes("VmRSS")
+            reset_peak_rss()
+            before = proc_status_bytes("VmRSS")
         start = time.perf_counter()
         loss, _ = model.loss(enc, enc_lens, targets, target_lens, mode=args.mode, chunk_size=args.chunk)
         loss.backward()
@@ -72,7 +72,7 @@ def run_worker(args):
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - before
         else:
-            peak = _proc_status_bytes("VmHWM") - before
+            peak = proc_status_bytes("VmHWM") - before
         return time.perf_counter() - start, peak, loss.item()
 
     # Warm-up on a tiny batch: pages in kernel code and starts autograd threads, which RSS would
@@ -82,12 +82,6 @@ def run_worker(args):
     runs = [step(*batch) for _ in range(args.iters)]
     print_json({"peak_mb": max(r[1] for r in runs) / 2**20, "time_s": min(r[0] for r in runs),
                 "loss": runs[0][2], "device": device})
-
-
-def _proc_status_bytes(field):
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024  # reported in kB
 
 
 def measure(shape, mode, chunk, args, iters=None):
