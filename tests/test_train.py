@@ -298,17 +298,24 @@ def test_tiny_config_learns_to_transcribe_unseen_digit_strings(tmp_path):
     assert "the final model (validated at step 300) uses the audio" in p.stderr
 
 
-@pytest.mark.slow(seconds=20)
-def test_a_run_whose_text_does_not_depend_on_the_audio_ends_saying_its_model_does_not_listen(tmp_path):
-    """The transcripts of the digits set given to other utterances' audio: no decoder can use the
-    audio, and the run's last validation says so, in metrics.jsonl (val/listening 0) and in one
-    line at the end of the run."""
+def deaf_manifest(tmp_path) -> str:
+    """The digits training set with each transcript given to another utterance's audio: text that
+    does not depend on the audio, which no decoder can learn to listen to. Its path."""
     digits = os.path.join(ROOT, "data", "mini", "digits")
     rows = [json.loads(line) for line in open(os.path.join(digits, "train.jsonl"))]
     texts = [r["text"] for r in rows]
     shuffled = [dict(r, text=texts[(i * 7 + 3) % len(texts)], audio_filepath=os.path.join(digits, r["audio_filepath"]))
                 for i, r in enumerate(rows)]
     (tmp_path / "deaf.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shuffled))
+    return str(tmp_path / "deaf.jsonl")
+
+
+@pytest.mark.slow(seconds=20)
+def test_a_run_whose_text_does_not_depend_on_the_audio_ends_saying_its_model_does_not_listen(tmp_path):
+    """The transcripts of the digits set given to other utterances' audio (`deaf_manifest`): no
+    decoder can use the audio, and the run's last validation says so, in metrics.jsonl
+    (val/listening 0) and in one line at the end of the run."""
+    deaf_manifest(tmp_path)
     p = run_train(tmp_path / "run", "max_steps=6", "val.every=6", f"train.manifests=[{tmp_path / 'deaf.jsonl'}]",
                   "val.manifests=[data/mini/digits/dev.jsonl]", "val.max_utterances=16")
     logged = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

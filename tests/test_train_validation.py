@@ -251,18 +251,9 @@ def test_a_guided_decoder_that_never_listens_is_restarted_or_the_run_stops_sayin
     at step 4 (exit status 1) saying the encoder has not learned the sounds either, with a checkpoint;
     rerun as it is, it stops again at once. Without validation to tell, the decoder is restarted at
     step 4 and the run stops at step 8; resumed with train.decoder_restarts=2, it restarts again."""
-    import json
-    import os
+    from test_train import deaf_manifest, run_train
 
-    from test_train import ROOT, run_train
-
-    digits = os.path.join(ROOT, "data", "mini", "digits")
-    rows = [json.loads(line) for line in open(os.path.join(digits, "train.jsonl"))]
-    texts = [r["text"] for r in rows]
-    shuffled = [dict(r, text=texts[(i * 7 + 3) % len(texts)], audio_filepath=os.path.join(digits, r["audio_filepath"]))
-                for i, r in enumerate(rows)]
-    (tmp_path / "deaf.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shuffled))
-    guided = ["max_steps=20", "ckpt_every=100", "train.num_workers=0", f"train.manifests=[{tmp_path / 'deaf.jsonl'}]",
+    guided = ["max_steps=20", "ckpt_every=100", "train.num_workers=0", f"train.manifests=[{deaf_manifest(tmp_path)}]",
               "val.manifests=[data/mini/digits/dev.jsonl]", "val.max_utterances=16",
               "train.attention_guide=[1.0,4]", "train.attention_guide_until=listening"]
 
