@@ -222,7 +222,8 @@ class GuideState:
     guides the same steps: the step the guide ended at, whether a check is due at the next step
     (the last one found no rank with two rows to swap audio between), the step it last (re)started
     at, and the decoder restarts so far. A run that stopped on a decoder that does not listen saved
-    a check as due: resumed, it checks at once, and restarts the decoder if the config now allows."""
+    a check as due: resumed, it checks at once, and restarts the decoder if the config now allows.
+    After the guide ended, a due check is validation's request to look again (`validate`)."""
     ended: int | None = None
     check_due: bool = False
     start: int = 0
@@ -327,13 +328,17 @@ def set_attention_guide(setup: TrainingSetup, batch, step: int, guide: GuideStat
     taught the decoder to use the audio, and holding attention to a path any longer only constrains
     it. A check that finds no batch of two rows (long utterances: often one per batch) is repeated at
     the next step until one does. The last check falls on the guide's last step: returns its gap when
-    the decoder is still deaf there (`act_on_deafness` takes it from there), else None."""
+    the decoder is still deaf there (`act_on_deafness` takes it from there), else None. A check due
+    after the guide ended (validation found the decoder deaf) brings the guide back, for its steps,
+    if the training batch agrees."""
     cfg, model = setup.cfg, setup.model
     weight, steps = cfg.train.attention_guide
     since = step - guide.start
     deaf_at_end = None
-    if (guide.ended is None and 0 < since and (since % GUIDE_CHECK_EVERY == 0 or since == steps or guide.check_due)
-            and (since <= steps or guide.check_due) and cfg.train.attention_guide_until == "listening"):
+    recheck = guide.ended is not None and guide.check_due
+    if recheck or (guide.ended is None and 0 < since and (since % GUIDE_CHECK_EVERY == 0 or since == steps
+                                                         or guide.check_due)
+                   and (since <= steps or guide.check_due) and cfg.train.attention_guide_until == "listening"):
         def whole():  # the copy validation decodes with: a sharded model's layers run only inside its forward
             return whole_model(model, lambda: setup.objective.build(cfg, setup.tokenizer.vocab_size))
 
@@ -342,7 +347,16 @@ def set_attention_guide(setup: TrainingSetup, batch, step: int, guide: GuideStat
         if gap is None and step % GUIDE_CHECK_EVERY == 0:  # once per period, so a run that never can measure says so
             log.info("step %d: no rank has two utterances in its batch to swap audio between: the attention guide's "
                      "check is repeated at the next steps until one has", step)
-        if gap is not None:
+        if gap is not None and recheck:
+            if gap < LISTENING_GAP:
+                log.warning("*** step %d: the decoder no longer uses the audio (%.2f nats/token on its training batch, "
+                            "and deaf at the last validation), though it did when its attention guide ended at step "
+                            "%d: the guide resumes for up to %d steps ***", step, gap, guide.ended, int(steps))
+                guide.ended, guide.start, since = None, step, 0
+            else:
+                log.info("step %d: the decoder's cross-entropy on its training batch is %.2f nats/token higher with "
+                         "other utterances' audio than with its own: it listens, the attention guide stays off", step, gap)
+        elif gap is not None:
             if gap >= LISTENING_GAP:
                 guide.ended = step
             elif since >= steps:
@@ -571,10 +585,7 @@ def main(argv: list[str] | None = None) -> None:
             with progress.paused():
                 last_validation = step, validate(setup, val_names, proc, unreadable, run_log, step, ema)
             if guide.ended is not None and listens(last_validation[1]) is False:
-                log.warning("*** step %d: the decoder no longer uses the audio on validation, though it did when its "
-                            "attention guide ended at step %d: the guide resumes for up to %d steps ***", step,
-                            guide.ended, int(cfg.train.attention_guide[1]))
-                guide.ended, guide.start = None, step
+                guide.check_due = True  # the next step looks at its training batch: the guide may resume
             stop = stop_requested(received, device)
         if stop or step % cfg.ckpt_every == 0 or last:
             save(writer, setup, position, step, progress.total_flops, proc, ema, guide)

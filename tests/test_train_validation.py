@@ -284,21 +284,34 @@ def test_a_guided_decoder_that_never_listens_is_restarted_or_the_run_stops_sayin
     assert "(restart 2 of train.decoder_restarts=2)" in p.stderr and max(losses(blind)) == 10
 
 
-@pytest.mark.slow(seconds=30)
-def test_the_guide_resumes_when_validation_finds_the_decoder_deaf_after_it_ended(tmp_path, monkeypatch):
+@pytest.mark.slow(seconds=45)
+def test_the_guide_resumes_when_validation_and_the_training_batch_find_the_decoder_deaf_after_it_ended(
+        tmp_path, monkeypatch):
     """The guide ends at a check that (faked) says the decoder listens; validation at step 4 measures
-    the real 4-step decoder, which cannot listen yet: the guide resumes from step 4, and its checks
-    with it (the next at step 6, two steps on)."""
+    the real 4-step decoder, which cannot listen yet, so step 4 checks its training batch: deaf there
+    too (faked), the guide resumes from step 4, and its checks with it (the next at step 6); listening
+    there, the guide stays off and no further check runs."""
     import train
 
-    gaps = [LISTENING_GAP, 0.0]
+    gaps = []
     monkeypatch.setattr(train, "GUIDE_CHECK_EVERY", 2)
     monkeypatch.setattr(train, "batch_listening_gap", lambda *args: gaps.pop(0))
-    p = run_in_process(train.main, ["configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=7", "val.every=4",
-                                    "val.max_utterances=8", "train.num_workers=0", "train.attention_guide=[1.0,100]",
-                                    "train.attention_guide_until=listening"])
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "step 2: the decoder's cross-entropy on its training batch is 0.25" in p.stderr
-    assert ("*** step 4: the decoder no longer uses the audio on validation, though it did when its attention guide "
-            "ended at step 2: the guide resumes for up to 100 steps ***") in p.stderr
-    assert "step 6: the decoder's cross-entropy on its training batch is 0.00" in p.stderr and gaps == []
+
+    def run(run_dir):
+        p = run_in_process(train.main, ["configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, "max_steps=7", "val.every=4",
+                                        "val.max_utterances=8", "train.num_workers=0",
+                                        "train.attention_guide=[1.0,100]", "train.attention_guide_until=listening"])
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p.stderr
+
+    gaps[:] = [LISTENING_GAP, 0.0, 0.0]
+    err = run(tmp_path / "deaf")
+    assert "step 2: the decoder's cross-entropy on its training batch is 0.25" in err
+    assert ("*** step 4: the decoder no longer uses the audio (0.00 nats/token on its training batch, and deaf at the "
+            "last validation), though it did when its attention guide ended at step 2: the guide resumes for up to "
+            "100 steps ***") in err
+    assert "step 6: the decoder's cross-entropy on its training batch is 0.00" in err and gaps == []
+    gaps[:] = [LISTENING_GAP, 0.5]
+    err = run(tmp_path / "listening")
+    assert "step 4: the decoder's cross-entropy on its training batch is 0.50 nats/token higher" in err
+    assert "the attention guide stays off" in err and "guide resumes" not in err and gaps == []
