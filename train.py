@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from aed.config import ConfigError, to_dict
 from aed.data_manifest import Faults, ManifestError
-from aed.data_sources import KINDS, as_entry, spec_kind
+from aed.data_sources import ManifestEntry
 from aed.memory_measure import format_bytes, parse_bytes
 from aed.memory_oomptimizer import MemoryBudgetError, TrainingStep, preflight
 from aed.model_checkpoint import Checkpoint, CheckpointError, load_latest, pack_dir
@@ -75,24 +75,25 @@ def parse_config(argv: list[str]):
 
 
 def val_set_names(specs: list) -> dict:
-    """Metric prefix per validation set: its file stem, or folder_stem when stems repeat
-    (data/mini/dev.jsonl and data/mini/digits/dev.jsonl -> mini_dev, digits_dev). A Shar or shard
-    directory is named by the directory, a NeMo set or parquet files by the folder that holds them."""
-    paths = [named_path(as_entry(spec)) for spec in specs]
+    """Metric prefix -> ManifestEntry per validation set (val.manifests): its file stem, or
+    folder_stem when stems repeat (data/mini/dev.jsonl and data/mini/digits/dev.jsonl -> mini_dev,
+    digits_dev). A Shar or shard directory is named by the directory, a NeMo set or parquet files by
+    the folder that holds them."""
+    entries = [ManifestEntry.of(spec) for spec in specs]
+    paths = [named_path(entry) for entry in entries]
     stems = [os.path.splitext(os.path.basename(p))[0] for p in paths]
     names = [f"{os.path.basename(os.path.dirname(os.path.abspath(p)))}_{s}" if stems.count(s) > 1 else s
              for p, s in zip(paths, stems)]
     if len(set(names)) < len(names):
         raise ConfigError(f"val.manifests need distinct file or folder names, got {paths}")
-    return dict(zip(names, specs))
+    return dict(zip(names, entries))
 
 
-def named_path(spec: dict) -> str:
-    """The path that names a validation entry (`as_entry`'s dict; aed/data_sources.py)."""
-    kind = spec_kind(spec)
-    if kind in ("shar", "shards", "manifest"):
-        return os.path.normpath(spec[KINDS[kind][0]])
-    return os.path.dirname(os.path.abspath(spec["tarred_audio_filepaths" if kind == "nemo" else "parquet"]))
+def named_path(entry: ManifestEntry) -> str:
+    """The path that names a validation entry: its manifest or directory, or the folder of its files."""
+    if entry.kind in ("shar", "shards", "manifest"):
+        return os.path.normpath(entry.location)
+    return os.path.dirname(os.path.abspath(entry.location))  # nemo: its tars' pattern; parquet: its glob
 
 
 # --- processes -------------------------------------------------------------------------------

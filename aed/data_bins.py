@@ -26,33 +26,32 @@ from collections import Counter
 from aed.data_audio import FeatureConfig, num_frames
 from aed.data_batch import ROUNDING_SLACK, encode_utterance
 from aed.data_manifest import Faults, ManifestError, Utterance, manifest_lines, parse_line
-from aed.data_sources import as_entry, metadata, open_source, source_faults, spec_kind
+from aed.data_sources import ManifestEntry, metadata, source_faults
 from bins import Bins, estimate_bins
 
 log = logging.getLogger(__name__)
 
 
-def spec_rows(spec, faults: Counter):
+def entry_rows(entry: ManifestEntry, faults: Counter):
     """(where, base dir, row) of a train.manifests entry: a manifest's raw lines (`manifest_lines`,
     as training reads them, .gz too; parsed by training's `parse_line` only when sampled), or a
     streamed source's checked example fields; what the source skips is added to `faults`."""
-    if spec_kind(spec) == "manifest":
-        path = as_entry(spec)["path"]
-        base = os.path.dirname(os.path.abspath(path))
-        for where, line in manifest_lines(path):
+    if not entry.streamed:
+        base = os.path.dirname(os.path.abspath(entry.path))
+        for where, line in manifest_lines(entry.path):
             yield where, base, line
         return
-    source = open_source(spec, shuffle_shards=False)
+    source = entry.open(shuffle_shards=False)
     for where, fields in metadata(source):
         yield where, None, fields
     faults.update(Faults.merged(*source_faults(source)))
 
 
-def sample_lines(specs: list, n: int | None, seed: int) -> tuple:
+def sample_lines(entries: list, n: int | None, seed: int) -> tuple:
     """Uniform random sample of n rows over all entries: ([(where, base dir, row)], total, skipped by the sources)."""
     rng, sample, seen, last, faults = random.Random(seed), [], 0, time.time(), Counter()
-    for spec in specs:
-        for item in spec_rows(spec, faults):
+    for entry in entries:
+        for item in entry_rows(entry, faults):
             if n is None or seen < n:
                 sample.append(item)
             elif (j := rng.randrange(seen + 1)) < n:
@@ -60,7 +59,7 @@ def sample_lines(specs: list, n: int | None, seed: int) -> tuple:
             seen += 1
             if seen % 100_000 == 0 and time.time() - last > 2:
                 last = time.time()
-                print(f"estimate_bins: scanned {seen:,} rows ({spec})", file=sys.stderr)
+                print(f"estimate_bins: scanned {seen:,} rows ({entry.given})", file=sys.stderr)
     return sample, seen, faults
 
 
@@ -101,8 +100,9 @@ def bins_from_manifests(specs: list, tokenizer, num_buckets: int = 30, sub_bucke
     """(Bins, meta): bins estimated (bins.estimate_bins) from `sample` lines of the manifests (all
     by default), leaving out examples over max_tokens (train.py drops those: model.dec_max_len),
     each line once per speed_perturb factor at its perturbed duration, as train.py sees it.
+    specs: train.manifests entries as the config writes them (`aed.data_sources.ManifestEntry.of`);
     meta records what they were estimated from. Raises ValueError if no line is usable."""
-    lines, total, faults = sample_lines(specs, sample, seed)
+    lines, total, faults = sample_lines([ManifestEntry.of(s) for s in specs], sample, seed)
     durations, num_tokens, skipped, example = measure(lines, tokenizer, max_tokens)
     for reason, n in skipped.items():
         print(f"estimate_bins: skipped {n:,} sampled lines ({reason}), e.g. {example[reason]}", file=sys.stderr)

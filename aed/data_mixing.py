@@ -3,7 +3,7 @@ examples whose target is empty.
 
     shares = temperature_shares({("ls", "en"): 960.0, ("mls", "de"): 2000.0}, temperature=2.0)
     utts, num_tokens = temperature_mix(entries, 2.0)            # in-memory manifests (train_data.load_examples)
-    weights, shares, groups = stream_weights(specs, sources, 2.0)   # streamed sources (MixedSource's weights)
+    weights, shares, groups = stream_weights(entries, sources, 2.0)  # streamed sources (MixedSource's weights)
     source = MixedSource([ShardSource("shards/en"), ShardSource("shards/de")], weights=[2, 1])  # endless, resumable
 
 Groups. Every example belongs to a (dataset, language) group: `dataset` is its train.manifests entry's
@@ -46,7 +46,7 @@ import numpy as np
 from aed.config import ConfigError
 from aed.data_manifest import Utterance
 from aed.data_shards import ShardSource
-from aed.data_sources import KINDS, as_entry, metadata, spec_kind
+from aed.data_sources import ManifestEntry, metadata
 
 log = logging.getLogger(__name__)
 
@@ -60,23 +60,16 @@ def temperature_shares(hours: dict, temperature: float) -> dict:
     return {g: p / total for g, p in powered.items()}
 
 
-def entry_name(spec) -> str:
-    """The path (or directory, glob) that names a train.manifests entry in logs and errors."""
-    spec = as_entry(spec)
-    return str(spec[KINDS[spec_kind(spec)][0]])
-
-
 def utterance_language(u: Utterance) -> str:
     return u.source_lang if u.taskname == "asr" else f"{u.source_lang}-{u.target_lang}"
 
 
-def group_of(spec, u: Utterance | None = None) -> tuple[str, str]:
-    """(dataset, language) of an example of `spec` (u None: a streamed entry, its language tag or "*")."""
-    spec = as_entry(spec)
-    dataset = spec.get("dataset", entry_name(spec))
-    if spec.get("nonspeech"):
+def group_of(entry: ManifestEntry, u: Utterance | None = None) -> tuple[str, str]:
+    """(dataset, language) of an example of `entry` (u None: a streamed entry, its language tag or "*")."""
+    dataset = entry.dataset or entry.name
+    if entry.nonspeech:
         return dataset, "nonspeech"
-    return dataset, spec.get("language") or (utterance_language(u) if u is not None else "*")
+    return dataset, entry.language or (utterance_language(u) if u is not None else "*")
 
 
 def label(group: tuple[str, str]) -> str:
@@ -107,13 +100,13 @@ def audio_shares(groups: list, seconds: list, weights: list | None = None) -> di
 
 
 def temperature_mix(entries: list, temperature: float) -> tuple[list, list]:
-    """entries: (spec, utterances, token counts) per speech manifest -> (utterances, token counts):
+    """entries: (ManifestEntry, utterances, token counts) per speech manifest -> (utterances, token counts):
     every utterance once, its `weight` its group's factor = target hours / its hours, so a pass
     keeps the data's total hours and gives each group its temperature share of them."""
     members = {}  # group -> [(utterance, token count)]
-    for spec, utts, num_tokens in entries:
+    for entry, utts, num_tokens in entries:
         for u, n in zip(utts, num_tokens):
-            members.setdefault(group_of(spec, u), []).append((u, n))
+            members.setdefault(group_of(entry, u), []).append((u, n))
     if not members:
         return [], []
     hours = {g: sum(u.duration for u, _ in m) / 3600 for g, m in members.items()}
@@ -126,11 +119,11 @@ def temperature_mix(entries: list, temperature: float) -> tuple[list, list]:
 
 
 def nonspeech_examples(entries: list, speech: list, rng: random.Random) -> list:
-    """entries: (spec, utterances) per non-speech manifest; speech: the speech utterances -> the
+    """entries: (ManifestEntry, utterances) per non-speech manifest; speech: the speech utterances -> the
     non-speech utterances, entry i's weights adding up to rate_i / (1 - sum of rates) x the speech
     examples of a pass (so it makes up rate_i of a pass's examples), each with its prompt fields set
     (module docstring)."""
-    rates = [spec["rate"] for spec, _ in entries]
+    rates = [entry.rate for entry, _ in entries]
     if sum(rates) >= 1:
         raise ConfigError(f"train.manifests: the non-speech rates add up to {sum(rates):g}; they are fractions "
                           "of all training examples and must add up to less than 1")
@@ -138,9 +131,9 @@ def nonspeech_examples(entries: list, speech: list, rng: random.Random) -> list:
         raise ConfigError("train.manifests: non-speech entries need speech examples to mix into")
     out = []
     per_pass = sum(u.weight for u in speech)
-    for (spec, utts), rate in zip(entries, rates):
+    for (entry, utts), rate in zip(entries, rates):
         if not utts:
-            raise ConfigError(f"train.manifests entry {spec['path']}: a non-speech manifest with no usable line")
+            raise ConfigError(f"train.manifests entry {entry.path}: a non-speech manifest with no usable line")
         count = rate / (1 - sum(rates)) * per_pass  # this entry's examples per pass
         w = count / len(utts)  # each clip's expected copies per pass
         variants = max(1, math.ceil(w))  # a clip seen more than once a pass: each time another prompt
@@ -148,11 +141,11 @@ def nonspeech_examples(entries: list, speech: list, rng: random.Random) -> list:
             for _ in range(variants):
                 v = replace(u, weight=w / variants)
                 if not u.source_lang:  # the line named no language: the entry's, or a speech example's prompt
-                    lang = spec.get("language")
+                    lang = entry.language
                     p = replace(u, source_lang=lang, target_lang=lang, taskname="asr") if lang else rng.choice(speech)
                     v = replace(v, source_lang=p.source_lang, target_lang=p.target_lang, pnc=p.pnc, taskname=p.taskname)
                 out.append(v)
-        log.info("%s: %d non-speech utterances, %.2f h; %.1f a pass (rate %g), drawn anew each pass", spec["path"],
+        log.info("%s: %d non-speech utterances, %.2f h; %.1f a pass (rate %g), drawn anew each pass", entry.path,
                  len(utts), sum(u.duration for u in utts) / 3600, count, rate)
     return out
 
@@ -160,13 +153,13 @@ def nonspeech_examples(entries: list, speech: list, rng: random.Random) -> list:
 # --- streamed sources -----------------------------------------------------------------------------
 
 
-def stream_size(spec: dict, source) -> tuple[int, float]:
+def stream_size(entry: ManifestEntry, source) -> tuple[int, float]:
     """(examples, hours) of a streamed source: declared on its entry (`examples`, `hours`), from an aed
     shard index (its per-shard count and duration), or counted from the source's metadata (NeMo
     manifests, Shar cuts, parquet columns: no audio read; logged, as it reads every row)."""
-    if "hours" in spec:
-        return int(spec["examples"]), float(spec["hours"])
-    name = entry_name(spec)
+    if entry.hours is not None:
+        return entry.examples, entry.hours
+    name = entry.name
     if isinstance(source, ShardSource):
         try:
             lines = [json.loads(line) for line in Path(source.index).read_text().splitlines() if line.strip()]
@@ -185,13 +178,13 @@ def stream_size(spec: dict, source) -> tuple[int, float]:
     return examples, seconds / 3600
 
 
-def stream_weights(specs: list, sources: list, temperature: float) -> tuple[list, dict, list]:
+def stream_weights(entries: list, sources: list, temperature: float) -> tuple[list, dict, list]:
     """The MixedSource weights (they count examples) that give each (dataset, language) group its
     temperature share of the audio: entry e of group g draws p_g x (e's hours / g's hours) of the
     audio, so its weight is that over e's mean duration. Also returns the target shares and each
     entry's group, for the log."""
-    sizes = [stream_size(spec, source) for spec, source in zip(specs, sources)]
-    groups = [group_of(spec) for spec in specs]
+    sizes = [stream_size(entry, source) for entry, source in zip(entries, sources)]
+    groups = [group_of(entry) for entry in entries]
     hours = Counter()
     for g, (_, h) in zip(groups, sizes):
         hours[g] += h

@@ -6,15 +6,22 @@
     {shar: DIR}                                                     Lhotse Shar (aed/data_nemo_shar.py)
     {parquet: GLOB, audio_column: audio, text_column: text, ...}    Hugging Face parquet (aed/data_parquet.py)
 
-Every kind but a manifest is streamed: `open_source` gives an object of the sampler's
-streamed-source protocol (aed/data_shards.py has what those readers share). Each takes `weight`
-(examples drawn in proportion when several are mixed), and the tags that group entries for
-`train.mix_temperature` (aed/data_mixing.py): `dataset` and `language`. A streamed entry may declare
-its size, `hours` and `examples` (read from the source's metadata otherwise); a manifest may be
-non-speech, `{path: noise.jsonl, nonspeech: true, rate: 0.05}`: audio whose target is empty.
+    entry = ManifestEntry.of({"shar": "data/shar", "weight": 2})   # checked: errors name the entry and field
+    entry.kind, entry.name, entry.weight                           # "shar", "data/shar", 2.0
+    source = entry.open()                                          # its streamed reader
+
+The config holds entries as written (a path, or a mapping; train.manifests, val.manifests, the
+tools' --manifest); `ManifestEntry.of` turns one into the typed, checked entry that the code reads.
+Every kind but a manifest is streamed: `open` gives an object of the sampler's streamed-source
+protocol (aed/data_shards.py has what those readers share). Each takes `weight` (examples drawn in
+proportion when several are mixed), and the tags that group entries for `train.mix_temperature`
+(aed/data_mixing.py): `dataset` and `language`. A streamed entry may declare its size, `hours` and
+`examples` (read from the source's metadata otherwise); a manifest may be non-speech,
+`{path: noise.jsonl, nonspeech: true, rate: 0.05}`: audio whose target is empty.
 """
 
 from array import array
+from dataclasses import dataclass, field
 
 import yaml
 
@@ -37,25 +44,88 @@ KINDS = {  # kind: (the key that names it, every key it accepts besides TAG_KEYS
 TAG_KEYS = {"weight", "dataset", "language"}  # every kind: its mixing weight and its group's tags
 
 
-def spec_kind(spec) -> str:
-    """The kind of a train.manifests entry (a key of KINDS); ConfigError names a malformed one."""
-    if isinstance(spec, str):
-        return "manifest"
-    if isinstance(spec, dict):
-        for kind, (marker, keys) in KINDS.items():
-            if marker in spec:
-                if unknown := set(spec) - keys - TAG_KEYS:
-                    raise ConfigError(f"train.manifests entry {spec!r}: unknown key(s) {sorted(unknown)} for a "
-                                      f"{kind} entry (accepted: {sorted(keys | TAG_KEYS)})")
-                if kind == "nemo" and "manifest_filepath" not in spec:
-                    raise ConfigError(f"train.manifests entry {spec!r}: a NeMo tarred set needs manifest_filepath")
-                check_tags(spec, spec[marker])
-                return kind
-    raise ConfigError(f"train.manifests entry {spec!r}: expected a manifest path or a mapping with one of "
-                      f"{[marker for marker, _ in KINDS.values()]} (README: Your data as it is)")
+@dataclass(frozen=True)
+class ManifestEntry:
+    """One train.manifests (or val.manifests) entry, checked: `ManifestEntry.of(value)`."""
+
+    kind: str  # a key of KINDS: manifest | shards | nemo | shar | parquet
+    location: str  # its kind's key: the manifest's path, shard or Shar directory, NeMo tars' pattern, parquet glob
+    manifest_filepath: str | None = None  # nemo: the pattern of its manifests
+    dataset: str | None = None  # the group's tags for train.mix_temperature (aed/data_mixing.py: group_of)
+    language: str | None = None
+    weight: float | None = None  # examples drawn in proportion when mixed; None: not given (1, or the temperature's)
+    hours: float | None = None  # a streamed entry's declared size: both or neither (None: read from its metadata)
+    examples: int | None = None
+    nonspeech: bool = False  # a manifest of audio without speech, whose target is empty ...
+    rate: float | None = None  # ... and the fraction of the training examples it makes up
+    audio_column: str = "audio"  # parquet: the audio's column
+    columns: tuple[tuple[str, str], ...] = ()  # parquet: (field, column) pairs, from its <field>_column keys
+    constants: tuple[tuple[str, object], ...] = ()  # parquet: (field, value) pairs, from its <field> keys
+    given: str | dict | None = field(default=None, compare=False, repr=False)  # as the config wrote it (messages)
+
+    @classmethod
+    def of(cls, value) -> "ManifestEntry":
+        """The entry a config value gives: a manifest path, or a mapping with one kind's key (an
+        entry is returned as it is). ConfigError names a malformed one, and the field."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls("manifest", value, given=value)
+        if isinstance(value, dict):
+            for kind, (marker, keys) in KINDS.items():
+                if marker in value:
+                    if unknown := set(value) - keys - TAG_KEYS:
+                        raise ConfigError(f"train.manifests entry {value!r}: unknown key(s) {sorted(unknown)} for a "
+                                          f"{kind} entry (accepted: {sorted(keys | TAG_KEYS)})")
+                    if kind == "nemo" and "manifest_filepath" not in value:
+                        raise ConfigError(f"train.manifests entry {value!r}: a NeMo tarred set needs manifest_filepath")
+                    check_fields(value, value[marker])
+                    return cls._from_dict(kind, value[marker], value)
+        raise ConfigError(f"train.manifests entry {value!r}: expected a manifest path or a mapping with one of "
+                          f"{[marker for marker, _ in KINDS.values()]} (README: Your data as it is)")
+
+    @classmethod
+    def _from_dict(cls, kind: str, location, d: dict) -> "ManifestEntry":
+        def number(key, cast):
+            return cast(d[key]) if key in d else None
+
+        return cls(kind, location, manifest_filepath=d.get("manifest_filepath"), dataset=d.get("dataset"),
+                   language=d.get("language"), weight=number("weight", float), hours=number("hours", float),
+                   examples=number("examples", int), nonspeech=d.get("nonspeech", False), rate=d.get("rate"),
+                   audio_column=d.get("audio_column", "audio"),
+                   columns=tuple((k.removesuffix("_column"), v) for k, v in d.items()
+                                 if k.endswith("_column") and k != "audio_column"),
+                   constants=tuple((k, v) for k, v in d.items() if k in FIELDS), given=d)
+
+    @property
+    def streamed(self) -> bool:
+        return self.kind != "manifest"
+
+    @property
+    def name(self) -> str:
+        """The path (or directory, glob) that names the entry in logs and errors."""
+        return str(self.location)
+
+    @property
+    def path(self) -> str | None:
+        """A manifest's path (None for a streamed entry)."""
+        return None if self.streamed else self.location
+
+    def open(self, shuffle_shards: bool = True):
+        """The streamed source of the entry (not of a plain manifest)."""
+        if self.kind == "shards":
+            return ShardSource(self.location, shuffle_shards)
+        if self.kind == "nemo":
+            return NemoTarredSource(self.manifest_filepath, self.location, shuffle_shards)
+        if self.kind == "shar":
+            return SharSource(self.location, shuffle_shards)
+        if self.kind == "parquet":
+            return ParquetSource(self.location, self.audio_column, dict(self.columns), dict(self.constants),
+                                 shuffle_shards)
+        raise ConfigError(f"train.manifests entry {self.given!r} is a manifest, read into memory, not streamed")
 
 
-def check_tags(spec: dict, name) -> None:
+def check_fields(spec: dict, name) -> None:
     """ConfigError naming the entry (`name`: its path) and the field when a tag or size has a wrong value."""
     def bad(key, why):
         raise ConfigError(f"train.manifests entry {name}: field '{key}': {why}, got {spec[key]!r}")
@@ -87,40 +157,13 @@ def check_tags(spec: dict, name) -> None:
 
 
 def parse_spec(text: str):
-    """A train.manifests entry given on a command line: a path, or a YAML flow mapping such as
-    '{shar: data/shar}'."""
+    """A train.manifests entry given on a command line -> the config's value: a path, or the YAML
+    flow mapping such as '{shar: data/shar}', checked (`ManifestEntry.of`)."""
     if text.lstrip().startswith("{"):
         spec = yaml.safe_load(text)
-        spec_kind(spec)  # names a malformed entry now
+        ManifestEntry.of(spec)  # names a malformed entry now
         return spec
     return text
-
-
-def as_entry(spec) -> dict:
-    """A train.manifests entry as a dict, checked (`spec_kind`): a bare path is {"path": path}."""
-    spec_kind(spec)
-    return {"path": spec} if isinstance(spec, str) else spec
-
-
-def is_streamed(spec) -> bool:
-    return spec_kind(spec) != "manifest"
-
-
-def open_source(spec, shuffle_shards: bool = True):
-    """The streamed source of a train.manifests entry (not of a plain manifest)."""
-    kind = spec_kind(spec)
-    if kind == "shards":
-        return ShardSource(spec["shards"], shuffle_shards)
-    if kind == "nemo":
-        return NemoTarredSource(spec["manifest_filepath"], spec["tarred_audio_filepaths"], shuffle_shards)
-    if kind == "shar":
-        return SharSource(spec["shar"], shuffle_shards)
-    if kind == "parquet":
-        columns = {k.removesuffix("_column"): v for k, v in spec.items()
-                   if k.endswith("_column") and k != "audio_column"}
-        constants = {k: v for k, v in spec.items() if k in FIELDS}
-        return ParquetSource(spec["parquet"], spec.get("audio_column", "audio"), columns, constants, shuffle_shards)
-    raise ConfigError(f"train.manifests entry {spec!r} is a manifest, read into memory, not streamed")
 
 
 def metadata(source):

@@ -24,7 +24,7 @@ from aed.data_batch import Collate, ExampleDataset, encodable, fit_decoder, igno
 from aed.data_manifest import Faults, ManifestError, check_audio, nonspeech_fields, read_manifest, read_rows
 from aed.data_mixing import (MixLog, MixedSource, Tagged, audio_shares, group_of, nonspeech_examples, stream_weights,
                              temperature_mix)
-from aed.data_sources import CountTokens, as_entry, is_streamed, open_source, source_faults, spec_kind
+from aed.data_sources import CountTokens, ManifestEntry, source_faults
 from aed.decode_segment import EDGE_SAMPLE, edge_silence, trim_silence
 from aed.train_config import TrainConfig
 from aed.train_distributed import all_gather_objects
@@ -35,10 +35,10 @@ from sampler import BucketingSampler
 log = logging.getLogger(__name__)
 
 
-def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_size: int,
+def load_examples(entries: list, data_cfg, tokenizer, seed: int, rank: int, world_size: int,
                   faults: Faults | None = None) -> tuple[list, list]:
-    """Manifests (paths or {path, weight, dataset, language}, and non-speech {path, nonspeech, rate})
-    -> (utterances carrying their token ids, token counts): every utterance once (once per speed with
+    """Manifests (`ManifestEntry`s: paths or {path, weight, dataset, language}, and non-speech {path,
+    nonspeech, rate}) -> (utterances carrying their token ids, token counts): every utterance once (once per speed with
     speed perturbation), its `weight` its expected copies per pass, which the sampler draws anew
     each pass: a manifest's `weight` w, or with data_cfg.mix_temperature its (dataset,
     language) group's factor for its temperature share of the hours, and non-speech lines (target:
@@ -49,42 +49,41 @@ def load_examples(specs: list, data_cfg, tokenizer, seed: int, rank: int, world_
     rng = random.Random(seed)
     faults = Faults() if faults is None else faults
     temperature = data_cfg.mix_temperature
-    speech, nonspeech = [], []  # (spec, utterances, token counts) per manifest; (spec, utterances)
-    for spec in specs:
-        if spec_kind(spec) != "manifest":
-            raise ConfigError(f"train.manifests entry {spec!r} is streamed: every entry must then be streamed")
-        spec = as_entry(spec)
-        if spec.get("nonspeech"):
+    speech, nonspeech = [], []  # (entry, utterances, token counts) per manifest; (entry, utterances)
+    for entry in entries:
+        if entry.streamed:
+            raise ConfigError(f"train.manifests entry {entry.given!r} is streamed: every entry must then be streamed")
+        if entry.nonspeech:
             if tokenizer is None:
-                raise ConfigError(f"train.manifests entry {spec['path']}: non-speech examples teach the decoder to "
+                raise ConfigError(f"train.manifests entry {entry.path}: non-speech examples teach the decoder to "
                                   "stop at once; an objective that reads no text has no use for them")
             if data_cfg.min_tps is not None:
-                raise ConfigError(f"train.manifests entry {spec['path']}: train.min_tps would drop the non-speech "
+                raise ConfigError(f"train.manifests entry {entry.path}: train.min_tps would drop the non-speech "
                                   "examples (their target is the prompt and EOS alone); unset one of them")
-            utts = list(read_rows(spec["path"], nonspeech_fields, data_cfg.skip_invalid, faults))
+            utts = list(read_rows(entry.path, nonspeech_fields, data_cfg.skip_invalid, faults))
             if data_cfg.check_audio:
-                utts, _ = with_valid_audio(spec["path"], utts, [0] * len(utts), data_cfg, rank, world_size, faults)
-            nonspeech.append((spec, utts))
+                utts, _ = with_valid_audio(entry.path, utts, [0] * len(utts), data_cfg, rank, world_size, faults)
+            nonspeech.append((entry, utts))
             continue
-        if temperature is not None and "weight" in spec:
-            raise ConfigError(f"train.manifests entry {spec['path']}: field 'weight': train.mix_temperature sets "
+        if temperature is not None and entry.weight is not None:
+            raise ConfigError(f"train.manifests entry {entry.path}: field 'weight': train.mix_temperature sets "
                               "the weights from the hours; remove one of them")
-        utts = read_manifest(spec["path"], data_cfg.skip_invalid, tokenizer is not None, faults)
+        utts = read_manifest(entry.path, data_cfg.skip_invalid, tokenizer is not None, faults)
         if tokenizer is not None:
             utts, num_tokens = encodable(utts, tokenizer, data_cfg.skip_invalid, faults)
         else:
             num_tokens = [0] * len(utts)
         if data_cfg.check_audio:
-            utts, num_tokens = with_valid_audio(spec["path"], utts, num_tokens, data_cfg, rank, world_size, faults)
-        speech.append((spec, utts, num_tokens))
-        log.info("%s: %d utterances, %.2f h%s", spec["path"], len(utts), sum(u.duration for u in utts) / 3600,
-                 "" if temperature is not None else f", weight {float(spec.get('weight', 1.0)):g}")
+            utts, num_tokens = with_valid_audio(entry.path, utts, num_tokens, data_cfg, rank, world_size, faults)
+        speech.append((entry, utts, num_tokens))
+        log.info("%s: %d utterances, %.2f h%s", entry.path, len(utts), sum(u.duration for u in utts) / 3600,
+                 "" if temperature is not None else f", weight {entry.weight or 1.0:g}")
     if temperature is not None:
         out, out_tokens = temperature_mix(speech, temperature)
     else:
         out, out_tokens = [], []
-        for spec, utts, num_tokens in speech:
-            weight = float(spec.get("weight", 1.0))
+        for entry, utts, num_tokens in speech:
+            weight = entry.weight or 1.0
             out += [replace(u, weight=weight) for u in utts] if weight != 1.0 else utts
             out_tokens += num_tokens
     if nonspeech:
@@ -156,7 +155,8 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
         sampler_args["max_duration"] = cfg.train.max_duration
     data = dict(pad_id=tokenizer.pad, num_workers=cfg.train.num_workers, seed=cfg.seed)
 
-    streamed = [s for s in cfg.train.manifests if is_streamed(s)]
+    entries = [ManifestEntry.of(s) for s in cfg.train.manifests]  # checked: ConfigError names a bad one
+    streamed = [e for e in entries if e.streamed]
     if streamed:
         if not reads_text:
             raise ConfigError(f"objective={cfg.objective} reads manifests (audio-only lines are fine), not "
@@ -164,7 +164,7 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
         if cfg.train.speed_perturb or cfg.train.short_first:
             raise ConfigError("train.speed_perturb and train.short_first work on in-memory manifests; streamed "
                               "sources are read as they come")
-        if len(streamed) != len(cfg.train.manifests) or bins is None:
+        if len(streamed) != len(entries) or bins is None:
             raise ConfigError("streamed training needs every train.manifests entry streamed ({shards: DIR}, "
                               "{shar: DIR}, a NeMo tarred set or {parquet: GLOB}; README: Your data as it is) and "
                               "train.bins or train.batch_sizes (tools/estimate_bins.py reads the same entries)")
@@ -172,12 +172,12 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
         if longest is None or longest > cfg.model.dec_max_len:
             raise ConfigError(f"streamed training needs 2D bins whose token bounds fit "
                               f"model.dec_max_len={cfg.model.dec_max_len} (the sampler drops longer examples)")
-        opened = [open_source(s) for s in streamed]
+        opened = [e.open() for e in streamed]
         sources = [CountTokens(s, tokenizer) for s in opened]
-        weights, mix = [float(s.get("weight", 1.0)) for s in streamed], None
+        weights, mix = [e.weight or 1.0 for e in streamed], None
         if cfg.train.mix_temperature is not None:
-            if weighted := [s for s in streamed if "weight" in s]:
-                raise ConfigError(f"train.manifests entry {weighted[0]!r}: field 'weight': train.mix_temperature "
+            if weighted := [e for e in streamed if e.weight is not None]:
+                raise ConfigError(f"train.manifests entry {weighted[0].given!r}: field 'weight': train.mix_temperature "
                                   "sets the weights from the hours; remove one of them")
             weights, shares, groups = stream_weights(streamed, opened, cfg.train.mix_temperature)
             sources = [Tagged(s, i) for i, s in enumerate(sources)]
@@ -191,8 +191,7 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
 
     text_tokenizer = tokenizer if reads_text else None
     faults = Faults()
-    utts, num_tokens = load_examples(cfg.train.manifests, cfg.train, text_tokenizer, cfg.seed, rank, world_size,
-                                     faults)
+    utts, num_tokens = load_examples(entries, cfg.train, text_tokenizer, cfg.seed, rank, world_size, faults)
     utts, num_tokens = fit_decoder(utts, num_tokens, cfg.model.dec_max_len, "training")
     if bins is None:
         bins = estimate_bins([u.perturbed_duration for u in utts], num_tokens, cfg.train.num_buckets,
@@ -210,7 +209,7 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
     if faults.counts:
         log.warning("train.manifests: skipped %s", faults.summary())
     dataset = ExampleDataset(utts, text_tokenizer, logmel, cfg.seed, cfg.train.duration_tolerance, augment, trim)
-    counter = BatchCounter(sampler, epoch_mix_log(cfg.train, utts, world_size))
+    counter = BatchCounter(sampler, epoch_mix_log(entries, cfg.train.mix_temperature, utts, world_size))
     return TrainingData(sampler, dataset, bins, counter, **data, faults=(faults,),
                         pad_to=compiled_shapes(cfg, bins, reads_text),
                         edge_silence=measure_edges(utts, cfg.features.sample_rate, cfg.seed, trim))
@@ -255,13 +254,12 @@ def compiled_shapes(cfg: TrainConfig, bins: Bins, reads_text: bool) -> list | No
         raise ConfigError(f"train.compile pads batches to their bucket's bounds: {e}") from None
 
 
-def epoch_mix_log(train, utts: list, world_size: int) -> MixLog | None:
+def epoch_mix_log(entries: list, temperature: float | None, utts: list, world_size: int) -> MixLog | None:
     """The realised-mix log of in-memory manifests mixed by weight, temperature or with non-speech
     entries: a line per this rank's share of a pass, beside the pass's expected composition."""
-    specs = [as_entry(s) for s in train.manifests]
-    if train.mix_temperature is None and not any(s.get("nonspeech") or "weight" in s for s in specs):
+    if temperature is None and not any(e.nonspeech or e.weight is not None for e in entries):
         return None
-    by_path = {s["path"]: s for s in specs}
+    by_path = {e.path: e for e in entries}
     groups = [group_of(by_path[u.where.rsplit(":", 1)[0]], u) for u in utts]  # where: "path:line"
     seconds = [u.perturbed_duration for u in utts]
     weights = [u.weight for u in utts]

@@ -2,8 +2,9 @@
 transcribe, WER per language and BLEU per translation pair.
 
     model = whole_model(setup.model, lambda: setup.objective.build(setup.cfg, setup.tokenizer.vocab_size))
-    results = evaluate(setup, model, {"dev": "data/mini/dev.jsonl"}, rank, world_size, skip_invalid, unreadable)
-    results = evaluate(setup, model, {"dev": {"shar": "data/dev_shar"}}, ...)   # any train.manifests entry
+    results = evaluate(setup, model, {"dev": ManifestEntry.of("data/mini/dev.jsonl")}, rank, world_size,
+                       skip_invalid, unreadable)
+    results = evaluate(setup, model, {"dev": ManifestEntry.of({"shar": "data/dev_shar"})}, ...)   # any entry
 
 Each rank scores a slice of every manifest; losses are all-reduced and hypotheses gathered, so
 every metric is a corpus metric over the whole manifest. Hypotheses come from the objective's
@@ -20,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from aed.data_audio import LogMel
 from aed.data_batch import Collate, ExampleDataset, as_utterance, duration_batches, encodable, fit_decoder
 from aed.data_manifest import Faults, read_manifest
-from aed.data_sources import as_entry, metadata, open_source, spec_kind
+from aed.data_sources import ManifestEntry, metadata
 from aed.decode_metrics import corpus_scores
 from aed.decode_search import DecodingOptions
 from aed.decode_timestamps import frame_seconds
@@ -54,9 +55,9 @@ def whole_model(model, build):
 
 
 @torch.no_grad()
-def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int, skip_invalid: bool,
+def evaluate(setup, model, manifests: dict[str, ManifestEntry], rank: int, world_size: int, skip_invalid: bool,
              unreadable: Faults) -> dict:
-    """{name: path} -> {"name/loss": ..., "name/wer": ..., "name/examples": [lines], ...}; with a CTC
+    """{name: entry} -> {"name/loss": ..., "name/wer": ..., "name/examples": [lines], ...}; with a CTC
     head, also "name/ctc_wer" (its greedy transcripts' WER).
 
     setup: the run's aed.train_setup.TrainingSetup; model: its model, whole on every rank
@@ -78,8 +79,8 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
     results = {}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(cfg.seed + rank)
-        for name, spec in manifests.items():
-            ds = val_dataset(spec, cfg.val.max_utterances, tokenizer if objective.reads_text else None, logmel,
+        for name, entry in manifests.items():
+            ds = val_dataset(entry, cfg.val.max_utterances, tokenizer if objective.reads_text else None, logmel,
                              skip_invalid, rank, world_size, cfg.model.dec_max_len, silence_trimmer(cfg))
             sums = torch.zeros(3, device=device)  # loss, targets, transcriptions too short for CTC
             rows = []  # (task, source language, target language, reference, hypothesis)
@@ -120,16 +121,16 @@ def evaluate(setup, model, manifests: dict[str, str], rank: int, world_size: int
     return results
 
 
-def val_dataset(spec, max_utterances: int | None, tokenizer, logmel: LogMel, skip_invalid: bool, rank: int,
-                world_size: int, max_tokens: int | None = None, trim=None):
+def val_dataset(entry: ManifestEntry, max_utterances: int | None, tokenizer, logmel: LogMel, skip_invalid: bool,
+                rank: int, world_size: int, max_tokens: int | None = None, trim=None):
     """This rank's share of a validation set, the shortest first: every world_size-th utterance in
-    order of duration. spec: a manifest path, or a streamed train.manifests entry (aed/data_sources.py),
+    order of duration. entry: a manifest, or a streamed train.manifests entry (aed/data_sources.py),
     whose examples are held in memory (a validation set is small) and decoded when scored; the
     first `max_utterances` in file order are used. tokenizer None: audio only (objective=ssl).
     Utterances over `max_tokens` (model.dec_max_len) are dropped and counted, as training drops them;
     `trim` cuts their edge silence as training's (`aed.train_data.silence_trimmer`)."""
-    if spec_kind(spec) == "manifest":
-        path = as_entry(spec)["path"]
+    if not entry.streamed:
+        path = entry.path
         utts = read_manifest(path, skip_invalid, needs_text=tokenizer is not None)[:max_utterances]
         if tokenizer is not None:
             utts, num_tokens = encodable(utts, tokenizer, skip_invalid)
@@ -137,7 +138,7 @@ def val_dataset(spec, max_utterances: int | None, tokenizer, logmel: LogMel, ski
                 utts, _ = fit_decoder(utts, num_tokens, max_tokens, f"validation on {path}")
         order = sorted(range(len(utts)), key=lambda i: utts[i].duration)[rank::world_size]
         return ExampleDataset([utts[i] for i in order], tokenizer, logmel, trim=trim)
-    source = open_source(spec, shuffle_shards=False)
+    source = entry.open(shuffle_shards=False)
     rows = [(fields["duration"], where) for where, fields in islice(metadata(source), max_utterances)]
     mine = {where for _, where in sorted(rows)[rank::world_size]}  # durations from metadata: no audio read
     examples = sorted((ex for _, _, ex in source.read(0, 0, 1) if ex["where"] in mine), key=lambda ex: ex["duration"])

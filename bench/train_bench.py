@@ -69,6 +69,7 @@ from common import (ROOT, cores, epoch_batch, fixed_overrides, flat_sizes, load_
 from oom import device_memory, manifest_bins
 
 from aed.data_manifest import read_manifest
+from aed.data_sources import ManifestEntry
 from aed.model import AED, AEDConfig, count_parameters
 from aed.train_setup import load_training_setup
 from bins import Bins, load_batch_sizes
@@ -86,7 +87,7 @@ SCHEMES = ["fixed", "1D", "2D", "2D + oom.py"]
 def longest_utterance(manifests: list) -> float:
     longest = 0.0
     for spec in manifests:
-        path = ROOT / (spec["path"] if isinstance(spec, dict) else spec)
+        path = ROOT / ManifestEntry.of(spec).path
         with open(path, encoding="utf-8") as f:
             for i, line in enumerate(f, 1):
                 if line.strip():

@@ -60,6 +60,7 @@ from common import (ROOT, cores, flat_sizes, json_line, load_avg, log, max_durat
 from torch.nn.parallel import DistributedDataParallel
 
 from aed.data_bins import bins_from_manifests
+from aed.data_sources import ManifestEntry
 from aed.memory_measure import format_bytes, peak_memory
 from aed.memory_oomptimizer import artificial_batch
 from aed.train_config import load_train_config
@@ -94,11 +95,11 @@ def bucket_table(cfg, setup, batch_sizes: str | None) -> list:
     if batch_sizes:
         bins, sizes = load_batch_sizes(batch_sizes)
     else:
-        if any(isinstance(s, dict) and "path" not in s for s in cfg.train.manifests):
+        entries = [ManifestEntry.of(s) for s in cfg.train.manifests]
+        if any(e.streamed for e in entries):
             raise SystemExit("streamed train.manifests: give --batch-sizes (oom.py's output for their bins)")
-        specs = [s if isinstance(s, str) else s["path"] for s in cfg.train.manifests
-                 if isinstance(s, str) or not s.get("nonspeech")]  # bins of the speech: non-speech has no text
-        bins, _ = bins_from_manifests([str(ROOT / s) for s in specs], setup.tokenizer, cfg.train.num_buckets,
+        paths = [e.path for e in entries if not e.nonspeech]  # bins of the speech: non-speech has no text
+        bins, _ = bins_from_manifests([str(ROOT / p) for p in paths], setup.tokenizer, cfg.train.num_buckets,
                                       cfg.train.sub_buckets, cfg.train.bin_method, seed=cfg.seed)
         sizes = max_duration_sizes(bins, cfg.train.max_duration)
     return [(*shape, n) for shape, n in zip(setup.bucket_shapes(bins, cfg.train.max_tps), flat_sizes(sizes)) if n > 0]

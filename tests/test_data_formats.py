@@ -28,7 +28,7 @@ from aed.data_bins import bins_from_manifests
 from aed.data_manifest import AUDIO_LENGTH, example_fields
 from aed.data_nemo_shar import cut_row, expand_paths, pair_shards
 from aed.data_shards import tar_members
-from aed.data_sources import open_source
+from aed.data_sources import ManifestEntry
 from aed.data_tokenizer import Tokenizer
 from aed.train_validation import val_dataset
 from bins import Bins
@@ -64,6 +64,11 @@ def spec_of(fmt: str, root: Path) -> dict:
                      "tarred_audio_filepaths": str(root / "audio__OP_0..3_CL_.tar")},
             "shar": {"shar": str(root)},
             "parquet": {"parquet": str(root / "data" / "*.parquet"), "text_column": "sentence"}}[fmt]
+
+
+def opened(spec):
+    """The streamed source of a train.manifests entry as the config writes it."""
+    return ManifestEntry.of(spec).open()
 
 
 def write(fmt: str, rows: list, root: Path) -> None:
@@ -103,7 +108,7 @@ def read_all(source, seed=0, rank=0, world_size=1):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_round_trip_every_field_and_sample(sets, fmt):
     rows, roots = sets
-    src = open_source(spec_of(fmt, roots[fmt]))
+    src = opened(spec_of(fmt, roots[fmt]))
     got = {row_index(fmt, ex["where"]): ex for ex in read_all(src)}
     assert sorted(got) == list(range(len(rows))) and not src.faults.counts
     for i, row in enumerate(rows):
@@ -130,7 +135,7 @@ def test_nemo_segments_share_one_member_and_force_codec_is_matched_by_stem(tmp_p
     manifest = [json.loads(x) for x in (tmp_path / "set" / "sharded_manifests" / "manifest_0.json").open()]
     assert members == [str(wav.with_suffix("")).replace("/", "_").replace(".", "_") + ".flac"]
     assert [m["audio_filepath"].rpartition("_")[2] for m in manifest] == ["take.wav", "take-sub1.wav", "take-sub2.wav"]
-    src = open_source({"manifest_filepath": str(tmp_path / "set/sharded_manifests/manifest_0.json"),
+    src = opened({"manifest_filepath": str(tmp_path / "set/sharded_manifests/manifest_0.json"),
                        "tarred_audio_filepaths": str(tmp_path / "set/audio_0.tar")})
     got = read_all(src)
     assert len(got) == 3 and len({id(ex["audio"]) for ex in got}) == 1  # one member in memory
@@ -176,7 +181,7 @@ class CharCount:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_four_ranks_read_every_example_exactly_once(sets, fmt):
     rows, roots = sets
-    src = open_source(spec_of(fmt, roots[fmt]))
+    src = opened(spec_of(fmt, roots[fmt]))
     per_rank = [[ex["where"] for ex in read_all(src, seed=5, rank=r, world_size=4)] for r in range(4)]
     seen = [w for part in per_rank for w in part]
     assert len(seen) == len(set(seen)) == len(rows) and all(per_rank)
@@ -193,7 +198,7 @@ def test_resume_mid_shard_equals_an_uninterrupted_pass(sets, fmt):
     _, roots = sets
 
     def make():
-        return BucketingSampler(CharCount(open_source(spec_of(fmt, roots[fmt]))), Bins([1.0, 2.0, 30.0]),
+        return BucketingSampler(CharCount(opened(spec_of(fmt, roots[fmt]))), Bins([1.0, 2.0, 30.0]),
                                 batch_size=2, buffer_size=6, seed=3, infinite=True)
 
     it = iter(make())
@@ -270,7 +275,7 @@ def test_faults_are_skipped_counted_and_logged_once(sets, fmt, tmp_path, caplog)
     shutil.copytree(roots[fmt], root)
     want, undecodable = {"nemo": damage_nemo, "shar": damage_shar, "parquet": damage_parquet}[fmt](root)
     with caplog.at_level(logging.WARNING, logger="aed"):
-        src = open_source(spec_of(fmt, root))
+        src = opened(spec_of(fmt, root))
         first = read_all(src)
         again = read_all(src, seed=1)  # another pass meets the same faults: no new count or message
     assert dict(src.faults.counts) == want
@@ -298,7 +303,7 @@ def test_parquet_rows_without_audio_or_header_and_constants(tmp_path):
     table[1]["audio"] = {"bytes": None, "path": "x"}
     table[4]["audio"] = {"bytes": b"not audio", "path": "y"}
     pq.write_table(pa.Table.from_pylist(table, schema=pq.read_schema(path)), path, row_group_size=3)
-    src = open_source({"parquet": str(path), "source_lang": "de", "target_lang": "de"})
+    src = opened({"parquet": str(path), "source_lang": "de", "target_lang": "de"})
     got = read_all(src)
     assert len(got) == 4 and dict(src.faults.counts) == {"undecodable": 2}
     for ex in got:
@@ -375,7 +380,7 @@ def test_validation_reads_a_streamed_entry_as_its_manifest(sets, tmp_path):
     tok, logmel = Tokenizer.load(MINI / "tokenizer"), LogMel().eval()
 
     def items(spec, rank, world_size):
-        ds = val_dataset(spec, None, tok, logmel, False, rank, world_size)
+        ds = val_dataset(ManifestEntry.of(spec), None, tok, logmel, False, rank, world_size)
         return {(u.text, u.duration, u.offset): ds[i] for i, u in enumerate(ds.utterances)}
 
     want = items(str(manifest), 0, 1)
@@ -409,7 +414,7 @@ def test_shar_members_in_any_format_soundfile_decodes(tmp_path, fmt, subtype):
     with tarfile.open(tmp_path / "recording.000000.tar", "w") as tf:
         add_member(tf, f"c0.{ext}", data.getvalue())
         add_member(tf, "c0.json", json.dumps(recording).encode())
-    (ex,) = read_all(open_source({"shar": str(tmp_path)}))
+    (ex,) = read_all(opened({"shar": str(tmp_path)}))
     got, want = decode_audio(ex), load_audio(row["audio_filepath"])  # the member is decoded whole
     if fmt == "WAV":
         assert torch.equal(got, want)
@@ -421,7 +426,7 @@ def test_parquet_without_pyarrow_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # what an environment without it gives
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(ImportError, match="pip install pyarrow"):
-        open_source({"parquet": "data/*.parquet"})
+        opened({"parquet": "data/*.parquet"})
 
 
 @pytest.mark.slow(seconds=16)
@@ -453,9 +458,9 @@ def test_training_on_a_nemo_and_a_shar_entry_mixed_resumes_exactly(sets, tmp_pat
 def test_nemo_one_manifest_for_every_tar_by_shard_id(sets):
     rows, roots = sets
     root = roots["nemo"]
-    one = open_source({"manifest_filepath": str(root / "tarred_audio_manifest.json"),
+    one = opened({"manifest_filepath": str(root / "tarred_audio_manifest.json"),
                        "tarred_audio_filepaths": str(root / "audio__OP_0..3_CL_.tar")})
-    sharded = open_source(spec_of("nemo", root))
+    sharded = opened(spec_of("nemo", root))
     def by_fields(source):
         return {(ex["audio_filepath"], ex["offset"], ex["duration"], ex["text"]): ex["audio"] for ex in read_all(source)}
 
@@ -477,7 +482,7 @@ def test_a_member_whose_metadata_duration_is_wrong_is_skipped_and_counted(tmp_pa
             dict(rows[1], duration=round(0.5 * sf.info(rows[1]["audio_filepath"]).duration, 2)),  # wrong
             dict(rows[0], offset=real - 0.5, duration=2.0)]  # a segment past the end of its member
     write_nemo_tarred(rows, tmp_path, 1)
-    src = open_source({"manifest_filepath": str(tmp_path / "sharded_manifests" / "manifest_0.json"),
+    src = opened({"manifest_filepath": str(tmp_path / "sharded_manifests" / "manifest_0.json"),
                        "tarred_audio_filepaths": str(tmp_path / "audio_0.tar")})
     good, wrong, past = read_all(src)
     assert torch.equal(decode_audio(good), load_audio(rows[0]["audio_filepath"]))  # every sample, none cut

@@ -198,12 +198,13 @@ def test_speed_perturbation_copies_each_utterance_at_each_speed_with_its_perturb
 
     from aed.train_config import TrainSection, load_train_config
     from aed.config import ConfigError
+    from aed.data_sources import ManifestEntry
     from aed.train_data import load_examples
 
     tokenizer = Tokenizer.load(os.path.join(MINI, "tokenizer"))
     manifest = os.path.join(MINI, "dev.jsonl")
     cfg = TrainSection(manifests=[manifest], speed_perturb=[0.9, 1.0, 1.1], check_audio=False)
-    utts, num_tokens = load_examples(cfg.manifests, cfg, tokenizer, seed=0, rank=0, world_size=1)
+    utts, num_tokens = load_examples([ManifestEntry.of(manifest)], cfg, tokenizer, seed=0, rank=0, world_size=1)
     plain = read_manifest(manifest)
     assert [u.speed for u in utts] == [0.9] * len(plain) + [1.0] * len(plain) + [1.1] * len(plain)
     assert [u.perturbed_duration for u in utts[-len(plain):]] == pytest.approx([u.duration / 1.1 for u in plain])

@@ -15,6 +15,7 @@ import torch
 from aed.config import ConfigError
 from aed.data_manifest import ManifestError
 from aed.data_mixing import group_of, stream_size, stream_weights, temperature_shares
+from aed.data_sources import ManifestEntry
 from aed.data_tokenizer import Tokenizer
 from aed.train_config import TrainSection, load_train_config
 from aed.train_data import build_training_data, load_examples
@@ -42,10 +43,15 @@ def section(manifests, **kw) -> TrainSection:
     return TrainSection(manifests=manifests, check_audio=False, **kw)
 
 
+def entries(specs) -> list:
+    """train.manifests entries as the config writes them -> ManifestEntry (checked, as training checks them)."""
+    return [ManifestEntry.of(s) for s in specs]
+
+
 def shares_by_group(utts, specs, weighted: bool = True) -> dict:
     """Each group's share of the audio of a pass: durations times the utterances' weights (expected
     copies per pass), or of the utterances as they come (weighted=False: a realised pass)."""
-    by_path = {s["path"]: s for s in specs}
+    by_path = {e.path: e for e in entries(specs)}
     hours = {}
     for u in utts:
         g = group_of(by_path[u.where.rsplit(":", 1)[0]], u)
@@ -80,7 +86,8 @@ def test_in_memory_epoch_gives_each_source_and_language_its_share(tmp_path, toke
     hours = {("big", "en"): 120.0, ("big", "de"): 30.0, (b, "fr"): 20.0}
     for temperature in (1.0, 2.0, math.inf):
         with caplog.at_level(logging.INFO, logger="aed.data_mixing"):
-            utts, num_tokens = load_examples(specs, section(specs, mix_temperature=temperature), tokenizer, 0, 0, 1)
+            utts, num_tokens = load_examples(entries(specs), section(specs, mix_temperature=temperature), tokenizer,
+                                             0, 0, 1)
         target = temperature_shares(hours, temperature)
         assert shares_by_group(utts, specs) == pytest.approx(target, abs=1e-9), temperature
         assert len(utts) == 95 and len(num_tokens) == len(utts)  # every utterance once, weighted
@@ -117,7 +124,7 @@ def test_streamed_weights_converge_to_the_target_shares_within_the_binomial_erro
              {"shar": "de", "language": "de", "hours": 10.0, "examples": 7200},  # mean 5 s
              {"shar": "de2", "dataset": "de", "language": "de", "hours": 10.0, "examples": 18000}]  # 2 s
     sources = [FakeSource(s["shar"], s["examples"], 3600 * s["hours"] / s["examples"]) for s in specs]
-    weights, shares, groups = stream_weights(specs, sources, 2.0)
+    weights, shares, groups = stream_weights(entries(specs), sources, 2.0)
     assert shares == pytest.approx(temperature_shares({("en", "en"): 100.0, ("de", "de"): 20.0}, 2.0))
     # Weights count examples: weight x mean duration is each entry's share of the audio.
     audio = np.array([w * src.duration for w, src in zip(weights, sources)])
@@ -139,11 +146,12 @@ def test_stream_size_is_declared_or_read_from_a_shard_index(tmp_path):
     index = tmp_path / "shards.jsonl"
     write(index, [{"path": "shard-000000.tar", "count": 10, "duration": 1800.0},
                   {"path": "shard-000001.tar", "count": 30, "duration": 5400.0}])
-    assert stream_size({"shards": str(tmp_path)}, ShardSource(tmp_path)) == (40, 2.0)
-    assert stream_size({"shards": str(tmp_path), "hours": 5, "examples": 9}, ShardSource(tmp_path)) == (9, 5.0)
+    assert stream_size(ManifestEntry.of({"shards": str(tmp_path)}), ShardSource(tmp_path)) == (40, 2.0)
+    declared = ManifestEntry.of({"shards": str(tmp_path), "hours": 5, "examples": 9})
+    assert stream_size(declared, ShardSource(tmp_path)) == (9, 5.0)
     write(index, [{"path": "shard-000000.tar", "count": 10}])
     with pytest.raises(ConfigError, match="no per-shard 'duration'.*hours: H and examples: N"):
-        stream_size({"shards": str(tmp_path)}, ShardSource(tmp_path))
+        stream_size(ManifestEntry.of({"shards": str(tmp_path)}), ShardSource(tmp_path))
 
 
 # --- non-speech examples --------------------------------------------------------------------------
@@ -163,7 +171,7 @@ def test_nonspeech_targets_are_the_prompt_then_eos_at_the_configured_rate(tmp_pa
     from array import array
 
     specs = nonspeech_setup(tmp_path)
-    utts, num_tokens = load_examples(specs, section(specs), tokenizer, 0, 0, 1)
+    utts, num_tokens = load_examples(entries(specs), section(specs), tokenizer, 0, 0, 1)
     noise = [u for u in utts if u.text == ""]
     per_pass = sum(u.weight for u in utts)
     for u, n in zip(utts, num_tokens):
@@ -296,27 +304,27 @@ def test_a_bad_tagged_entry_names_its_file_and_field(tmp_path, tokenizer, entry,
     path = write(tmp_path / "tagged.jsonl", speech(2, "en", 1.0))
     specs = [{"path": path, **entry}]
     with pytest.raises(ConfigError, match=f"{path}: field '{field}'"):
-        load_examples(specs, section(specs), tokenizer, 0, 0, 1)
+        load_examples(entries(specs), section(specs), tokenizer, 0, 0, 1)
 
 
 def test_other_bad_mixes_are_clear_errors(tmp_path, tokenizer):
     path = write(tmp_path / "a.jsonl", speech(2, "en", 1.0))
     specs = [{"path": path, "weight": 2}]
     with pytest.raises(ConfigError, match=f"{path}: field 'weight': train.mix_temperature"):
-        load_examples(specs, section(specs, mix_temperature=2.0), tokenizer, 0, 0, 1)
+        load_examples(entries(specs), section(specs, mix_temperature=2.0), tokenizer, 0, 0, 1)
     with pytest.raises(ConfigError, match="train.mix_temperature"):
         TrainSection(mix_temperature=0)
     with pytest.raises(ConfigError, match="'hours' and 'examples'"):
-        load_examples([{"shar": "x", "hours": 3}], section([]), tokenizer, 0, 0, 1)
+        load_examples(entries([{"shar": "x", "hours": 3}]), section([]), tokenizer, 0, 0, 1)
     noise = write(tmp_path / "noise.jsonl", [{"audio_filepath": "n.flac", "duration": 1.0, "text": "words"}])
     specs = [path, {"path": noise, "nonspeech": True, "rate": 0.1}]
     with pytest.raises(ManifestError, match=f"{noise}:1: field 'text'"):
-        load_examples(specs, section(specs, skip_invalid=False), tokenizer, 0, 0, 1)
+        load_examples(entries(specs), section(specs, skip_invalid=False), tokenizer, 0, 0, 1)
     with pytest.raises(ConfigError, match=f"{noise}: a non-speech manifest with no usable line"):
-        load_examples(specs, section(specs), tokenizer, 0, 0, 1)  # its one line skipped
+        load_examples(entries(specs), section(specs), tokenizer, 0, 0, 1)  # its one line skipped
     specs = [path, {"path": noise, "nonspeech": True, "rate": 0.1}]
     with pytest.raises(ConfigError, match="min_tps"):
-        load_examples(specs, section(specs, min_tps=1.0), tokenizer, 0, 0, 1)
+        load_examples(entries(specs), section(specs, min_tps=1.0), tokenizer, 0, 0, 1)
 
 
 def test_streamed_sources_are_mixed_by_temperature_and_logged(tmp_path, tokenizer, caplog):

@@ -464,9 +464,10 @@ def test_trim_silence_cuts_training_and_validation_audio_and_the_recorded_edges(
     frames = [len(ds[i]["feats"]) for ds in (trimmed.dataset, whole.dataset) for i in range(8)]
     cut = [(b - a) * 0.01 for a, b in zip(frames[:8], frames[8:])]
     assert all(0.0 <= c <= 0.4 for c in cut) and sum(cut) / len(cut) >= 0.1, str(cut)
+    from aed.data_sources import ManifestEntry
     from aed.train_data import silence_trimmer
     tokenizer, logmel = Tokenizer.load(os.path.join(MINI, "tokenizer")), LogMel(cfg.features).eval()
-    dev = [val_dataset("data/mini/dev.jsonl", 4, tokenizer, logmel, False, 0, 1, trim=trim)
+    dev = [val_dataset(ManifestEntry.of("data/mini/dev.jsonl"), 4, tokenizer, logmel, False, 0, 1, trim=trim)
            for trim in (silence_trimmer(cfg), None)]
     assert all(len(dev[0][i]["feats"]) < len(dev[1][i]["feats"]) - 10 for i in range(4))
 

@@ -26,26 +26,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from aed.data_audio import AudioError  # noqa: E402
 from aed.data_batch import decode_audio, file_audio  # noqa: E402
 from aed.data_manifest import AUDIO_LENGTH, DURATION_TOLERANCE, Faults, iter_manifest  # noqa: E402
-from aed.data_sources import CountTokens, as_entry, open_source, parse_spec, source_faults, spec_kind  # noqa: E402
+from aed.data_sources import CountTokens, ManifestEntry, parse_spec, source_faults  # noqa: E402
 from aed.data_tokenizer import Tokenizer  # noqa: E402
 
 SAMPLE_RATE = 16000
 HISTOGRAM = [0, 1, 2, 5, 10, 15, 20, 30, 40, float("inf")]  # seconds
 
 
-def examples(spec, tokenizer):
+def examples(entry: ManifestEntry, tokenizer):
     """(id, fields, a function giving the 16 kHz samples, checked against the duration as training
     checks them) per example, in file order, and the Faults that say what the reading skipped."""
-    if spec_kind(spec) == "manifest":
-        path = as_entry(spec)["path"]
+    if not entry.streamed:
         faults = Faults()
 
         def manifest_items():
-            for u in iter_manifest(path, skip_invalid=True, faults=faults):
+            for u in iter_manifest(entry.path, skip_invalid=True, faults=faults):
                 yield u.where, vars(u), lambda u=u: file_audio(u, SAMPLE_RATE, DURATION_TOLERANCE)
 
         return manifest_items(), [faults]
-    source = open_source(spec, shuffle_shards=False)
+    source = entry.open(shuffle_shards=False)
     if tokenizer is not None:
         source = CountTokens(source, tokenizer)
 
@@ -74,9 +73,9 @@ def main(argv=None) -> None:
     p.add_argument("--tokenizer", help="training's tokenizer directory: also skip what it cannot encode")
     args = p.parse_args(argv)
 
-    spec = parse_spec(args.spec)
+    entry = ManifestEntry.of(parse_spec(args.spec))
     tokenizer = Tokenizer.load(args.tokenizer) if args.tokenizer else None
-    items, faults = examples(spec, tokenizer)
+    items, faults = examples(entry, tokenizer)
     out = open(args.jsonl, "w", encoding="utf-8") if args.jsonl else None
     durations, pairs, tasks, undecodable = [], Counter(), Counter(), []
     t0 = last = time.time()
