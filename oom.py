@@ -37,7 +37,7 @@ second step may hold once while it rebuilds them); fsdp shards the model as trai
 `fake_world`: collectives move no data) and measures rank 0: parameters, gradients and AdamW
 state divided by the world size, plus whatever FSDP gathers and reduces a layer or two at a time,
 by running its real step, not a formula. On a real device that too is one process: one GPU sizes
-a rank of an 8-GPU FSDP run. A config with ema_decay adds its EMA of the weights (aed/train_ema.py):
+a rank of an 8-GPU FSDP run. A config with ema_decay adds its EMA of the weights (aed/train_setup.py):
 one more fp32 copy of the trainable parameters, of this rank's shards under fsdp.
 """
 
@@ -60,8 +60,7 @@ from aed.memory_measure import CUDA_BLOCK, SimulatedDevice, allocated_limit, fak
 from aed.memory_oomptimizer import (MemoryBudgetError, TrainingStep, fit_memory_model, make_monotone, optimize,
                                     optimize_with_model)
 from aed.train_config import load_train_config
-from aed.train_ema import ExponentialMovingAverage
-from aed.train_setup import AMP_DTYPES, load_training_setup
+from aed.train_setup import AMP_DTYPES, ExponentialMovingAverage, load_training_setup
 from bins import Bins, save_batch_sizes
 
 log = logging.getLogger("oom")

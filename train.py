@@ -46,9 +46,9 @@ from aed.train_config import help_text, load_train_config
 from aed.train_data import TrainingData, build_training_data
 from aed.train_distributed import (all_reduce, cleanup, gather_objects, init_distributed, is_distributed, peer_lost,
                                    share_rank0_buffers, torchrun_restart, wrap)
-from aed.train_ema import ExponentialMovingAverage
 from aed.train_progress import Progress, RunLog, StepFlops, matmul_peak
-from aed.train_setup import TrainingSetup, build_training_setup, compile_layers, count_targets, train_step
+from aed.train_setup import (ExponentialMovingAverage, TrainingSetup, build_training_setup, compile_layers,
+                             count_targets, train_step)
 from aed.train_validation import (LISTENING_GAP, batch_listening_gap, evaluate, listening_gaps, listens, not_listening,
                                   whole_model)
 

@@ -45,8 +45,7 @@ training
   train_objective   the three objectives (aed, rnnt, ssl): what objective=... changes
   train_config      TrainConfig and its sections: what train.py and oom.py read
   train_checkpoint  a run's checkpoints written (DCP, completion marker) and its state loaded back
-  train_setup       what a run is made of (TrainingSetup: model, optimizer, LR, precision), and its step
-  train_ema         the exponential moving average of the weights
+  train_setup       what a run is made of (TrainingSetup: model, optimizer, LR, precision, EMA), and its step
   train_data        a run's training data: sources, sampler, DataLoader
   train_progress    the progress line, metrics.jsonl, TensorBoard, FLOPs and MFU
   train_validation  dev loss, WER per language and BLEU per pair during training

@@ -163,7 +163,7 @@ class TrainingStep:
     real ids (a transducer's blank comes right after them); default: the model's vocabulary.
     `model` may also be a real DistributedDataParallel module: on a GPU the allocator counts its
     buckets, on the CPU the tracker does from the first op that writes into them (every backward).
-    `ema`: the run's aed.train_ema.ExponentialMovingAverage, whose fp32 copy of the weights (this
+    `ema`: the run's aed.train_setup.ExponentialMovingAverage, whose fp32 copy of the weights (this
     rank's shards under FSDP) is held through every step, like AdamW's moments."""
 
     def __init__(self, model, optimizer, precision: str = "fp32", spec_augment=None, ddp: bool = False,

@@ -81,7 +81,7 @@ class Checkpoint:
     max_train_duration: float | None = None  # longest training utterance (s): infer.py's chunk length
     edge_silence: tuple | None = None  # (before, after) s of silence around the training utterances' speech
     new_tokens: dict | None = None  # the rows tools/add_language.py appended (freeze=all_but_new_tokens)
-    ema: dict | None = None  # the trainable weights' EMA by parameter name, fp32 (ema_decay: aed/train_ema.py)
+    ema: dict | None = None  # the trainable weights' EMA by parameter name, fp32 (ema_decay: aed/train_setup.py)
     step: int | None = field(default=None, metadata=RESUME)  # optimizer steps taken
     flops: float = 0.0  # their FLOPs, all ranks together (aed/train_progress.py); checkpoints before FLOP counting have none
     optimizer: dict | None = field(default=None, metadata=RESUME)
@@ -350,7 +350,7 @@ def load_model(path: str, device="cpu", *, compile: bool = False, int8: bool = F
     """A checkpoint (a train.py `ckpt-*` directory or a single file), or a run directory (its newest
     valid checkpoint: a truncated newer one is skipped with a warning naming it), ready for inference.
     average > 1: the mean weights of a run directory's newest `average` valid checkpoints.
-    ema: the checkpoint's EMA of the weights (train.py's ema_decay, aed/train_ema.py) in place of its
+    ema: the checkpoint's EMA of the weights (train.py's ema_decay, aed/train_setup.py) in place of its
     weights; buffers (BatchNorm statistics) and frozen parameters, which it does not average, are the
     checkpoint's own. CheckpointError when it has none; not with average (`check_loading`).
 

@@ -151,7 +151,7 @@ def training_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, e
     """{"model", "optimizer"} keyed by parameter name, as DCP saves them: whole tensors under DDP,
     this rank's shards (DTensors) under FSDP. The same keys under both strategies, so either one
     resumes the other. A fresh optimizer gets its (zero) state first, as DCP's loader needs it.
-    With `ema` (aed.train_ema.ExponentialMovingAverage), also "ema": its tensors, sharded as the weights."""
+    With `ema` (aed.train_setup.ExponentialMovingAverage), also "ema": its tensors, sharded as the weights."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state} | ({} if ema is None else {"ema": ema.state_dict()})
 

@@ -210,7 +210,7 @@ class TrainConfig:
     init_from: str | None = None  # initialise weights from this checkpoint (a fresh run, new optimizer)
     init_encoder_only: bool = False  # with init_from: only encoder weights; extra layers stay random
     freeze: str = "none"  # none | encoder: it runs as at inference (fixed weights and BatchNorm statistics, no dropout); decoder and CTC head train | all_but_new_tokens: only the rows tools/add_language.py added to init_from (embedding/output/CTC) train
-    ema_decay: float | None = None  # e.g. 0.9999: keep an exponential moving average of the weights (fp32, sharded like them), saved in checkpoints, scored by validation and decoded by infer.py --ema (aed/train_ema.py); None: off
+    ema_decay: float | None = None  # e.g. 0.9999: keep an exponential moving average of the weights (fp32, sharded like them), saved in checkpoints, scored by validation and decoded by infer.py --ema (aed/train_setup.py); None: off
     max_bad_steps: int = 5  # abort after this many consecutive non-finite steps
     memory_budget: str | None = None  # e.g. "75GB": before step 0 run every bucket's worst batch once (oom.py)
     cpu_threads: int | None = None  # CPU training: torch threads; None = cores - DataLoader workers

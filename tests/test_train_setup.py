@@ -1,4 +1,4 @@
-"""The EMA of the weights (aed/train_ema.py): its update and warm-up, the swap validation runs
+"""The EMA of the weights (aed/train_setup.py: ExponentialMovingAverage): its update and warm-up, the swap validation runs
 inside, the memory it adds to the OOMptimizer's fixed state, exact resume, FSDP against DDP, and
 infer.py --ema. One single-process train.py run serves most checks; the two-rank comparison runs
 this file under torchrun on a toy model (its `__main__` below)."""
@@ -23,7 +23,7 @@ from aed.model import AED, AEDConfig
 from aed.model_checkpoint import CheckpointError, load_model, read_checkpoint, read_ema
 from aed.train_checkpoint import has_ema
 from aed.train_distributed import shard
-from aed.train_ema import ExponentialMovingAverage, local
+from aed.train_setup import ExponentialMovingAverage, local
 
 DECAY = 0.9  # low enough that a few steps move the EMA measurably away from the weights
 # FSDP reduce-scatters where DDP all-reduces: nothing promises the same order of summation, so the
