@@ -42,8 +42,7 @@ decoding
   decode_stream     streams: decoding while the audio arrives (wait-k, AlignAtt), and its latency
 training
   train_distributed torchrun ranks, DDP and FSDP2
-  train_objective   the three objectives (aed, rnnt, ssl): what objective=... changes
-  train_config      TrainConfig and its sections: what train.py and oom.py read
+  train_config      TrainConfig and its sections: what train.py and oom.py read; the objectives (aed, rnnt, ssl)
   train_checkpoint  a run's checkpoints written (DCP, completion marker) and its state loaded back
   train_setup       what a run is made of (TrainingSetup: model, optimizer, LR, precision, EMA), and its step
   train_data        a run's training data: sources, sampler, DataLoader

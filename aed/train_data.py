@@ -26,9 +26,8 @@ from aed.data_mixing import (MixLog, MixedSource, Tagged, audio_shares, group_of
                              temperature_mix)
 from aed.data_sources import CountTokens, ManifestEntry, source_faults
 from aed.decode_segment import EDGE_SAMPLE, edge_silence, trim_silence
-from aed.train_config import TrainConfig
+from aed.train_config import OBJECTIVES, TrainConfig
 from aed.train_distributed import all_gather_objects
-from aed.train_objective import OBJECTIVES
 from bins import Bins, estimate_bins, load_batch_sizes
 from sampler import BucketingSampler
 

@@ -10,7 +10,7 @@ run on it (`train_step`).
                         clip_grad=1.0, num_targets=count_targets(setup.model, [batch]))
 
 The tokenizer sets the model's vocabulary, and the objective which model is built
-(aed/train_objective.py). train.py runs `train_step` every step; oom.py runs the same function on
+(aed/train_config.py: OBJECTIVES). train.py runs `train_step` every step; oom.py runs the same function on
 artificial batches to measure its memory (aed.memory_oomptimizer.TrainingStep), so the memory it
 finds is the memory of the real step by construction. Nothing here knows about processes: the
 caller passes the global target count and world size.
@@ -33,9 +33,8 @@ from aed.data_tokenizer import Tokenizer
 from aed.model import AED, infeasible, param_groups, text_targets
 from aed.model_checkpoint import Checkpoint, CheckpointError, read_checkpoint
 from aed.model_encoder import subsampled_length
-from aed.train_config import OptimConfig, TrainConfig, load_train_config, resolve_model
+from aed.train_config import OBJECTIVES, Objective, OptimConfig, TrainConfig, load_train_config, resolve_model
 from aed.train_distributed import is_distributed, peer_lost, shard, world_size
-from aed.train_objective import OBJECTIVES, Objective
 from bins import Bins
 
 
@@ -81,7 +80,7 @@ def new_tokens(cfg: TrainConfig, vocab_size: int) -> dict | None:
 
 
 def build_model(cfg: TrainConfig, text_vocab_size: int, added_tokens: dict | None = None) -> nn.Module:
-    """The model `cfg.objective` trains (aed/train_objective.py), with the run's activation
+    """The model `cfg.objective` trains (aed/train_config.py: OBJECTIVES), with the run's activation
     checkpointing and `freeze` applied. text_vocab_size: the tokenizer's real ids.
     added_tokens: `new_tokens(cfg, ...)`, required by freeze=all_but_new_tokens."""
     model = OBJECTIVES[cfg.objective].build(cfg, text_vocab_size)

@@ -208,7 +208,7 @@ def test_a_decoder_restart_draws_the_decoder_anew_alike_on_every_rank_and_keeps_
 
     import train
     from aed.train_config import load_train_config
-    from aed.train_objective import OBJECTIVES
+    from aed.train_config import OBJECTIVES
 
     cfg = load_train_config("configs/tiny.yaml", [])
     cfg.model.vocab_size, cfg.model.pad_id = 40, 1  # what the tokenizer sets in a run
