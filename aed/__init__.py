@@ -20,8 +20,7 @@ data
   data_augment      degrading training audio on the fly: rooms, noise, gain, clipping, low-pass, codecs
   data_batch        an example -> its item (audio checked, features, ids) -> a padded Batch
   data_shards       aed's own tar shards; what all streamed readers share (shard order, resume, tar members)
-  data_nemo_shar    NeMo tarred datasets and Lhotse Shar, read in place
-  data_parquet      Hugging Face parquet, read in place
+  data_formats      other toolkits' datasets read in place: NeMo tarred, Lhotse Shar, Hugging Face parquet
   data_sources      a train.manifests entry, typed and checked (ManifestEntry) -> its reader
   data_mixing       temperature shares of sources and languages, non-speech examples, streams mixed by weight
   data_bins         2D bucket bins estimated from manifests, and their shapes in frames

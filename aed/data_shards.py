@@ -4,8 +4,8 @@ reader shares.
 At cluster scale, opening one small audio file per example on a shared filesystem is the
 bottleneck. `tools/make_shards.py` packs a manifest into tar shards; this module streams them.
 
-What every streamed reader shares (`ShardSource` here, aed/data_nemo_shar.py's NeMo tarred and Shar
-sets, aed/data_parquet.py; `sampler.py` describes the streamed-source protocol they follow):
+What every streamed reader shares (`ShardSource` here, and aed/data_formats.py's NeMo tarred sets,
+Lhotse Shar and parquet; `sampler.py` describes the streamed-source protocol they follow):
 
 - `shard_order`: the shards a rank reads in a pass, disjoint across ranks, reshuffled every pass;
   `resume_shards`: that order walked from a resume cursor, the one loop every reader's `read` uses.

@@ -2,9 +2,9 @@
 
     data/train.jsonl  or  {path: data/train.jsonl, weight: 2}       JSONL manifest (read into memory)
     {shards: DIR}                                                   aed's own tar shards (aed/data_shards.py)
-    {manifest_filepath: ..., tarred_audio_filepaths: ...}          NeMo tarred set (aed/data_nemo_shar.py)
-    {shar: DIR}                                                     Lhotse Shar (aed/data_nemo_shar.py)
-    {parquet: GLOB, audio_column: audio, text_column: text, ...}    Hugging Face parquet (aed/data_parquet.py)
+    {manifest_filepath: ..., tarred_audio_filepaths: ...}          NeMo tarred set (aed/data_formats.py)
+    {shar: DIR}                                                     Lhotse Shar (aed/data_formats.py)
+    {parquet: GLOB, audio_column: audio, text_column: text, ...}    Hugging Face parquet (aed/data_formats.py)
 
     entry = ManifestEntry.of({"shar": "data/shar", "weight": 2})   # checked: errors name the entry and field
     entry.kind, entry.name, entry.weight                           # "shar", "data/shar", 2.0
@@ -28,8 +28,7 @@ import yaml
 from aed.config import ConfigError
 from aed.data_batch import as_utterance, encode_utterance
 from aed.data_manifest import Faults
-from aed.data_nemo_shar import NemoTarredSource, SharSource
-from aed.data_parquet import FIELDS, ParquetSource
+from aed.data_formats import FIELDS, NemoTarredSource, ParquetSource, SharSource
 from aed.data_shards import ShardSource
 
 PARQUET_KEYS = {"parquet", "audio_column", *(f"{f}_column" for f in FIELDS), *FIELDS}

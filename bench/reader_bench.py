@@ -67,8 +67,7 @@ from tools.write_formats import read_rows, write_nemo_tarred, write_parquet, wri
 from aed.data_audio import load_audio
 from aed.data_batch import decode_audio, encode_utterance
 from aed.data_manifest import example_fields, read_manifest
-from aed.data_nemo_shar import NemoTarredSource, SharSource
-from aed.data_parquet import ParquetSource
+from aed.data_formats import NemoTarredSource, ParquetSource, SharSource
 from aed.data_shards import ShardSource
 from aed.data_sources import CountTokens
 from aed.data_tokenizer import Tokenizer

@@ -1,5 +1,5 @@
-"""NeMo tarred sets, Lhotse Shar and Hugging Face parquet read in place (aed/data_nemo_shar.py,
-aed/data_parquet.py), checked against the JSONL manifest they were written from.
+"""NeMo tarred sets, Lhotse Shar and Hugging Face parquet read in place (aed/data_formats.py),
+checked against the JSONL manifest they were written from.
 
 Fixtures come from tools/write_formats.py, whose writers follow the layouts the formats' own
 writers produce: NeMo's scripts/speech_recognition/convert_to_tarred_audio_dataset.py, lhotse's
@@ -26,7 +26,7 @@ from aed.data_audio import AudioError, LogMel, load_audio
 from aed.data_batch import decode_audio
 from aed.data_bins import bins_from_manifests
 from aed.data_manifest import AUDIO_LENGTH, example_fields
-from aed.data_nemo_shar import cut_row, expand_paths, pair_shards
+from aed.data_formats import cut_row, expand_paths, pair_shards
 from aed.data_shards import tar_members
 from aed.data_sources import ManifestEntry
 from aed.data_tokenizer import Tokenizer
