@@ -313,8 +313,10 @@ def beam_search(model, memory, memory_lens, prompt, eos_id: int, options: Decodi
     Each step: one log-softmax, one topk over the K*W candidates of each utterance, one cache reorder.
     W is the vocabulary, or with CTC log-probs (B, T', V + 1) and options.ctc_weight > 0 the
     `ctc_candidates` best attention tokens plus EOS, ranked by joint scores. Finished hypotheses stay in
-    the beam and may only extend with EOS at no cost, so they compete with live ones on the same
-    (length-normalised) score. Row b*K + j is beam j of utterance b.
+    the beam and may only extend with EOS, so they compete with live ones on the same (length-normalised)
+    score. One the loop guard (`max_repeats`) stopped pays for EOS at its next step: otherwise a loop,
+    whose repeated tokens grow ever more likely, would outrank every hypothesis that ends by saying EOS.
+    Row b*K + j is beam j of utterance b.
     """
     _check_prompt(prompt, memory)
     (b, p), k = prompt.shape, options.beam_size
@@ -341,8 +343,10 @@ def beam_search(model, memory, memory_lens, prompt, eos_id: int, options: Decodi
     scores = scores.flatten()  # (R,) summed (joint) log-probabilities
     lengths = torch.zeros(b * k, dtype=torch.long, device=device)  # generated tokens, EOS included
     finished = torch.zeros(b * k, dtype=torch.bool, device=device)
+    unpaid = torch.zeros(b * k, dtype=torch.bool, device=device)  # stopped as a loop: pays for EOS next step
+    eos_col = eos_id if scorer is None else w - 1
     eos_only = torch.full((w,), float("-inf"), device=device)
-    eos_only[eos_id if scorer is None else w - 1] = 0.0  # the one continuation of a finished hypothesis
+    eos_only[eos_col] = 0.0  # the one continuation of a finished hypothesis
     row0 = torch.arange(b, device=device)[:, None] * k  # (B, 1) first row of each utterance
     tokens = torch.full((b * k, steps), eos_id, dtype=torch.long, device=device)
     for i in range(steps):
@@ -350,7 +354,8 @@ def beam_search(model, memory, memory_lens, prompt, eos_id: int, options: Decodi
             cand, step = None, logp  # every token is a candidate: column = token id
         else:
             cand, step, psi = joint_candidates(logp, scorer, eos_id, options.ctc_weight, options.ctc_candidates)
-        step = torch.where(finished[:, None], eos_only, step)
+        eos_cost = torch.where(unpaid, step[:, eos_col], 0.0)  # (R,)
+        step = torch.where(finished[:, None], eos_only + eos_cost[:, None], step)
         cand_scores = scores[:, None] + step  # (R, W)
         cand_len = lengths + (~finished).long()
         ranked = cand_scores / length_penalty(cand_len, options.length_penalty)[:, None].to(cand_scores.dtype)
@@ -362,12 +367,16 @@ def beam_search(model, memory, memory_lens, prompt, eos_id: int, options: Decodi
         lengths = cand_len[origin]
         tokens[:, :i] = tokens[origin, :i]
         tokens[:, i] = token
-        finished = finished[origin] | (token == eos_id) | (lengths >= limits)
+        was_finished = finished[origin]
+        finished = was_finished | (token == eos_id) | (lengths >= limits)
         if options.max_repeats:
             finished |= ends_in_repeats(tokens, i + 1, options.max_repeats)
+        # Stopped here by the loop guard, with steps of its budget left (a row its budget stops pays nothing,
+        # alone or in a batch whose longer utterances keep the loop going).
+        unpaid = finished & ~was_finished & (token != eos_id) & (lengths < limits)
         if scorer is not None:
             scorer.select(origin, choice, psi[origin, choice], token)
-        if i + 1 == steps or ((i + 1) % SYNC_EVERY == 0 and bool(finished.all())):
+        if i + 1 == steps or ((i + 1) % SYNC_EVERY == 0 and bool((finished & ~unpaid).all())):
             break
         if k > 1:  # with one beam every row extends itself
             cache.reorder(origin)

@@ -326,6 +326,54 @@ def test_ctc_rescues_an_attention_decoder_that_loops(beam_size):
     assert decode_features(model, feats, lens, prompt, eos, guard)[0] == [[loop] * 4, [loop] * 4]
 
 
+class ScriptedDecoder:
+    """A decoder whose next-token probabilities are a function of the tokens generated so far
+    (`probs(history) -> list`), behind the model interface the searches use."""
+
+    class Cache:
+        def __init__(self, rows):
+            self.histories, self.prompted = [[] for _ in range(rows)], False
+
+        def reorder(self, origin):
+            self.histories = [list(self.histories[int(o)]) for o in origin]
+
+    def __init__(self, probs, max_len=64):
+        self.probs, self.cfg = probs, AEDConfig(n_mels=8, vocab_size=8, dec_max_len=max_len)
+
+    def new_cache(self, memory, memory_lens, length, rows_per_utterance=1):
+        return self.Cache(memory.size(0) * rows_per_utterance)
+
+    def decode_step(self, tokens, cache):
+        if cache.prompted:  # the first call holds the prompt, each later one the tokens just chosen
+            for h, t in zip(cache.histories, tokens[:, 0].tolist()):
+                h.append(t)
+        cache.prompted = True
+        return torch.tensor([self.probs(h) for h in cache.histories], dtype=torch.float64).log()
+
+
+def test_beam_search_charges_a_stopped_loop_for_its_eos():
+    """A loop grows ever more likely and never ends; the guard stops it after max_repeats + 1 copies.
+    Stopped, it must still pay for the EOS it never said, or it outranks an ending hypothesis that is
+    far more likely as a whole: [2, 2, 2, 2] + EOS has log-probability about -14.4, [1] + EOS -1.06."""
+    loop, word, eos = 2, 1, 5
+
+    def probs(history):
+        p = [1e-9] * 6
+        if not history:
+            p[loop], p[word] = 0.6, 0.35
+        elif history[-1] == word:
+            p[eos] = 0.99
+        else:
+            p[loop], p[eos] = 0.97, 1e-6
+        return p
+
+    model = ScriptedDecoder(probs)
+    memory, memory_lens, prompt = torch.zeros(1, 20, 4), torch.tensor([20]), torch.tensor([[3]])
+    options = DecodingOptions(beam_size=2, max_repeats=3, ctc_weight=0.0, max_tokens_per_second=None)
+    assert greedy_search(model, memory, memory_lens, prompt, eos, options) == [[loop] * 4]
+    assert beam_search(model, memory, memory_lens, prompt, eos, options) == [[word]]
+
+
 def test_repetition_guard_finds_repeated_ngrams_at_the_end():
     rows = [[4, 4, 4, 4, 4, 0],  # a unigram 5 times
             [1, 4, 4, 4, 4, 0],  # 4 times: allowed
