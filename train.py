@@ -288,6 +288,7 @@ def save(writer: CheckpointWriter, setup: TrainingSetup, position: DataPosition,
                            tokenizer=pack_dir(cfg.train.tokenizer),
                            max_train_duration=position.data.bins.durations[-1],  # infer.py's chunk length
                            edge_silence=position.data.edge_silence,  # ... and the silence at its edges
+                           trim_silence=cfg.train.trim_silence,  # ... cut as training cut it
                            new_tokens=setup.added_tokens,  # a later run can still train only them
                            step=step, flops=flops, scheduler=setup.scheduler.state_dict(),
                            scaler=setup.scaler.state_dict(), sampler=[s["sampler"] for s in states],

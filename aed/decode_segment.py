@@ -174,11 +174,18 @@ def edge_silence(wavs, sample_rate: int) -> tuple[float, float] | None:
 def trim_silence(wav: torch.Tensor, sample_rate: int, keep: float) -> torch.Tensor:
     """wav (S,) -> the part from `keep` s before its first speech frame to `keep` s after its last
     (`speech_frames`, as much of it as there is); unchanged when no frame sounds like speech."""
+    start, end = trimmed_span(wav, sample_rate, keep)
+    return wav[start:end]
+
+
+def trimmed_span(wav: torch.Tensor, sample_rate: int, keep: float) -> tuple[int, int]:
+    """The samples [start, end) of wav (S,) that `trim_silence` keeps: training cuts its utterances
+    with it (train.trim_silence), and inference the inputs of a model trained so."""
     spoken = speech_frames(wav, sample_rate).nonzero().flatten()
     if not spoken.numel():
-        return wav
+        return 0, wav.numel()
     hop, margin = round(FRAME * sample_rate), round(keep / FRAME)
-    return wav[max(0, int(spoken[0]) - margin) * hop: (int(spoken[-1]) + 1 + margin) * hop]
+    return max(0, int(spoken[0]) - margin) * hop, min(wav.numel(), (int(spoken[-1]) + 1 + margin) * hop)
 
 
 def plan_segments(db: torch.Tensor, limit: float, pause: float = PAUSE,

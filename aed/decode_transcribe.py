@@ -55,7 +55,7 @@ from aed.data_manifest import PROMPT_TASKS, check_task, read_rows, request_field
 from aed.data_tokenizer import Tokenizer
 from aed.decode_metrics import corpus_scores
 from aed.decode_search import DecodingOptions, decode_features
-from aed.decode_segment import EDGE, Chunk, MergeStats, frame_db, merge_chunks, plan_segments, speech_frames
+from aed.decode_segment import EDGE, Chunk, MergeStats, frame_db, merge_chunks, plan_segments, speech_frames, trimmed_span
 from aed.decode_timestamps import Word, align, feasible, frame_seconds, snap_to_speech, to_segments, to_words
 from aed.model_checkpoint import LoadedModel
 
@@ -231,9 +231,11 @@ def file_db(path: str, offset: float, total: float, sample_rate: int) -> torch.T
 
 
 def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int, overlap: float = 0.0,
-                edges: tuple[float, float] = (EDGE, EDGE)) -> tuple[float, list[tuple[float, float | None, float]]]:
+                edges: tuple[float, float] = (EDGE, EDGE),
+                trim: float | None = None) -> tuple[float, list[tuple[float, float | None, float]]]:
     """A request's length (s) and the (offset, duration or None = to the end, seconds) of each of its
-    chunks: the whole of an input up to `chunk_seconds`; a longer one cut at its pauses into segments
+    chunks: the whole of an input up to `chunk_seconds` (with `trim`, the model's train.trim_silence,
+    cut as training cut its utterances: to `trim` s of silence around its speech); a longer one cut at its pauses into segments
     of at most `chunk_seconds` (`aed.decode_segment.plan_segments`) with `edges` s of silence before
     and after their speech, the rest of the silence between them not decoded; with `overlap`, a
     segment that follows a cut inside continuous speech starts that many seconds before the previous
@@ -246,8 +248,11 @@ def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int, overlap: f
         total = seconds - req.offset
         if total <= 0:
             raise AudioError(req.audio_filepath, f"no audio after offset {req.offset}s ({seconds:.3f} s)")
-    if total <= chunk_seconds:
+    if total <= chunk_seconds and trim is None:
         return total, [(req.offset, req.duration, total)]
+    if total <= chunk_seconds:
+        start, end = trimmed_span(load_audio(req.audio_filepath, req.offset, total, sample_rate), sample_rate, trim)
+        return total, [(req.offset + start / sample_rate, (end - start) / sample_rate, (end - start) / sample_rate)]
     chunks, previous = [], None
     for cut in plan_segments(file_db(req.audio_filepath, req.offset, total, sample_rate), chunk_seconds,
                              edges=edges):
@@ -307,13 +312,13 @@ def request_prompts(requests: list[Request], tokenizer: Tokenizer) -> list[list[
 
 
 def plan(requests: list[Request], results: list[Result], chunk_seconds: float, overlap: float,
-         sample_rate: int, edges: tuple[float, float]) -> list[AudioChunk]:
+         sample_rate: int, edges: tuple[float, float], trim: float | None = None) -> list[AudioChunk]:
     """Every request's chunks, in file order, and its length on its Result; a file whose length cannot
     be read fails its Result. A file without speech has no chunks: its text is empty."""
     chunks = []
     for i, r in enumerate(requests):
         try:
-            results[i].duration, planned = plan_chunks(r, chunk_seconds, sample_rate, overlap, edges)
+            results[i].duration, planned = plan_chunks(r, chunk_seconds, sample_rate, overlap, edges, trim)
             chunks += [AudioChunk(i, *chunk) for chunk in planned]
         except AudioError as e:
             results[i].error = e.reason
@@ -448,7 +453,7 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
     if chunk_overlap > chunk_s / 2:
         raise ValueError(f"chunk overlap {chunk_overlap} s must lie in [0, half the chunk length {chunk_s} s]")
     chunks = plan(requests, results, chunk_s, chunk_overlap, loaded.features.sample_rate,
-                  loaded.edge_silence or (EDGE, EDGE))
+                  loaded.edge_silence or (EDGE, EDGE), loaded.trim_silence)
     overlapping = any(a.request == b.request for a, b in zip(chunks, chunks[1:])) and chunk_overlap > 0
     aligned = timestamps or (overlapping and loaded.model.ctc is not None)  # merging by time needs alignments
     timings = Timings(load_features=time.perf_counter() - t_start)

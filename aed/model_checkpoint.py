@@ -80,6 +80,7 @@ class Checkpoint:
     tokenizer: dict  # {file name: bytes} of the tokenizer directory (pack_dir)
     max_train_duration: float | None = None  # longest training utterance (s): infer.py's chunk length
     edge_silence: tuple | None = None  # (before, after) s of silence around the training utterances' speech
+    trim_silence: float | None = None  # train.trim_silence: inference cuts its inputs' edges the same way
     new_tokens: dict | None = None  # the rows tools/add_language.py appended (freeze=all_but_new_tokens)
     ema: dict | None = None  # the trainable weights' EMA by parameter name, fp32 (ema_decay: aed/train_setup.py)
     step: int | None = field(default=None, metadata=RESUME)  # optimizer steps taken
@@ -308,6 +309,7 @@ class LoadedModel:
     path: str  # the checkpoint file that was loaded
     max_train_duration: float | None = None  # longest utterance it was trained on (s); None: not recorded
     edge_silence: tuple | None = None  # (before, after) s of silence around its training utterances' speech
+    trim_silence: float | None = None  # s of silence training kept around each utterance's speech (train.trim_silence)
     compiled: CompiledAED | None = None  # the model with a compiled decoder step, which decoding then uses
 
     @property
@@ -377,4 +379,5 @@ def load_model(path: str, device="cpu", *, compile: bool = False, int8: bool = F
         model = quantize_int8(model)
     trained = Checkpoint.from_dict(ckpt)
     return LoadedModel(model, tokenizer, features, path, trained.max_train_duration,
-                       trained.edge_silence and tuple(trained.edge_silence), CompiledAED(model) if compile else None)
+                       trained.edge_silence and tuple(trained.edge_silence), trained.trim_silence,
+                       CompiledAED(model) if compile else None)

@@ -7,7 +7,8 @@ import pytest
 import soundfile as sf
 import torch
 
-from aed.decode_segment import EDGE, FRAME, PAUSE, edge_silence, frame_db, plan_segments, speech_frames, trim_silence
+from aed.decode_segment import (EDGE, FRAME, PAUSE, edge_silence, frame_db, plan_segments, speech_frames, trim_silence,
+                                trimmed_span)
 from aed.decode_transcribe import Request, plan_chunks
 
 
@@ -77,6 +78,22 @@ def test_plan_chunks_keeps_short_files_whole_and_reads_long_ones_in_blocks(tmp_p
     assert seconds == pytest.approx(total)
     assert [(round(o, 2), round(d, 2)) for o, d, _ in chunks] == \
         [(round(c.start, 2), round(c.end - c.start, 2)) for c in plan_segments(frame_db(wav, 16000), 4.0)]
+
+
+def test_plan_chunks_trims_a_short_file_as_training_trimmed_its_utterances(tmp_path):
+    """With `trim` (a model trained with train.trim_silence) a short input is read from `trim` s before its
+    first speech frame to `trim` s after its last: the samples `trim_silence` keeps, at the request's offset."""
+    g = torch.Generator().manual_seed(2)
+    wav = torch.cat([torch.zeros(9600), loud(1.0, g), torch.zeros(17600)])  # 0.6 s, 1 s of speech, 1.1 s
+    path = tmp_path / "x.wav"
+    sf.write(path, wav.numpy(), 16000, subtype="FLOAT")
+    total, ((offset, duration, seconds),) = plan_chunks(Request(str(path), "en", "en", True, "asr"), 30.0, 16000, trim=0.15)
+    start, end = trimmed_span(wav, 16000, 0.15)
+    assert total == pytest.approx(2.7) and (offset, duration) == pytest.approx((start / 16000, (end - start) / 16000))
+    assert offset == pytest.approx(0.45, abs=2 * FRAME) and seconds == duration == pytest.approx(1.3, abs=2 * FRAME)
+    assert torch.equal(trim_silence(wav, 16000, 0.15), wav[start:end])
+    later = Request(str(path), "en", "en", True, "asr", offset=0.2)
+    assert plan_chunks(later, 30.0, 16000, trim=0.15)[1][0][0] == pytest.approx(offset, abs=1e-6)
 
 
 @pytest.mark.parametrize("floor", [0.0, 0.003])

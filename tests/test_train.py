@@ -1,6 +1,7 @@
 """train.py end to end on the bundled mini set: DDP, exact resume, signals, bad data, NaNs, init."""
 
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -470,6 +471,38 @@ def test_trim_silence_cuts_training_and_validation_audio_and_the_recorded_edges(
     dev = [val_dataset(ManifestEntry.of("data/mini/dev.jsonl"), 4, tokenizer, logmel, False, 0, 1, trim=trim)
            for trim in (silence_trimmer(cfg), None)]
     assert all(len(dev[0][i]["feats"]) < len(dev[1][i]["feats"]) - 10 for i in range(4))
+
+
+def test_a_model_trained_on_trimmed_audio_has_its_inputs_trimmed_the_same_way(tmp_path, monkeypatch):
+    """The checkpoint records train.trim_silence, and transcribe cuts a short input as training cut its
+    utterances: a file with 0.8 s of silence added at each edge is decoded from exactly the samples of the
+    same file trimmed by `trim_silence` beforehand; without the setting it is decoded whole."""
+    import soundfile as sf
+
+    import aed.decode_transcribe as decode_transcribe
+    from aed.data_audio import load_audio
+    from aed.decode_segment import trim_silence
+    from aed.model_checkpoint import load_model
+
+    run_train(tmp_path / "trimmed", "train.trim_silence=0.05", "max_steps=2", "val.manifests=[]")
+    loaded = load_model(str(tmp_path / "trimmed"))
+    assert loaded.trim_silence == 0.05 and loaded.edge_silence == pytest.approx((0.05, 0.05), abs=0.015)
+    wav = load_audio(os.path.join(MINI, "audio", sorted(os.listdir(os.path.join(MINI, "audio")))[0]))
+    padded = torch.cat([torch.zeros(12800), wav, torch.zeros(12800)])
+    cut = trim_silence(padded, 16000, 0.05)
+    sf.write(tmp_path / "padded.wav", padded.numpy(), 16000, subtype="FLOAT")
+    decoded, decode_batch = [], decode_transcribe.decode_batch
+
+    def spy(loaded, logmel, wavs, *args, **kwargs):
+        decoded.extend(wavs)
+        return decode_batch(loaded, logmel, wavs, *args, **kwargs)
+
+    monkeypatch.setattr(decode_transcribe, "decode_batch", spy)
+    (res,), _ = decode_transcribe.transcribe(loaded, [str(tmp_path / "padded.wav")], source_lang="en")
+    assert torch.equal(decoded.pop(), cut) and res.duration == pytest.approx(padded.numel() / 16000)
+    decode_transcribe.transcribe(dataclasses.replace(loaded, trim_silence=None), [str(tmp_path / "padded.wav")],
+                                 source_lang="en")
+    assert torch.equal(decoded.pop(), padded)
 
 
 def test_validation_runs_a_whole_model_itself_and_builds_no_copy():
