@@ -29,7 +29,10 @@ DROPOUT = ["model.enc_dropout=0.1", "model.dec_dropout=0.1"]
 SHAPES = [(4, 300, 20), (3, 420, 31), (6, 200, 12), (2, 610, 44), (5, 260, 17)]
 # Reductions are reordered by the compiled graphs and by recomputation: equal up to float rounding.
 LOSS_RTOL = 1e-5
-GRAD_RTOL = 1e-4  # of the whole gradient's norm: single near-zero entries are rounding noise
+# Of the whole gradient's norm (single near-zero entries are rounding noise). Each SGD step carries the
+# rounding into the weights and the next gradient: the gap grew from 4e-6 at the first step to 6e-5 at
+# the fifth (1.5e-4 there in one full `make test`). A step that missed one update (stale weights): 0.8.
+GRAD_RTOL = 1e-3
 
 
 def setup_of(*overrides, seed=0, device="cpu"):
