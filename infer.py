@@ -88,11 +88,11 @@ def parse_args(argv: list[str] | None = None):
                      help="stop a hypothesis that repeats an n-gram more than this many times in a row; 0: never")
     dec.add_argument("--max-tokens-per-second", type=float, default=DecodingOptions.max_tokens_per_second,
                      help="stop a hypothesis at this many tokens per second of audio; 0: no bound")
-    dec.add_argument("--no-speech-threshold", type=float, default=DecodingOptions.no_speech_threshold, metavar="P",
+    dec.add_argument("--no-speech-threshold", type=float, default=None, metavar="P",
                      help="Whisper's no-speech check: the decoder's probability of ending right after the prompt "
                           "(what non-speech training teaches) is written to --out as no_speech_prob, and a chunk "
-                          "above P gives no text. Greedy search ends there anyway above 0.5, so the values that "
-                          "act lie below it (Whisper's 0.6 applies to its own <|nospeech|> token); default: off")
+                          f"above P gives no text; 1: never (default: {DecodingOptions.no_speech_threshold}; "
+                          "streams commit tokens as they come and do not check)")
     run = p.add_argument_group("execution")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
@@ -199,7 +199,8 @@ def decoding_options(args) -> DecodingOptions:
                            max_new_tokens=args.max_new_tokens,
                            ctc_weight=DecodingOptions.ctc_weight if args.ctc_weight is None else args.ctc_weight,
                            max_repeats=args.max_repeats, max_tokens_per_second=args.max_tokens_per_second or None,
-                           no_speech_threshold=args.no_speech_threshold)
+                           no_speech_threshold=(None if args.stream else DecodingOptions.no_speech_threshold)
+                           if args.no_speech_threshold is None else args.no_speech_threshold)
 
 
 class ProgressBar:
@@ -460,7 +461,9 @@ def main(argv: list[str] | None = None) -> None:
 
     print_scores(results, args.normalizer)
     if options.no_speech_threshold is not None:
-        silent = [r for r in results if r.error is None and r.no_speech_prob > options.no_speech_threshold]
+        # no probability: a file longer than a chunk in which no speech was found, so nothing was decoded
+        silent = [r for r in results if r.error is None and (r.no_speech_prob is None
+                                                              or r.no_speech_prob > options.no_speech_threshold)]
         print(f"no speech (no_speech_prob > {options.no_speech_threshold:g}) in {len(silent)} of "
               f"{len(results) - len(failed)} file(s)", file=sys.stderr)
     t = timings

@@ -8,18 +8,20 @@ how often non-speech clips come out with text, per model, with and without the n
     python bench/nonspeech_bench.py --ckpt demo=runs/demo ft=runs/ft --clips runs/lev/heldout/noise.jsonl \
         --music runs/lev/heldout_music/noise.jsonl --manifest data/mini/digits/dev.jsonl
 
-For each model (NAME=CKPT; `NAME:ema` decodes a run's EMA weights), greedy decoding (infer.py's
-defaults otherwise):
+For each model (NAME=CKPT; `NAME:ema` decodes a run's EMA weights) and each --ctc-weights (joint
+CTC/attention at infer.py's default weight, and the attention decoder alone), greedy decoding
+(infer.py's defaults otherwise):
     clean WER          the manifest as it is
     music WER          the manifest with --music mixed under every utterance at 0-20 dB SNR (seeded)
     clips with text    of the --clips (none holds speech), each decoded with the prompt language of
                        its position (round robin over the manifest's languages), per kind and in all
     words per minute   the words written on the clips, per minute of clip audio
-and the same with `--no-speech-threshold` for each of --thresholds. A table, then the JSON line.
+with the no-speech check off and at each of --thresholds. A table, then the JSON line.
 """
 
 import argparse
 import dataclasses
+import itertools
 import random
 import sys
 from pathlib import Path
@@ -34,7 +36,9 @@ def main(argv=None):
     p.add_argument("--clips", required=True, help="manifest of non-speech clips (make_noise.py generate's)")
     p.add_argument("--music", required=True, help="manifest of music to mix under the speech (held out)")
     p.add_argument("--manifest", required=True, help="speech with references")
-    p.add_argument("--thresholds", type=float, nargs="*", default=[0.2, 0.4], help="no-speech thresholds to try")
+    p.add_argument("--thresholds", type=float, nargs="*", default=[0.1, 0.2, 0.4], help="no-speech thresholds to try")
+    p.add_argument("--ctc-weights", type=float, nargs="+", default=[0.3, 0.0],
+                   help="joint CTC/attention weights to decode with (0: the attention decoder alone)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -68,8 +72,8 @@ def main(argv=None):
     for spec in args.ckpt:
         name, ckpt = spec.split("=", 1)
         loaded = load_model(ckpt, ema=name.endswith(":ema"))
-        for threshold in [None, *args.thresholds]:
-            options = DecodingOptions(ctc_weight=0.0, no_speech_threshold=threshold)
+        for ctc_weight, threshold in itertools.product(args.ctc_weights, [None, *args.thresholds]):
+            options = DecodingOptions(ctc_weight=ctc_weight, no_speech_threshold=threshold)
             scores = {}
             for label, requests in (("clean", speech), ("music", noisy)):
                 results, _ = transcribe(loaded, requests, options)
@@ -82,7 +86,7 @@ def main(argv=None):
             row = {"clean_wer": round(scores["clean"], 2), "music_wer": round(scores["music"], 2),
                    "clips_with_text": sum(bool(t) for t in texts), "clips": len(clips),
                    "by_kind": by_kind, "words_per_minute": round(sum(len(t) for t in texts) / minutes, 1)}
-            key = f"{name}" + ("" if threshold is None else f" P>{threshold:g}")
+            key = f"{name} ctc {ctc_weight:g}" + (" no check" if threshold is None else f" P>{threshold:g}")
             result[key] = row
             table.append([key, row["clean_wer"], row["music_wer"], f"{row['clips_with_text']}/{len(clips)}",
                           " ".join(f"{k} {n}" for k, n in by_kind.items()), row["words_per_minute"]])

@@ -223,6 +223,13 @@ def test_setting_ranges_are_checked_by_the_library_and_reported_by_infer_py(caps
             infer.parse_args(["--ckpt", "runs/x", "a.wav", *flags])
         assert e.value.code == 2 and message in capsys.readouterr().err, flags
     assert infer.parse_args(["--ckpt", "runs/x", "a.wav", "--max-tokens-per-second", "0"]).max_tokens_per_second == 0
+    # The no-speech check: on by default, off under --stream (which commits tokens before a chunk could
+    # be judged), and refused there when asked for.
+    assert infer.decoding_options(infer.parse_args(["--ckpt", "runs/x", "a.wav"])).no_speech_threshold == 0.1
+    assert infer.decoding_options(infer.parse_args(["--ckpt", "runs/x", "--stream", "-"])).no_speech_threshold is None
+    with pytest.raises(SystemExit):
+        infer.parse_args(["--ckpt", "runs/x", "--stream", "-", "--no-speech-threshold", "0.1"])
+    assert "not with --no-speech-threshold" in capsys.readouterr().err
 
 
 def test_beam_search_is_at_least_as_likely_as_greedy(loaded):
@@ -290,8 +297,8 @@ def test_no_speech_check_is_the_first_steps_eos_probability_and_empties_what_is_
     from aed.decode_search import no_speech_probs
 
     requests = read_requests(EXAMPLES)
-    plain, _ = transcribe(loaded, requests)
-    kept, _ = transcribe(loaded, requests, DecodingOptions(no_speech_threshold=1.0))
+    plain, _ = transcribe(loaded, requests, DecodingOptions(no_speech_threshold=None))
+    kept, _ = transcribe(loaded, requests)  # the check is on by default
     assert [r.tokens for r in kept] == [r.tokens for r in plain] and all(r.tokens for r in plain)
     probs = [r.no_speech_prob for r in kept]
     assert all(0 <= p < 0.5 for p in probs), probs  # a trained model on its own training speech
@@ -308,7 +315,7 @@ def test_no_speech_check_is_the_first_steps_eos_probability_and_empties_what_is_
                                                                                                 abs=1e-5)
     assert probs[0] == pytest.approx(float(by_hand), abs=1e-4)
     # EOS made likelier (a bias on its logit) until the first file gives it 0.2-0.5 at the first step,
-    # where greedy search still writes text: a threshold of 0.2 empties it, one of 0.5 does not.
+    # where greedy search still writes text: the default threshold (0.1) empties it, one of 0.5 does not.
     first = requests[:1]
     biased = dataclasses.replace(loaded, model=copy.deepcopy(loaded.model))
     for _ in range(80):
@@ -318,7 +325,7 @@ def test_no_speech_check_is_the_first_steps_eos_probability_and_empties_what_is_
         if probe.no_speech_prob > 0.2:
             break
     assert 0.2 < probe.no_speech_prob < 0.5 and probe.tokens
-    (silent,), _ = transcribe(biased, first, DecodingOptions(no_speech_threshold=0.2, ctc_weight=0.0))
+    (silent,), _ = transcribe(biased, first, DecodingOptions(ctc_weight=0.0))
     assert silent.tokens == [] and silent.pred_text == "" and silent.no_speech_prob == probe.no_speech_prob
     assert "no_speech_prob" in silent.to_json() and "no_speech_prob" not in plain[0].to_json()
 
