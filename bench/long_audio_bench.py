@@ -1,8 +1,11 @@
-"""Word timestamps against known boundaries, and long-audio transcripts with and without chunk
-overlaps, on generated word audio with the word model (tests/fixtures/make_word_model.py).
+"""Long audio, two experiments (`python bench/long_audio_bench.py MODE --help` for a mode's flags).
+
+words (the default mode): word timestamps against known boundaries, and long-audio transcripts with
+and without chunk overlaps, on generated word audio with the word model
+(tests/fixtures/make_word_model.py).
 
     python bench/long_audio_bench.py                                   # the committed model
-    python bench/long_audio_bench.py --ckpt /tmp/word_model.pt --files 100
+    python bench/long_audio_bench.py words --ckpt /tmp/word_model.pt --files 100
 
 1. Timestamps: `--files` random sequences of the eight clips (1-4 words, 0-1 s of leading silence,
    0.1-0.6 s pauses, a noise floor), seeds the model was not trained on, through
@@ -13,13 +16,35 @@ overlaps, on generated word audio with the word model (tests/fixtures/make_word_
    3e-3 noise floor (no pause a cut could use), transcribed in chunks of the model's training maximum
    with `--overlap` and with none (the default): chunks, seconds decoded, WER and its deletions and
    insertions (dropped and repeated words), over all files.
+
+recordings: long recordings, offline and streamed, against the same utterances decoded one by one:
+does any word get lost however long the audio runs?
+
+    python tools/make_long_audio.py --manifest data/mini/digits/train.jsonl -o runs/long/pauses --seconds 80 --files 8
+    python bench/long_audio_bench.py recordings --ckpt runs/demo --manifest runs/long/pauses/manifest.jsonl
+
+The manifest is `tools/make_long_audio.py`'s: every file lists its utterances (`parts`). For each
+file set it decodes
+1. each utterance on its own (its stretch of the long file; greedy and joint with CTC 0.3): the
+   accuracy to keep;
+2. the long files offline (`aed.transcribe`: cut at pauses, greedy and joint with CTC 0.3);
+3. the long files as streams (`infer.py --stream`'s path: AlignAtt, at each of
+   `--alignatt-thresholds`, and wait-k at the default buffer), with LAAL per utterance, the lag from
+   each word's end in the audio (the CTC head's forced alignment) to its commit per minute of the
+   file, and the sentences the streams ended.
+WER (lower-cased, no punctuation: `aed.decode_metrics.simple`) with its deletions, insertions and
+substitutions over all files, as a table, then one JSON line.
 """
 
-import argparse
+import bisect
+import json
+import math
 import os
 import random
 import sys
 import tempfile
+from collections import defaultdict
+from dataclasses import replace
 
 import jiwer
 import soundfile as sf
@@ -28,17 +53,22 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # the fixtures
 
 import aed.decode_transcribe  # noqa: E402
-from aed.decode_transcribe import Request, plan_chunks, transcribe  # noqa: E402
-from aed.model_checkpoint import load_model  # noqa: E402
+from aed.data_audio import load_audio  # noqa: E402
+from aed.decode_metrics import simple  # noqa: E402
+from aed.decode_search import DecodingOptions  # noqa: E402
+from aed.decode_stream import StreamConfig, Streamer, average_lagging, spoken_ends, stream_requests  # noqa: E402
 from aed.decode_timestamps import snap_to_speech  # noqa: E402
-from common import ROOT, log, print_json, print_table  # noqa: E402
+from aed.decode_transcribe import Request, make_request, plan_chunks, transcribe  # noqa: E402
+from aed.model_checkpoint import load_model  # noqa: E402
+from common import ROOT, log, print_json, print_table, run_modes  # noqa: E402
 from fixtures.make_word_model import SAMPLE_RATE, load_clips, word_sequence  # noqa: E402
 
 DEFAULT_CKPT = ROOT / "tests" / "fixtures" / "word_model.pt"
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+# --- words: timestamps and chunked long audio on generated word audio ------------------------------
+
+def word_flags(p) -> None:
     p.add_argument("--ckpt", default=str(DEFAULT_CKPT))
     p.add_argument("--files", type=int, default=60, help="timestamp test files")
     p.add_argument("--long-files", type=int, default=5, help="long files")
@@ -47,7 +77,9 @@ def main():
     p.add_argument("--overlap", type=float, help="chunk overlap (s) compared with none; default: a quarter chunk")
     p.add_argument("--seed", type=int, default=1000, help="test data seed (training uses 0)")
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+
+
+def word_audio(args) -> None:
     torch.set_num_threads(args.threads)
     asr, clips = load_model(args.ckpt), load_clips()
     rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
@@ -112,5 +144,98 @@ def main():
                 "chunk_seconds": chunk, "long": long})
 
 
+
+# --- recordings: tools/make_long_audio.py's files, offline and streamed ----------------------------
+
+
+def scores(refs: list[str], hyps: list[str]) -> dict:
+    out = jiwer.process_words([simple(r) for r in refs], [simple(h or "") or "<empty>" for h in hyps])
+    return {"wer": round(100 * out.wer, 2), "deleted": out.deletions, "inserted": out.insertions,
+            "substituted": out.substitutions, "words": sum(len(simple(r).split()) for r in refs)}
+
+
+def stream_lags(decoded, lines: list, rate: int) -> tuple[dict, float, int]:
+    """Over all streams: {minute: mean seconds from a word's end in the audio (`spoken_ends`) to its
+    commit}; LAAL per utterance (s): each committed word goes to the utterance its spoken end lies in,
+    its delay counted from that utterance's start (SimulEval's LAAL of each utterance, then the
+    mean: a long file's LAAL would measure how unevenly its words are spread, not the stream's lag);
+    and how many streams' words could not be aligned (no CTC path fits their text)."""
+    by_minute, laal, unaligned = defaultdict(list), [], 0
+    for (res, stream, _), line in zip(decoded, lines):
+        ends = spoken_ends(stream, load_audio(res.request.audio_filepath, sample_rate=rate))
+        unaligned += ends is None
+        delays = defaultdict(list)  # utterance index -> delays (ms) of its words
+        for (_, commit, _), end in zip(stream.words(), ends or []):
+            by_minute[int(end // 60)].append(commit - end)
+            k = bisect.bisect_right([q["start"] for q in line["parts"]], end) - 1
+            if k >= 0:
+                delays[k].append(1000 * (commit - line["parts"][k]["start"]))
+        for k, d in delays.items():
+            q = line["parts"][k]
+            laal.append(average_lagging(d, 1000 * (q["end"] - q["start"]), len(simple(q["text"]).split())))
+    per_minute = {m: round(sum(v) / len(v), 2) for m, v in sorted(by_minute.items())}
+    return per_minute, round(sum(laal) / len(laal) / 1000, 2) if laal else math.nan, unaligned
+
+
+def recording_flags(p) -> None:
+    p.add_argument("--ckpt", required=True, help="a run directory or checkpoint")
+    p.add_argument("--manifest", nargs="+", required=True, help="tools/make_long_audio.py manifests")
+    p.add_argument("--policies", nargs="+", default=["alignatt", "waitk"])
+    p.add_argument("--alignatt-thresholds", nargs="+", type=float, default=[StreamConfig.alignatt_threshold],
+                   metavar="S", help="AlignAtt streams at each of these thresholds (s before the chunk's end)")
+    p.add_argument("--no-utterances", action="store_true", help="skip decoding the utterances one by one")
+    p.add_argument("--no-offline", action="store_true", help="skip decoding the long files offline")
+
+
+def recordings(args) -> None:
+    loaded = load_model(args.ckpt)
+    rows, result = [], {"ckpt": args.ckpt, "max_train_duration": loaded.max_train_duration, "sets": {}}
+    for manifest in args.manifest:
+        base = os.path.dirname(os.path.abspath(manifest))
+        lines = [json.loads(line) for line in open(manifest) if line.strip()]
+        requests = [make_request(os.path.join(base, d["audio_filepath"]), d["source_lang"], d["target_lang"],
+                                 pnc=True, text=d["text"]) for d in lines]
+        refs = [d["text"] for d in lines]
+        seconds = sum(d["duration"] for d in lines)
+        name = os.path.basename(base)
+        found = result["sets"][name] = {"files": len(lines), "seconds": round(seconds, 1)}
+        log(f"{name}: {len(lines)} files, {seconds:.0f} s")
+        if not args.no_utterances:
+            parts = [make_request(r.audio_filepath, q["source_lang"], q["target_lang"], offset=q["start"],
+                                  duration=q["end"] - q["start"], text=q["text"])
+                     for r, d in zip(requests, lines) for q in d["parts"]]
+            for label, weight in (("each utterance alone, greedy", 0.0), ("each utterance alone, CTC 0.3", 0.3)):
+                res, _ = transcribe(loaded, parts, DecodingOptions(ctc_weight=weight))
+                found[label] = scores([q.text for q in parts], [r.pred_text for r in res])
+                rows.append([name, label, *found[label].values(), "", ""])
+        for label, weight in (("offline, greedy", 0.0), ("offline, CTC 0.3", 0.3)) * (not args.no_offline):
+            res, timings = transcribe(loaded, requests, DecodingOptions(ctc_weight=weight))
+            found[label] = {**scores(refs, [r.pred_text for r in res]), "rtfx": round(timings.rtfx, 1)}
+            rows.append([name, label, *list(found[label].values())[:5], "", ""])
+        streams = [(policy, t) for policy in args.policies
+                   for t in (args.alignatt_thresholds if policy == "alignatt" else [None])]
+        for policy, threshold in streams:
+            config = StreamConfig(policy=policy)
+            streamer = Streamer(loaded, config if threshold is None else replace(config, alignatt_threshold=threshold))
+            decoded = stream_requests(streamer, requests)
+            swept = len(args.alignatt_thresholds) > 1 and threshold is not None
+            label = f"stream {policy}" + (f" {threshold:g} s" if swept else "")
+            stat = scores(refs, [r.pred_text for r, _, _ in decoded])
+            stat["lag_per_minute_s"], stat["laal_s"], stat["unaligned_files"] = stream_lags(decoded, lines,
+                                                                                            streamer.rate)
+            stat["sentences"] = sum(s.sentences for _, s, _ in decoded)
+            stat["window_cuts"] = sum(s.window_cuts for _, s, _ in decoded)
+            stat["left_s"] = streamer.left / streamer.rate
+            found[label] = stat
+            rows.append([name, label, *list(stat.values())[:5], stat["laal_s"], stat["sentences"]])
+            log(f"{name} {label}: lag per minute {stat['lag_per_minute_s']}")
+    print_table([("set", "<8"), ("decoding", "<30"), ("WER %", ">6.1f"), ("deleted", ">8d"), ("inserted", ">9d"),
+                 ("substituted", ">12d"), ("words", ">6d"), ("LAAL s", ">7"), ("sentences", ">10")], rows)
+    print_json(result)
+
+
+MODES = {"words": (word_flags, word_audio, "word timestamps and chunked long audio, on generated word audio"),
+         "recordings": (recording_flags, recordings, "long recordings offline and streamed, against their utterances")}
+
 if __name__ == "__main__":
-    main()
+    run_modes(__doc__, MODES, "words")
