@@ -32,8 +32,14 @@ prefix (prompt + the sentence's committed tokens) is fed again against the new e
 greedy steps extend it while the policy allows:
   - waitk: after `waitk_lag` chunks, `waitk_tokens` tokens per chunk (Ma et al. 2019's wait-k).
   - alignatt: a token is committed while the cross-attention that predicted it (mean over the heads
-    of layer `alignatt_layer`) peaks at least `alignatt_threshold` seconds before the chunk's end
-    (Papi et al. 2023, "AlignAtt"); a token looking at the newest audio waits for the next chunk.
+    of layer `alignatt_layer`) peaks at least a threshold before the chunk's end (Papi et al. 2023,
+    "AlignAtt"); a token looking at the newest audio waits for the next chunk. The threshold is
+    `alignatt_threshold` seconds, or by default adapts to the model: the 90th percentile of the
+    spacing between the attention peaks of consecutive committed tokens of a sentence (the stream's
+    last PEAK_SPACINGS), within [ALIGNATT_MIN, ALIGNATT_MAX]. A token's sound runs on after its peak
+    for about one such spacing, so the threshold covers nine tokens in ten. A character model whose
+    peaks step a frame per character commits at the floor; a model whose peaks stand still over a
+    word's pieces and then jump keeps NeMo's fixed 0.64 s, which it needs.
     The first SINK_SECONDS of the window are not taken as a peak: a decoder with nothing to say
     looks there (NeMo excludes the same 8 frames).
 Both stop at EOS (the decoder has heard all there is so far) and at the per-chunk cap of
@@ -56,7 +62,9 @@ Decoding is greedy over the attention decoder: joint CTC scores and beams are of
 
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -75,6 +83,11 @@ log = logging.getLogger(__name__)
 POLICIES = ("alignatt", "waitk")
 STALL_SECONDS = 4.0  # audio during which the decoder has more to say but nothing is committed
 DEFAULT_LEFT = 10.0  # seconds of left context, NeMo's recommended 10-1-0.5 s buffer
+ALIGNATT_MAX = 0.64  # s: the adaptive AlignAtt threshold's ceiling, and its value until it has measured
+# PEAK_SPACINGS_MIN spacings (NeMo's fixed threshold of 8 frames at 80 ms)
+ALIGNATT_MIN = 0.16  # s: its floor, two frames of 80 ms
+PEAK_SPACINGS = 64  # the adaptive threshold reads the spacings of the peaks of this many recent tokens
+PEAK_SPACINGS_MIN = 8  # ... once it has this many
 SINK_SECONDS = 0.64  # the first frames of a window AlignAtt does not take as a peak (NeMo's 8 frames)
 LEVEL_SECONDS = 30.0  # the speech/pause threshold is set by this much of the newest audio
 
@@ -82,7 +95,7 @@ LEVEL_SECONDS = 30.0  # the speech/pause threshold is set by this much of the ne
 @dataclass(frozen=True)
 class StreamConfig:
     """The buffer and the policy. Defaults: NeMo's recommended 10-1-0.5 s buffer (a theoretical
-    latency of chunk + right = 1.5 s) and its AlignAtt threshold of 8 frames at 80 ms."""
+    latency of chunk + right = 1.5 s); an AlignAtt threshold that adapts to the token unit."""
 
     chunk: float = 1.0  # seconds of new audio decoded per step
     left: float | None = None  # most seconds of the current sentence before the chunk that are re-encoded
@@ -93,7 +106,8 @@ class StreamConfig:
     policy: str = "alignatt"
     waitk_lag: int = 2  # wait-k: chunks heard before the first token
     waitk_tokens: int = 1  # wait-k: tokens committed per chunk after the lag
-    alignatt_threshold: float = 0.64  # alignatt: seconds before the chunk's end the attention peak must lie
+    alignatt_threshold: float | None = None  # alignatt: seconds before the chunk's end the attention peak
+    # must lie; None: the 90th percentile of the spacing of the stream's recent peaks, 0.16-0.64 s (see above)
     alignatt_layer: int | None = None  # alignatt: the decoder layer whose cross-attention is read;
     # None: the second-to-last (NeMo's -2), or the only one
 
@@ -104,7 +118,7 @@ class StreamConfig:
                              f"({self.right} s) context and the endpoint pause ({self.endpoint} s) >= 0")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown streaming policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.waitk_lag < 1 or self.waitk_tokens < 1 or self.alignatt_threshold < 0:
+        if self.waitk_lag < 1 or self.waitk_tokens < 1 or (self.alignatt_threshold or 0) < 0:
             raise ValueError(f"wait-k lag ({self.waitk_lag}) and tokens ({self.waitk_tokens}) must be >= 1, "
                              f"the AlignAtt threshold ({self.alignatt_threshold} s) >= 0")
 
@@ -153,6 +167,9 @@ class Stream:
     finished: bool = False
     stalls: int = 0  # times the stream stalled (see STALL_SECONDS)
     holding: float | None = None  # stream time since which the policy holds back tokens, None: it does not
+    peak_spacing: deque = field(default_factory=lambda: deque(maxlen=PEAK_SPACINGS))  # seconds between the
+    # attention peaks of consecutive committed tokens of a sentence: the adaptive AlignAtt threshold's input
+    last_peak: float | None = None  # stream time of the attention peak of the sentence's newest token
 
     def push(self, samples, sample_rate: int | None = None) -> None:
         """Append mono samples at the model's rate: a 1-D array or tensor of floats in [-1, 1]."""
@@ -224,7 +241,7 @@ class Streamer:
         self.left = round(self.left_seconds(loaded.max_train_duration) / self.frame_s) * frame
         self.sink = round(SINK_SECONDS / self.frame_s)
         self.edges = loaded.edge_silence or (EDGE, EDGE)  # silence kept before and after a sentence's speech
-        self.alignatt_frames = round(config.alignatt_threshold / self.frame_s)
+        self.alignatt_range = [max(1, round(t / self.frame_s)) for t in (ALIGNATT_MIN, ALIGNATT_MAX)]  # frames
         self.logmel = LogMel(loaded.features).to(loaded.device).eval()
         n_layers = len(self.model.decoder.layers)
         self.alignatt_layer = max(0, n_layers - 2) if config.alignatt_layer is None else config.alignatt_layer
@@ -324,6 +341,7 @@ class Streamer:
                 s.sentences += w.closing
                 s.window_cuts += w.full
                 s.sentence_tokens = len(s.tokens)
+                s.last_peak = None
                 s.audio, s.kept_from = s.audio[w.chunk_end - s.kept_from:], w.chunk_end
             else:  # the silence before the sentence's speech, beyond what training utterances hold, is dropped
                 s.audio, s.kept_from = s.audio[w.start - s.kept_from:], w.start
@@ -459,14 +477,28 @@ class Streamer:
             if cfg.policy == "waitk":
                 allowed = s.chunks + 1 >= cfg.waitk_lag and len(out) < cfg.waitk_tokens
             else:
-                allowed = attend - (peak + 1) >= self.alignatt_frames
+                allowed = attend - (peak + 1) >= self.alignatt_frames(s)
             if not allowed:
                 self.hold(s, window.chunk_end)
                 return "held"
         hyp.append(token)
         out.append(token)
         s.holding = None
+        peak_time = window.start / self.rate + peak * self.frame_s
+        if s.last_peak is not None:
+            s.peak_spacing.append(max(0.0, peak_time - s.last_peak))
+        s.last_peak = peak_time
         return "more" if len(out) < budget and not repeats else "stop"  # as offline search stops after it
+
+    def alignatt_frames(self, s: Stream) -> int:
+        """Frames that must follow a token's attention peak in the chunk for AlignAtt to commit it."""
+        if self.config.alignatt_threshold is not None:
+            return round(self.config.alignatt_threshold / self.frame_s)
+        low, high = self.alignatt_range
+        if len(s.peak_spacing) < PEAK_SPACINGS_MIN:
+            return high
+        spacing = statistics.quantiles(s.peak_spacing, n=10, method="inclusive")[-1]  # the 90th percentile
+        return min(high, max(low, round(spacing / self.frame_s)))
 
     def hold(self, s: Stream, now: int) -> None:
         """The policy held back a token at stream sample `now`: log once when that has lasted STALL_SECONDS."""

@@ -29,7 +29,8 @@ file set it decodes
    accuracy to keep;
 2. the long files offline (`aed.transcribe`: cut at pauses, greedy and joint with CTC 0.3);
 3. the long files as streams (`infer.py --stream`'s path: AlignAtt, at each of
-   `--alignatt-thresholds`, and wait-k at the default buffer), with LAAL per utterance, the lag from
+   `--alignatt-thresholds` (default: adaptive, with the threshold each file ended on), and wait-k
+   at the default buffer), with LAAL per utterance, the lag from
    each word's end in the audio (the CTC head's forced alignment) to its commit per minute of the
    file, and the sentences the streams ended.
 WER (lower-cased, no punctuation: `aed.decode_metrics.simple`) with its deletions, insertions and
@@ -44,7 +45,6 @@ import random
 import sys
 import tempfile
 from collections import defaultdict
-from dataclasses import replace
 
 import jiwer
 import soundfile as sf
@@ -177,12 +177,17 @@ def stream_lags(decoded, lines: list, rate: int) -> tuple[dict, float, int]:
     return per_minute, round(sum(laal) / len(laal) / 1000, 2) if laal else math.nan, unaligned
 
 
+def threshold_arg(text: str) -> float | None:
+    return None if text == "auto" else float(text)
+
+
 def recording_flags(p) -> None:
     p.add_argument("--ckpt", required=True, help="a run directory or checkpoint")
     p.add_argument("--manifest", nargs="+", required=True, help="tools/make_long_audio.py manifests")
     p.add_argument("--policies", nargs="+", default=["alignatt", "waitk"])
-    p.add_argument("--alignatt-thresholds", nargs="+", type=float, default=[StreamConfig.alignatt_threshold],
-                   metavar="S", help="AlignAtt streams at each of these thresholds (s before the chunk's end)")
+    p.add_argument("--alignatt-thresholds", nargs="+", type=threshold_arg, default=[StreamConfig.alignatt_threshold],
+                   metavar="S", help="AlignAtt streams at each of these thresholds (s before the chunk's end; "
+                                     "auto: the default, adapting to the token unit)")
     p.add_argument("--no-utterances", action="store_true", help="skip decoding the utterances one by one")
     p.add_argument("--no-offline", action="store_true", help="skip decoding the long files offline")
 
@@ -215,17 +220,19 @@ def recordings(args) -> None:
         streams = [(policy, t) for policy in args.policies
                    for t in (args.alignatt_thresholds if policy == "alignatt" else [None])]
         for policy, threshold in streams:
-            config = StreamConfig(policy=policy)
-            streamer = Streamer(loaded, config if threshold is None else replace(config, alignatt_threshold=threshold))
+            streamer = Streamer(loaded, StreamConfig(policy=policy, alignatt_threshold=threshold))
             decoded = stream_requests(streamer, requests)
-            swept = len(args.alignatt_thresholds) > 1 and threshold is not None
-            label = f"stream {policy}" + (f" {threshold:g} s" if swept else "")
+            swept = len(args.alignatt_thresholds) > 1 and policy == "alignatt"
+            label = f"stream {policy}" + (f" {'auto' if threshold is None else f'{threshold:g} s'}" if swept else "")
             stat = scores(refs, [r.pred_text for r, _, _ in decoded])
             stat["lag_per_minute_s"], stat["laal_s"], stat["unaligned_files"] = stream_lags(decoded, lines,
                                                                                             streamer.rate)
             stat["sentences"] = sum(s.sentences for _, s, _ in decoded)
             stat["window_cuts"] = sum(s.window_cuts for _, s, _ in decoded)
             stat["left_s"] = streamer.left / streamer.rate
+            if policy == "alignatt":  # where each file's threshold ended, adaptive or not
+                stat["alignatt_threshold_s"] = [round(streamer.alignatt_frames(s) * streamer.frame_s, 2)
+                                                for _, s, _ in decoded]
             found[label] = stat
             rows.append([name, label, *list(stat.values())[:5], stat["laal_s"], stat["sentences"]])
             log(f"{name} {label}: lag per minute {stat['lag_per_minute_s']}")
