@@ -16,8 +16,8 @@ what made each file):
   blue (-1), violet (-2);
 - babble: the sum of several utterances (equal loudness, each looped from a random point) of
   `--speech`, a speech manifest; give the held-out split other speakers than the training set's;
-- sounds that are not noise, synthesised here with numpy: `music` (instruments by additive
-  synthesis: a melody over chords, sometimes drums), `hum` (50/60 Hz mains and harmonics), `engine`
+- sounds that are not noise, synthesised here with numpy: `music` (a band by additive synthesis: a
+  melody over chords, sometimes drums; or a solo of struck and plucked notes by modal synthesis), `hum` (50/60 Hz mains and harmonics), `engine`
   (a machine's harmonic series drifting in speed); and for the held-out split other sources and
   kinds: `pluck` (sox's plucked strings playing a melody; needs sox), `rain` (droplets over a pink
   bed), `siren` (swept or two-tone alarms). They serve as noise to mix under speech and, as a
@@ -94,12 +94,34 @@ def note(rng: np.random.Generator, hz: float, n: int, rate: int, harmonics: np.n
     return x * attack * np.exp(-t * rng.uniform(0.5, 4.0))
 
 
+def struck(rng: np.random.Generator, hz: float, n: int, rate: int, brightness: float) -> np.ndarray:
+    """One struck or plucked note by modal synthesis (a piano, guitar or marimba rather than a bowed or
+    blown one): a click of noise, then partials that start together and die away, the higher ones
+    faster, and slightly sharp as a stiff string's or a bar's."""
+    t = np.arange(n) / rate
+    decay = rng.uniform(1.5, 8.0)  # 1/s, of the fundamental
+    x = sum(brightness ** (k - 1) * np.sin(2 * np.pi * hz * k * (1 + 0.0005 * k * k) * t + rng.uniform(0, 6.3))
+            * np.exp(-t * decay * (1 + 0.6 * (k - 1))) for k in range(1, 16) if hz * k < rate / 2)
+    click = int(0.003 * rate)
+    x[:click] += 0.5 * rng.standard_normal(min(click, n)) * np.linspace(1, 0, min(click, n))
+    return x
+
+
 def music(rng: np.random.Generator, n: int, rate: int) -> np.ndarray:
-    """Instrumental music by additive synthesis: a melody in a random major or minor scale over held
-    chords, two random timbres, a random tempo; sometimes a kick and hi-hat pattern."""
+    """Instrumental music in a random major or minor scale at a random tempo, half the time as a band
+    (additive synthesis: a melody over held chords, two random timbres, sometimes a kick and hi-hat
+    pattern), half the time as a solo of struck or plucked notes of random lengths (`struck`)."""
     scale = np.array([0, 2, 4, 5, 7, 9, 11] if rng.random() < 0.5 else [0, 2, 3, 5, 7, 8, 10])
     root = 110 * 2 ** (rng.integers(0, 12) / 12)
     beat = int(rate * 60 / rng.uniform(70, 160))
+    if rng.random() < 0.5:  # a solo: notes of one to four half beats, each ringing into the next
+        x, start, step, brightness = np.zeros(n + 4 * beat), 0, 0, rng.uniform(0.3, 0.8)
+        while start < n:
+            step = int(np.clip(step + rng.integers(-3, 4), 0, 20))
+            semis = scale[step % 7] + 12 * (step // 7)
+            x[start:start + 4 * beat] += struck(rng, root * 2 ** (semis / 12), 4 * beat, rate, brightness)
+            start += int(rng.integers(1, 5)) * beat // 2
+        return peak(x[:n])
     lead, pad = (rng.uniform(0, 1, 8) ** 2 / np.arange(1, 9) for _ in range(2))
     x = np.zeros(n + 4 * beat)
     for start in range(0, n, 4 * beat):  # a chord per bar
