@@ -95,7 +95,7 @@ LEVEL_SECONDS = 30.0  # the speech/pause threshold is set by this much of the ne
 @dataclass(frozen=True)
 class StreamConfig:
     """The buffer and the policy. Defaults: NeMo's recommended 10-1-0.5 s buffer (a theoretical
-    latency of chunk + right = 1.5 s); an AlignAtt threshold that adapts to the token unit."""
+    latency of chunk + right = 1.5 s); an AlignAtt threshold that adapts to the model (see above)."""
 
     chunk: float = 1.0  # seconds of new audio decoded per step
     left: float | None = None  # most seconds of the current sentence before the chunk that are re-encoded

@@ -187,7 +187,7 @@ def recording_flags(p) -> None:
     p.add_argument("--policies", nargs="+", default=["alignatt", "waitk"])
     p.add_argument("--alignatt-thresholds", nargs="+", type=threshold_arg, default=[StreamConfig.alignatt_threshold],
                    metavar="S", help="AlignAtt streams at each of these thresholds (s before the chunk's end; "
-                                     "auto: the default, adapting to the token unit)")
+                                     "auto: the default, adapting to how far the attention peaks step)")
     p.add_argument("--no-utterances", action="store_true", help="skip decoding the utterances one by one")
     p.add_argument("--no-offline", action="store_true", help="skip decoding the long files offline")
 
