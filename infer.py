@@ -25,7 +25,7 @@ emission time and the latency (AL, LAAL, in ms of audio). `--stream -` reads raw
 the model's rate (16 kHz) from standard input and captions it as it comes, a line per sentence.
 
 Timestamps (--timestamps word|segment) are the hypothesis force-aligned to the CTC head's frame
-posteriors (aed/decode_timestamps.py), in seconds from the start of each file, to a resolution of one
+posteriors (aed/decode_timing.py), in seconds from the start of each file, to a resolution of one
 encoder frame (80 ms at Canary's 8x subsampling, 40 ms at 4x). A model without a CTC head
 (model.ctc_weight=0, e.g. a converted Canary checkpoint) cannot give them: infer.py stops with an
 error before decoding.
@@ -51,7 +51,7 @@ from aed.data_manifest import PROMPT_TASKS
 from aed.decode_metrics import NORMALIZERS
 from aed.decode_search import DecodingOptions
 from aed.decode_stream import POLICIES, StreamConfig, Streamer, stream_latency, stream_requests
-from aed.decode_timestamps import srt, to_segments, webvtt
+from aed.decode_timing import srt, to_segments, webvtt
 from aed.decode_transcribe import (check_settings, expand_inputs, known_languages, make_request, read_requests, score,
                                    transcribe)
 from aed.model_checkpoint import check_loading, load_model

@@ -34,8 +34,7 @@ model
   model_checkpoint  a checkpoint on disk -> the model, tokenizer and features (load_model)
 decoding
   decode_search     features -> hypotheses: batched greedy and beam search, joint with CTC prefix scores
-  decode_timestamps word and segment times, force-aligned to the CTC head
-  decode_segment    long audio: where the speech is, cut at its pauses, overlapping chunks joined back
+  decode_timing     time in the audio: pauses, long audio cut at them, CTC word times, chunks joined back
   decode_metrics    WER and BLEU, and the text normalisers leaderboards use
   decode_transcribe files -> Results: the API behind infer.py (transcribe)
   decode_stream     streams: decoding while the audio arrives (wait-k, AlignAtt), and its latency

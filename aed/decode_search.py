@@ -149,7 +149,7 @@ class DecodingOptions:
     # At most this many tokens per second of audio; None: no bound. The bundled sentences have at most 16
     # (espeak-ng speaks fast and their BPE pieces are short); Canary's tokenizers give about 4 on real speech.
     max_tokens_per_second: float | None = 25.0
-    frame_seconds: float = 0.08  # seconds per encoder frame (aed.decode_timestamps.frame_seconds): converts the bound above
+    frame_seconds: float = 0.08  # seconds per encoder frame (aed.decode_timing.frame_seconds): converts the bound above
     # Whisper's no-speech check: a hypothesis whose no-speech probability (`no_speech_probs`) is above
     # this becomes empty; None: not computed. On by default because joint CTC decoding writes text on
     # noise that the attention decoder, trained with non-speech examples, would end at once: the CTC

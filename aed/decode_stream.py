@@ -18,7 +18,7 @@ the encoder never hears a longer window than it was trained on.
 
 Sentences: a stream is a sequence of sentences, each decoded from a fresh prompt, so an hour of
 captions is bounded in memory and compute, and no audio leaves the window untranscribed. Speech and
-pauses are told apart by energy (`aed.decode_segment`, the threshold set by the last LEVEL_SECONDS
+pauses are told apart by energy (`aed.decode_timing`, the threshold set by the last LEVEL_SECONDS
 of audio). A sentence starts as much silence before its speech as the model's training utterances
 held; it ends
   - at the first pause of `endpoint` seconds after speech (the look-ahead counts: a pause heard is
@@ -73,8 +73,8 @@ import torch
 from aed.data_audio import AudioError, LogMel, load_audio
 from aed.data_manifest import PROMPT_TASKS
 from aed.decode_search import DecodingOptions, ends_in_repeats, token_budget
-from aed.decode_segment import EDGE, FRAME, PAUSE, frame_db, quietest, runs, speech_threshold
-from aed.decode_timestamps import align, feasible, frame_seconds, to_words, word_spans
+from aed.decode_timing import (EDGE, FRAME, PAUSE, align, feasible, frame_db, frame_seconds, quietest, runs,
+                               speech_threshold, to_words, word_spans)
 from aed.decode_transcribe import Result
 from aed.model_decoder import KVCache
 
@@ -627,7 +627,7 @@ def average_lagging(delays: list[float], source: float, reference_len: int | Non
 @torch.inference_mode()
 def spoken_ends(stream: Stream, wav: torch.Tensor) -> list[float] | None:
     """When each committed word was spoken: the end of its span in the CTC head's forced alignment of
-    the stream's text to the whole audio `wav` (S,) (aed/decode_timestamps.py), in seconds; None
+    the stream's text to the whole audio `wav` (S,) (aed/decode_timing.py), in seconds; None
     without a CTC head, or where no CTC path through the audio fits the text."""
     streamer, model = stream.streamer, stream.streamer.model
     ids = streamer.tokenizer.text_ids(stream.ids)

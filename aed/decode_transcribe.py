@@ -13,13 +13,13 @@ installed: m4a, mp4, webm, ...), directories, glob patterns, or
 `Request`s (one per manifest line, with per-line task fields). Every input gets one `Result`, in
 input order; an unreadable file gets `error` set instead of a transcript, never dropped.
 
-A *chunk* is a stretch of one input that is decoded on its own (`AudioChunk`; `aed.decode_segment.Chunk`
-once decoded); a *segment* is a subtitle cue (`aed.decode_timestamps.Segment`).
+A *chunk* is a stretch of one input that is decoded on its own (`AudioChunk`; `aed.decode_timing.Chunk`
+once decoded); a *segment* is a subtitle cue (`aed.decode_timing.Segment`).
 
 How the work is cut:
 1. Plan: each input's duration (manifest, else the file header). Inputs longer than `chunk_seconds`
    (the longest utterance the model was trained on) are cut at their pauses into segments of at most
-   that (`aed.decode_segment`: speech found by energy, every pause of 0.25 s ends a segment, each
+   that (`aed.decode_timing`: speech found by energy, every pause of 0.25 s ends a segment, each
    segment with the silence at its edges that the training utterances held, the rest not decoded).
    Where continuous speech must be cut, with `chunk_overlap` > 0 (off by default: docs/inference.md,
    "Long audio", says why) the next segment starts that many seconds before the previous one ends,
@@ -31,9 +31,9 @@ How the work is cut:
    separately (the device is synchronised between phases) for the RTFx report. Validation during
    training decodes its batches with the same `decode_features`.
 4. With timestamps, or to merge overlapping chunks with a CTC head: each hypothesis is force-aligned
-   to the CTC head's posteriors of its own chunk (`aed.decode_timestamps`), and the chunk's start is added,
+   to the CTC head's posteriors of its own chunk (`aed.decode_timing`), and the chunk's start is added,
    so times count from the start of the file.
-5. Join: overlapping chunks' words are merged (`aed.decode_segment.merge_chunks`: by time when aligned,
+5. Join: overlapping chunks' words are merged (`aed.decode_timing.merge_chunks`: by time when aligned,
    else by the words both chunks heard); chunks that do not overlap are joined with spaces.
 """
 
@@ -55,8 +55,8 @@ from aed.data_manifest import PROMPT_TASKS, check_task, read_rows, request_field
 from aed.data_tokenizer import Tokenizer
 from aed.decode_metrics import corpus_scores
 from aed.decode_search import DecodingOptions, decode_features
-from aed.decode_segment import EDGE, Chunk, MergeStats, frame_db, merge_chunks, plan_segments, speech_frames, trimmed_span
-from aed.decode_timestamps import Word, align, feasible, frame_seconds, snap_to_speech, to_segments, to_words
+from aed.decode_timing import (EDGE, Chunk, MergeStats, Word, align, feasible, frame_db, frame_seconds, merge_chunks,
+                               plan_segments, snap_to_speech, speech_frames, to_segments, to_words, trimmed_span)
 from aed.model_checkpoint import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -236,10 +236,10 @@ def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int, overlap: f
     """A request's length (s) and the (offset, duration or None = to the end, seconds) of each of its
     chunks: the whole of an input up to `chunk_seconds` (with `trim`, the model's train.trim_silence,
     cut as training cut its utterances: to `trim` s of silence around its speech); a longer one cut at
-    its pauses into segments of at most `chunk_seconds` (`aed.decode_segment.plan_segments`) with `edges` s of silence before
+    its pauses into segments of at most `chunk_seconds` (`aed.decode_timing.plan_segments`) with `edges` s of silence before
     and after their speech, the rest of the silence between them not decoded; with `overlap`, a
     segment that follows a cut inside continuous speech starts that many seconds before the previous
-    one ends (the words around the cut are then merged: `aed.decode_segment.merge_chunks`; `transcribe` checks
+    one ends (the words around the cut are then merged: `aed.decode_timing.merge_chunks`; `transcribe` checks
     that overlap is at most half of chunk_seconds)."""
     if req.duration is not None:
         total = req.duration
@@ -257,7 +257,7 @@ def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int, overlap: f
     for cut in plan_segments(file_db(req.audio_filepath, req.offset, total, sample_rate), chunk_seconds,
                              edges=edges):
         joined = overlap > 0 and previous is not None and not previous.pause_after
-        # ... by at most half the previous chunk (`aed.decode_segment.merge_chunks` joins two chunks, never three)
+        # ... by at most half the previous chunk (`aed.decode_timing.merge_chunks` joins two chunks, never three)
         start = max((chunks[-1][0] - req.offset + previous.end) / 2, previous.end - overlap) if joined else cut.start
         end = min(cut.end, total)
         chunks.append((req.offset + start, end - start, end - start))
@@ -371,7 +371,7 @@ def chunk_words(loaded: LoadedModel, ids: list[int], log_probs: torch.Tensor | N
                 offset: float, where: str) -> list[Word]:
     """One chunk's hypothesis -> its words; with its CTC log-probs (T', V), force-aligned, with times
     in the file (the chunk's audio `wav` (S,) starts at `offset` s) narrowed to the speech inside
-    each word's span (`aed.decode_timestamps.snap_to_speech`), else untimed. Special and padding ids carry
+    each word's span (`snap_to_speech`), else untimed. Special and padding ids carry
     no text and no time. The last encoder frame reaches past the chunk's end (up to 80 ms of
     padding): times are clipped to the chunk."""
     text_ids = loaded.tokenizer.text_ids(ids)
@@ -404,7 +404,7 @@ def join_chunks(results: list[Result], generated: list[dict], tokenizer: Tokeniz
 
 def merge_overlapping_chunks(results: list[Result], chunks: list[AudioChunk], words: list[dict], timed: bool,
                              keep_words: bool) -> None:
-    """Each transcribed file's words from overlapping chunks (`aed.decode_segment.merge_chunks`): every
+    """Each transcribed file's words from overlapping chunks (`aed.decode_timing.merge_chunks`): every
     word once, its text the words joined with spaces, its ids the kept words' (special tokens are not kept)."""
     stats = MergeStats()
     for i, res in enumerate(results):
@@ -435,9 +435,9 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
     batch_duration: padded seconds of audio per batch (`aed.data_batch.duration_batches`). chunk_seconds:
     longer inputs are cut at pauses (see the module docstring); None: `chunk_length` picks it.
     chunk_overlap: seconds by which a chunk starts before the previous one ends where their cut is not
-    a pause, the hypotheses merged (`aed.decode_segment.merge_chunks`); 0: never.
+    a pause, the hypotheses merged (`aed.decode_timing.merge_chunks`); 0: never.
     dtype: torch.bfloat16 for bf16 autocast, None for fp32. timestamps: set every Result's `words`
-    (`aed.decode_timestamps`); a model without a CTC head raises ValueError, before any work.
+    (`aed.decode_timing`); a model without a CTC head raises ValueError, before any work.
     progress(done_s, total_s) is called after every batch with seconds of audio.
     """
     if timestamps and loaded.model.ctc is None:

@@ -25,7 +25,7 @@ from aed.data_manifest import Faults, ManifestError, check_audio, nonspeech_fiel
 from aed.data_mixing import (MixLog, MixedSource, Tagged, audio_shares, group_of, nonspeech_examples, stream_weights,
                              temperature_mix)
 from aed.data_sources import CountTokens, ManifestEntry, source_faults
-from aed.decode_segment import EDGE_SAMPLE, edge_silence, trim_silence
+from aed.decode_timing import EDGE_SAMPLE, edge_silence, trim_silence
 from aed.train_config import OBJECTIVES, TrainConfig
 from aed.train_distributed import all_gather_objects
 from bins import Bins, estimate_bins, load_batch_sizes
@@ -224,7 +224,7 @@ def silence_trimmer(cfg: TrainConfig):
 
 def measure_edges(utts: list, sample_rate: int, seed: int, trim=None) -> tuple[float, float] | None:
     """The silence the training utterances hold before and after their speech (medians over
-    EDGE_SAMPLE of them, `aed.decode_segment.edge_silence`, after `trim`): inference cuts long audio
+    EDGE_SAMPLE of them, `aed.decode_timing.edge_silence`, after `trim`): inference cuts long audio
     into segments with as much, the edges the model was trained on. Unreadable audio is left out."""
     t0 = time.time()
     wavs = []

@@ -24,7 +24,7 @@ from aed.data_manifest import Faults, read_manifest
 from aed.data_sources import ManifestEntry, metadata
 from aed.decode_metrics import corpus_scores
 from aed.decode_search import DecodingOptions
-from aed.decode_timestamps import frame_seconds
+from aed.decode_timing import frame_seconds
 from aed.model_static import CompiledAED
 from aed.train_data import silence_trimmer
 from aed.train_distributed import all_gather_objects, all_reduce, full_copy

@@ -150,7 +150,7 @@ def feature_agreement(ckpt: str, rows: list) -> dict:
 
     from aed.data_audio import LogMel, load_audio
     from aed.decode_search import DecodingOptions, greedy_search
-    from aed.decode_timestamps import frame_seconds
+    from aed.decode_timing import frame_seconds
     from aed.model_checkpoint import load_model
 
     asr = load_model(ckpt)

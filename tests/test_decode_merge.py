@@ -1,4 +1,4 @@
-"""aed/decode_segment.py's merge_chunks: the hypotheses of overlapping chunks, joined with every spoken word once.
+"""aed/decode_timing.py's merge_chunks: the hypotheses of overlapping chunks, joined with every spoken word once.
 
 The chunks here are built by hand from a known word sequence, with what really goes wrong at a
 chunk's edges: a word cut by the chunk end comes out garbled or not at all, and a chunk that starts
@@ -12,8 +12,7 @@ import soundfile as sf
 import torch
 from fixtures.make_word_model import load_clips, word_sequence
 
-from aed.decode_segment import Chunk, MergeStats, longest_common_run, merge_chunks
-from aed.decode_timestamps import Word
+from aed.decode_timing import Chunk, MergeStats, Word, longest_common_run, merge_chunks
 from aed.decode_transcribe import Request, plan_chunks, transcribe
 from aed.model_checkpoint import load_model
 

@@ -1,4 +1,4 @@
-"""Cutting long audio at its pauses (aed/decode_segment.py): no speech frame is left out or cut
+"""Cutting long audio at its pauses (aed/decode_timing.py): no speech frame is left out or cut
 where a pause was near, no segment is longer than the limit, silence is not decoded."""
 
 import random
@@ -7,7 +7,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from aed.decode_segment import (EDGE, FRAME, PAUSE, edge_silence, frame_db, plan_segments, speech_frames, trim_silence,
+from aed.decode_timing import (EDGE, FRAME, PAUSE, edge_silence, frame_db, plan_segments, speech_frames, trim_silence,
                                 trimmed_span)
 from aed.decode_transcribe import Request, plan_chunks
 

@@ -50,7 +50,7 @@ from aed import load_model
 from aed.data_audio import FeatureConfig, LogMel, load_audio
 from aed.data_tokenizer import CONTEXT, EMO_UNDEFINED, NODIARIZE, NOITN, NOPNC, NOTIMESTAMP, PNC, Tokenizer
 from aed.decode_search import DecodingOptions, greedy_search
-from aed.decode_timestamps import frame_seconds
+from aed.decode_timing import frame_seconds
 from aed.model import AED
 from aed.model_static import MIN_FRAMES
 
