@@ -98,7 +98,7 @@ def word_audio(args) -> None:
     for name, snap in (("CTC spans", False), ("snapped to speech", True)):
         log(f"timestamps: {args.files} files, {name}")
         # The CTC spans alone: aed.decode_transcribe's narrowing to the speech in each span, switched off.
-        aed.decode_timing.snap_to_speech = snap_to_speech if snap else (lambda words, speech, offset: words)
+        aed.decode_transcribe.snap_to_speech = snap_to_speech if snap else (lambda words, speech, offset: words)
         results, _ = transcribe(asr, paths, pnc=False, timestamps=True)
         starts, ends, right = [], [], 0
         for res, truth in zip(results, truths):
@@ -113,7 +113,7 @@ def word_audio(args) -> None:
             stats[f"{name} {edge}"] = {k: round(float(v), 3) for k, v in (
                 ("median", errors.median()), ("p90", errors.quantile(0.9)), ("max", errors.max()))}
             rows.append([f"{name} {edge}", *stats[f"{name} {edge}"].values()])
-    aed.decode_timing.snap_to_speech = snap_to_speech
+    aed.decode_transcribe.snap_to_speech = snap_to_speech
     print_table([("word boundary", "<24"), ("median s", ">9.3f"), ("p90 s", ">7.3f"), ("max s", ">7.3f")], rows)
     print(f"{right}/{args.files} files transcribed right; {len(starts)} words timed")
 
