@@ -12,7 +12,7 @@
 One command from manifests to a training config (--out): without --bins, bins are estimated from
 --manifest (default: the config's train.manifests) with the training tokenizer and prompt, the
 config's train.num_buckets / sub_buckets / bin_method, leaving out what exceeds model.dec_max_len
-(aed/data_bins.py, as tools/estimate_bins.py); each duration bin's TPS filter (bins.max_tps,
+(aed/train_data.py, as tools/estimate_bins.py); each duration bin's TPS filter (bins.max_tps,
 outliers past 4 standard deviations) bounds the search's token counts and is written as
 train.max_tps, so training drops the same outliers; the batch sizes go to -o (default: next to
 --out) and --out is a YAML fragment (train.batch_sizes, train.max_tps, train.manifests when
@@ -53,7 +53,7 @@ import torch
 import yaml
 
 from aed.config import ConfigError
-from aed.data_bins import bins_from_manifests
+from aed.train_data import bins_from_manifests
 from aed.data_sources import parse_spec
 from aed.data_tokenizer import Tokenizer
 from aed.memory_measure import CUDA_BLOCK, SimulatedDevice, allocated_limit, fake_world, format_bytes, parse_bytes

@@ -23,7 +23,6 @@ data
   data_formats      other toolkits' datasets read in place: NeMo tarred, Lhotse Shar, Hugging Face parquet
   data_sources      a train.manifests entry, typed and checked (ManifestEntry) -> its reader
   data_mixing       temperature shares of sources and languages, non-speech examples, streams mixed by weight
-  data_bins         2D bucket bins estimated from manifests, and their shapes in frames
 model
   model_encoder     FastConformer encoder (NeMo's layout: Canary weights convert 1:1)
   model_decoder     Transformer decoder with its KV cache
@@ -42,8 +41,8 @@ training
   train_distributed torchrun ranks, DDP and FSDP2
   train_config      TrainConfig and its sections: what train.py and oom.py read; the objectives (aed, rnnt, ssl)
   train_checkpoint  a run's checkpoints written (DCP, completion marker) and its state loaded back
+  train_data        a run's training data: sources, sampler, DataLoader; bucket bins estimated from manifests
   train_setup       what a run is made of (TrainingSetup: model, optimizer, LR, precision, EMA), and its step
-  train_data        a run's training data: sources, sampler, DataLoader
   train_progress    the progress line, metrics.jsonl, TensorBoard, FLOPs and MFU
   train_validation  dev loss, WER per language and BLEU per pair during training
 memory

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from aed.config import ConfigError
 from aed.data_audio import SpecAugment
-from aed.data_bins import bucket_shapes
+from aed.train_data import bucket_shapes
 from aed.data_tokenizer import Tokenizer
 from aed.model import AED, infeasible, param_groups, text_targets
 from aed.model_checkpoint import Checkpoint, CheckpointError, read_checkpoint

@@ -114,7 +114,7 @@ from common import (add_width_args, epoch_batch, log, paper_corpus, print_json, 
 from torch.nn.parallel import DistributedDataParallel
 
 from aed.data_audio import FeatureConfig, num_frames
-from aed.data_bins import bucket_shapes
+from aed.train_data import bucket_shapes
 from aed.memory_measure import (CUBLAS_WORKSPACE, CUDA_BLOCK, LiveTensorMemory, SimulatedDevice, allocated_limit,
                                 fake_world, format_bytes, parse_bytes)
 from aed.memory_oomptimizer import (MemoryBudgetError, MemoryModel, TrainingStep, make_monotone, optimize,

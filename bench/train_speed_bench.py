@@ -59,7 +59,7 @@ from common import (ROOT, cores, flat_sizes, json_line, load_avg, log, max_durat
                     show_library_logs)
 from torch.nn.parallel import DistributedDataParallel
 
-from aed.data_bins import bins_from_manifests
+from aed.train_data import bins_from_manifests
 from aed.data_sources import ManifestEntry
 from aed.memory_measure import format_bytes, peak_memory
 from aed.memory_oomptimizer import artificial_batch

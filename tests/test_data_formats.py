@@ -24,7 +24,7 @@ from tools.write_formats import read_rows, shar_cut, write_nemo_tarred, write_pa
 
 from aed.data_audio import AudioError, LogMel, load_audio
 from aed.data_batch import decode_audio
-from aed.data_bins import bins_from_manifests
+from aed.train_data import bins_from_manifests
 from aed.data_manifest import AUDIO_LENGTH, example_fields
 from aed.data_formats import cut_row, expand_paths, pair_shards
 from aed.data_shards import tar_members

@@ -230,7 +230,7 @@ def test_one_reader_for_training_bins_and_tokenizer_training_gz_and_aliases(tmp_
     and tokenizer training, and a bad line stops each with the same file:line:field."""
     import gzip
 
-    from aed.data_bins import bins_from_manifests
+    from aed.train_data import bins_from_manifests
     from tools.train_tokenizer import read_manifests
 
     src = [json.loads(x) for x in open(os.path.join(MINI, "train.jsonl"))][:12]

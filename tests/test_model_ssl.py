@@ -144,7 +144,7 @@ def test_train_py_refuses_an_audio_only_manifest_for_objectives_that_need_text(t
 def test_oom_sizes_ssl_batches_on_1d_buckets():
     """oom.py's artificial step runs BEST-RQ on duration-only buckets (2-token batches: no text)."""
     from bins import estimate_bins
-    from aed.data_bins import bucket_shapes
+    from aed.train_data import bucket_shapes
     from aed.memory_oomptimizer import TrainingStep
 
     bins = estimate_bins([1.0, 2.0, 3.0, 4.0] * 10, [0] * 40, 2, 1)

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from aed.data_audio import FeatureConfig, num_frames
-from aed.data_bins import bucket_shapes
+from aed.train_data import bucket_shapes
 from aed.memory_measure import (CUBLAS_WORKSPACE, CUDA_CONTEXT, LiveTensorMemory, OutOfMemory, SimulatedDevice,
                                 allocated_limit, fake_world, is_out_of_memory, parse_bytes)
 from aed.memory_oomptimizer import (MemoryBudgetError, MemoryModel, TrainingStep, make_monotone, optimize, preflight,

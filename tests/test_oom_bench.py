@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from aed.memory_oomptimizer import MemoryModel  # noqa: E402
-from aed.data_bins import bucket_shapes  # noqa: E402
+from aed.train_data import bucket_shapes  # noqa: E402
 from aed.data_audio import FeatureConfig, num_frames  # noqa: E402
 from bins import estimate_bins  # noqa: E402
 from common import paper_corpus  # noqa: E402

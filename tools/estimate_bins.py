@@ -9,7 +9,7 @@ An example's token count is the length of what the decoder is trained on: prompt
 from `aed.data_batch.encode_utterance` with the training tokenizer (train.tokenizer), after the line is
 parsed by the manifest reader training uses (.gz manifests and NeMo's `lang` / `answer` included). Bins are estimated from a uniform random sample of
 the non-empty lines of all manifests (one pass, reservoir sampling); lines that do not parse or
-tokenize are skipped and counted by reason (aed/data_bins.py, shared with oom.py --manifest).
+tokenize are skipped and counted by reason (aed/train_data.py, shared with oom.py --manifest).
 Progress goes to stderr. The bins go to `-o`, with a `meta` record of what they were estimated
 from; `bins.py` explains the estimation itself.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
 
-from aed.data_bins import bins_from_manifests  # noqa: E402
+from aed.train_data import bins_from_manifests  # noqa: E402
 from aed.data_sources import parse_spec  # noqa: E402
 from aed.data_tokenizer import Tokenizer  # noqa: E402
 
