@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None):
                      help="at most encoder frames + this many tokens per chunk (NeMo's max_generation_delta)")
     dec.add_argument("--ctc-weight", type=float, default=None,
                      help="joint CTC/attention decoding weight for models with a CTC head; 0: attention only "
-                          f"(default: {DecodingOptions.ctc_weight}; streams decode with the attention decoder alone)")
+                          f"(default: {DecodingOptions.ctc_weight}, streams too)")
     dec.add_argument("--max-repeats", type=int, default=DecodingOptions.max_repeats,
                      help="stop a hypothesis that repeats an n-gram more than this many times in a row; 0: never")
     dec.add_argument("--max-tokens-per-second", type=float, default=DecodingOptions.max_tokens_per_second,
@@ -172,9 +172,6 @@ def parse_args(argv: list[str] | None = None):
         p.error("--stream decodes greedily, eager: not with --beam-size > 1, --timestamps or --compile")
     if args.stream and args.no_speech_threshold is not None:
         p.error("--stream commits tokens as they come: not with --no-speech-threshold, which decides per chunk")
-    if args.stream and args.ctc_weight:
-        p.error(f"--stream decodes with the attention decoder alone (a token is committed before the audio "
-                f"that would rescore it has arrived): not with --ctc-weight {args.ctc_weight}")
     if args.subtitles and not args.timestamps:
         p.error("--subtitles needs --timestamps word or segment")
     try:  # the ranges of the values are the library's to check

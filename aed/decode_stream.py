@@ -57,7 +57,11 @@ was heard when its sentence ended), in seconds from the start of the stream (com
 (SimulEval's computation-aware delay adds it).
 Several streams decode as one batch (`Streamer.run`), each row at its own decoder position
 (`aed.model_decoder.KVCache` with per-row lengths), and each gets the tokens it gets alone.
-Decoding is greedy over the attention decoder: joint CTC scores and beams are offline only.
+Decoding is greedy, and joint with the CTC head as offline (a model with a head, options.ctc_weight >
+0, the default): each token is the best of (1 - w) log P_att + w log P_ctc among the attention
+decoder's `ctc_candidates` and EOS, the CTC prefix scored over the sentence's window. The window
+starts where the sentence does, so every committed token the decoder re-reads is in its audio, and
+a token is chosen on the audio heard so far, as the policy then judges it. Beams are offline only.
 """
 
 import logging
@@ -69,10 +73,11 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from aed.data_audio import AudioError, LogMel, load_audio
 from aed.data_manifest import PROMPT_TASKS
-from aed.decode_search import DecodingOptions, ends_in_repeats, token_budget
+from aed.decode_search import CTCPrefixScorer, DecodingOptions, ends_in_repeats, joint_candidates, token_budget
 from aed.decode_timing import (EDGE, FRAME, PAUSE, align, feasible, frame_db, frame_seconds, quietest, runs,
                                speech_threshold, to_words, word_spans)
 from aed.decode_transcribe import Result
@@ -224,14 +229,15 @@ class Streamer:
 
     def __init__(self, loaded, config: StreamConfig = StreamConfig(), options: DecodingOptions = DecodingOptions(),
                  partials: bool = False):
-        """loaded: an `aed.model_checkpoint.LoadedModel`. options: the limits of the search
-        (max_repeats, max_tokens_per_second, max_delta, max_new_tokens); greedy only. partials: go on
+        """loaded: an `aed.model_checkpoint.LoadedModel`. options: the search, greedy only: its CTC
+        weight and limits (max_repeats, max_tokens_per_second, max_delta, max_new_tokens). partials: go on
         decoding what the policy holds back, up to the chunk's cap of tokens, into `Stream.partial`
         (for a caption's grey tail: more decoder steps, the same committed tokens)."""
         if options.beam_size != 1:
             raise ValueError("streaming decodes greedily (each token is committed as it is chosen): beam size must be 1")
         self.loaded, self.config, self.model, self.tokenizer = loaded, config, loaded.model, loaded.tokenizer
         self.partials = partials
+        self.joint = options.ctc_weight > 0 and self.model.ctc is not None  # joint CTC/attention scores
         self.rate = loaded.features.sample_rate
         self.frame_s = frame_seconds(loaded.features, self.model.cfg.subsampling_factor)
         self.options = replace(options, frame_seconds=self.frame_s)
@@ -317,7 +323,8 @@ class Streamer:
             for b, w in enumerate(wavs):
                 wav[b, : w.numel()] = w
             feats, feat_lens = self.logmel(wav.to(device), lens.to(device))
-            memory, memory_lens = self.model.encode(feats, feat_lens)  # (B, T', D), (B,)
+            memory, memory_lens, ctc_log_probs = (self.model.encode_with_ctc(feats, feat_lens) if self.joint
+                                                  else (*self.model.encode(feats, feat_lens), None))  # (B, T', D), (B,)
             # The decoder attends up to the chunk's end: the look-ahead frames are heard by the encoder
             # only, unless the sentence ends here.
             heard = torch.tensor([max(1, (windows[i].chunk_end - windows[i].start) // self.frame) for i in live],
@@ -325,7 +332,7 @@ class Streamer:
             closing = torch.tensor([windows[i].closing for i in live], device=device)
             attend = torch.where(closing, memory_lens, torch.minimum(memory_lens, heard))
             for b, tokens in zip(live, self.decode_chunk([streams[i] for i in live], [windows[i] for i in live],
-                                                          memory, attend)):
+                                                          memory, attend, ctc_log_probs)):
                 new[b] = tokens
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the time of the work, not of queueing it
@@ -406,10 +413,12 @@ class Streamer:
         per_second = self.options.max_tokens_per_second
         return max(1, math.floor(per_second * self.chunk / self.rate)) if per_second else self.options.max_delta
 
-    def decode_chunk(self, streams, windows, memory, attend) -> list[list[int]]:
+    def decode_chunk(self, streams, windows, memory, attend, ctc_log_probs=None) -> list[list[int]]:
         """Greedy steps for each row (a stream) from its prefix: under the policy, or to EOS where its
         sentence ends (`Window.closing`); memory (B, T', D), attend (B,) frames each row's decoder may
-        attend to. Returns the ids each row commits."""
+        attend to. With the CTC head's log-probs (B, T', V + 1), each step's token is the best joint
+        score among the attention decoder's `ctc_candidates` and EOS, as offline greedy decoding picks
+        it. Returns the ids each row commits."""
         b, device, eos = len(streams), memory.device, self.tokenizer.eos
         contexts = [self.context(s) for s in streams]
         prefixes = [s.prompt + c for s, c in zip(streams, contexts)]
@@ -423,6 +432,8 @@ class Streamer:
         padded = torch.full((b, int(prefix_lens.max())), eos, dtype=torch.long, device=device)
         for r, p in enumerate(prefixes):
             padded[r, : len(p)] = torch.tensor(p)
+        scorer = None if ctc_log_probs is None else self.ctc_scorer(ctc_log_probs, attend, contexts)
+        rows = torch.arange(b, device=device)
         with CrossAttention(self.model, self.alignatt_layer) as attention:
             hidden = self.model.decoder.forward_cached(padded, cache)  # (B, P, D)
             # Each row goes on from its own prefix: positions past it hold padding, overwritten next.
@@ -435,7 +446,15 @@ class Streamer:
             state = ["commit"] * b  # then "partial" (held back, with partials) or "done"
             partial = [[] for _ in streams]
             for _ in range(steps):
-                tokens = logits.argmax(dim=-1).tolist()
+                if scorer is None:
+                    tokens = logits.argmax(dim=-1).tolist()
+                else:
+                    cand, joint, psi = joint_candidates(F.log_softmax(logits, dim=-1), scorer, eos,
+                                                        self.options.ctc_weight, self.options.ctc_candidates)
+                    choice = joint.argmax(dim=-1)  # (B,)
+                    token = cand[rows, choice]
+                    scorer.select(rows, choice, psi[rows, choice], token)
+                    tokens = token.tolist()
                 for r, s in enumerate(streams):
                     if state[r] == "commit":
                         verdict = self.commit(s, hyps[r], out[r], tokens[r], int(peaks[r]), int(attend[r]),
@@ -457,6 +476,20 @@ class Streamer:
         for s, p in zip(streams, partial):
             s.partial = p
         return out
+
+    def ctc_scorer(self, ctc_log_probs, attend, contexts: list[list[int]]) -> CTCPrefixScorer:
+        """A CTC prefix scorer over each row's `attend` frames, advanced through the committed tokens its
+        decoder re-reads: the window starts where the sentence does, so they are all in its audio."""
+        scorer, device = CTCPrefixScorer(ctc_log_probs, attend), ctc_log_probs.device
+        rows, past = torch.arange(len(contexts), device=device), torch.ones(len(contexts), dtype=torch.long, device=device)
+        for i in range(max(map(len, contexts), default=0)):
+            has = torch.tensor([i < len(c) for c in contexts], device=device)
+            token = torch.tensor([c[i] if i < len(c) else 0 for c in contexts], device=device)
+            psi = scorer.score(token[:, None])[:, 0]
+            # A row whose context has ended picks the column past the scored one: its variables stay.
+            scorer.select(rows, torch.where(has, 0, past), torch.where(has, psi, scorer.psi),
+                          torch.where(has, token, scorer.last))
+        return scorer
 
     def commit(self, s: Stream, hyp: list[int], out: list[int], token: int, peak: int, attend: int, window,
                budget: int) -> str:

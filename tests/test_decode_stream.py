@@ -29,7 +29,8 @@ from aed.model_decoder import KVCache
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORD_MODEL = os.path.join(ROOT, "tests", "fixtures", "word_model.pt")  # tests/fixtures/make_word_model.py
 RATE = 16000
-GREEDY = DecodingOptions(ctc_weight=0.0)  # streams decode with the attention decoder alone
+GREEDY = DecodingOptions(ctc_weight=0.0)  # the attention decoder alone
+JOINT = DecodingOptions()  # joint CTC/attention scores, the default
 
 
 @pytest.fixture(scope="module")
@@ -96,16 +97,18 @@ def test_rows_at_their_own_positions_decode_as_each_row_alone():
 # --- streams against offline decoding ---------------------------------------------------------
 
 
-def test_a_stream_whose_chunk_holds_all_its_audio_is_offline_greedy_decoding(word_model, sequences, tmp_path):
+@pytest.mark.parametrize("options", [GREEDY, JOINT], ids=["attention", "joint-ctc"])
+def test_a_stream_whose_chunk_holds_all_its_audio_is_offline_greedy_decoding(word_model, sequences, tmp_path, options):
     """No policy is reached (the stream's end decodes to EOS), no sentence is ended at a pause
-    (endpoint 0): what is left is the encoder and the greedy decoder, as offline."""
+    (endpoint 0): what is left is the encoder and the greedy decoder, as offline, with or without
+    the CTC head's scores."""
     paths = []
     for i, (wav, _) in enumerate(sequences):
         paths.append(str(tmp_path / f"s{i}.wav"))
         sf.write(paths[-1], wav.numpy(), RATE, subtype="FLOAT")
-    offline, _ = transcribe(word_model, paths, GREEDY, pnc=False)
+    offline, _ = transcribe(word_model, paths, options, pnc=False)
     for (wav, _), res in zip(sequences, offline):
-        stream = streamed(word_model, wav, StreamConfig(chunk=60.0, endpoint=0.0))
+        stream = streamed(word_model, wav, StreamConfig(chunk=60.0, endpoint=0.0), options=options)
         assert stream.ids == res.tokens and stream.text == res.pred_text
         assert all(t.time == pytest.approx(wav.numel() / RATE) for t in stream.tokens)  # all at the end
 
@@ -179,10 +182,11 @@ def test_no_token_depends_on_audio_after_its_time(word_model, sequences):
     assert early_a and early_a == [(t.id, t.time) for t in b.tokens if t.time <= 3.0]
 
 
-def test_a_batch_of_streams_decodes_each_as_it_decodes_alone(word_model, sequences):
+@pytest.mark.parametrize("options", [GREEDY, JOINT], ids=["attention", "joint-ctc"])
+def test_a_batch_of_streams_decodes_each_as_it_decodes_alone(word_model, sequences, options):
     config = StreamConfig(chunk=0.5, right=0.25)
-    alone = [streamed(word_model, wav, config) for wav, _ in sequences[:5]]
-    streamer = Streamer(word_model, config, GREEDY)
+    alone = [streamed(word_model, wav, config, options=options) for wav, _ in sequences[:5]]
+    streamer = Streamer(word_model, config, options)
     streams = [streamer.open("en", pnc=False) for _ in alone]
     wavs = [wav for wav, _ in sequences[:5]]
     for start in range(0, max(w.numel() for w in wavs), 4800):  # 0.3 s per round, to every stream at once

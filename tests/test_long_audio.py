@@ -81,16 +81,18 @@ def test_a_long_file_offline_keeps_the_accuracy_of_its_sentences(word_model, lon
 
 
 @pytest.mark.slow
-def test_a_long_stream_drops_no_words_and_its_lag_does_not_grow(word_model, long_recording, one_by_one):
-    """AlignAtt at the default buffer: WER within 15% (relative, plus a point) of offline greedy,
-    deletions within 5% of the words of the sentences alone, and the lag from a word's end in the audio to its
-    commit in the last half minute no more than 20% (plus 0.2 s) above the first half minute's."""
+@pytest.mark.parametrize("options", [DecodingOptions(), GREEDY], ids=["default", "attention"])
+def test_a_long_stream_drops_no_words_and_its_lag_does_not_grow(word_model, long_recording, one_by_one, options):
+    """AlignAtt at the default buffer, joint with CTC (the default) or not: WER within 15% (relative,
+    plus a point) of offline greedy decoding with the same scores, deletions within 5% of the words of
+    the sentences alone, and the lag from a word's end in the audio to its commit in the last half
+    minute no more than 20% (plus 0.2 s) above the first half minute's."""
     paths, sentences = long_recording
     refs = [" ".join(t for _, _, t in parts) for parts in sentences]
-    offline, _ = transcribe(word_model, paths, GREEDY, pnc=False)
+    offline, _ = transcribe(word_model, paths, options, pnc=False)
     wer_offline, _, _ = errors(refs, [r.pred_text for r in offline])
     _, deleted_alone, words = one_by_one
-    streamer = Streamer(word_model, StreamConfig(), GREEDY)
+    streamer = Streamer(word_model, StreamConfig(), options)
     decoded = stream_requests(streamer, [make_request(p, "en", pnc=False) for p in paths])
     wer, deleted, _ = errors(refs, [res.pred_text for res, _, _ in decoded])
     assert wer <= 1.15 * wer_offline + 1, (wer, wer_offline)
