@@ -383,11 +383,14 @@ class Streamer:
         onset = min(int(own[0]), int(spoken[0])) if own.numel() else int(spoken[0])
         shift = max(0, onset - lead) if self.config.endpoint > 0 else 0
         start, levels, speech = start + shift * hop, levels[shift:], speech[shift:]
-        own, onset = own - shift, onset - shift
+        own, first = own - shift, int(spoken[0]) - shift
         if self.config.endpoint > 0:
-            for lo, hi in runs(~speech[onset:]):
+            # Pauses are looked for after the first frame of speech by the stream's recent level: the quiet
+            # between a fainter onset that only the sentence's own level finds and that speech is no pause
+            # after speech (taken as one, it cut sentences of 0.15 s, each decoded into a hallucinated word).
+            for lo, hi in runs(~speech[first:]):
                 if hi - lo >= round(self.config.endpoint / FRAME):  # the first pause after speech
-                    lo, hi = onset + lo, onset + hi
+                    lo, hi = first + lo, first + hi
                     spoken_end = int(own[own < lo].max()) + 1 if (own < lo).any() else lo
                     cut = start + min(spoken_end + trail, (lo + hi) // 2) * hop
                     return Window(start, cut, cut, heard, closing=True)

@@ -353,3 +353,22 @@ def test_a_live_line_keeps_the_newest_text_and_greys_what_is_not_committed():
     assert infer.with_partial(Stream("abcdefghij", ""), 0, 5) == "…ghij"
     assert infer.with_partial(Stream("hello world", " again"), 0, 12) == "…world\x1b[2m again\x1b[0m"  # 12 shown
     assert infer.with_partial(Stream("ab", "cdefghijkl"), 0, 5) == "…\x1b[2mijkl\x1b[0m"
+
+
+def test_a_faint_onset_before_speech_does_not_end_a_sentence_of_its_own(word_model):
+    """A sound that the sentence's own level calls sound and the stream's recent level does not (a faint
+    onset), then a gap, then speech in the look-ahead: the gap is no pause after speech, so the
+    sentence goes on into the speech. Cut there, each such onset became a sentence of its own, decoded
+    into a hallucinated word (a ten-minute stream of the demo model wrote "Ach" six times)."""
+    streamer = Streamer(word_model, StreamConfig(chunk=1.0, right=0.5))
+    s = streamer.open("en", pnc=False)
+    s.chunks = 9
+    chunk_end = (s.chunks + 1) * streamer.chunk // 160  # in 10 ms frames; the look-ahead follows it
+    start = chunk_end - 60
+    recent = torch.tensor([-10.0, -10.0, -25.0] * 400)[:start]  # speech: by this level, frames above -25 dB
+    sentence = torch.cat([torch.full((10,), -70.0), torch.full((30,), -35.0),  # the onset: speech by its own level
+                          torch.full((35,), -70.0), torch.full((100,), -10.0)])  # a gap, then speech (look-ahead)
+    s.levels = torch.cat([recent, sentence])  # 10 ms frames from the stream's start
+    s.received, s.kept_from = s.levels.numel() * 160, start * 160
+    window = streamer.window(s, final=False)
+    assert not window.closing and window.chunk_end == chunk_end * 160, window
