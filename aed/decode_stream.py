@@ -22,7 +22,10 @@ pauses are told apart by energy (`aed.decode_timing`, the threshold set by the l
 of audio). A sentence starts as much silence before its speech as the model's training utterances
 held; it ends
   - at the first pause of `endpoint` seconds after speech (the look-ahead counts: a pause heard is
-    a pause), cut as much silence after its speech as the training utterances held; or
+    a pause), cut as much silence after its speech as the training utterances held; where that
+    makes it longer than the longest training utterance, at the longest gap in its speech instead
+    (as offline segmentation splits a stretch too long for the model), when its committed tokens'
+    attention lies before the gap; or
   - where it would outgrow the window (left + chunk): at its quietest 100 ms (`window_cuts`).
 Either way the sentence's audio is decoded to EOS without the policy: what the policy held back is
 committed now. Audio with no speech is passed over, never decoded (no text from silence).
@@ -245,6 +248,7 @@ class Streamer:
         self.chunk = max(1, round(config.chunk / self.frame_s)) * frame  # sizes in samples, whole frames
         self.right = round(config.right / self.frame_s) * frame
         self.left = round(self.left_seconds(loaded.max_train_duration) / self.frame_s) * frame
+        self.longest = round(loaded.max_train_duration * self.rate) if loaded.max_train_duration else None
         self.sink = round(SINK_SECONDS / self.frame_s)
         self.edges = loaded.edge_silence or (EDGE, EDGE)  # silence kept before and after a sentence's speech
         self.alignatt_range = [max(1, round(t / self.frame_s)) for t in (ALIGNATT_MIN, ALIGNATT_MAX)]  # frames
@@ -393,6 +397,8 @@ class Streamer:
                     lo, hi = first + lo, first + hi
                     spoken_end = int(own[own < lo].max()) + 1 if (own < lo).any() else lo
                     cut = start + min(spoken_end + trail, (lo + hi) // 2) * hop
+                    if self.longest and cut - start > self.longest:
+                        cut = self.split(s, start, speech[first:lo], first, cut)
                     return Window(start, cut, cut, heard, closing=True)
         if final:
             return Window(start, heard, heard, heard, closing=True, last=True)
@@ -403,6 +409,22 @@ class Streamer:
             cut = start + quietest(levels, lo, (chunk_end - start) // hop) * hop
             return Window(start, cut, cut, heard, closing=True, full=True)
         return Window(start, chunk_end, heard, heard)
+
+    def split(self, s: Stream, start: int, speech: torch.Tensor, first: int, cut: int) -> int:
+        """Where a sentence longer than the longest training utterance ends instead: at the longest gap
+        in its speech (`speech` (frames,), from its first speech frame, `first` frames after `start`),
+        as offline segmentation splits a stretch of speech too long for the model, when the gap lies
+        within that length and after the attention peak of the sentence's newest committed token (its
+        tokens stay in its audio). The cut, in stream samples, as at a pause: `trail` after the speech,
+        at most the gap's middle; `cut` (where it ends at its pause) for no such gap."""
+        hop, trail = round(self.rate * FRAME), round(self.edges[1] / FRAME)
+        committed = 0 if s.last_peak is None else math.ceil((s.last_peak * self.rate - start) / hop) - first
+        gaps = [(hi - lo, lo, hi) for lo, hi in runs(~speech)
+                if lo > committed and (first + (lo + hi) // 2) * hop <= self.longest]
+        if not gaps:
+            return cut
+        _, lo, hi = max(gaps)
+        return start + (first + min(lo + trail, (lo + hi) // 2)) * hop
 
     def context(self, s: Stream) -> list[int]:
         """The committed tokens the decoder re-reads: the current sentence's, cut to the newest that

@@ -26,7 +26,8 @@ does any word get lost however long the audio runs?
 The manifest is `tools/make_long_audio.py`'s: every file lists its utterances (`parts`). For each
 file set it decodes
 1. each utterance on its own (its stretch of the long file; greedy and joint with CTC 0.3): the
-   accuracy to keep;
+   accuracy to keep; and re-edged (`re_edged`): its speech with the training utterances' median
+   edges, the best a cut at pauses can give it;
 2. the long files offline (`aed.transcribe`: cut at pauses, greedy and joint with CTC 0.3);
 3. the long files as streams (`infer.py --stream`'s path: AlignAtt, at each of
    `--alignatt-thresholds` (default: adaptive, with the threshold each file ended on), and wait-k
@@ -45,6 +46,7 @@ import random
 import sys
 import tempfile
 from collections import defaultdict
+from dataclasses import replace
 
 import jiwer
 import soundfile as sf
@@ -57,7 +59,7 @@ from aed.data_audio import load_audio  # noqa: E402
 from aed.decode_metrics import simple  # noqa: E402
 from aed.decode_search import DecodingOptions  # noqa: E402
 from aed.decode_stream import StreamConfig, Streamer, average_lagging, spoken_ends, stream_requests  # noqa: E402
-from aed.decode_timing import snap_to_speech  # noqa: E402
+from aed.decode_timing import EDGE, FRAME, snap_to_speech, speech_frames  # noqa: E402
 from aed.decode_transcribe import Request, make_request, plan_chunks, transcribe  # noqa: E402
 from aed.model_checkpoint import load_model  # noqa: E402
 from common import ROOT, log, print_json, print_table, run_modes  # noqa: E402
@@ -177,6 +179,23 @@ def stream_lags(decoded, lines: list, rate: int) -> tuple[dict, float, int]:
     return per_minute, round(sum(laal) / len(laal) / 1000, 2) if laal else math.nan, unaligned
 
 
+def re_edged(part: Request, loaded) -> Request:
+    """The utterance `part` of a long file cut as an ideal pause detector would cut it: its own speech
+    (`speech_frames` of the utterance alone) with the median silence the model's training utterances
+    held before and after it (`edge_silence`), taken from the long file. What segmentation at pauses
+    can reach at best: where it misses the utterance alone, the model hears the edges' silence, not
+    the cuts."""
+    rate = loaded.features.sample_rate
+    wav = load_audio(part.audio_filepath, part.offset, part.duration, rate)
+    spoken = speech_frames(wav, rate).nonzero().flatten()
+    if not spoken.numel():
+        return part
+    lead, trail = loaded.edge_silence or (EDGE, EDGE)
+    start = max(0.0, part.offset + float(spoken[0]) * FRAME - lead)
+    end = part.offset + (int(spoken[-1]) + 1) * FRAME + trail
+    return replace(part, offset=start, duration=end - start)
+
+
 def threshold_arg(text: str) -> float | None:
     return None if text == "auto" else float(text)
 
@@ -209,8 +228,11 @@ def recordings(args) -> None:
             parts = [make_request(r.audio_filepath, q["source_lang"], q["target_lang"], offset=q["start"],
                                   duration=q["end"] - q["start"], text=q["text"])
                      for r, d in zip(requests, lines) for q in d["parts"]]
-            for label, weight in (("each utterance alone, greedy", 0.0), ("each utterance alone, CTC 0.3", 0.3)):
-                res, _ = transcribe(loaded, parts, DecodingOptions(ctc_weight=weight))
+            edged = [re_edged(r, loaded) for r in parts]
+            for label, weight, reqs in (("each utterance alone, greedy", 0.0, parts),
+                                        ("each utterance alone, CTC 0.3", 0.3, parts),
+                                        ("each re-edged, CTC 0.3", 0.3, edged)):
+                res, _ = transcribe(loaded, reqs, DecodingOptions(ctc_weight=weight))
                 found[label] = scores([q.text for q in parts], [r.pred_text for r in res])
                 rows.append([name, label, *found[label].values(), "", ""])
         for label, weight in (("offline, greedy", 0.0), ("offline, CTC 0.3", 0.3)) * (not args.no_offline):

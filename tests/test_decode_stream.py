@@ -372,3 +372,27 @@ def test_a_faint_onset_before_speech_does_not_end_a_sentence_of_its_own(word_mod
     s.received, s.kept_from = s.levels.numel() * 160, start * 160
     window = streamer.window(s, final=False)
     assert not window.closing and window.chunk_end == chunk_end * 160, window
+
+
+def test_a_sentence_longer_than_training_utterances_ends_at_its_longest_gap(word_model):
+    """Two stretches of speech with a 0.15 s gap between them (shorter than a pause), then a pause, all
+    in the heard audio: the sentence would run longer than the model's longest training utterance,
+    so it ends in the gap, as offline segmentation splits such a stretch, unless a committed token's
+    attention peak lies after the gap (its sound would be cut off from its sentence)."""
+    streamer = Streamer(word_model, StreamConfig(chunk=1.0, right=0.5))
+    longest = streamer.longest // 160  # 10 ms frames
+    s = streamer.open("en", pnc=False)
+    s.chunks = 9
+    chunk_end = (s.chunks + 1) * streamer.chunk // 160
+    start = chunk_end - 600  # the sentence began 6 s before the chunk's end; heard to 0.48 s after it
+    recent = torch.tensor([-10.0, -70.0] * 600)[:start]  # speech by this level: the frames at -10 dB
+    sentence = torch.cat([torch.full((20,), -70.0), torch.full((290,), -10.0), torch.full((15,), -70.0),
+                          torch.full((270,), -10.0), torch.full((53,), -70.0)])  # lead, speech, gap, speech, pause
+    assert sentence.numel() - 53 + 20 > longest  # cut 0.2 s after its speech, the sentence would be too long
+    s.levels = torch.cat([recent, sentence])
+    s.received, s.kept_from = s.levels.numel() * 160, start * 160
+    window = streamer.window(s, final=False)
+    assert window.closing and (start + 310) * 160 <= window.chunk_end <= (start + 325) * 160, window
+    s.last_peak = (start + 400) * 160 / streamer.rate  # a committed token heard the second stretch
+    window = streamer.window(s, final=False)
+    assert window.closing and window.chunk_end > (start + 595) * 160, window
