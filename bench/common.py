@@ -217,14 +217,20 @@ def fixed_work(model, tokenizer):
     return LoadedModel(model, tokenizer, FeatureConfig(), "random weights")
 
 
-def random_asr(preset: str, tokenizer, device):
-    """The preset at full width (Canary's vocabulary and 128 mels), random weights, EOS never chosen."""
+def random_asr(preset: str, tokenizer, device, ctc_weight: float = 0.0):
+    """The preset at full width (Canary's vocabulary and 128 mels), random weights, EOS never chosen;
+    with a CTC head on the encoder when `ctc_weight` > 0 (the released Canary models have none)."""
+    import dataclasses
+
     import torch
 
     from aed.model import AED, AEDConfig
 
     torch.manual_seed(0)
-    return fixed_work(AED(AEDConfig.from_yaml(PRESETS[preset])).to(device).eval(), tokenizer)
+    cfg = AEDConfig.from_yaml(PRESETS[preset])
+    if ctc_weight:
+        cfg = dataclasses.replace(cfg, ctc_weight=ctc_weight)
+    return fixed_work(AED(cfg).to(device).eval(), tokenizer)
 
 
 # --- workloads: synthetic corpora, and a JSONL manifest streamed to the sampler -------------------

@@ -19,6 +19,7 @@
     python bench/infer_speed_bench.py decode --d-model 1024 --subsampling-channels 256 --batch 16 --device cuda
     python bench/infer_speed_bench.py stream                           # both Canary Flash presets, CPU, 2 threads
     python bench/infer_speed_bench.py stream --int8                    # int8 Linear weights, as infer.py --int8
+    python bench/infer_speed_bench.py stream --ctc-weights 0 0.3 --repeats 3   # what joint CTC scores cost
     python bench/infer_speed_bench.py stream --presets canary-180m-flash --streams 1 2 4 8 16 --device cuda
 
 Every model has random weights (speed does not depend on them, and a seed makes every run build the
@@ -109,7 +110,10 @@ sentence ends decoded to EOS); the real-time factor is their total over the seco
 batch of B streams is real time when it is <= 1. Baseline in the same run: offline decoding
 (infer.py's transcribe, greedy, the same tokens per second) of the same audio, batch B, whose cost
 per second of audio the streaming figure is set against (streaming re-encodes its buffer for every
-chunk: up to 11x the encoder work of offline decoding at a 11.5 s buffer).
+chunk: up to 11x the encoder work of offline decoding at a 11.5 s buffer). The Canary presets have no
+CTC head; `--ctc-weights 0 0.3` gives them one and times each batch with the attention decoder alone
+and with the joint CTC scores that a model trained with a head streams with (the head's projection
+of every frame, the prefix scores of each step's candidates), in turn, `--repeats` times each.
 """
 
 import argparse
@@ -885,6 +889,10 @@ def stream_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--left", type=float, default=StreamConfig.left)
     p.add_argument("--right", type=float, default=StreamConfig.right)
     p.add_argument("--int8", action="store_true", help="int8 Linear weights (CPU only; as infer.py --int8)")
+    p.add_argument("--ctc-weights", nargs="+", type=float, default=[0.0],
+                   help="decode with each of these CTC weights in turn (> 0: the preset gets a CTC head, and streams "
+                        "decode joint with it, as a model trained with one does; 0: the attention decoder alone)")
+    p.add_argument("--repeats", type=int, default=1, help="time each batch this many times per weight: the fastest is kept")
     p.add_argument("--max-rtf", type=float, default=2.0,
                    help="stop growing the batch once a batch's real-time factor passes this")
     add_device_args(p, threads=2)
@@ -929,42 +937,55 @@ def stream_mode(args) -> None:
     device = device_from_args(args)
     tokenizer = Tokenizer.load(MINI_TOKENIZER)
     config = StreamConfig(chunk=args.chunk, left=args.left, right=args.right, alignatt_threshold=0.0)
-    options = DecodingOptions(ctc_weight=0.0, max_repeats=0, max_tokens_per_second=args.tokens_per_second)
+    weights = args.ctc_weights
+    options = {w: DecodingOptions(ctc_weight=w, max_repeats=0, max_tokens_per_second=args.tokens_per_second)
+               for w in weights}
     gen = torch.Generator().manual_seed(0)
     rows, out = [], {}
     with torch.inference_mode():
         for preset in args.presets:
-            loaded = random_asr(preset, tokenizer, device)
+            # One model for every weight: with a CTC head where any weight uses one (weight 0 leaves it unused).
+            loaded = random_asr(preset, tokenizer, device, ctc_weight=max(weights))
             if args.int8:
                 loaded = aed_variant(loaded, "aed-int8", in_place=True)
-            streamer = Streamer(loaded, config, options)
-            chunk_s = streamer.chunk / streamer.rate
-            result = {"chunk_s": chunk_s, "buffer_s": (streamer.left + streamer.chunk + streamer.right) / streamer.rate,
-                      "batches": {}}
-            stream_batch(streamer, [noise(4, args.pauses, gen)])  # warm-up
-            realtime = 0
+            streamers = {w: Streamer(loaded, config, options[w]) for w in weights}
+            first = streamers[weights[0]]
+            chunk_s = first.chunk / first.rate
+            result = {"chunk_s": chunk_s, "buffer_s": (first.left + first.chunk + first.right) / first.rate,
+                      "ctc_weights": {}}
+            for streamer in streamers.values():
+                stream_batch(streamer, [noise(4, args.pauses, gen)])  # warm-up
+            found = {w: {"batches": {}, "realtime_streams": 0} for w in weights}
             for b in args.streams:
                 wavs = [noise(args.seconds, args.pauses, gen) for _ in range(b)]
-                log(f"{preset}: {b} stream(s) of {args.seconds:g} s")
-                t0 = time.perf_counter()
-                rtf = stream_batch(streamer, wavs) / args.seconds
-                ms = 1000 * rtf * chunk_s  # processing per chunk of audio, all steps counted
-                offline_rtfx = offline(loaded, wavs, options)
-                # per second of audio: streaming's processing over offline decoding's
-                cost = (ms / 1000 / (b * chunk_s)) * offline_rtfx
-                result["batches"][b] = {"ms_per_chunk": ms, "rtf": rtf, "offline_rtfx": offline_rtfx,
-                                        "cost_vs_offline": cost, "wall_s": time.perf_counter() - t0}
-                rows.append([preset, b, ms, rtf, "yes" if rtf <= 1 else "no", offline_rtfx, cost])
-                if rtf <= 1:
-                    realtime = b
-                if rtf > args.max_rtf:
+                log(f"{preset}: {b} stream(s) of {args.seconds:g} s, CTC weight(s) {' '.join(map(str, weights))} "
+                    f"in turn, {args.repeats} time(s)")
+                best = {w: math.inf for w in weights}
+                for _ in range(args.repeats):  # the weights in turn: each meets the same load
+                    for w in weights:
+                        best[w] = min(best[w], stream_batch(streamers[w], wavs) / args.seconds)
+                for w in weights:
+                    rtf = best[w]
+                    ms = 1000 * rtf * chunk_s  # processing per chunk of audio, all steps counted
+                    offline_rtfx = offline(loaded, wavs, options[w])
+                    # per second of audio: streaming's processing over offline decoding's
+                    cost = (ms / 1000 / (b * chunk_s)) * offline_rtfx
+                    found[w]["batches"][b] = {"ms_per_chunk": ms, "rtf": rtf, "offline_rtfx": offline_rtfx,
+                                              "cost_vs_offline": cost, "vs_first_weight": rtf / best[weights[0]]}
+                    rows.append([preset, w, b, ms, rtf, "yes" if rtf <= 1 else "no", offline_rtfx, cost,
+                                 rtf / best[weights[0]]])
+                    if rtf <= 1:
+                        found[w]["realtime_streams"] = b  # the largest measured batch at real-time factor <= 1
+                if min(best.values()) > args.max_rtf:
                     break
-            result["realtime_streams"] = realtime  # the largest measured batch at real-time factor <= 1
+            result["ctc_weights"] = found
             out[preset] = result
-    print_table([("preset", "<20"), ("streams", ">7d"), ("ms/chunk", ">9.0f"), ("RTF", ">6.2f"), ("real time", ">9"),
-                 ("offline RTFx", ">12.1f"), ("cost vs offline", ">15.1f")], rows)
+    print_table([("preset", "<20"), ("CTC", ">4.1f"), ("streams", ">7d"), ("ms/chunk", ">9.0f"), ("RTF", ">6.2f"),
+                 ("real time", ">9"), ("offline RTFx", ">12.1f"), ("cost vs offline", ">15.1f"),
+                 (f"vs CTC {weights[0]:g}", ">9.2f")], rows)
     print_json({"device": str(device), "threads": args.threads, "int8": args.int8, "pauses": args.pauses,
-                "load_avg": load_avg(), "tokens_per_second": args.tokens_per_second, "presets": out})
+                "repeats": args.repeats, "load_avg": load_avg(), "tokens_per_second": args.tokens_per_second,
+                "presets": out})
 
 
 MODES = {  # name: (its flags, its run, what it measures)
