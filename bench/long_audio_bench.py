@@ -27,7 +27,7 @@ The manifest is `tools/make_long_audio.py`'s: every file lists its utterances (`
 file set it decodes
 1. each utterance on its own (its stretch of the long file; greedy and joint with CTC 0.3): the
    accuracy to keep; and re-edged (`re_edged`): its speech with the training utterances' median
-   edges, the best a cut at pauses can give it;
+   edges, what a cut at exactly the right pauses gives it;
 2. the long files offline (`aed.transcribe`: cut at pauses, greedy and joint with CTC 0.3);
 3. the long files as streams (`infer.py --stream`'s path: AlignAtt, at each of
    `--alignatt-thresholds` (default: adaptive, with the threshold each file ended on), and wait-k
@@ -182,9 +182,8 @@ def stream_lags(decoded, lines: list, rate: int) -> tuple[dict, float, int]:
 def re_edged(part: Request, loaded) -> Request:
     """The utterance `part` of a long file cut as an ideal pause detector would cut it: its own speech
     (`speech_frames` of the utterance alone) with the median silence the model's training utterances
-    held before and after it (`edge_silence`), taken from the long file. What segmentation at pauses
-    can reach at best: where it misses the utterance alone, the model hears the edges' silence, not
-    the cuts."""
+    held before and after it (`edge_silence`), taken from the long file. Where this misses the
+    utterance alone, what the model hears is the edges' silence, not where segmentation cut."""
     rate = loaded.features.sample_rate
     wav = load_audio(part.audio_filepath, part.offset, part.duration, rate)
     spoken = speech_frames(wav, rate).nonzero().flatten()
