@@ -22,11 +22,11 @@ pauses are told apart by energy (`aed.decode_timing`, the threshold set by the l
 of audio). A sentence starts as much silence before its speech as the model's training utterances
 held; it ends
   - at the first pause of `endpoint` seconds after speech (the look-ahead counts: a pause heard is
-    a pause), cut as much silence after its speech as the training utterances held; where that
-    makes it longer than the longest training utterance, at the longest gap in its speech instead
-    (as offline segmentation splits a stretch too long for the model), when its committed tokens'
-    attention lies before the gap; or
-  - where it would outgrow the window (left + chunk): at its quietest 100 ms (`window_cuts`).
+    a pause), cut as much silence after its speech as the training utterances held; or
+  - where it would outgrow the window (left + chunk) or, ended at its pause, run longer than the
+    longest training utterance: at the longest gap in its speech (as offline segmentation splits a
+    stretch too long for the model) that lies after its committed tokens' attention peaks, else, a
+    full window, at its quietest 100 ms (`window_cuts` counts the full windows).
 Either way the sentence's audio is decoded to EOS without the policy: what the policy held back is
 committed now. Audio with no speech is passed over, never decoded (no text from silence).
 
@@ -365,7 +365,8 @@ class Streamer:
         """What `s` decodes in this step (`Window`), in stream samples. The sentence (the audio since
         `s.kept_from`, from as much silence before its speech as the training utterances held) ends at
         the first pause of `config.endpoint` s after speech in the audio heard (the look-ahead
-        included); a sentence that would outgrow the window (left + chunk) ends at its quietest point;
+        included); a sentence that would outgrow the window (left + chunk), or the longest training
+        utterance, ends at a gap in its speech (`gap_cut`), a full window else at its quietest point;
         audio without speech is passed over, never decoded."""
         start, hop = s.kept_from, round(self.rate * FRAME)
         heard = s.received if final else min(s.received, (s.chunks + 1) * self.chunk + self.right)
@@ -397,34 +398,34 @@ class Streamer:
                     lo, hi = first + lo, first + hi
                     spoken_end = int(own[own < lo].max()) + 1 if (own < lo).any() else lo
                     cut = start + min(spoken_end + trail, (lo + hi) // 2) * hop
-                    if self.longest and cut - start > self.longest:
-                        cut = self.split(s, start, speech[first:lo], first, cut)
+                    if self.longest and cut - start > self.longest:  # too long for the model: split at a gap
+                        gap = self.gap_cut(s, start, speech, first, min(lo, self.longest // hop))
+                        cut = cut if gap is None else gap
                     return Window(start, cut, cut, heard, closing=True)
         if final:
             return Window(start, heard, heard, heard, closing=True, last=True)
         if chunk_end - start < self.frame:  # a sentence that ended in the look-ahead: wait for the next chunk
             return Window(start, start, start, heard)
-        if chunk_end - start > self.left + self.chunk:  # full: end the sentence at its quietest point
-            lo = max(1, (self.left + self.chunk) // 2 // hop)
-            cut = start + quietest(levels, lo, (chunk_end - start) // hop) * hop
+        if chunk_end - start > self.left + self.chunk:  # full: end the sentence at a gap, else its quietest point
+            lo, hi = max(1, (self.left + self.chunk) // 2 // hop), (chunk_end - start) // hop
+            cut = self.gap_cut(s, start, speech, lo, hi)
+            cut = start + quietest(levels, lo, hi) * hop if cut is None else cut
             return Window(start, cut, cut, heard, closing=True, full=True)
         return Window(start, chunk_end, heard, heard)
 
-    def split(self, s: Stream, start: int, speech: torch.Tensor, first: int, cut: int) -> int:
-        """Where a sentence longer than the longest training utterance ends instead: at the longest gap
-        in its speech (`speech` (frames,), from its first speech frame, `first` frames after `start`),
-        as offline segmentation splits a stretch of speech too long for the model, when the gap lies
-        within that length and after the attention peak of the sentence's newest committed token (its
-        tokens stay in its audio). The cut, in stream samples, as at a pause: `trail` after the speech,
-        at most the gap's middle; `cut` (where it ends at its pause) for no such gap."""
+    def gap_cut(self, s: Stream, start: int, speech: torch.Tensor, lo: int, hi: int) -> int | None:
+        """Where a sentence that cannot end at a pause ends: at the longest gap in its speech (`speech`
+        (frames,) from `start`) within frames [lo, hi), as offline segmentation splits a stretch of
+        speech too long for the model, and after the attention peak of the sentence's newest committed
+        token (its tokens stay in its audio). The cut, in stream samples, as at a pause: `trail` after
+        the speech, at most the gap's middle; None for no such gap."""
         hop, trail = round(self.rate * FRAME), round(self.edges[1] / FRAME)
-        committed = 0 if s.last_peak is None else math.ceil((s.last_peak * self.rate - start) / hop) - first
-        gaps = [(hi - lo, lo, hi) for lo, hi in runs(~speech)
-                if lo > committed and (first + (lo + hi) // 2) * hop <= self.longest]
+        committed = -1 if s.last_peak is None else math.ceil((s.last_peak * self.rate - start) / hop)
+        gaps = [(b - a, lo + a, lo + b) for a, b in runs(~speech[lo:hi]) if lo + a > committed]
         if not gaps:
-            return cut
-        _, lo, hi = max(gaps)
-        return start + (first + min(lo + trail, (lo + hi) // 2)) * hop
+            return None
+        _, a, b = max(gaps)
+        return start + min(a + trail, (a + b) // 2) * hop
 
     def context(self, s: Stream) -> list[int]:
         """The committed tokens the decoder re-reads: the current sentence's, cut to the newest that

@@ -396,3 +396,26 @@ def test_a_sentence_longer_than_training_utterances_ends_at_its_longest_gap(word
     s.last_peak = (start + 400) * 160 / streamer.rate  # a committed token heard the second stretch
     window = streamer.window(s, final=False)
     assert window.closing and window.chunk_end > (start + 595) * 160, window
+
+
+def test_a_full_window_ends_its_sentence_at_a_gap_before_its_quietest_point(word_model):
+    """A sentence that outgrows its window with no pause in it ends at the longest gap in its speech,
+    as offline segmentation splits a stretch too long for the model, even where a faint stretch of
+    speech is quieter on average (cut there, a word is cut in two); at the quietest point where no
+    gap lies after the attention of its committed tokens."""
+    streamer = Streamer(word_model, StreamConfig(chunk=1.0, right=0.5))
+    s = streamer.open("en", pnc=False)
+    s.chunks = 9
+    chunk_end = (s.chunks + 1) * streamer.chunk // 160  # in 10 ms frames
+    start = chunk_end - (streamer.left + streamer.chunk) // 160 - 32  # the window is full
+    recent = torch.tensor([-10.0, -70.0] * 600)[:start]  # speech by this level: frames above -50 dB
+    sentence = torch.cat([torch.full((20,), -70.0), torch.full((280,), -10.0), torch.full((30,), -45.0),
+                          torch.full((120,), -10.0), torch.full((4,), -70.0),  # faint speech ... a 40 ms gap
+                          torch.full((154,), -10.0)])
+    s.levels = torch.cat([recent, sentence])
+    s.received, s.kept_from = s.levels.numel() * 160, start * 160
+    window = streamer.window(s, final=False)
+    assert window.closing and window.full and (start + 450) * 160 <= window.chunk_end <= (start + 454) * 160, window
+    s.last_peak = (start + 500) * 160 / streamer.rate  # a committed token heard the speech after the gap
+    window = streamer.window(s, final=False)
+    assert window.closing and window.full and (start + 300) * 160 <= window.chunk_end <= (start + 330) * 160, window
