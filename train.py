@@ -289,6 +289,7 @@ def save(writer: CheckpointWriter, setup: TrainingSetup, position: DataPosition,
                            max_train_duration=position.data.bins.durations[-1],  # infer.py's chunk length
                            edge_silence=position.data.edge_silence,  # ... and the silence at its edges
                            trim_silence=cfg.train.trim_silence,  # ... cut as training cut it
+                           varied_edges=tuple(cfg.augment.edge_seconds) if cfg.augment.edge_prob > 0 else None,  # ... or not
                            new_tokens=setup.added_tokens,  # a later run can still train only them
                            step=step, flops=flops, scheduler=setup.scheduler.state_dict(),
                            scaler=setup.scaler.state_dict(), sampler=[s["sampler"] for s in states],

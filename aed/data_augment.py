@@ -1,5 +1,6 @@
-"""Degrading a training waveform on the fly: reverberation, additive noise, gain, clipping,
-low-pass and codecs, each with a probability and a range (`AugmentConfig`, the `augment:` section).
+"""Changing a training waveform on the fly: the silence at its edges, reverberation, additive noise,
+gain, clipping, low-pass and codecs, each with a probability and a range (`AugmentConfig`, the
+`augment:` section).
 
     augment = Augment(cfg.augment, sample_rate=16000)  # reads the noise/RIR manifests, not their audio
     wav = augment(wav, seed, index, draw)              # (S,) -> (S,), the same for the same arguments
@@ -11,8 +12,19 @@ examples, the draw the number of the sampler batch that holds it this time. An u
 meets a new degradation on every pass over the data, and a resumed run, whose sampler state
 carries the batch count, replays the same degradations whichever worker loads the utterance.
 
-The chain follows a recording's path: the room (reverberation), the noise in it, the recording
-level (gain), an overdriven converter (clipping), then the channel (low-pass, codec). Noise and
+The chain follows a recording's path: where the recording starts and stops around the words
+(edges), the room (reverberation), the noise in it, the recording level (gain), an overdriven
+converter (clipping), then the channel (low-pass, codec).
+
+Edges. A corpus cut by one tool holds about the same silence before and after every utterance's
+speech, and a model trained on it learns those edges with the words: the same words with 50 ms more
+silence, as another runtime's padding or a user's recording gives them, come out as other words.
+`change_edges` moves each edge of an utterance by its own draw: a crop of the silence it holds
+there (never into its speech, `aed.data_speech.speech_frames`), or added silence, digital zeros or
+the recording's own floor (the non-speech at its edges, looped). Small draws shift the speech in time,
+as NeMo's ShiftPerturbation does; larger ones give the varied edges real corpora hold. Added silence
+makes an utterance longer than its duration says: batch shapes count the most it can add
+(`AugmentConfig.added_seconds`). Noise and
 room impulse responses come from JSONL manifests (audio_filepath, duration[, offset]; MUSAN's, or
 what tools/make_noise.py writes); they are decoded on first use and kept per worker, and a bad
 one (missing, unreadable, empty, silent) is skipped, counted and logged once.
@@ -31,6 +43,7 @@ import torchaudio.functional as AF
 from aed.config import ConfigError
 from aed.data_audio import AudioError, load_audio
 from aed.data_manifest import Faults, ManifestError, audio_path, read_rows, seconds
+from aed.data_speech import FRAME, speech_frames
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +55,8 @@ MP3_MAX_LEVEL = 0.99  # libsndfile 1.2 refuses an MP3 compression level of 1.0
 TELEPHONE_RATE = 8000  # narrowband telephony
 TELEPHONE_LOW_HZ = 300.0  # the telephone band's lower edge (ITU-T G.712)
 AUGMENT_STREAM = 0xA06  # the last word of the generator's seed: draws apart from the dither's
+EDGE_STREAM = 0xED6  # ... and the edges' draws apart from the degradations'
+FLOOR_MIN = 0.05  # seconds of non-speech a recording needs for its own floor to fill added silence
 
 
 # --- the recordings: noise and room impulse responses -------------------------------------------
@@ -128,6 +143,33 @@ class RecordingPool:
         while held > self.cache_bytes and len(self.cache) > 1:
             held -= (dropped := self.cache.popitem(last=False)[1]).numel() * dropped.element_size()
         return wav
+
+
+# --- the edges: (S,) -> (S',) float32 -----------------------------------------------------------
+
+
+def change_edges(wav: torch.Tensor, rate: int, lead: float, trail: float, fill: str,
+                 rng: np.random.Generator) -> torch.Tensor:
+    """wav (S,) with its leading and trailing silence changed by `lead` and `trail` seconds: a
+    negative change crops that much of the non-speech before its first (after its last) speech
+    frame, at most all of it; a positive one adds silence there, digital zeros (`fill` "zeros")
+    or the recording's own floor, the non-speech at its edges looped from a random place ("floor";
+    zeros when it holds less than FLOOR_MIN s of it). A waveform without speech only gets silence added."""
+    hop = round(rate * FRAME)
+    speech = speech_frames(wav, rate)  # (S // hop,)
+    spoken = speech.nonzero().flatten()
+    first, last = (int(spoken[0]) * hop, (int(spoken[-1]) + 1) * hop) if spoken.numel() else (0, wav.numel())
+    start = min(round(-lead * rate), first) if lead < 0 else 0
+    end = wav.numel() - min(round(-trail * rate), wav.numel() - last) if trail < 0 else wav.numel()
+    before, after = round(max(lead, 0.0) * rate), round(max(trail, 0.0) * rate)
+    if before + after == 0:
+        return wav[start:end]
+    floor = torch.cat([wav[:first], wav[last:]])  # the non-speech at its edges: no word in it, not even a faint one
+    if fill == "floor" and floor.numel() >= FLOOR_MIN * rate:
+        added = looped(floor, before + after, int(rng.integers(floor.numel())))
+    else:
+        added = wav.new_zeros(before + after)
+    return torch.cat([added[:before], wav[start:end], added[before:]])
 
 
 # --- the degradations: (S,) -> (S,) float32 ----------------------------------------------------
@@ -220,8 +262,9 @@ def lossy(wav: torch.Tensor, rate: int, codec: str, level: float) -> torch.Tenso
 
 
 class Augment:
-    """The degradations of `cfg` (aed.train_config.AugmentConfig), applied to one utterance at a time:
-    (S,) -> (S,) float32, every random choice from a generator seeded by (seed, index, draw). Noise
+    """The changes of `cfg` (aed.train_config.AugmentConfig), applied to one utterance at a time:
+    (S,) -> (S',) float32 (S' = S but for the edges), every random choice from a generator seeded
+    by (seed, index, draw). Noise
     and RIR manifests are read here (bad lines raise ManifestError naming them); their audio is read
     by the DataLoader workers when first drawn. Settings the training sample rate cannot meet raise ConfigError."""
 
@@ -239,8 +282,14 @@ class Augment:
         self.noises = RecordingPool(cfg.noise_manifests, "noise", sample_rate, cache // 2) if cfg.noise_prob else None
 
     def __call__(self, wav: torch.Tensor, seed: int, index: int, draw: int = 0) -> torch.Tensor:
-        """wav (S,) -> (S,): the degradations drawn for (seed, index, draw); the same every time."""
+        """wav (S,) -> (S',): the changes drawn for (seed, index, draw); the same every time."""
         cfg = self.cfg
+        if cfg.edge_prob > 0:  # its own generator: the degradations draw as they did without edges
+            edges = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, index, draw, EDGE_STREAM])
+            if edges.random() < cfg.edge_prob:
+                lead, trail = edges.uniform(*cfg.edge_seconds, size=2)
+                fill = "floor" if edges.random() < cfg.edge_floor_prob else "zeros"
+                wav = change_edges(wav, self.rate, float(lead), float(trail), fill, edges)
         # SeedSequence words must be >= 0
         rng = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, index, draw, AUGMENT_STREAM])
         # Every decision is drawn first, so an effect's draws never shift another's decision.

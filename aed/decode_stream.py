@@ -81,8 +81,8 @@ import torch.nn.functional as F
 from aed.data_audio import AudioError, LogMel, load_audio
 from aed.data_manifest import PROMPT_TASKS
 from aed.decode_search import CTCPrefixScorer, DecodingOptions, ends_in_repeats, joint_candidates, token_budget
-from aed.decode_timing import (EDGE, FRAME, PAUSE, align, feasible, frame_db, frame_seconds, quietest, runs,
-                               speech_threshold, to_words, word_spans)
+from aed.data_speech import FRAME, frame_db, runs, speech_threshold
+from aed.decode_timing import PAUSE, align, feasible, frame_seconds, quietest, segment_edges, to_words, word_spans
 from aed.decode_transcribe import Result
 from aed.model_decoder import KVCache
 
@@ -250,7 +250,7 @@ class Streamer:
         self.left = round(self.left_seconds(loaded.max_train_duration) / self.frame_s) * frame
         self.longest = round(loaded.max_train_duration * self.rate) if loaded.max_train_duration else None
         self.sink = round(SINK_SECONDS / self.frame_s)
-        self.edges = loaded.edge_silence or (EDGE, EDGE)  # silence kept before and after a sentence's speech
+        self.edges = segment_edges(loaded)  # silence kept before and after a sentence's speech
         self.alignatt_range = [max(1, round(t / self.frame_s)) for t in (ALIGNATT_MIN, ALIGNATT_MAX)]  # frames
         self.logmel = LogMel(loaded.features).to(loaded.device).eval()
         n_layers = len(self.model.decoder.layers)

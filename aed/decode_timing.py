@@ -2,7 +2,7 @@
 model can decode, the words of a hypothesis timed by force-aligning them to the CTC head's frame
 posteriors, and the hypotheses of overlapping segments joined back by those times.
 
-    speech = speech_frames(wav, sample_rate)                  # 10 ms frames: speech or not
+    cuts = plan_segments(frame_db(wav, sample_rate), limit=20.0)   # long audio -> segments at its pauses
     spans = align(log_probs[b, :enc_lens[b]], ids, blank=model.ctc.blank)   # one (start, end) frame span per id
     words = to_words(tokenizer, ids, spans, frame_seconds(features, model.cfg.subsampling_factor), offset=chunk_start)
     segments = to_segments(words)
@@ -14,20 +14,20 @@ An attention decoder trained on utterances of a few seconds transcribes such an 
 stretch that starts or ends inside a word, or holds several utterances, badly. So a long file is cut
 where its speaker paused, as a recording is cut into the utterances a corpus trains on:
 
-1. Speech: a 10 ms frame is speech when its energy is SPEECH_ABOVE_FLOOR_DB above the audio's noise
-   floor (its 10th-percentile frame) and within SPEECH_RANGE_DB of its loudest frame, or within
-   SPEECH_NEAR_PEAK_DB of that whatever the floor, and never below SILENCE_DBFS (`is_speech`).
-   A gap in the speech shorter than PAUSE is part of it (a stop consonant, a breath between words).
+1. Speech: 10 ms frames judged by their energy (`aed.data_speech.is_speech`). A gap in the speech
+   shorter than PAUSE is part of it (a stop consonant, a breath between words).
 2. Segments: every pause of at least PAUSE ends one. A stretch of speech longer than the segment
    limit (the longest utterance the model was trained on) is split at its longest inner gap, then the
    longer of the two parts again, ...; a stretch with no gap at all is cut at its quietest 100 ms in
    the last quarter of the limit (that cut may split a word). Where a cut is not at a pause, with an
    overlap the next segment starts that much earlier so that `merge_chunks` can join the two.
-3. Edges: each segment keeps as much of its pauses' silence before and after its speech as the
-   model's training utterances held (`edge_silence`, measured when training starts and kept in the
-   checkpoint; EDGE where it is not known): a model trained on utterances with little silence at
-   their edges mishears segments with more (docs/inference.md, "Long audio"). Longer silence is not
-   decoded at all, and a file without speech has no segments (its text is empty).
+3. Edges: each segment keeps some of its pauses' silence before and after its speech
+   (`segment_edges`). A model trained with varied edges (augment.edge_prob) gets a generous margin,
+   the middle of the silence it heard at its utterances' edges; one trained on its utterances as
+   read gets as much as they held (`edge_silence`, measured when training starts and kept in the
+   checkpoint; EDGE where it is not known), as such a model mishears segments with more
+   (docs/inference.md, "Long audio"). Longer silence is not decoded at all, and a file without
+   speech has no segments (its text is empty).
 
 4. Joining: where segments overlap (a cut inside continuous speech, with an overlap), the words
    spoken in the overlap are in both hypotheses, and the words at a chunk's edges (cut mid-word, or
@@ -79,7 +79,6 @@ alone median |error| 75 ms at starts / 76 ms at ends (largest 160 / 184 ms); sna
 is the CTC alignment's, with its 80 ms resolution.
 """
 
-import math
 import re
 from dataclasses import dataclass, replace
 
@@ -87,15 +86,10 @@ import torch
 import torch.nn.functional as F
 
 from aed.data_audio import FeatureConfig
+from aed.data_speech import FRAME, is_speech, runs
 from aed.data_tokenizer import Tokenizer
 from aed.model import ctc_spans
 
-FRAME = 0.01  # seconds per energy frame
-SPEECH_ABOVE_FLOOR_DB = 10.0  # a 10 ms frame is speech this much above the noise floor ...
-SPEECH_RANGE_DB = 40.0  # ... and within this much of the loudest frame;
-SPEECH_NEAR_PEAK_DB = 15.0  # a frame this close to the loudest is speech whatever the floor: audio with
-# no quiet part (continuous speech, music) has a floor of speech, and must not come out as all pause
-SILENCE_DBFS = -80.0  # a frame quieter than this is never speech (digital silence, 16-bit dither)
 PAUSE = 0.25  # seconds of non-speech that end a segment: between-word gaps are shorter, sentence ends longer
 EDGE = 0.2  # seconds of silence kept before and after a segment's speech, for a model that does not
 # record the silence its training utterances held (`edge_silence`)
@@ -108,38 +102,6 @@ SEGMENT_MAX = 7.0  # ... or before it would exceed this many seconds (a subtitle
 
 
 # --- speech, pauses and segments -----------------------------------------------------------
-
-
-def frame_db(wav: torch.Tensor, sample_rate: int) -> torch.Tensor:
-    """wav (S,) -> (S // hop,) mean energy of each 10 ms frame in dB (full scale: 0 dB)."""
-    hop = round(sample_rate * FRAME)
-    return 10 * torch.log10(wav[: wav.numel() // hop * hop].view(-1, hop).pow(2).mean(dim=1) + 1e-12)
-
-
-def speech_threshold(db: torch.Tensor) -> float:
-    """The energy (dB) above which a 10 ms frame of audio whose frame energies are `db` (frames,) is speech."""
-    if db.numel() == 0:
-        return math.inf
-    peak = float(db.max())
-    threshold = max(float(db.quantile(0.1)) + SPEECH_ABOVE_FLOOR_DB, peak - SPEECH_RANGE_DB)
-    return max(min(threshold, peak - SPEECH_NEAR_PEAK_DB), SILENCE_DBFS)
-
-
-def is_speech(db: torch.Tensor) -> torch.Tensor:
-    """Frame energies (frames,) in dB -> (frames,) True where the frame sounds like speech."""
-    return db > speech_threshold(db)
-
-
-def speech_frames(wav: torch.Tensor, sample_rate: int) -> torch.Tensor:
-    """wav (S,) -> (S // hop,) True at the 10 ms frames that sound like speech."""
-    return is_speech(frame_db(wav, sample_rate))
-
-
-def runs(mask: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, end) frame ranges of the True runs of a boolean mask (frames,)."""
-    padded = F.pad(mask.to(torch.int8), (1, 1))
-    edges = (padded[1:] - padded[:-1]).nonzero().flatten().tolist()  # starts (+1) and ends (-1) alternate
-    return list(zip(edges[0::2], edges[1::2]))
 
 
 def speech_runs(speech: torch.Tensor, pause: float = PAUSE) -> list[list[tuple[int, int]]]:
@@ -199,36 +161,17 @@ def split_stretch(stretch: list[tuple[int, int]], db: torch.Tensor, limit: int) 
     return pieces + [(start, end, "pause")]
 
 
-def edge_silence(wavs, sample_rate: int) -> tuple[float, float] | None:
-    """The median seconds of non-speech before the first and after the last speech frame of the
-    waveforms (S,) `wavs` (`speech_frames` of each alone): the silence a model trained on them
-    expects at a segment's edges; None for no waveform with speech."""
-    lead, trail = [], []
-    for wav in wavs:
-        spoken = speech_frames(wav, sample_rate).nonzero().flatten()
-        if spoken.numel():
-            lead.append(int(spoken[0]) * FRAME)
-            trail.append(wav.numel() / sample_rate - (int(spoken[-1]) + 1) * FRAME)
-    if not lead:
-        return None
-    return round(float(torch.tensor(lead).median()), 3), round(max(0.0, float(torch.tensor(trail).median())), 3)
-
-
-def trim_silence(wav: torch.Tensor, sample_rate: int, keep: float) -> torch.Tensor:
-    """wav (S,) -> the part from `keep` s before its first speech frame to `keep` s after its last
-    (`speech_frames`, as much of it as there is); unchanged when no frame sounds like speech."""
-    start, end = trimmed_span(wav, sample_rate, keep)
-    return wav[start:end]
-
-
-def trimmed_span(wav: torch.Tensor, sample_rate: int, keep: float) -> tuple[int, int]:
-    """The samples [start, end) of wav (S,) that `trim_silence` keeps: training cuts its utterances
-    with it (train.trim_silence), and inference the inputs of a model trained so."""
-    spoken = speech_frames(wav, sample_rate).nonzero().flatten()
-    if not spoken.numel():
-        return 0, wav.numel()
-    hop, margin = round(FRAME * sample_rate), round(keep / FRAME)
-    return max(0, int(spoken[0]) - margin) * hop, min(wav.numel(), (int(spoken[-1]) + 1 + margin) * hop)
+def segment_edges(loaded) -> tuple[float, float]:
+    """Seconds of silence a segment of long audio, or a stream's sentence, keeps before and after its
+    speech, for `loaded` (aed.model_checkpoint.LoadedModel). A model trained on varied edges heard
+    from none to its utterances' own silence plus the most augment added there: the middle of that
+    range, a margin wide enough for a faint onset or a fading word. A model trained on its
+    utterances as read: as much silence as they held, EDGE where that was not recorded."""
+    own = loaded.edge_silence or (EDGE, EDGE)
+    if loaded.varied_edges is None:
+        return own
+    most = max(0.0, loaded.varied_edges[1])
+    return (own[0] + most) / 2, (own[1] + most) / 2
 
 
 def plan_segments(db: torch.Tensor, limit: float, pause: float = PAUSE,

@@ -55,8 +55,9 @@ from aed.data_manifest import PROMPT_TASKS, check_task, read_rows, request_field
 from aed.data_tokenizer import Tokenizer
 from aed.decode_metrics import corpus_scores
 from aed.decode_search import DecodingOptions, decode_features
-from aed.decode_timing import (EDGE, Chunk, MergeStats, Word, align, feasible, frame_db, frame_seconds, merge_chunks,
-                               plan_segments, snap_to_speech, speech_frames, to_segments, to_words, trimmed_span)
+from aed.data_speech import frame_db, speech_frames, trimmed_span
+from aed.decode_timing import (EDGE, Chunk, MergeStats, Word, align, feasible, frame_seconds, merge_chunks, plan_segments,
+                               segment_edges, snap_to_speech, to_segments, to_words)
 from aed.model_checkpoint import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -452,8 +453,9 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
     chunk_s = chunk_length(loaded, chunk_seconds)
     if chunk_overlap > chunk_s / 2:
         raise ValueError(f"chunk overlap {chunk_overlap} s must lie in [0, half the chunk length {chunk_s} s]")
-    chunks = plan(requests, results, chunk_s, chunk_overlap, loaded.features.sample_rate,
-                  loaded.edge_silence or (EDGE, EDGE), loaded.trim_silence)
+    # A model trained on varied edges takes a short input as it comes; one trained on trimmed utterances, trimmed.
+    trim = loaded.trim_silence if loaded.varied_edges is None else None
+    chunks = plan(requests, results, chunk_s, chunk_overlap, loaded.features.sample_rate, segment_edges(loaded), trim)
     overlapping = any(a.request == b.request for a, b in zip(chunks, chunks[1:])) and chunk_overlap > 0
     aligned = timestamps or (overlapping and loaded.model.ctc is not None)  # merging by time needs alignments
     timings = Timings(load_features=time.perf_counter() - t_start)

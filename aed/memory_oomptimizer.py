@@ -28,7 +28,7 @@ error on shapes it was not fitted on (`relative_errors`) before trusting it.
 The search.
 
     step = TrainingStep.of(setup)                      # aed/train_setup.py: the run's model and optimizer
-    shapes = bucket_shapes(bins, cfg.features, cfg.model.dec_max_len)
+    shapes = setup.bucket_shapes(bins)                 # bucket bounds, with what augment's edges may add
     rows = optimize(step, shapes, limit)               # one row per bucket: batch_size, peak, ...
     peaks = preflight(step, shapes, batch_sizes, budget)   # train.py's check before step 0
 

@@ -81,6 +81,7 @@ class Checkpoint:
     max_train_duration: float | None = None  # longest training utterance (s): infer.py's chunk length
     edge_silence: tuple | None = None  # (before, after) s of silence around the training utterances' speech
     trim_silence: float | None = None  # train.trim_silence: inference cuts its inputs' edges the same way
+    varied_edges: tuple | None = None  # augment.edge_seconds where training varied its utterances' edges (augment.edge_prob > 0)
     new_tokens: dict | None = None  # the rows tools/add_language.py appended (freeze=all_but_new_tokens)
     ema: dict | None = None  # the trainable weights' EMA by parameter name, fp32 (ema_decay: aed/train_setup.py)
     step: int | None = field(default=None, metadata=RESUME)  # optimizer steps taken
@@ -310,6 +311,7 @@ class LoadedModel:
     max_train_duration: float | None = None  # longest utterance it was trained on (s); None: not recorded
     edge_silence: tuple | None = None  # (before, after) s of silence around its training utterances' speech
     trim_silence: float | None = None  # s of silence training kept around each utterance's speech (train.trim_silence)
+    varied_edges: tuple | None = None  # (least, most) s training moved each edge of its utterances by; None: as read
     compiled: CompiledAED | None = None  # the model with a compiled decoder step, which decoding then uses
 
     @property
@@ -380,4 +382,4 @@ def load_model(path: str, device="cpu", *, compile: bool = False, int8: bool = F
     trained = Checkpoint.from_dict(ckpt)
     return LoadedModel(model, tokenizer, features, path, trained.max_train_duration,
                        trained.edge_silence and tuple(trained.edge_silence), trained.trim_silence,
-                       CompiledAED(model) if compile else None)
+                       trained.varied_edges and tuple(trained.varied_edges), CompiledAED(model) if compile else None)

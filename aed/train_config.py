@@ -168,10 +168,14 @@ class TrainSection:
 
 @dataclass
 class AugmentConfig:
-    """The `augment:` section (aed/data_augment.py, docs/training.md): degradations of the training
+    """The `augment:` section (aed/data_augment.py, docs/training.md): changes of the training
     audio, each applied to an utterance with its probability, its strength drawn uniformly from its
-    range, in the DataLoader workers (training data only); every probability 0 (off) by default."""
+    range, in the DataLoader workers (training data only); every probability 0 (off) by default
+    (the presets in configs/ turn the edges on)."""
 
+    edge_prob: float = 0.0  # chance an utterance's leading and trailing silence change, each side by its own draw from edge_seconds
+    edge_seconds: tuple[float, float] = (-0.5, 0.5)  # the change at each edge in seconds: below 0 crops the silence the utterance holds there (never its speech), above 0 adds silence; batches count the most it adds (added_seconds)
+    edge_floor_prob: float = 0.5  # chance added silence is the recording's own floor (the non-speech at its edges, looped) rather than digital zeros
     reverb_prob: float = 0.0  # chance an utterance is convolved with a room impulse response (direct path kept at time 0, level kept)
     rir_manifests: list[str] = field(default_factory=list)  # JSONL manifests of room impulse responses (audio_filepath, duration): tools/make_noise.py generate writes simulated ones
     noise_prob: float = 0.0  # chance an utterance gets additive noise
@@ -189,10 +193,11 @@ class AugmentConfig:
     cache_mb: int = 256  # per DataLoader worker: decoded noise and RIRs kept in memory (the least recently used dropped first)
 
     def __post_init__(self):
-        for name in ("reverb_prob", "noise_prob", "gain_prob", "clip_prob", "lowpass_prob", "codec_prob"):
+        for name in ("edge_prob", "edge_floor_prob", "reverb_prob", "noise_prob", "gain_prob", "clip_prob",
+                     "lowpass_prob", "codec_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"augment.{name}: a probability in [0, 1], got {getattr(self, name)}")
-        for name in ("snr_db", "gain_db", "clip_level", "lowpass_hz", "codec_level"):
+        for name in ("edge_seconds", "snr_db", "gain_db", "clip_level", "lowpass_hz", "codec_level"):
             bounds = getattr(self, name)
             if len(bounds) != 2 or bounds[0] > bounds[1]:
                 raise ConfigError(f"augment.{name}: expected [low, high] with low <= high, got {list(bounds)}")
@@ -213,8 +218,14 @@ class AugmentConfig:
 
     @property
     def enabled(self) -> bool:
-        return any(p > 0 for p in (self.reverb_prob, self.noise_prob, self.gain_prob, self.clip_prob,
-                                   self.lowpass_prob, self.codec_prob))
+        return any(p > 0 for p in (self.edge_prob, self.reverb_prob, self.noise_prob, self.gain_prob,
+                                   self.clip_prob, self.lowpass_prob, self.codec_prob))
+
+    @property
+    def added_seconds(self) -> float:
+        """The most audio the edges add to one utterance: bucket shapes (compiled padding, the
+        OOMptimizer's measured batches, train.py's preflight) count it beyond the bucket's duration."""
+        return 2 * max(0.0, self.edge_seconds[1]) if self.edge_prob > 0 else 0.0
 
 
 @dataclass

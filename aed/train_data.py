@@ -48,7 +48,8 @@ from aed.data_manifest import (Faults, ManifestError, Utterance, check_audio, ma
 from aed.data_mixing import (MixLog, MixedSource, Tagged, audio_shares, group_of, nonspeech_examples, stream_weights,
                              temperature_mix)
 from aed.data_sources import CountTokens, ManifestEntry, metadata, source_faults
-from aed.decode_timing import EDGE_SAMPLE, edge_silence, trim_silence
+from aed.data_speech import edge_silence, trim_silence
+from aed.decode_timing import EDGE_SAMPLE
 from aed.train_config import OBJECTIVES, TrainConfig
 from aed.train_distributed import all_gather_objects
 from bins import Bins, estimate_bins, load_batch_sizes
@@ -247,7 +248,7 @@ def silence_trimmer(cfg: TrainConfig):
 
 def measure_edges(utts: list, sample_rate: int, seed: int, trim=None) -> tuple[float, float] | None:
     """The silence the training utterances hold before and after their speech (medians over
-    EDGE_SAMPLE of them, `aed.decode_timing.edge_silence`, after `trim`): inference cuts long audio
+    EDGE_SAMPLE of them, `aed.data_speech.edge_silence`, after `trim`): inference cuts long audio
     into segments with as much, the edges the model was trained on. Unreadable audio is left out."""
     t0 = time.time()
     wavs = []
@@ -271,7 +272,8 @@ def compiled_shapes(cfg: TrainConfig, bins: Bins, reads_text: bool) -> list | No
     if not cfg.compile:
         return None
     try:
-        return bucket_padding(bins, cfg.features, cfg.model.dec_max_len, reads_text, cfg.train.speed_perturb)
+        return bucket_padding(bins, cfg.features, cfg.model.dec_max_len, reads_text, cfg.train.speed_perturb,
+                              cfg.augment.added_seconds)
     except ValueError as e:  # 1D bins without max_tps
         raise ConfigError(f"train.compile pads batches to their bucket's bounds: {e}") from None
 
@@ -429,9 +431,11 @@ def bins_from_manifests(specs: list, tokenizer, num_buckets: int = 30, sub_bucke
     return bins, meta
 
 
-def bucket_shapes(bins: Bins, features: FeatureConfig, dec_max_len: int, max_tps=None) -> list:
+def bucket_shapes(bins: Bins, features: FeatureConfig, dec_max_len: int, max_tps=None, added: float = 0.0) -> list:
     """(duration bound s, feature frames T, token bound U) of every bucket, duration-major like
-    bins.buckets(). 1D bins get U = max_tps x d (max_tps: a number, one per bin, or bins.max_tps)."""
+    bins.buckets(); T counts `added` seconds beyond the bound (what augment's edges may add:
+    AugmentConfig.added_seconds). 1D bins get U = max_tps x d (max_tps: a number, one per bin, or
+    bins.max_tps)."""
     tps = max_tps if max_tps is not None else bins.max_tps
     if bins.tokens is None and tps is None:
         raise ValueError("1D bins without max_tps: pass the max tokens per second (--max-tps)")
@@ -441,18 +445,18 @@ def bucket_shapes(bins: Bins, features: FeatureConfig, dec_max_len: int, max_tps
         for t in bins.tokens[i] if bins.tokens else [math.ceil(tps[i] * d)]:
             if t > dec_max_len:  # train.py drops longer utterances, so no batch reaches t
                 log.info("bucket (%.2f s, %d tokens): token bound capped at dec_max_len=%d", d, t, dec_max_len)
-            frames = num_frames(round(d * features.sample_rate), features.hop_length)
+            frames = num_frames(round((d + added) * features.sample_rate), features.hop_length)
             shapes.append((d, frames, max(2, min(int(t), dec_max_len))))  # >= 2: one input, one target
     return shapes
 
 
 def bucket_padding(bins: Bins, features: FeatureConfig, dec_max_len: int, reads_text: bool = True,
-                   speed_perturb: list = ()) -> list:
+                   speed_perturb: list = (), added: float = 0.0) -> list:
     """(frames, tokens) that `Collate(buckets=...)` pads each bucket's batches to: the bucket's
     bounds (`bucket_shapes`), the frames of audio that may run ROUNDING_SLACK past its duration
-    (`fit_duration`; more when slowed down by speed perturbation) included, so that every batch of
-    a bucket gets the same shape."""
+    (`fit_duration`; more when slowed down by speed perturbation) and the `added` seconds of the
+    edges included, so that every batch of a bucket gets the same shape."""
     slack = ROUNDING_SLACK / min(speed_perturb or [1.0])
     shapes = bucket_shapes(bins, features, dec_max_len, None if reads_text else 0.0)
-    return [(num_frames(round((d + slack) * features.sample_rate), features.hop_length), tokens)
+    return [(num_frames(round((d + slack + added) * features.sample_rate), features.hop_length), tokens)
             for d, _, tokens in shapes]

@@ -405,10 +405,11 @@ class TrainingSetup:
     spec_augment: SpecAugment  # in train mode when the objective uses it
 
     def bucket_shapes(self, bins: Bins, max_tps=None) -> list:
-        """(duration s, frames, token bound) of every bucket, as the OOMptimizer measures them;
-        an objective that reads no text gets no token bound (2-token batches)."""
+        """(duration s, frames, token bound) of every bucket, as the OOMptimizer measures them: the
+        frames count the most augment's edges add; an objective that reads no text gets no token
+        bound (2-token batches)."""
         tps = max_tps if self.objective.reads_text else 0.0
-        return bucket_shapes(bins, self.cfg.features, self.cfg.model.dec_max_len, tps)
+        return bucket_shapes(bins, self.cfg.features, self.cfg.model.dec_max_len, tps, self.cfg.augment.added_seconds)
 
     def describe(self) -> str:
         m = self.cfg.model

@@ -59,7 +59,8 @@ from aed.data_audio import load_audio  # noqa: E402
 from aed.decode_metrics import simple  # noqa: E402
 from aed.decode_search import DecodingOptions  # noqa: E402
 from aed.decode_stream import StreamConfig, Streamer, average_lagging, spoken_ends, stream_requests  # noqa: E402
-from aed.decode_timing import EDGE, FRAME, snap_to_speech, speech_frames  # noqa: E402
+from aed.data_speech import FRAME, speech_frames  # noqa: E402
+from aed.decode_timing import EDGE, snap_to_speech  # noqa: E402
 from aed.decode_transcribe import Request, make_request, plan_chunks, transcribe  # noqa: E402
 from aed.model_checkpoint import load_model  # noqa: E402
 from common import ROOT, log, print_json, print_table, run_modes  # noqa: E402

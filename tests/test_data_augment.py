@@ -11,10 +11,11 @@ import torch
 
 from aed.config import ConfigError
 from aed.data_audio import FeatureConfig, LogMel, load_audio
-from aed.data_augment import (AllBad, Augment, RecordingPool, add_noise, clip, lossy, lowpass, mulaw, read_recordings,
-                              reverberate, telephone)
+from aed.data_augment import (AllBad, Augment, RecordingPool, add_noise, change_edges, clip, lossy, lowpass, mulaw,
+                              read_recordings, reverberate, telephone)
 from aed.data_batch import ExampleDataset
 from aed.data_manifest import ManifestError, read_manifest
+from aed.data_speech import speech_frames
 from aed.train_config import AugmentConfig, TrainConfig
 from tools.make_noise import main as make_noise
 
@@ -187,7 +188,8 @@ def test_manifest_and_config_errors(tmp_path):
         read_recordings([str(tmp_path / "no such.jsonl")], "noise")
     assert not TrainConfig().augment.enabled  # off by default: existing runs are unchanged
     for bad in ({"noise_prob": 0.5}, {"snr_db": (20.0, 0.0)}, {"gain_prob": 1.5}, {"codecs": ["gsm"]},
-                {"clip_level": (0.0, 0.5)}):
+                {"clip_level": (0.0, 0.5)}, {"edge_prob": -0.1}, {"edge_seconds": (0.5, -0.5)},
+                {"edge_floor_prob": 2.0}):
         with pytest.raises(ConfigError, match="augment."):
             AugmentConfig(**bad)
     with pytest.raises(ConfigError, match="lowpass_hz"):
@@ -309,3 +311,77 @@ def test_make_noise_synthesises_sounds_of_each_kind(tmp_path):
         if kind == "siren":
             peak_hz = float(hz[int(power.argmax())])
             assert 350 < peak_hz < 1700, line
+
+
+# --- the edges ----------------------------------------------------------------------------------
+
+
+def recording(lead: float = 0.3, trail: float = 0.2, floor: float = 0.0, seconds: float = 0.8) -> torch.Tensor:
+    """`lead` s of floor, `seconds` of speech, `trail` s of floor: (S,); the floor Gaussian at RMS `floor`."""
+    g = torch.Generator().manual_seed(2)
+    n = round((lead + seconds + trail) * RATE)
+    wav = floor * torch.randn(n, generator=g)
+    start = round(lead * RATE)
+    return torch.cat([wav[:start], wav[start: start + round(seconds * RATE)] + speech(seconds),
+                      wav[start + round(seconds * RATE):]])
+
+
+def first_last_speech(wav: torch.Tensor) -> tuple[float, float]:
+    """Seconds of non-speech before the first and after the last speech frame."""
+    spoken = speech_frames(wav, RATE).nonzero().flatten()
+    return int(spoken[0]) / 100, wav.numel() / RATE - (int(spoken[-1]) + 1) / 100
+
+
+def test_edges_crop_silence_and_never_speech():
+    wav = recording(lead=0.3, trail=0.2)
+    lead, trail = first_last_speech(wav)
+    rng = np.random.default_rng(0)
+    some = change_edges(wav, RATE, -0.1, -0.05, "zeros", rng)
+    assert some.numel() == wav.numel() - round(0.15 * RATE)
+    assert torch.equal(some, wav[round(0.1 * RATE): wav.numel() - round(0.05 * RATE)])
+    every = change_edges(wav, RATE, -5.0, -5.0, "zeros", rng)  # far more than it holds: all of it, no speech
+    assert torch.equal(every, wav[round(lead * RATE): wav.numel() - round(trail * RATE)])
+    silent = torch.zeros(RATE // 2)  # no speech: nothing to crop around, silence still added
+    assert torch.equal(change_edges(silent, RATE, -0.2, -0.2, "zeros", rng), silent)
+    assert change_edges(silent, RATE, 0.1, -0.2, "zeros", rng).numel() == silent.numel() + RATE // 10
+
+
+def test_edges_add_zeros_or_the_recordings_own_floor():
+    rng = np.random.default_rng(0)
+    quiet = recording(floor=1e-3)
+    zeros = change_edges(quiet, RATE, 0.25, 0.1, "zeros", rng)
+    before, after = round(0.25 * RATE), round(0.1 * RATE)
+    assert zeros.numel() == quiet.numel() + before + after
+    assert torch.equal(zeros[before: before + quiet.numel()], quiet)
+    assert not zeros[:before].any() and not zeros[-after:].any()
+    floored = change_edges(quiet, RATE, 0.25, 0.1, "floor", rng)
+    assert torch.equal(floored[before: before + quiet.numel()], quiet)
+    added = torch.cat([floored[:before], floored[-after:]])
+    # the recording's own floor: samples of its non-speech stretches, at their level, with no speech in them
+    own = set(quiet[: round(0.25 * RATE)].tolist()) | set(quiet[-round(0.15 * RATE):].tolist())
+    assert set(added.tolist()) <= set(quiet.tolist()) and len(set(added.tolist()) & own) > 0.9 * added.numel()
+    assert abs(added.pow(2).mean().sqrt() / 1e-3 - 1) < 0.1
+    assert first_last_speech(floored)[0] >= 0.25 + first_last_speech(quiet)[0] - 0.011
+    # too little floor to loop: zeros instead
+    tone = 0.3 * torch.sin(2 * math.pi * 220 * torch.arange(RATE) / RATE)  # speech from end to end
+    tight = change_edges(torch.cat([1e-3 * torch.randn(320), tone, 1e-3 * torch.randn(320)]), RATE, 0.2, 0.0, "floor", rng)
+    assert not tight[: round(0.2 * RATE)].any()
+
+
+def test_edges_through_augment_replay_and_bound_the_length(sets):
+    noise, rir = sets
+    cfg = AugmentConfig(edge_prob=1.0, edge_seconds=(-0.4, 0.3))
+    wav = recording(floor=1e-3)
+    a, resumed = Augment(cfg, RATE), Augment(cfg, RATE)
+    outs = [a(wav, 3, i, draw) for i in range(4) for draw in range(5)]
+    assert all(torch.equal(o, resumed(wav, 3, i, draw)) for o, (i, draw) in
+               zip(outs, [(i, d) for i in range(4) for d in range(5)]))
+    lengths = {o.numel() for o in outs}
+    assert len(lengths) == len(outs)  # every pass another edge
+    assert max(lengths) <= wav.numel() + round(cfg.added_seconds * RATE)
+    assert min(lengths) < wav.numel() < max(lengths)
+    # the edges draw apart from the degradations: a gain drawn with edges on is the gain drawn without
+    gain = AugmentConfig(gain_prob=1.0)
+    both = AugmentConfig(gain_prob=1.0, edge_prob=1.0, edge_seconds=(0.0, 0.0))
+    assert torch.equal(Augment(gain, RATE)(wav, 1, 2, 3), Augment(both, RATE)(wav, 1, 2, 3))
+    assert AugmentConfig().added_seconds == 0.0 and cfg.added_seconds == pytest.approx(0.6)

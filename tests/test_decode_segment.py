@@ -7,8 +7,8 @@ import pytest
 import soundfile as sf
 import torch
 
-from aed.decode_timing import (EDGE, FRAME, PAUSE, edge_silence, frame_db, plan_segments, speech_frames, trim_silence,
-                                trimmed_span)
+from aed.data_speech import FRAME, edge_silence, frame_db, speech_frames, trim_silence, trimmed_span
+from aed.decode_timing import EDGE, PAUSE, plan_segments
 from aed.decode_transcribe import Request, plan_chunks
 
 

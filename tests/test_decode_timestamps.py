@@ -15,8 +15,8 @@ from test_train import run_in_process
 from aed.data_audio import FeatureConfig, load_audio
 from aed.data_tokenizer import Tokenizer
 from aed.decode_search import DecodingOptions
-from aed.decode_timing import (Segment, Word, align, frame_seconds, snap_to_speech, speech_frames, srt, to_segments,
-                               to_words, webvtt)
+from aed.data_speech import speech_frames
+from aed.decode_timing import Segment, Word, align, frame_seconds, snap_to_speech, srt, to_segments, to_words, webvtt
 from aed.decode_transcribe import Request, plan_chunks, transcribe
 from aed.model import AED, AEDConfig
 from aed.model_checkpoint import load_model, pack_dir

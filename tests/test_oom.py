@@ -268,6 +268,8 @@ def test_bucket_shapes_1d_use_max_tps_and_cap_at_dec_max_len():
     assert [t for _, _, t in bucket_shapes(bins_1d, feats, 1000, max_tps=10)] == [20, 100, 400]
     bins_2d = Bins([2.0, 10.0], tokens=[[6, 12], [30]])
     assert bucket_shapes(bins_2d, feats, 512) == [(2.0, 200, 6), (2.0, 200, 12), (10.0, 1000, 30)]
+    # the edges' added silence: frames of the bound + what they may add, the bound itself as it is
+    assert bucket_shapes(bins_2d, feats, 512, added=0.6) == [(2.0, 260, 6), (2.0, 260, 12), (10.0, 1060, 30)]
     with pytest.raises(ValueError, match="max-tps"):
         bucket_shapes(Bins([2.0]), feats, 512)
 

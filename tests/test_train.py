@@ -481,7 +481,7 @@ def test_a_model_trained_on_trimmed_audio_has_its_inputs_trimmed_the_same_way(tm
 
     import aed.decode_transcribe as decode_transcribe
     from aed.data_audio import load_audio
-    from aed.decode_timing import trim_silence
+    from aed.data_speech import trim_silence
     from aed.model_checkpoint import load_model
 
     run_train(tmp_path / "trimmed", "train.trim_silence=0.05", "max_steps=2", "val.manifests=[]")
