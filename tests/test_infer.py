@@ -95,9 +95,17 @@ def run_dir(made_once, train_utts):
                 batch[i, : w.numel()] = w
             return logmel(batch, lens)
 
+        # Silence the tests add, on a grid from none to MAX_PAD before and after (the bundled files as
+        # they are, a long file's chunks with their edges, its gaps), then a random draw from the
+        # training range. A model right only at the one or two draws a check looks at is right
+        # elsewhere (a chunk of the long file) by chance, and which chance follows the CPU's kernels
+        # through the rounding of every step before.
+        grid = [torch.tensor([[before, after]]).expand(len(wavs), 2)
+                for before in (0.0, MAX_PAD / 2, MAX_PAD) for after in (0.0, MAX_PAD / 2, MAX_PAD)]
+
         def all_correct():
             model.eval()
-            for pads in (torch.zeros(len(wavs), 2), random_pads(len(wavs))):
+            for pads in [*grid, random_pads(len(wavs))]:
                 hyps = decode_features(model, *features_of(pads), tokens[:, :5], tokenizer.eos, DecodingOptions())[0]
                 texts = [tokenizer.decode_hypothesis(h) for h in hyps]
                 if texts != [u.text for u in train_utts]:
@@ -105,7 +113,7 @@ def run_dir(made_once, train_utts):
             return True
 
         opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-        for step in range(1, 801):
+        for step in range(1, 1501):
             model.train()
             loss, n = model(*features_of(random_pads(len(wavs))), tokens, token_lens, prompt_lens)
             (loss / n).backward()
@@ -115,7 +123,7 @@ def run_dir(made_once, train_utts):
             if step % 25 == 0 and all_correct():
                 break
         else:
-            pytest.fail("the tiny model did not overfit its 6 utterances in 800 steps")
+            pytest.fail("the tiny model did not overfit its 6 utterances in 1500 steps")
         save_checkpoint({"step": step, "model": model.state_dict(), "model_config": dataclasses.asdict(cfg),
                          "features": dataclasses.asdict(features),
                          "tokenizer": pack_dir(os.path.join(MINI, "tokenizer"))}, str(path), step, keep_last=1)
