@@ -351,10 +351,11 @@ def test_beam_search_keeps_the_best_hypotheses_and_beats_greedy_unless_they_disp
             best = max(rank(c) for c in candidates)
             g_prefix = (g + (eos,) * step)[:step]
             if kept is None:  # the last step: its best extension is the answer
-                (answer,) = [c for c in candidates if list(c[: c.index(eos)] if eos in c else c) == answers[b]]
-                assert rank(answer) >= best - tol, (req.audio_filepath, step, rank(answer), best)
+                found = [c for c in candidates if list(c[: c.index(eos)] if eos in c else c) == answers[b]]
+                assert len(found) == 1, (req.audio_filepath, answers[b], "not an extension of the last beam")
+                assert rank(found[0]) >= best - tol, (req.audio_filepath, step, rank(found[0]), best)
                 if not displaced:  # then greedy's hypothesis was among the last step's candidates
-                    assert g_prefix in candidates and rank(answer) >= rank(g_prefix) - tol, (
+                    assert g_prefix in candidates and rank(found[0]) >= rank(g_prefix) - tol, (
                         req.audio_filepath, answers[b], greedy[b])
                 break
             assert set(kept) <= set(candidates) and len(set(kept)) == k, (req.audio_filepath, step)
