@@ -1,4 +1,5 @@
-# Entry points: `make demo`, `make test` (`make test-fast` leaves out the slow tests), `make report`,
+# Entry points: `make demo`, `make test` (`make test-fast` leaves out the slow tests; `make test-other-kernels`
+# runs those under another CPU instruction set's kernels), `make report`,
 # and `make gpu-check` on a machine with a CUDA GPU. Each creates .venv on first use (`make setup`
 # alone does just that), with aed installed in it in editable mode (pyproject.toml).
 PYTHON ?= python3
@@ -13,7 +14,7 @@ CPU ?=
 CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_SOURCE := $(if $(CPU),--index-url $(CPU_INDEX),)
 
-.PHONY: setup demo test test-fast test-nemo gpu-check report venv clean
+.PHONY: setup demo test test-fast test-other-kernels test-nemo gpu-check report venv clean
 
 setup: venv
 
@@ -51,6 +52,16 @@ test-nemo: venv $(NEMO_PEERS)/.installed
 # overfitting), on both cores as `make test` runs.
 test-fast: venv
 	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow" tests
+
+# test-fast again with PyTorch's CPU kernels for another instruction set than this CPU's best (AVX-512 ->
+# AVX2, AVX2 -> the compiler's own vectorisation): a test whose verdict follows the kernels' rounding
+# fails on the machine that brings it in, not on the next host. CI runs it after `make test`.
+test-other-kernels: venv
+	@native=$$($(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"); \
+	case $$native in avx512*) other=avx2 ;; avx2) other=default ;; \
+	  *) echo "test-other-kernels: this CPU's kernels ($$native) have no other set to compare with"; exit 0 ;; esac; \
+	echo "test-fast with ATEN_CPU_CAPABILITY=$$other (this CPU's own: $$native)"; \
+	ATEN_CPU_CAPABILITY=$$other $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow" tests
 
 # The CUDA paths (bf16 step, NCCL, real OOMs, bf16 inference, GPU<->CPU checkpoints and NeMo models,
 # the simulated device against the real one, the compiled decoder step as a CUDA graph, compiled and

@@ -44,8 +44,8 @@ from aed.train_checkpoint import (CheckpointWriter, init_from_checkpoint, load_t
                                   training_tensors)
 from aed.train_config import help_text, load_train_config
 from aed.train_data import TrainingData, build_training_data
-from aed.train_distributed import (all_reduce, cleanup, gather_objects, init_distributed, is_distributed, peer_lost,
-                                   share_rank0_buffers, torchrun_restart, wrap)
+from aed.train_distributed import (all_reduce, cleanup, exit_worker, gather_objects, init_distributed, is_distributed,
+                                   peer_lost, share_rank0_buffers, torchrun_restart, wrap)
 from aed.train_progress import Progress, RunLog, StepFlops, matmul_peak
 from aed.train_setup import (ExponentialMovingAverage, TrainingSetup, build_training_setup, compile_layers,
                              count_targets, train_step)
@@ -622,3 +622,4 @@ if __name__ == "__main__":
         # The rank that failed first logs its own reason; the others would only show a broken socket.
         sys.exit(f"stopping: a peer rank exited or lost its connection ({str(e).splitlines()[0][:200]}); "
                  "the log of the rank that failed first says why")
+    exit_worker()  # skips the interpreter's finalization, which can abort a finished rank (see exit_worker)

@@ -7,6 +7,7 @@ for one (FSDP, whose every layer call is a collective, needs one even on one ran
     model = shard(model, device, precision)         # fsdp only, before the optimizer is built
     train_model, no_sync = wrap(model, "ddp")        # what the training step runs
     eval_model = full_copy(model, build)             # validation's whole copy, decoding per rank
+    exit_worker()                                    # the last call of a finished process
 
 ddp: every rank holds the whole model, its gradients and both AdamW moments (16 bytes per
 parameter: ~16 GB for Canary-1B before the first activation), and gradients are all-reduced.
@@ -20,7 +21,9 @@ checkpoint of one resumes under the other (aed/train_checkpoint.py, torch.distri
 
 import logging
 import os
+import sys
 from contextlib import contextmanager
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -114,6 +117,26 @@ def barrier() -> None:
 def cleanup() -> None:
     if is_distributed():
         dist.destroy_process_group()
+
+
+def exit_worker() -> NoReturn:
+    """The last call of a process whose work is done (train.py and the other scripts run under
+    torchrun): destroy the process group, flush the logs and the standard streams, and end with
+    status 0 without the interpreter's finalization. Everything else must be written and closed by then.
+
+    gloo runs each collective on a worker thread of its process group that lets go of the
+    collective's tensors only after waking the caller, and torch joins those threads only when the
+    last reference to the group goes, which DDP and FSDP hold to the end of the process, past
+    destroy_process_group. A thread still letting go of tensors that Python has dropped when the
+    interpreter starts finalizing must take the GIL; finalization makes it exit instead, from inside a
+    C++ destructor, which is std::terminate: "terminate called without an active exception", and the
+    finished rank ends in SIGABRT.
+    """
+    cleanup()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 STRATEGIES = ("ddp", "fsdp")

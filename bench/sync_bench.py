@@ -300,7 +300,7 @@ def real_mode(args) -> None:
     import yaml
 
     from aed.model import AED, AEDConfig
-    from aed.train_distributed import cleanup, init_distributed
+    from aed.train_distributed import exit_worker, init_distributed
 
     torch.set_num_threads(1)  # one per process: 4 processes on 2 cores already oversubscribe
     rank, _, world_size, device = init_distributed()
@@ -375,7 +375,7 @@ def real_mode(args) -> None:
                           "max_duration": args.max_duration, "bins_shape": list(bins.shape),
                           "parameters": sum(q.numel() for q in params), "config": args.config,
                           "seconds": time.perf_counter() - t_start, **res, "speedup": speedup}))
-    cleanup()
+    exit_worker()  # as train.py ends: the interpreter's own exit can abort a finished rank
 
 
 MODES = {  # name: (its flags, its run, what it measures)

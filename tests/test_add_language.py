@@ -178,7 +178,7 @@ def test_freeze_all_but_new_tokens_under_fsdp_trains_only_the_added_rows(grown, 
     script.write_text(
         "import sys, torch, torch.distributed as dist\n"
         "from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict\n"
-        "from aed.train_distributed import shard\n"
+        "from aed.train_distributed import exit_worker, shard\n"
         "from aed.train_setup import build_optimizer, train_mode, train_step\n"
         "from test_add_language import freeze_setup\n"
         "dist.init_process_group('gloo')\n"
@@ -193,7 +193,7 @@ def test_freeze_all_but_new_tokens_under_fsdp_trains_only_the_added_rows(grown, 
         "after = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))\n"
         "if dist.get_rank() == 0:\n"
         "    torch.save({'before': before, 'after': after, 'added': added}, sys.argv[2])\n"
-        "dist.destroy_process_group()\n")
+        "exit_worker()\n")
     out = tmp_path / "states.pt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests"),
                                                         os.environ.get("PYTHONPATH", "")])}

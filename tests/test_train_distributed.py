@@ -6,11 +6,13 @@ FSDP on a single process has its own pair of runs."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
-from test_train import MINI, losses, run_train
+from test_train import MINI, ROOT, losses, run_train
 
 from aed.decode_transcribe import read_requests, transcribe
 from aed.model_checkpoint import TRAINING_KEYS, load_latest, load_model, read_checkpoint
@@ -187,3 +189,38 @@ def test_poll_publishes_a_finished_async_checkpoint_without_waiting_for_the_next
         time.sleep(0.01)
     assert writer.pending is None and (tmp_path / "ckpt-00000001" / "COMPLETE").exists()
     assert load_latest(str(tmp_path))[1]["step"] == 1
+
+
+# --- the end of a process -----------------------------------------------------------------------
+
+
+# A rank's last moments, as short as they can be: its process group held past destroy_process_group,
+# as DDP and FSDP hold it, broadcasts of Python objects (as a checkpoint's plan is broadcast), the end.
+LAST_COLLECTIVES = """
+import torch.distributed as dist
+
+from aed.train_distributed import exit_worker, init_distributed
+
+init_distributed()
+held = dist.group.WORLD
+for step in range(3):
+    plan = [{"step": step}] if dist.get_rank() == 0 else [None]
+    dist.broadcast_object_list(plan, src=0)
+    assert plan == [{"step": step}], plan
+exit_worker()
+"""
+LAUNCHES = 10  # one after another: each is a chance for a rank to reach its finalization first
+
+
+@pytest.mark.slow(seconds=60)
+def test_ranks_end_cleanly_right_after_their_last_collectives(tmp_path):
+    """No rank aborts at its exit (aed.train_distributed.exit_worker). Ended by destroy_process_group
+    and the interpreter's own exit instead, some of these launches lose a rank to SIGABRT, more the
+    busier the cores."""
+    script = tmp_path / "last_collectives.py"
+    script.write_text(LAST_COLLECTIVES)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for _ in range(LAUNCHES):
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and "terminate called" not in p.stderr, p.stderr[-3000:]

@@ -22,7 +22,7 @@ from aed.memory_oomptimizer import TrainingStep
 from aed.model import AED, AEDConfig
 from aed.model_checkpoint import CheckpointError, load_model, read_checkpoint, read_ema
 from aed.train_checkpoint import has_ema
-from aed.train_distributed import shard
+from aed.train_distributed import exit_worker, shard
 from aed.train_setup import ExponentialMovingAverage, local
 
 DECAY = 0.9  # low enough that a few steps move the EMA measurably away from the weights
@@ -228,7 +228,8 @@ def test_ema_under_fsdp_equals_ema_under_ddp(tmp_path):
 def two_ranks(out: str) -> None:
     """Under torchrun with 2 ranks: TOY_STEPS AdamW steps of the toy model on each rank's own
     batches, under DDP and then under FSDP2, each with an EMA. Rank 0 saves DDP's EMA (torch.save);
-    FSDP's is saved by both ranks through DCP, each its shards, as train.py's checkpoints are."""
+    FSDP's is saved by both ranks through DCP, each its shards, as train.py's checkpoints are. Ends
+    the process as train.py does (aed.train_distributed.exit_worker)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -260,7 +261,7 @@ def two_ranks(out: str) -> None:
             params = dict(model.named_parameters())
             assert all(e.placements == params[k].placements for k, e in ema.weights.items())
             dcp.save(training_tensors(model, optimizer, ema), checkpoint_id=os.path.join(out, "fsdp"))
-    dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":
