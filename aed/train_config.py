@@ -170,8 +170,9 @@ class TrainSection:
 class AugmentConfig:
     """The `augment:` section (aed/data_augment.py, docs/training.md): changes of the training
     audio, each applied to an utterance with its probability, its strength drawn uniformly from its
-    range, in the DataLoader workers (training data only); every probability 0 (off) by default
-    (the presets in configs/ turn the edges on)."""
+    range, in the DataLoader workers (training data only); every probability 0 (off) by default.
+    No preset turns the edges on yet: on the bundled synthetic digits they slow learning several-fold
+    (docs/training.md, "Varied edges")."""
 
     edge_prob: float = 0.0  # chance an utterance's leading and trailing silence change, each side by its own draw from edge_seconds
     edge_seconds: tuple[float, float] = (-0.5, 0.5)  # the change at each edge in seconds: below 0 crops the silence the utterance holds there (never its speech), above 0 adds silence; batches count the most it adds (added_seconds)
