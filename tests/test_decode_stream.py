@@ -1,6 +1,7 @@
 """aed/decode_stream.py and `infer.py --stream`: streamed decoding against offline decoding, slicing,
 causality, batches of streams, the guards, latency, bad input."""
 
+import dataclasses
 import io
 import logging
 import math
@@ -21,6 +22,7 @@ from aed.data_tokenizer import Tokenizer
 from aed.decode_metrics import wer
 from aed.decode_search import DecodingOptions
 from aed.decode_stream import StreamConfig, Streamer, average_lagging, stream_latency
+from aed.decode_timing import segment_edges
 from aed.decode_transcribe import transcribe
 from aed.model import AED, AEDConfig
 from aed.model_checkpoint import LoadedModel, load_model
@@ -111,6 +113,32 @@ def test_a_stream_whose_chunk_holds_all_its_audio_is_offline_greedy_decoding(wor
         stream = streamed(word_model, wav, StreamConfig(chunk=60.0, endpoint=0.0), options=options)
         assert stream.ids == res.tokens and stream.text == res.pred_text
         assert all(t.time == pytest.approx(wav.numel() / RATE) for t in stream.tokens)  # all at the end
+
+
+@pytest.mark.parametrize("options", [GREEDY, JOINT], ids=["attention", "joint-ctc"])
+def test_a_whole_utterance_streamed_for_a_model_trained_on_varied_edges_is_its_offline_decoding(word_model, tmp_path,
+                                                                                               options):
+    """A model trained with varied edges (checkpoint field varied_edges) is given each sentence with a
+    margin as wide as its training edges, not cut to them: a whole utterance whose silence before its
+    speech fits that margin and without a pause that ends a sentence decodes as offline decoding does,
+    at the default stream settings (1 s chunks, AlignAtt committing tokens while the audio goes on)."""
+    varied = dataclasses.replace(word_model, varied_edges=(-0.5, 0.5))
+    margin = segment_edges(varied)[0]
+    clips, rng, gen = load_clips(), random.Random(1), torch.Generator().manual_seed(1)
+    paths, wavs, committed = [], [], 0
+    for i in range(8):
+        words = [rng.choice(sorted(clips)) for _ in range(rng.randint(2, 4))]
+        gaps = [rng.uniform(0.02, 0.2) for _ in words[:-1]] + [rng.uniform(0.0, 0.6)]  # the last: its trailing silence
+        wav, _ = word_sequence(clips, words, gaps, rng.uniform(0.0, margin - 0.05), rng.choice([0.0, 1e-3]), gen)
+        paths.append(str(tmp_path / f"u{i}.wav"))
+        sf.write(paths[-1], wav.numpy(), RATE, subtype="FLOAT")
+        wavs.append(wav)
+    offline, _ = transcribe(varied, paths, options, pnc=False)
+    for wav, res in zip(wavs, offline):
+        stream = streamed(varied, wav, StreamConfig(), options=options)
+        assert stream.ids == res.tokens and stream.text == res.pred_text, (stream.text, res.pred_text)
+        committed += sum(t.time < wav.numel() / RATE - 1e-9 for t in stream.tokens)
+    assert committed > 0  # the policy committed tokens during the audio: more than one final decode
 
 
 @pytest.mark.parametrize("tokens", [1, 2])
