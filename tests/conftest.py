@@ -1,11 +1,21 @@
+import getpass
 import os
 import shutil
+import tempfile
 
 import pytest
 import torch
 from filelock import FileLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Inductor's cache key leaves out ATEN_CPU_CAPABILITY: a graph compiled under one set of CPU kernels and
+# loaded from the cache under another fails in its generated wrapper ("tuple args required"), so
+# `make test-other-kernels` after `make test` failed every compiled test. Each kernel set gets its own
+# cache; set here, before anything compiles, so that subprocesses inherit it.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY'].lower()}")
 
 
 @pytest.fixture(autouse=True, scope="session")
