@@ -91,8 +91,14 @@ def parse_args(argv: list[str] | None = None):
     dec.add_argument("--no-speech-threshold", type=float, default=None, metavar="P",
                      help="Whisper's no-speech check: the decoder's probability of ending right after the prompt "
                           "(what non-speech training teaches) is written to --out as no_speech_prob, and a chunk "
-                          f"above P gives no text; 1: never (default: {DecodingOptions.no_speech_threshold}; "
+                          "above P whose text is also unlikely (see --logprob-threshold) gives none; --out counts "
+                          f"them under `skipped`; 1: never (default: {DecodingOptions.no_speech_threshold}; "
                           "streams commit tokens as they come and do not check)")
+    dec.add_argument("--logprob-threshold", type=float, default=DecodingOptions.logprob_threshold, metavar="L",
+                     help="the no-speech check's second condition, Whisper's: the decoder's mean log-probability "
+                          "per token of the chunk's text (its EOS counted) is at most L; a confident text is kept "
+                          "whatever the no-speech probability; 0: the probability alone decides "
+                          "(default: %(default)s)")
     run = p.add_argument_group("execution")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
@@ -198,7 +204,8 @@ def decoding_options(args) -> DecodingOptions:
                            ctc_weight=DecodingOptions.ctc_weight if args.ctc_weight is None else args.ctc_weight,
                            max_repeats=args.max_repeats, max_tokens_per_second=args.max_tokens_per_second or None,
                            no_speech_threshold=(None if args.stream else DecodingOptions.no_speech_threshold)
-                           if args.no_speech_threshold is None else args.no_speech_threshold)
+                           if args.no_speech_threshold is None else args.no_speech_threshold,
+                           logprob_threshold=args.logprob_threshold)
 
 
 class ProgressBar:
@@ -243,6 +250,22 @@ def print_scores(results, normalizer: str) -> None:
                   f"{m['wer_pnc']:.2f}%) on {m['n']} file(s)", file=sys.stderr)
         else:
             print(f"{key}: BLEU {m['bleu']:.2f} on {m['n']} file(s)", file=sys.stderr)
+
+
+def print_unsaid(results, options: DecodingOptions) -> None:
+    """The audio that gave no text, on stderr, so that none is dropped unsaid: the chunks the
+    no-speech check emptied, with their seconds and files, and the seconds never decoded (no speech by energy)."""
+    done = [r for r in results if r.error is None]
+    if options.no_speech_threshold is not None:
+        hit = [r for r in done if r.skipped_segments]
+        rule = f"P > {options.no_speech_threshold:g}" + (
+            "" if options.logprob_threshold is None else f", mean log-prob <= {options.logprob_threshold:g}")
+        print(f"no speech ({rule}): {sum(r.skipped_segments for r in hit)} segment(s), "
+              f"{sum(r.skipped_seconds for r in hit):.1f} s emptied in {len(hit)} of {len(done)} file(s)",
+              file=sys.stderr)
+    undecoded = sum(r.undecoded_seconds or 0.0 for r in done)
+    if undecoded >= 0.05:
+        print(f"{undecoded:.1f} s judged non-speech by energy (pauses, silence) were not decoded", file=sys.stderr)
 
 
 # --- streaming --------------------------------------------------------------------------------
@@ -458,12 +481,7 @@ def main(argv: list[str] | None = None) -> None:
         write_subtitles(results, args.subtitles, args.timestamps)
 
     print_scores(results, args.normalizer)
-    if options.no_speech_threshold is not None:
-        # no probability: a file longer than a chunk in which no speech was found, so nothing was decoded
-        silent = [r for r in results if r.error is None and (r.no_speech_prob is None
-                                                              or r.no_speech_prob > options.no_speech_threshold)]
-        print(f"no speech (no_speech_prob > {options.no_speech_threshold:g}) in {len(silent)} of "
-              f"{len(results) - len(failed)} file(s)", file=sys.stderr)
+    print_unsaid(results, options)
     t = timings
     print(f"RTFx {t.rtfx:.1f}: {t.audio:.1f} s of audio in {t.wall:.2f} s (load+features {t.load_features:.2f} s, "
           f"encoder {t.encoder:.2f} s, decoder {t.decoder:.2f} s"

@@ -53,6 +53,7 @@ exceed `max_tokens_per_second` of audio.
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -159,6 +160,11 @@ class DecodingOptions:
     # non-speech gives ~1e-5, so the check leaves its output alone (docs/REPORT.md, "Sounds the model
     # never heard"). Whisper's 0.6 applies to its own <|nospeech|> token.
     no_speech_threshold: float | None = 0.1
+    # ... and, as Whisper's second condition, only where the decoder is also unsure of the hypothesis it
+    # returns: its mean log-probability per token (`avg_logprob`) at most this (Whisper's -1.0). A
+    # confident transcript is kept whatever its no-speech probability. None (or 0, which every mean
+    # log-probability meets): the no-speech probability alone decides.
+    logprob_threshold: float | None = -1.0
 
     def __post_init__(self):
         """ValueError naming the first option out of its range."""
@@ -172,17 +178,25 @@ class DecodingOptions:
             raise ValueError(f"max repeats ({self.max_repeats}) and max tokens per second "
                              f"({self.max_tokens_per_second}) must be >= 0")
 
+    def no_speech(self, no_speech_prob: float, avg_logprob: float) -> bool:
+        """Whisper's rule: a hypothesis is judged non-speech when its no-speech probability is above
+        no_speech_threshold and its mean log-probability is at most logprob_threshold."""
+        return (self.no_speech_threshold is not None and no_speech_prob > self.no_speech_threshold
+                and (self.logprob_threshold is None or avg_logprob <= self.logprob_threshold))
+
 
 @torch.inference_mode()
 def search(model, memory, memory_lens, prompt, eos_id: int, options: DecodingOptions = DecodingOptions(),
-           ctc_log_probs=None) -> list[list[int]]:
+           ctc_log_probs=None, with_logprobs: bool = False):
     """`decode_features` after the encoder: memory (B, T', D), memory_lens (B,) and the CTC head's log-probs
     (B, T', V + 1) or None, from model.encode_with_ctc. For callers that time or batch the encoder
     themselves (aed/decode_transcribe.py). Joint CTC/attention decoding runs as a beam search, of one beam
-    for greedy decoding."""
+    for greedy decoding. Returns the generated ids per row; with_logprobs, also (B,) the attention
+    decoder's log-probability of each returned hypothesis: the sum over its tokens, and its EOS where it
+    ended with one (Whisper's sum_logprob; joint scores rank, the decoder's own ones are summed)."""
     if options.beam_size > 1 or (options.ctc_weight > 0 and ctc_log_probs is not None):
-        return beam_search(model, memory, memory_lens, prompt, eos_id, options, ctc_log_probs)
-    return greedy_search(model, memory, memory_lens, prompt, eos_id, options)
+        return beam_search(model, memory, memory_lens, prompt, eos_id, options, ctc_log_probs, with_logprobs)
+    return greedy_search(model, memory, memory_lens, prompt, eos_id, options, with_logprobs)
 
 
 def _synced_time(device: torch.device) -> float:
@@ -198,9 +212,9 @@ def decode_features(model, feats, feat_lens, prompt, eos_id: int, options: Decod
     per row (joint CTC/attention when the model has a CTC head and options.ctc_weight > 0); with_ctc,
     the CTC head's log-probs (B, T', V) and valid lengths (B,) for alignment, else None; the seconds
     spent in the encoder and in the search (the device is synchronised between phases); and with
-    options.no_speech_threshold, each row's no-speech probability (a list; rows above the threshold
-    come out empty), else None. amp: the autocast context both run in; decoder: the model the
-    search steps (a `CompiledAED` of `model`), default `model`."""
+    options.no_speech_threshold, the no-speech check of every row (`NoSpeech`; the rows it judges
+    non-speech come out empty), else None. amp: the autocast context both run in; decoder: the model
+    the search steps (a `CompiledAED` of `model`), default `model`."""
     device = feats.device
     t0 = _synced_time(device)
     with amp:
@@ -208,12 +222,24 @@ def decode_features(model, feats, feat_lens, prompt, eos_id: int, options: Decod
     t1 = _synced_time(device)
     no_speech = None
     with amp:
-        hyps = search(decoder or model, memory, memory_lens, prompt, eos_id, options, ctc_log_probs)
+        hyps, logprobs = search(decoder or model, memory, memory_lens, prompt, eos_id, options, ctc_log_probs,
+                                with_logprobs=True)
         if options.no_speech_threshold is not None:
-            no_speech = no_speech_probs(model, memory, memory_lens, prompt, eos_id).tolist()
-            hyps = [[] if p > options.no_speech_threshold else ids for ids, p in zip(hyps, no_speech)]
+            probs = no_speech_probs(model, memory, memory_lens, prompt, eos_id).tolist()
+            means = [lp / (len(ids) + 1) for lp, ids in zip(logprobs.tolist(), hyps)]
+            emptied = [bool(ids) and options.no_speech(p, m) for ids, p, m in zip(hyps, probs, means)]
+            hyps = [[] if e else ids for ids, e in zip(hyps, emptied)]
+            no_speech = NoSpeech(probs, means, emptied)
     t2 = _synced_time(device)
     return hyps, (ctc_log_probs, memory_lens) if with_ctc else None, t1 - t0, t2 - t1, no_speech
+
+
+class NoSpeech(NamedTuple):
+    """The no-speech check of a batch's rows (`decode_features`), Whisper's two numbers and its verdict."""
+
+    probs: list[float]  # no_speech_prob: P(EOS) right after the prompt (`no_speech_probs`)
+    avg_logprobs: list[float]  # the hypothesis' log-probability (`search`) over its tokens + 1, as Whisper's
+    emptied: list[bool]  # judged non-speech (`DecodingOptions.no_speech`) and its text dropped
 
 
 @torch.inference_mode()
@@ -268,10 +294,11 @@ def _strip(tokens, eos_id: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def greedy_search(model, memory, memory_lens, prompt, eos_id: int,
-                  options: DecodingOptions = DecodingOptions()) -> list[list[int]]:
+def greedy_search(model, memory, memory_lens, prompt, eos_id: int, options: DecodingOptions = DecodingOptions(),
+                  with_logprobs: bool = False):
     """Argmax decoding of the attention decoder for the whole batch at once; memory (B, T', D) from
-    model.encode. Uses the options' length and repetition limits (beam size and CTC weight: see `search`)."""
+    model.encode. Uses the options' length and repetition limits (beam size and CTC weight, with_logprobs:
+    see `search`)."""
     _check_prompt(prompt, memory)
     b, p = prompt.shape
     limits = token_budget(model, memory_lens, p, options)  # (B,)
@@ -280,8 +307,10 @@ def greedy_search(model, memory, memory_lens, prompt, eos_id: int,
     logits = model.decode_step(prompt, cache)  # (B, V): the prompt in one chunk
     out = torch.full((b, steps), eos_id, dtype=torch.long, device=memory.device)
     finished = torch.zeros(b, dtype=torch.bool, device=memory.device)
+    logprob = torch.zeros(b, device=memory.device)  # (B,) summed log-probs of each row's tokens, its EOS included
     for i in range(steps):
         token = logits.argmax(dim=-1).masked_fill(finished, eos_id)  # finished rows stay at EOS
+        logprob += F.log_softmax(logits.float(), dim=-1).gather(1, token[:, None])[:, 0].masked_fill(finished, 0.0)
         out[:, i] = token
         finished |= (token == eos_id) | (i + 1 >= limits)
         if options.max_repeats:
@@ -289,7 +318,8 @@ def greedy_search(model, memory, memory_lens, prompt, eos_id: int,
         if i + 1 == steps or ((i + 1) % SYNC_EVERY == 0 and bool(finished.all())):
             break
         logits = model.decode_step(token[:, None], cache)
-    return _strip(out, eos_id)
+    hyps = _strip(out, eos_id)
+    return (hyps, logprob) if with_logprobs else hyps
 
 
 def length_penalty(lengths, alpha: float):
@@ -313,8 +343,9 @@ def joint_candidates(logp, scorer: CTCPrefixScorer, eos_id: int, weight: float, 
 
 @torch.inference_mode()
 def beam_search(model, memory, memory_lens, prompt, eos_id: int, options: DecodingOptions = DecodingOptions(beam_size=4),
-                ctc_log_probs=None) -> list[list[int]]:
-    """Beam search vectorised over R = B * K rows (K = beam_size); returns the best hypothesis per utterance.
+                ctc_log_probs=None, with_logprobs: bool = False):
+    """Beam search vectorised over R = B * K rows (K = beam_size); returns the best hypothesis per utterance
+    (with_logprobs: and its attention log-probability, see `search`).
 
     Each step: one log-softmax, one topk over the K*W candidates of each utterance, one cache reorder.
     W is the vocabulary, or with CTC log-probs (B, T', V + 1) and options.ctc_weight > 0 the
@@ -350,6 +381,7 @@ def beam_search(model, memory, memory_lens, prompt, eos_id: int, options: Decodi
     lengths = torch.zeros(b * k, dtype=torch.long, device=device)  # generated tokens, EOS included
     finished = torch.zeros(b * k, dtype=torch.bool, device=device)
     unpaid = torch.zeros(b * k, dtype=torch.bool, device=device)  # stopped as a loop: pays for EOS next step
+    logprob = torch.zeros(b * k, device=device)  # (R,) the attention decoder's log-probs of each row's tokens, summed
     eos_col = eos_id if scorer is None else w - 1
     eos_only = torch.full((w,), float("-inf"), device=device)
     eos_only[eos_col] = 0.0  # the one continuation of a finished hypothesis
@@ -374,6 +406,7 @@ def beam_search(model, memory, memory_lens, prompt, eos_id: int, options: Decodi
         tokens[:, :i] = tokens[origin, :i]
         tokens[:, i] = token
         was_finished = finished[origin]
+        logprob = logprob[origin] + logp[origin, token].masked_fill(was_finished, 0.0)
         finished = was_finished | (token == eos_id) | (lengths >= limits)
         if options.max_repeats:
             finished |= ends_in_repeats(tokens, i + 1, options.max_repeats)
@@ -389,4 +422,5 @@ def beam_search(model, memory, memory_lens, prompt, eos_id: int, options: Decodi
         logp = F.log_softmax(model.decode_step(token[:, None], cache), dim=-1)
 
     best = (scores / length_penalty(lengths, options.length_penalty).to(scores.dtype)).view(b, k).argmax(dim=-1) + row0[:, 0]
-    return _strip(tokens[best], eos_id)
+    hyps = _strip(tokens[best], eos_id)
+    return (hyps, logprob[best]) if with_logprobs else hyps

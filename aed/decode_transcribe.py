@@ -159,8 +159,18 @@ class Result:
     error: str | None = None  # why the file could not be transcribed
     words: list[Word] | None = None  # with timestamps: every word with its start and end in the file
     # with DecodingOptions.no_speech_threshold: the lowest no-speech probability of the file's chunks
-    # (a file holds speech where any of its chunks does); chunks above the threshold gave no text
+    # (a file holds speech where any of its chunks does), and the chunks (a stream's sentences) the
+    # check judged non-speech and emptied, with their seconds: nothing is dropped unsaid
     no_speech_prob: float | None = None
+    skipped_segments: int | None = None
+    skipped_seconds: float = 0.0
+    undecoded_seconds: float | None = None  # of the file's audio, the seconds in no decoded chunk (pauses)
+
+    def add_no_speech(self, prob: float, emptied: bool, seconds: float) -> None:
+        """Count the no-speech check of one of the file's chunks, of `seconds` (skipped_segments set)."""
+        self.no_speech_prob = prob if self.no_speech_prob is None else min(prob, self.no_speech_prob)
+        self.skipped_segments += emptied
+        self.skipped_seconds += seconds if emptied else 0.0
 
     def to_json(self, timestamps: str | None = None) -> dict:
         """One --out JSONL line: the manifest's own fields, then ours; with timestamps "segment" or
@@ -172,7 +182,11 @@ class Result:
                 "pred_text": self.pred_text if self.error is None else "", "source_lang": r.source_lang,
                 "target_lang": r.target_lang, "pnc": "yes" if r.pnc else "no", "taskname": r.taskname,
                 "decode_time": round(self.decode_time, 4), **times,
-                **({} if self.no_speech_prob is None else {"no_speech_prob": round(self.no_speech_prob, 4)}),
+                # 3 significant digits: a model never trained on non-speech gives ~1e-5, one that was up to ~1
+                **({} if self.no_speech_prob is None else {"no_speech_prob": float(f"{self.no_speech_prob:.3g}")}),
+                **({} if self.skipped_segments is None else
+                   {"skipped": {"segments": self.skipped_segments, "seconds": round(self.skipped_seconds, 3)}}),
+                **({} if self.undecoded_seconds is None else {"undecoded_seconds": round(self.undecoded_seconds, 3)}),
                 **({"error": self.error} if self.error else {})}
 
 
@@ -389,6 +403,15 @@ def chunk_words(loaded: LoadedModel, ids: list[int], log_probs: torch.Tensor | N
     return [Word(w.text, min(w.start, end), min(w.end, end), w.ids) for w in words]
 
 
+def covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds inside any of the (start, end) spans: overlapping chunks count once."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        total += max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    return total
+
+
 def join_chunks(results: list[Result], generated: list[dict], tokenizer: Tokenizer,
                 words: list[dict] | None) -> None:
     """Each transcribed file's text and ids (and words, when timed) from chunks that do not overlap:
@@ -448,7 +471,7 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
     t_start = time.perf_counter()
     options = replace(options, frame_seconds=frame_seconds(loaded.features, loaded.model.cfg.subsampling_factor))
     requests = to_requests(inputs, source_lang=source_lang, target_lang=target_lang, task=task, pnc=pnc)
-    results = [Result(r) for r in requests]
+    results = [Result(r, skipped_segments=None if options.no_speech_threshold is None else 0) for r in requests]
     prompts = request_prompts(requests, loaded.tokenizer)
     chunk_s = chunk_length(loaded, chunk_seconds)
     if chunk_overlap > chunk_s / 2:
@@ -462,6 +485,7 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
 
     logmel = LogMel(loaded.features).to(loaded.device).eval()
     generated = [{} for _ in requests]  # per request: {chunk index: generated ids}
+    decoded = [[] for _ in requests]  # per request: the (start, end) seconds of its decoded chunks
     words = [{} for _ in requests] if aligned or overlapping else None  # per request: {chunk index: its words}
     total_s, done_s = sum(c.seconds for c in chunks), 0.0
     for batch in duration_batches([c.seconds for c in chunks], batch_duration):
@@ -490,10 +514,12 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
         for j, (k, wav, ids) in enumerate(zip(kept, wavs, hyps)):
             i = chunks[k].request
             generated[i][k] = ids
+            seconds = wav.numel() / loaded.features.sample_rate
             if no_speech is not None:
-                results[i].no_speech_prob = min(no_speech[j], results[i].no_speech_prob or 1.0)
-            end = chunks[k].offset - requests[i].offset + wav.numel() / loaded.features.sample_rate
-            results[i].duration = max(results[i].duration, end)  # overlapping chunks count once
+                results[i].add_no_speech(no_speech.probs[j], no_speech.emptied[j], seconds)
+            start = chunks[k].offset - requests[i].offset
+            decoded[i].append((start, start + seconds))
+            results[i].duration = max(results[i].duration, start + seconds)  # overlapping chunks count once
             results[i].decode_time += batch_s * wav.numel() / samples  # its share of the batch, by audio length
         done_s += sum(chunks[k].seconds for k in batch)
         if progress:
@@ -503,6 +529,9 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
         merge_overlapping_chunks(results, chunks, words, timed=aligned, keep_words=timestamps)
     else:
         join_chunks(results, generated, loaded.tokenizer, words if timestamps else None)
+    for res, spans in zip(results, decoded):
+        if res.error is None:
+            res.undecoded_seconds = max(0.0, res.duration - covered(spans))
     timings.audio = sum(res.duration for res in results if res.error is None)
     timings.wall = time.perf_counter() - t_start
     return results, timings

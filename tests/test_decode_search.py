@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from aed.decode_search import (DecodingOptions, beam_search, decode_features, ends_in_repeats, greedy_search, length_penalty,
-                               search, token_budget)
+                               no_speech_probs, search, token_budget)
 from aed.model import AED, AEDConfig
 from aed.model_decoder import KVCache
 
@@ -385,6 +385,67 @@ def test_repetition_guard_finds_repeated_ngrams_at_the_end():
     assert ends_in_repeats(tokens, 6, max_repeats=2).tolist() == [False, False, True, False, False]
     assert ends_in_repeats(tokens, 6, max_repeats=1).tolist() == [False, False, True, True, False]
     assert ends_in_repeats(tokens, 3, max_repeats=2).tolist() == [True, False, False, False, True]
+
+
+def test_the_no_speech_check_is_whispers_two_conditions():
+    """Judged non-speech: the no-speech probability above no_speech_threshold and the hypothesis' mean
+    log-probability at most logprob_threshold; a confident transcript is kept whatever the probability."""
+    default = DecodingOptions()
+    assert (default.no_speech_threshold, default.logprob_threshold) == (0.1, -1.0)  # Whisper's -1.0
+    assert default.no_speech(0.5, -1.5) and default.no_speech(0.5, -1.0)  # both ("at most": Whisper's <=)
+    assert not default.no_speech(0.5, -0.5)  # confident: kept
+    assert not default.no_speech(0.1, -5.0)  # speech by its probability, however unsure
+    alone = DecodingOptions(logprob_threshold=None)  # the probability alone decides
+    assert alone.no_speech(0.5, -0.5) and not alone.no_speech(0.05, -5.0)
+    assert DecodingOptions(logprob_threshold=0.0).no_speech(0.5, -1e-9)  # 0: every mean log-probability meets it
+    assert not DecodingOptions(no_speech_threshold=None).no_speech(1.0, -10.0)  # the check is off
+
+
+@pytest.mark.parametrize("beam_size,ctc_weight", [(1, 0.0), (3, 0.0), (1, 0.5), (3, 0.5)])
+def test_a_hypothesis_log_probability_is_the_decoders_own_score_of_it(beam_size, ctc_weight):
+    """What the check's second condition reads: per row, the attention decoder's log-probability of the
+    hypothesis the search returns (its tokens, and its EOS where it ended with one: Whisper's
+    sum_logprob), as the uncached decoder scores it teacher-forced, whatever ranked it (a beam, joint
+    CTC scores)."""
+    model = random_model(seed=2, ctc_weight=0.3)
+    feats, lens, prompt = batch(lens=(100, 48, 75), seed=2)
+    memory, memory_lens, ctc_log_probs = model.encode_with_ctc(feats, lens)
+    eos = pick_eos(model, memory, memory_lens, prompt)
+    options = DecodingOptions(beam_size, max_delta=4, ctc_weight=ctc_weight, max_repeats=0, max_tokens_per_second=None)
+    hyps, logprobs = search(model, memory, memory_lens, prompt, eos, options, ctc_log_probs, with_logprobs=True)
+    assert hyps == search(model, memory, memory_lens, prompt, eos, options, ctc_log_probs)
+    budget, p = token_budget(model, memory_lens, prompt.size(1), options).tolist(), prompt.size(1)
+    for i, ids in enumerate(hyps):
+        said = ids + [eos] * (len(ids) < budget[i])  # EOS where it ended with one, not at its budget
+        tokens = torch.cat([prompt[i], torch.tensor(said, dtype=torch.long)])[None]  # (1, P + len(said))
+        with torch.no_grad():
+            hidden = model.decoder(tokens[:, :-1], memory[i : i + 1], memory_lens[i : i + 1])
+            logp = F.log_softmax(model.decoder.output_proj(hidden).float(), dim=-1)[0, p - 1 :]  # (len(said), V)
+        expected = float(logp.gather(1, torch.tensor(said)[:, None]).sum())
+        assert float(logprobs[i]) == pytest.approx(expected, rel=1e-5, abs=1e-4), (i, ids)
+
+
+def test_decode_features_judges_each_row_by_its_own_two_numbers():
+    """Per row: P(EOS) right after the prompt, the hypothesis' log-probability over its tokens + 1
+    (Whisper's avg_logprob), and whether the check emptied it; a row without tokens has nothing to empty."""
+    model = random_model(seed=2)
+    feats, lens, prompt = batch(lens=(100, 48, 75, 120), seed=2)
+    memory, memory_lens = model.encode(feats, lens)
+    eos = pick_eos(model, memory, memory_lens, prompt)
+    options = DecodingOptions(max_delta=4, **PLAIN, no_speech_threshold=None)
+    plain, *_, unchecked = decode_features(model, feats, lens, prompt, eos, options)
+    assert unchecked is None
+    _, logprobs = search(model, memory, memory_lens, prompt, eos, options, with_logprobs=True)
+    means = [lp / (len(h) + 1) for lp, h in zip(logprobs.tolist(), plain)]
+    probs = no_speech_probs(model, memory, memory_lens, prompt, eos).tolist()
+    ranked = sorted(means)
+    threshold = (ranked[1] + ranked[2]) / 2  # two rows' means below it, two above
+    judged = dataclasses.replace(options, no_speech_threshold=min(probs) / 2, logprob_threshold=threshold)
+    hyps, *_, check = decode_features(model, feats, lens, prompt, eos, judged)
+    assert check.probs == pytest.approx(probs, rel=1e-6) and check.avg_logprobs == pytest.approx(means, rel=1e-6)
+    assert check.emptied == [bool(h) and m <= threshold for h, m in zip(plain, means)]
+    assert any(check.emptied) and not all(check.emptied)
+    assert hyps == [[] if e else h for h, e in zip(plain, check.emptied)]
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -172,16 +173,22 @@ def test_batch_composition_does_not_change_any_output(loaded, train_utts):
     assert all(r.tokens for r in alone)
 
 
-def test_long_audio_is_cut_at_pauses_and_recovers_every_word(loaded, train_utts, tmp_path):
+def long_file(train_utts, path, gap: float = 0.4):
+    """The LONG_IDS utterances, `gap` seconds of near-silence between them, written to `path`: their
+    utterances and waveforms."""
     torch.manual_seed(0)
     utts = [u for u in train_utts if any(f"/{k}." in u.audio_filepath for k in LONG_IDS)]
     wavs = [load_audio(u.audio_filepath) for u in utts]
-    gap = 0.4  # seconds of near-silence between utterances
     long = torch.cat([with_silence(w, 0.0, gap if i < len(wavs) - 1 else 0.0) for i, w in enumerate(wavs)])
-    path = tmp_path / "long.wav"
     sf.write(path, long.numpy(), 16000, subtype="FLOAT")
+    return utts, wavs
+
+
+def test_long_audio_is_cut_at_pauses_and_recovers_every_word(loaded, train_utts, tmp_path):
+    path, gap = tmp_path / "long.wav", 0.4
+    utts, wavs = long_file(train_utts, path, gap)
     chunk = 2.0  # longer than each utterance + most of a gap, shorter than two utterances
-    assert max(w.numel() for w in wavs) / 16000 < chunk < long.numel() / 16000
+    assert max(w.numel() for w in wavs) / 16000 < chunk < sf.info(path).frames / 16000
 
     # Every cut falls into a pause: a gap, or the silence the mini utterances keep at their edges
     # (0.15 s at the end, 0.1 s at the start; data/mini/README.md), so no word is split.
@@ -198,7 +205,54 @@ def test_long_audio_is_cut_at_pauses_and_recovers_every_word(loaded, train_utts,
     # No chunk length given: the one recorded in the checkpoint (the training maximum) is used.
     results, timings = transcribe(dataclasses.replace(loaded, max_train_duration=chunk), [str(path)])
     assert results[0].pred_text == " ".join(u.text for u in utts)
-    assert results[0].duration == pytest.approx(long.numel() / 16000, abs=1e-3)
+    assert results[0].duration == pytest.approx(sf.info(path).frames / 16000, abs=1e-3)
+
+
+def test_a_segment_the_no_speech_check_empties_among_kept_ones_is_reported(run_dir, loaded, train_utts, tmp_path):
+    """Nothing dropped unsaid: the long file's segments (cut at its pauses) have no-speech probabilities
+    times apart; a threshold between them, the probability alone deciding, empties the likelier ones.
+    Their text goes, and the --out line and the summary count them with their seconds, and the seconds
+    between segments that were never decoded. (The file's probability is the lowest of its segments':
+    it says speech; only files emptied whole used to be counted.)"""
+    path = tmp_path / "long.wav"
+    long_file(train_utts, path)
+    _, chunks = plan_chunks(Request(str(path), "en", "en", True, "asr"), 2.0, 16000)
+    segments, _ = transcribe(loaded, [Request(str(path), "en", "en", True, "asr", offset=offset, duration=duration)
+                                      for offset, duration, _ in chunks])  # each alone
+    probs = [r.no_speech_prob for r in segments]
+    ranked = sorted(probs)
+    ratio, k = max((b / a, k) for k, (a, b) in enumerate(zip(ranked, ranked[1:])))
+    assert ratio > 1.5, f"the segments' probabilities {probs} lie too close to put a threshold between them"
+    threshold = math.sqrt(ranked[k] * ranked[k + 1])
+    emptied = [p > threshold for p in probs]
+    out = tmp_path / "hyp.jsonl"
+    p = run_in_process(infer.main, ["--ckpt", run_dir, "--chunk-seconds", "2", "--no-speech-threshold", repr(threshold),
+                                    "--logprob-threshold", "0", "--out", str(out), str(path)])
+    assert p.returncode == 0, p.stderr
+    (line,) = [json.loads(row) for row in out.read_text().splitlines()]
+    assert line["pred_text"] == " ".join(r.pred_text for r, e in zip(segments, emptied) if not e)
+    skipped_s = sum(seconds for (_, _, seconds), e in zip(chunks, emptied) if e)
+    assert line["skipped"]["segments"] == sum(emptied) and line["skipped"]["seconds"] == pytest.approx(skipped_s, abs=2e-3)
+    assert line["no_speech_prob"] == pytest.approx(min(probs), rel=1e-2)  # 3 significant digits
+    undecoded = line["duration"] - sum(seconds for _, _, seconds in chunks)
+    assert line["undecoded_seconds"] == pytest.approx(undecoded, abs=2e-3) and undecoded > 0.3  # the pauses
+    assert f": {sum(emptied)} segment(s), {skipped_s:.1f} s emptied in 1 of 1 file(s)" in p.stderr, p.stderr
+    assert f"{line['undecoded_seconds']:.1f} s judged non-speech by energy" in p.stderr, p.stderr
+
+
+def test_a_no_speech_probability_of_0_is_reported_as_0(loaded, train_utts, tmp_path, monkeypatch):
+    """A file whose first decoded segment is certain to hold speech (P(EOS) after the prompt exactly 0,
+    as where its logit underflows) has no-speech probability 0: a 0 is a probability, not a missing one
+    (read as 1, it let the next segment's probability stand for the file)."""
+    from aed import decode_search
+
+    path = tmp_path / "long.wav"
+    long_file(train_utts, path)
+    real = decode_search.no_speech_probs
+    monkeypatch.setattr(decode_search, "no_speech_probs", lambda *args: real(*args).index_fill(0, torch.tensor([0]), 0.0))
+    (res,), _ = transcribe(dataclasses.replace(loaded, max_train_duration=2.0), [str(path)], batch_duration=1e4)
+    assert res.no_speech_prob == 0.0 and res.to_json()["no_speech_prob"] == 0.0
+    assert res.pred_text == " ".join(u.text for u in train_utts if any(f"/{k}." in u.audio_filepath for k in LONG_IDS))
 
 
 def test_chunk_length_defaults_to_the_training_maximum_and_warns_beyond_it(caplog):
@@ -227,15 +281,17 @@ def test_setting_ranges_are_checked_by_the_library_and_reported_by_infer_py(caps
     for flags, message in ((["--beam-size", "0"], "beam size"), (["--max-new-tokens", "0"], "max new tokens"),
                            (["--ctc-weight", "2"], "CTC weight"), (["--max-repeats", "-1"], "max repeats"),
                            (["--chunk-seconds", "0"], "chunk seconds"), (["--chunk-overlap", "-1"], "chunk overlap"),
+                           (["--no-speech-threshold", "2"], "no-speech threshold"),
                            (["--int8", "--compile", "--device", "cpu"], "do not combine"),
                            (["--int8", "--device", "cuda:0"], "CPUs only"), (["--subtitles", "subs"], "--timestamps")):
         with pytest.raises(SystemExit) as e:
             infer.parse_args(["--ckpt", "runs/x", "a.wav", *flags])
         assert e.value.code == 2 and message in capsys.readouterr().err, flags
     assert infer.parse_args(["--ckpt", "runs/x", "a.wav", "--max-tokens-per-second", "0"]).max_tokens_per_second == 0
-    # The no-speech check: on by default, off under --stream (which commits tokens before a chunk could
-    # be judged), and refused there when asked for.
-    assert infer.decoding_options(infer.parse_args(["--ckpt", "runs/x", "a.wav"])).no_speech_threshold == 0.1
+    # The no-speech check: on by default with Whisper's two conditions, off under --stream (which commits
+    # tokens before a chunk could be judged), and refused there when asked for.
+    options = infer.decoding_options(infer.parse_args(["--ckpt", "runs/x", "a.wav"]))
+    assert (options.no_speech_threshold, options.logprob_threshold) == (0.1, -1.0)
     assert infer.decoding_options(infer.parse_args(["--ckpt", "runs/x", "--stream", "-"])).no_speech_threshold is None
     with pytest.raises(SystemExit):
         infer.parse_args(["--ckpt", "runs/x", "--stream", "-", "--no-speech-threshold", "0.1"])
@@ -391,9 +447,12 @@ def test_joint_ctc_decoding_is_on_by_default_for_a_model_with_a_ctc_head(loaded)
     assert [r.tokens for r in joint] == [[] for _ in requests]
 
 
-def test_no_speech_check_is_the_first_steps_eos_probability_and_empties_what_is_above_it(loaded, tmp_path):
-    """Whisper's check with aed's non-speech target: P(EOS) right after the prompt. Biased towards EOS
-    at that step, the model's output for a file goes; a threshold above the probability keeps it."""
+def test_no_speech_check_is_whispers_two_conditions_on_the_first_steps_eos_probability(loaded, tmp_path):
+    """Whisper's check with aed's non-speech target: P(EOS) right after the prompt above the threshold,
+    and the decoder's mean log-probability of its hypothesis at most logprob_threshold. Biased towards
+    EOS at that step, the model still writes text for a file, confidently: the default keeps it; a
+    log-probability threshold above its mean, or the probability alone, empties it, and its --out line
+    counts it with its seconds."""
     from aed.decode_search import no_speech_probs
 
     requests = read_requests(EXAMPLES)
@@ -415,7 +474,7 @@ def test_no_speech_check_is_the_first_steps_eos_probability_and_empties_what_is_
                                                                                                 abs=1e-5)
     assert probs[0] == pytest.approx(float(by_hand), abs=1e-4)
     # EOS made likelier (a bias on its logit) until the first file gives it 0.2-0.5 at the first step,
-    # where greedy search still writes text: the default threshold (0.1) empties it, one of 0.5 does not.
+    # where greedy search still writes text: above the default threshold (0.1), below one of 0.5.
     first = requests[:1]
     biased = dataclasses.replace(loaded, model=copy.deepcopy(loaded.model))
     for _ in range(80):
@@ -425,9 +484,23 @@ def test_no_speech_check_is_the_first_steps_eos_probability_and_empties_what_is_
         if probe.no_speech_prob > 0.2:
             break
     assert 0.2 < probe.no_speech_prob < 0.5 and probe.tokens
-    (silent,), _ = transcribe(biased, first, DecodingOptions(ctc_weight=0.0))
-    assert silent.tokens == [] and silent.pred_text == "" and silent.no_speech_prob == probe.no_speech_prob
-    assert "no_speech_prob" in silent.to_json() and "no_speech_prob" not in plain[0].to_json()
+    # Its text's mean log-probability, by hand: the uncached decoder's, of its tokens and EOS.
+    said = torch.tensor([probe.tokens + [tok.eos]])
+    with torch.no_grad():
+        hidden = biased.model.decoder(torch.cat([prompt, said[:, :-1]], dim=1), memory, memory_lens)
+        logp = torch.log_softmax(biased.model.decoder.output_proj(hidden).float(), -1)[0, prompt.size(1) - 1:]
+    mean = float(logp.gather(1, said[0, :, None]).mean())
+    assert -1.0 < mean < 0.0  # confident: Whisper's second condition (the default, -1) is not met
+    (kept,), _ = transcribe(biased, first, DecodingOptions(ctc_weight=0.0))
+    assert kept.tokens == probe.tokens and kept.to_json()["skipped"] == {"segments": 0, "seconds": 0.0}
+    for logprob_threshold, emptied in ((mean - 0.05, False), (mean + 0.05, True), (None, True)):
+        (res,), _ = transcribe(biased, first, DecodingOptions(ctc_weight=0.0, logprob_threshold=logprob_threshold))
+        assert (res.tokens, res.pred_text) == (([], "") if emptied else (probe.tokens, probe.pred_text))
+        assert res.no_speech_prob == probe.no_speech_prob
+        skipped = res.to_json()["skipped"]
+        assert skipped["segments"] == emptied and skipped["seconds"] == pytest.approx(emptied * res.duration, abs=1e-3)
+    assert "no_speech_prob" in res.to_json() and "no_speech_prob" not in plain[0].to_json()
+    assert "skipped" not in plain[0].to_json()
 
 
 @pytest.mark.slow
