@@ -88,12 +88,12 @@ def parse_args(argv: list[str] | None = None):
                      help="stop a hypothesis that repeats an n-gram more than this many times in a row; 0: never")
     dec.add_argument("--max-tokens-per-second", type=float, default=DecodingOptions.max_tokens_per_second,
                      help="stop a hypothesis at this many tokens per second of audio; 0: no bound")
-    dec.add_argument("--no-speech-threshold", type=float, default=None, metavar="P",
+    dec.add_argument("--no-speech-threshold", type=float, default=DecodingOptions.no_speech_threshold, metavar="P",
                      help="Whisper's no-speech check: the decoder's probability of ending right after the prompt "
                           "(what non-speech training teaches) is written to --out as no_speech_prob, and a chunk "
-                          "above P whose text is also unlikely (see --logprob-threshold) gives none; --out counts "
-                          f"them under `skipped`; 1: never (default: {DecodingOptions.no_speech_threshold}; "
-                          "streams commit tokens as they come and do not check)")
+                          "(a stream's sentence, where it ends) above P whose text is also unlikely (see "
+                          "--logprob-threshold) gives none; --out counts them under `skipped`; 1: never "
+                          "(default: %(default)s)")
     dec.add_argument("--logprob-threshold", type=float, default=DecodingOptions.logprob_threshold, metavar="L",
                      help="the no-speech check's second condition, Whisper's: the decoder's mean log-probability "
                           "per token of the chunk's text (its EOS counted) is at most L; a confident text is kept "
@@ -176,8 +176,6 @@ def parse_args(argv: list[str] | None = None):
         p.error(f"--streams {args.streams}: decode at least one stream at a time")
     if args.stream and (args.beam_size != 1 or args.timestamps or args.compile):
         p.error("--stream decodes greedily, eager: not with --beam-size > 1, --timestamps or --compile")
-    if args.stream and args.no_speech_threshold is not None:
-        p.error("--stream commits tokens as they come: not with --no-speech-threshold, which decides per chunk")
     if args.subtitles and not args.timestamps:
         p.error("--subtitles needs --timestamps word or segment")
     try:  # the ranges of the values are the library's to check
@@ -203,9 +201,7 @@ def decoding_options(args) -> DecodingOptions:
                            max_new_tokens=args.max_new_tokens,
                            ctc_weight=DecodingOptions.ctc_weight if args.ctc_weight is None else args.ctc_weight,
                            max_repeats=args.max_repeats, max_tokens_per_second=args.max_tokens_per_second or None,
-                           no_speech_threshold=(None if args.stream else DecodingOptions.no_speech_threshold)
-                           if args.no_speech_threshold is None else args.no_speech_threshold,
-                           logprob_threshold=args.logprob_threshold)
+                           no_speech_threshold=args.no_speech_threshold, logprob_threshold=args.logprob_threshold)
 
 
 class ProgressBar:
@@ -252,15 +248,15 @@ def print_scores(results, normalizer: str) -> None:
             print(f"{key}: BLEU {m['bleu']:.2f} on {m['n']} file(s)", file=sys.stderr)
 
 
-def print_unsaid(results, options: DecodingOptions) -> None:
-    """The audio that gave no text, on stderr, so that none is dropped unsaid: the chunks the
+def print_unsaid(results, options: DecodingOptions, unit: str = "segment") -> None:
+    """The audio that gave no text, on stderr, so that none is dropped unsaid: the chunks (`unit`s) the
     no-speech check emptied, with their seconds and files, and the seconds never decoded (no speech by energy)."""
     done = [r for r in results if r.error is None]
     if options.no_speech_threshold is not None:
         hit = [r for r in done if r.skipped_segments]
         rule = f"P > {options.no_speech_threshold:g}" + (
             "" if options.logprob_threshold is None else f", mean log-prob <= {options.logprob_threshold:g}")
-        print(f"no speech ({rule}): {sum(r.skipped_segments for r in hit)} segment(s), "
+        print(f"no speech ({rule}): {sum(r.skipped_segments for r in hit)} {unit}(s), "
               f"{sum(r.skipped_seconds for r in hit):.1f} s emptied in {len(hit)} of {len(done)} file(s)",
               file=sys.stderr)
     undecoded = sum(r.undecoded_seconds or 0.0 for r in done)
@@ -342,6 +338,7 @@ def run_stream(args, loaded, requests) -> int:
                     line["latency"] = {k: None if math.isnan(v) else round(v, 1) for k, v in latencies[id(res)].items()}
                 f.write(json.dumps(line, ensure_ascii=False) + "\n")
     print_scores(results, args.normalizer)
+    print_unsaid(results, streamer.options, "sentence")
     if latencies:
         def mean(key):
             values = [m[key] for m in latencies.values() if not math.isnan(m[key])]
@@ -406,7 +403,9 @@ def caption_stdin(streamer, args) -> int:
         return 0
     m = stream_latency(stream, seconds)
     first = f"first word after {m['first_word']:.0f} ms of audio" if stream.tokens else "no words"
-    print(f"{seconds:.1f} s of audio, {len(stream.tokens)} tokens in {stream.sentences} sentence(s); {first}; "
+    emptied = (f" ({stream.skipped_sentences} emptied by the no-speech check, {stream.skipped_seconds:.1f} s)"
+               if stream.skipped_sentences else "")
+    print(f"{seconds:.1f} s of audio, {len(stream.tokens)} tokens in {stream.sentences} sentence(s){emptied}; {first}; "
           f"real-time factor {m['rtf_mean']:.3f} (processing s per audio s), its longest step {m['rtf_max']:.3f} "
           "x the chunk", file=sys.stderr)
     return 0

@@ -30,7 +30,8 @@ held; it ends
 Either way the sentence's audio is decoded to EOS without the policy: what the policy held back is
 committed now. Audio with no speech is passed over, never decoded (no text from silence).
 
-Within a sentence, the committed tokens are a prefix that is never rewritten. At each chunk the
+Within a sentence, the committed tokens are a prefix that is never rewritten (but for the no-speech
+check, below, which may withdraw a whole sentence). At each chunk the
 prefix (prompt + the sentence's committed tokens) is fed again against the new encoder output, and
 greedy steps extend it while the policy allows:
   - waitk: after `waitk_lag` chunks, `waitk_tokens` tokens per chunk (Ma et al. 2019's wait-k).
@@ -53,6 +54,13 @@ Guards: a token that would make the hypothesis repeat an n-gram more than max_re
 not committed; a stream whose decoder keeps predicting tokens that the policy holds back for
 STALL_SECONDS of audio logs that it stalls (`Stream.stalls` counts them); the sentence's committed
 tokens the decoder re-reads are cut to the newest that fit its positions.
+
+The no-speech check (options.no_speech_threshold, on by default as offline): where a sentence ends,
+it is judged as offline decoding judges a chunk, by Whisper's two conditions: P(EOS) right after the
+prompt above the threshold, and the attention decoder's mean log-probability of the sentence at most
+options.logprob_threshold, both read against the whole sentence's audio. A sentence judged
+non-speech is emptied: the tokens it committed while it was heard are withdrawn from `Stream.tokens`
+(a caption redraws from `text`), and it is counted with its seconds (`Stream.skipped_sentences`).
 
 Times: a token's `time` is the audio it waited for: the end of its chunk's look-ahead (all that
 was heard when its sentence ended), in seconds from the start of the stream (computation-unaware).
@@ -178,6 +186,12 @@ class Stream:
     peak_spacing: deque = field(default_factory=lambda: deque(maxlen=PEAK_SPACINGS))  # seconds between the
     # attention peaks of consecutive committed tokens of a sentence: the adaptive AlignAtt threshold's input
     last_peak: float | None = None  # stream time of the attention peak of the sentence's newest token
+    sentence_seconds: float = 0.0  # audio inside ended sentences; the rest was passed over as silence
+    # With options.no_speech_threshold: the lowest no-speech probability of its sentences, and those the
+    # check emptied at their end (their committed tokens withdrawn from `tokens`), with their seconds.
+    no_speech_prob: float | None = None
+    skipped_sentences: int = 0
+    skipped_seconds: float = 0.0
 
     def push(self, samples, sample_rate: int | None = None) -> None:
         """Append mono samples at the model's rate: a 1-D array or tensor of floats in [-1, 1]."""
@@ -195,7 +209,8 @@ class Stream:
         self.levels = levels[max(0, first - (self.received // hop - levels.numel())):]
 
     def feed(self, samples, sample_rate: int | None = None) -> list[StreamToken]:
-        """`push`, then decode every chunk that is ready: the tokens committed by this piece."""
+        """`push`, then decode every chunk that is ready: the tokens committed by this piece (the no-speech
+        check may withdraw them when their sentence ends: `tokens` is the text so far)."""
         self.push(samples, sample_rate)
         return self.streamer.run([self])[0]
 
@@ -335,9 +350,10 @@ class Streamer:
                                  device=device)
             closing = torch.tensor([windows[i].closing for i in live], device=device)
             attend = torch.where(closing, memory_lens, torch.minimum(memory_lens, heard))
-            for b, tokens in zip(live, self.decode_chunk([streams[i] for i in live], [windows[i] for i in live],
-                                                          memory, attend, ctc_log_probs)):
-                new[b] = tokens
+            ids, judged = self.decode_chunk([streams[i] for i in live], [windows[i] for i in live], memory, attend,
+                                            ctc_log_probs)
+            for b, tokens, check in zip(live, ids, judged):
+                new[b] = tokens if check is None else self.no_speech(streams[b], windows[b], tokens, *check)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the time of the work, not of queueing it
         elapsed = time.perf_counter() - t0  # each stream of the batch waited for all of it
@@ -350,6 +366,7 @@ class Streamer:
             if w.closing or w.skip:  # the next sentence starts where this one was cut
                 s.partial = []
                 s.sentences += w.closing
+                s.sentence_seconds += (w.chunk_end - w.start) / self.rate if w.closing else 0.0
                 s.window_cuts += w.full
                 s.sentence_tokens = len(s.tokens)
                 s.last_peak = None
@@ -413,6 +430,19 @@ class Streamer:
             return Window(start, cut, cut, heard, closing=True, full=True)
         return Window(start, chunk_end, heard, heard)
 
+    def no_speech(self, s: Stream, window: Window, ids: list[int], prob: float, avg_logprob: float) -> list[int]:
+        """The no-speech check of the sentence `window` ends (Whisper's, as offline decoding checks each
+        chunk), with its no-speech probability and mean log-probability: the tokens to commit, none
+        where it is judged non-speech; then the tokens committed earlier are withdrawn from `s.tokens`
+        too, and the sentence is counted with its seconds."""
+        s.no_speech_prob = prob if s.no_speech_prob is None else min(prob, s.no_speech_prob)
+        if not (ids or len(s.tokens) > s.sentence_tokens) or not self.options.no_speech(prob, avg_logprob):
+            return ids
+        del s.tokens[s.sentence_tokens:]
+        s.skipped_sentences += 1
+        s.skipped_seconds += (window.chunk_end - window.start) / self.rate
+        return []
+
     def gap_cut(self, s: Stream, start: int, speech: torch.Tensor, lo: int, hi: int) -> int | None:
         """Where a sentence that cannot end at a pause ends: at the longest gap in its speech (`speech`
         (frames,) from `start`) within frames [lo, hi), as offline segmentation splits a stretch of
@@ -444,7 +474,11 @@ class Streamer:
         sentence ends (`Window.closing`); memory (B, T', D), attend (B,) frames each row's decoder may
         attend to. With the CTC head's log-probs (B, T', V + 1), each step's token is the best joint
         score among the attention decoder's `ctc_candidates` and EOS, as offline greedy decoding picks
-        it. Returns the ids each row commits."""
+        it. Returns the ids each row commits, and per row (prob, avg_logprob) of the no-speech check
+        where its sentence ends and options.no_speech_threshold is set, else None: P(EOS) right after
+        the prompt, and the attention decoder's log-probability of the sentence (the committed tokens
+        it re-reads, scored in the same pass, then the new ones and EOS) over its tokens + 1, as
+        offline search scores its hypothesis."""
         b, device, eos = len(streams), memory.device, self.tokenizer.eos
         contexts = [self.context(s) for s in streams]
         prefixes = [s.prompt + c for s, c in zip(streams, contexts)]
@@ -467,21 +501,31 @@ class Streamer:
             last = prefix_lens - 1
             logits = self.model.decoder.output_proj(hidden[torch.arange(b, device=device), last]).float()  # (B, V)
             peaks = attention.peaks(last, attend, self.sink)  # (B,) frame each row's last query attends most
+            scores = {}  # rows checked at their sentence's end: [P(EOS) after the prompt, summed log-probs]
+            for r, (s, c, w) in enumerate(zip(streams, contexts, windows)):
+                if w.closing and self.options.no_speech_threshold is not None:
+                    p = len(s.prompt)
+                    logp = F.log_softmax(self.model.decoder.output_proj(hidden[r, p - 1: p + len(c)]).float(), dim=-1)
+                    said = torch.tensor(c, dtype=torch.long, device=device)
+                    scores[r] = [float(logp[0, eos].exp()), float(logp[torch.arange(len(c), device=device), said].sum())]
             out = [[] for _ in streams]
             hyps = [list(c) for c in contexts]  # what the repetition guard reads, as offline: no prompt
             state = ["commit"] * b  # then "partial" (held back, with partials) or "done"
             partial = [[] for _ in streams]
             for _ in range(steps):
+                logp = F.log_softmax(logits, dim=-1)  # (B, V)
                 if scorer is None:
-                    tokens = logits.argmax(dim=-1).tolist()
+                    token = logits.argmax(dim=-1)
                 else:
-                    cand, joint, psi = joint_candidates(F.log_softmax(logits, dim=-1), scorer, eos,
-                                                        self.options.ctc_weight, self.options.ctc_candidates)
+                    cand, joint, psi = joint_candidates(logp, scorer, eos, self.options.ctc_weight,
+                                                        self.options.ctc_candidates)
                     choice = joint.argmax(dim=-1)  # (B,)
                     token = cand[rows, choice]
                     scorer.select(rows, choice, psi[rows, choice], token)
-                    tokens = token.tolist()
+                tokens, picked = token.tolist(), logp[rows, token].tolist()
                 for r, s in enumerate(streams):
+                    if state[r] == "commit" and r in scores:  # a sentence's end: every token is committed, or EOS
+                        scores[r][1] += picked[r]
                     if state[r] == "commit":
                         verdict = self.commit(s, hyps[r], out[r], tokens[r], int(peaks[r]), int(attend[r]),
                                               windows[r], budget[r])
@@ -501,7 +545,7 @@ class Streamer:
                 peaks = attention.peaks(torch.zeros(b, dtype=torch.long, device=device), attend, self.sink)
         for s, p in zip(streams, partial):
             s.partial = p
-        return out
+        return out, [None if r not in scores else (scores[r][0], scores[r][1] / (len(hyps[r]) + 1)) for r in range(b)]
 
     def ctc_scorer(self, ctc_log_probs, attend, contexts: list[list[int]]) -> CTCPrefixScorer:
         """A CTC prefix scorer over each row's `attend` frames, advanced through the committed tokens its
@@ -651,6 +695,10 @@ def stream_requests(streamer: Streamer, requests: list, batch: int = 16, realtim
             if s is not None:
                 res.pred_text, res.tokens = s.text, s.ids
                 res.duration, res.decode_time = wav.numel() / streamer.rate, s.compute
+                res.undecoded_seconds = max(0.0, res.duration - s.sentence_seconds)
+                if streamer.options.no_speech_threshold is not None:
+                    res.no_speech_prob, res.skipped_segments = s.no_speech_prob, s.skipped_sentences
+                    res.skipped_seconds = s.skipped_seconds
                 latency = stream_latency(s, res.duration, res.request.text, wav)
             out.append((res, s, latency))
     return out

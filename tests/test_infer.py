@@ -288,14 +288,12 @@ def test_setting_ranges_are_checked_by_the_library_and_reported_by_infer_py(caps
             infer.parse_args(["--ckpt", "runs/x", "a.wav", *flags])
         assert e.value.code == 2 and message in capsys.readouterr().err, flags
     assert infer.parse_args(["--ckpt", "runs/x", "a.wav", "--max-tokens-per-second", "0"]).max_tokens_per_second == 0
-    # The no-speech check: on by default with Whisper's two conditions, off under --stream (which commits
-    # tokens before a chunk could be judged), and refused there when asked for.
+    # The no-speech check: on by default with Whisper's two conditions, streams too (each sentence where it ends).
     options = infer.decoding_options(infer.parse_args(["--ckpt", "runs/x", "a.wav"]))
     assert (options.no_speech_threshold, options.logprob_threshold) == (0.1, -1.0)
-    assert infer.decoding_options(infer.parse_args(["--ckpt", "runs/x", "--stream", "-"])).no_speech_threshold is None
-    with pytest.raises(SystemExit):
-        infer.parse_args(["--ckpt", "runs/x", "--stream", "-", "--no-speech-threshold", "0.1"])
-    assert "not with --no-speech-threshold" in capsys.readouterr().err
+    assert infer.decoding_options(infer.parse_args(["--ckpt", "runs/x", "--stream", "-"])) == options
+    asked = infer.parse_args(["--ckpt", "runs/x", "--stream", "-", "--no-speech-threshold", "0.2", "--logprob-threshold", "-2"])
+    assert (infer.decoding_options(asked).no_speech_threshold, infer.decoding_options(asked).logprob_threshold) == (0.2, -2)
 
 
 class TracedBeams:
