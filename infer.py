@@ -91,14 +91,14 @@ def parse_args(argv: list[str] | None = None):
     dec.add_argument("--no-speech-threshold", type=float, default=DecodingOptions.no_speech_threshold, metavar="P",
                      help="Whisper's no-speech check: the decoder's probability of ending right after the prompt "
                           "(what non-speech training teaches) is written to --out as no_speech_prob, and a chunk "
-                          "(a stream's sentence, where it ends) above P whose text is also unlikely (see "
-                          "--logprob-threshold) gives none; --out counts them under `skipped`; 1: never "
-                          "(default: %(default)s)")
+                          "(a stream's sentence, where it ends) above P gives none; --out counts them under "
+                          "`skipped`; 1: never (default: %(default)s)")
     dec.add_argument("--logprob-threshold", type=float, default=DecodingOptions.logprob_threshold, metavar="L",
-                     help="the no-speech check's second condition, Whisper's: the decoder's mean log-probability "
-                          "per token of the chunk's text (its EOS counted) is at most L; a confident text is kept "
-                          "whatever the no-speech probability; 0: the probability alone decides "
-                          "(default: %(default)s)")
+                     help="Whisper's second condition for the no-speech check: a chunk is emptied only if the "
+                          "decoder's mean log-probability per token of its text (its EOS counted) is also at most "
+                          "L (Whisper's -1), so a confident text is kept whatever the no-speech probability "
+                          "(default: off, the probability alone decides: at -1 the demo model wrote text on "
+                          "32-35 of 60 held-out non-speech clips that the probability alone empties)")
     run = p.add_argument_group("execution")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")

@@ -56,9 +56,9 @@ STALL_SECONDS of audio logs that it stalls (`Stream.stalls` counts them); the se
 tokens the decoder re-reads are cut to the newest that fit its positions.
 
 The no-speech check (options.no_speech_threshold, on by default as offline): where a sentence ends,
-it is judged as offline decoding judges a chunk, by Whisper's two conditions: P(EOS) right after the
-prompt above the threshold, and the attention decoder's mean log-probability of the sentence at most
-options.logprob_threshold, both read against the whole sentence's audio. A sentence judged
+it is judged as offline decoding judges a chunk: P(EOS) right after the prompt above the threshold
+(and with options.logprob_threshold, Whisper's second condition: the attention decoder's mean
+log-probability of the sentence at most that), read against the whole sentence's audio. A sentence judged
 non-speech is emptied: the tokens it committed while it was heard are withdrawn from `Stream.tokens`
 (a caption redraws from `text`), and it is counted with its seconds (`Stream.skipped_sentences`).
 

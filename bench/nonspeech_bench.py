@@ -16,7 +16,8 @@ CTC/attention at infer.py's default weight, and the attention decoder alone), gr
     clips with text    of the --clips (none holds speech), each decoded with the prompt language of
                        its position (round robin over the manifest's languages), per kind and in all
     words per minute   the words written on the clips, per minute of clip audio
-with the no-speech check off and at each of --thresholds. A table, then the JSON line.
+with the no-speech check off and at each of --thresholds, each with each of --logprob-thresholds (Whisper's
+second condition; 0: the no-speech probability alone). A table, then the JSON line.
 """
 
 import argparse
@@ -37,6 +38,8 @@ def main(argv=None):
     p.add_argument("--music", required=True, help="manifest of music to mix under the speech (held out)")
     p.add_argument("--manifest", required=True, help="speech with references")
     p.add_argument("--thresholds", type=float, nargs="*", default=[0.1, 0.2, 0.4], help="no-speech thresholds to try")
+    p.add_argument("--logprob-thresholds", type=float, nargs="+", default=[-1.0, 0.0],
+                   help="the check's mean log-probability thresholds to try with each (0: the probability alone)")
     p.add_argument("--ctc-weights", type=float, nargs="+", default=[0.3, 0.0],
                    help="joint CTC/attention weights to decode with (0: the attention decoder alone)")
     p.add_argument("--seed", type=int, default=0)
@@ -72,8 +75,9 @@ def main(argv=None):
     for spec in args.ckpt:
         name, ckpt = spec.split("=", 1)
         loaded = load_model(ckpt, ema=name.endswith(":ema"))
-        for ctc_weight, threshold in itertools.product(args.ctc_weights, [None, *args.thresholds]):
-            options = DecodingOptions(ctc_weight=ctc_weight, no_speech_threshold=threshold)
+        checks = [(None, None)] + list(itertools.product(args.thresholds, args.logprob_thresholds))
+        for ctc_weight, (threshold, logprob) in itertools.product(args.ctc_weights, checks):
+            options = DecodingOptions(ctc_weight=ctc_weight, no_speech_threshold=threshold, logprob_threshold=logprob)
             scores = {}
             for label, requests in (("clean", speech), ("music", noisy)):
                 results, _ = transcribe(loaded, requests, options)
@@ -86,12 +90,12 @@ def main(argv=None):
             row = {"clean_wer": round(scores["clean"], 2), "music_wer": round(scores["music"], 2),
                    "clips_with_text": sum(bool(t) for t in texts), "clips": len(clips),
                    "by_kind": by_kind, "words_per_minute": round(sum(len(t) for t in texts) / minutes, 1)}
-            key = f"{name} ctc {ctc_weight:g}" + (" no check" if threshold is None else f" P>{threshold:g}")
+            key = f"{name} ctc {ctc_weight:g}" + (" no check" if threshold is None else f" P>{threshold:g} lp<={logprob:g}")
             result[key] = row
             table.append([key, row["clean_wer"], row["music_wer"], f"{row['clips_with_text']}/{len(clips)}",
                           " ".join(f"{k} {n}" for k, n in by_kind.items()), row["words_per_minute"]])
             log(f"{key}: {row}")
-    print_table([("model", "<22"), ("clean WER", ">9.1f"), ("music WER", ">9.1f"), ("with text", ">9"),
+    print_table([("model", "<32"), ("clean WER", ">9.1f"), ("music WER", ">9.1f"), ("with text", ">9"),
                  ("by kind", "<40"), ("words/min", ">9.1f")], table)
     print_json({"manifest": args.manifest, "clips": args.clips, "music": args.music, "models": result})
 

@@ -387,16 +387,17 @@ def test_repetition_guard_finds_repeated_ngrams_at_the_end():
     assert ends_in_repeats(tokens, 3, max_repeats=2).tolist() == [True, False, False, False, True]
 
 
-def test_the_no_speech_check_is_whispers_two_conditions():
-    """Judged non-speech: the no-speech probability above no_speech_threshold and the hypothesis' mean
-    log-probability at most logprob_threshold; a confident transcript is kept whatever the probability."""
+def test_the_no_speech_check_is_its_probability_and_with_a_logprob_threshold_whispers_second_condition():
+    """Judged non-speech: the no-speech probability above no_speech_threshold; with a logprob_threshold
+    (Whisper's rule), also the hypothesis' mean log-probability at most that: a confident transcript is
+    kept whatever the probability."""
     default = DecodingOptions()
-    assert (default.no_speech_threshold, default.logprob_threshold) == (0.1, -1.0)  # Whisper's -1.0
-    assert default.no_speech(0.5, -1.5) and default.no_speech(0.5, -1.0)  # both ("at most": Whisper's <=)
-    assert not default.no_speech(0.5, -0.5)  # confident: kept
-    assert not default.no_speech(0.1, -5.0)  # speech by its probability, however unsure
-    alone = DecodingOptions(logprob_threshold=None)  # the probability alone decides
-    assert alone.no_speech(0.5, -0.5) and not alone.no_speech(0.05, -5.0)
+    assert (default.no_speech_threshold, default.logprob_threshold) == (0.1, None)
+    assert default.no_speech(0.5, -0.5) and not default.no_speech(0.05, -5.0)  # the probability alone decides
+    whisper = DecodingOptions(logprob_threshold=-1.0)
+    assert whisper.no_speech(0.5, -1.5) and whisper.no_speech(0.5, -1.0)  # both ("at most": Whisper's <=)
+    assert not whisper.no_speech(0.5, -0.5)  # confident: kept
+    assert not whisper.no_speech(0.1, -5.0)  # speech by its probability, however unsure
     assert DecodingOptions(logprob_threshold=0.0).no_speech(0.5, -1e-9)  # 0: every mean log-probability meets it
     assert not DecodingOptions(no_speech_threshold=None).no_speech(1.0, -10.0)  # the check is off
 

@@ -210,7 +210,7 @@ def test_long_audio_is_cut_at_pauses_and_recovers_every_word(loaded, train_utts,
 
 def test_a_segment_the_no_speech_check_empties_among_kept_ones_is_reported(run_dir, loaded, train_utts, tmp_path):
     """Nothing dropped unsaid: the long file's segments (cut at its pauses) have no-speech probabilities
-    times apart; a threshold between them, the probability alone deciding, empties the likelier ones.
+    times apart; a threshold between them empties the likelier ones.
     Their text goes, and the --out line and the summary count them with their seconds, and the seconds
     between segments that were never decoded. (The file's probability is the lowest of its segments':
     it says speech; only files emptied whole used to be counted.)"""
@@ -227,7 +227,7 @@ def test_a_segment_the_no_speech_check_empties_among_kept_ones_is_reported(run_d
     emptied = [p > threshold for p in probs]
     out = tmp_path / "hyp.jsonl"
     p = run_in_process(infer.main, ["--ckpt", run_dir, "--chunk-seconds", "2", "--no-speech-threshold", repr(threshold),
-                                    "--logprob-threshold", "0", "--out", str(out), str(path)])
+                                    "--out", str(out), str(path)])
     assert p.returncode == 0, p.stderr
     (line,) = [json.loads(row) for row in out.read_text().splitlines()]
     assert line["pred_text"] == " ".join(r.pred_text for r, e in zip(segments, emptied) if not e)
@@ -288,9 +288,9 @@ def test_setting_ranges_are_checked_by_the_library_and_reported_by_infer_py(caps
             infer.parse_args(["--ckpt", "runs/x", "a.wav", *flags])
         assert e.value.code == 2 and message in capsys.readouterr().err, flags
     assert infer.parse_args(["--ckpt", "runs/x", "a.wav", "--max-tokens-per-second", "0"]).max_tokens_per_second == 0
-    # The no-speech check: on by default with Whisper's two conditions, streams too (each sentence where it ends).
+    # The no-speech check: on by default, streams too (each sentence where it ends); Whisper's second condition asked for.
     options = infer.decoding_options(infer.parse_args(["--ckpt", "runs/x", "a.wav"]))
-    assert (options.no_speech_threshold, options.logprob_threshold) == (0.1, -1.0)
+    assert (options.no_speech_threshold, options.logprob_threshold) == (0.1, None)
     assert infer.decoding_options(infer.parse_args(["--ckpt", "runs/x", "--stream", "-"])) == options
     asked = infer.parse_args(["--ckpt", "runs/x", "--stream", "-", "--no-speech-threshold", "0.2", "--logprob-threshold", "-2"])
     assert (infer.decoding_options(asked).no_speech_threshold, infer.decoding_options(asked).logprob_threshold) == (0.2, -2)
@@ -445,12 +445,13 @@ def test_joint_ctc_decoding_is_on_by_default_for_a_model_with_a_ctc_head(loaded)
     assert [r.tokens for r in joint] == [[] for _ in requests]
 
 
-def test_no_speech_check_is_whispers_two_conditions_on_the_first_steps_eos_probability(loaded, tmp_path):
-    """Whisper's check with aed's non-speech target: P(EOS) right after the prompt above the threshold,
-    and the decoder's mean log-probability of its hypothesis at most logprob_threshold. Biased towards
-    EOS at that step, the model still writes text for a file, confidently: the default keeps it; a
-    log-probability threshold above its mean, or the probability alone, empties it, and its --out line
-    counts it with its seconds."""
+def test_no_speech_check_is_the_first_steps_eos_probability_and_whispers_second_condition_keeps_confident_text(
+        loaded, tmp_path):
+    """Whisper's check with aed's non-speech target: P(EOS) right after the prompt above the threshold
+    (and with a logprob_threshold, Whisper's second condition: the decoder's mean log-probability of its
+    hypothesis at most that). Biased towards EOS at that step, the model still writes text for a file,
+    confidently: the default empties it, and its --out line counts it with its seconds; Whisper's -1
+    keeps it, and so does any threshold below its mean."""
     from aed.decode_search import no_speech_probs
 
     requests = read_requests(EXAMPLES)
@@ -488,10 +489,10 @@ def test_no_speech_check_is_whispers_two_conditions_on_the_first_steps_eos_proba
         hidden = biased.model.decoder(torch.cat([prompt, said[:, :-1]], dim=1), memory, memory_lens)
         logp = torch.log_softmax(biased.model.decoder.output_proj(hidden).float(), -1)[0, prompt.size(1) - 1:]
     mean = float(logp.gather(1, said[0, :, None]).mean())
-    assert -1.0 < mean < 0.0  # confident: Whisper's second condition (the default, -1) is not met
-    (kept,), _ = transcribe(biased, first, DecodingOptions(ctc_weight=0.0))
+    assert -1.0 < mean < 0.0  # confident: Whisper's second condition (-1) is not met
+    (kept,), _ = transcribe(biased, first, DecodingOptions(ctc_weight=0.0, logprob_threshold=-1.0))
     assert kept.tokens == probe.tokens and kept.to_json()["skipped"] == {"segments": 0, "seconds": 0.0}
-    for logprob_threshold, emptied in ((mean - 0.05, False), (mean + 0.05, True), (None, True)):
+    for logprob_threshold, emptied in ((mean - 0.05, False), (mean + 0.05, True), (None, True)):  # None: the default
         (res,), _ = transcribe(biased, first, DecodingOptions(ctc_weight=0.0, logprob_threshold=logprob_threshold))
         assert (res.tokens, res.pred_text) == (([], "") if emptied else (probe.tokens, probe.pred_text))
         assert res.no_speech_prob == probe.no_speech_prob
