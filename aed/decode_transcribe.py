@@ -28,8 +28,10 @@ How the work is cut:
    `batch_duration` padded seconds (batch size x longest chunk): `aed.data_batch.duration_batches`.
 3. Per batch: load + log-mel features, then `decode_features`: encoder, then greedy or beam search
    (`aed.decode_search.search`), joint with the CTC head when the model has one; each phase is timed
-   separately (the device is synchronised between phases) for the RTFx report. Validation during
-   training decodes its batches with the same `decode_features`.
+   separately (the device is synchronised between phases) for the RTFx report; then the no-speech
+   check judges each chunk (`aed.decode_search.DecodingOptions.no_speech`), and what it empties is
+   counted on its file's Result. Validation during training decodes its batches with the same
+   `decode_features`.
 4. With timestamps, or to merge overlapping chunks with a CTC head: each hypothesis is force-aligned
    to the CTC head's posteriors of its own chunk (`aed.decode_timing`), and the chunk's start is added,
    so times count from the start of the file.
