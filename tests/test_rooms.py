@@ -1,5 +1,7 @@
-"""Audio as rooms make it: tools/make_long_audio.py --condition."""
+"""Audio as rooms make it (tools/make_long_audio.py --condition), real prompts made into manifests
+(tools/manifest_from_prompts.py)."""
 
+import gzip
 import json
 import os
 import sys
@@ -12,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import make_long_audio  # noqa: E402
+import manifest_from_prompts  # noqa: E402
 
 DIGITS = os.path.join(ROOT, "data", "mini", "digits", "dev.jsonl")
 RATE = 16000  # the digits'
@@ -93,4 +96,45 @@ def test_a_knock_lands_in_a_pause_away_from_the_utterances(tmp_path, clean):
     outside = np.ones(len(wav), dtype=bool)
     outside[round(start * RATE):round(end * RATE)] = False
     assert np.array_equal(wav[outside], clean[0][outside])
+
+
+def write_tone(path, seconds=0.5, rate=8000):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(path, 0.3 * np.sin(np.arange(round(seconds * rate)) * 0.3), rate, subtype="PCM_16")
+
+
+def test_prompts_become_a_manifest_and_every_skip_is_counted(tmp_path, capsys):
+    audio = tmp_path / "sounds"
+    write_tone(audio / "hello.wav", 0.5)
+    write_tone(audio / "digits" / "7.wav", 0.25)
+    write_tone(audio / "beep.wav")
+    write_tone(audio / "stray.wav")  # on disk, not in the transcript
+    (audio / "broken.wav").write_bytes(b"RIFF not a wave file")
+    transcript = tmp_path / "prompts.txt.gz"
+    with gzip.open(transcript, "wt", encoding="utf-8") as f:
+        f.write("; prompts of a fake PBX\n\nhello: Hello,  [pause] world.\ndigits/7: seven\nbeep: [a beep tone]\n"
+                "broken: Never heard.\nmissing: No file for this one.\n")
+    out = tmp_path / "m" / "prompts.jsonl"
+    assert manifest_from_prompts.main(["--lang", "fr", "--audio", str(audio), "--transcript", str(transcript),
+                                       "-o", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(os.path.basename(r["audio_filepath"]), r["text"], r["duration"]) for r in rows] == [
+        ("7.wav", "seven", 0.25), ("hello.wav", "Hello, world.", 0.5)]
+    assert all(os.path.isabs(r["audio_filepath"]) and r["source_lang"] == r["target_lang"] == "fr" for r in rows)
+    err = capsys.readouterr().err
+    assert "skipping stray.wav: not in the transcript" in err and "skipping beep: no words" in err
+    assert "skipping broken: unreadable audio" in err and "skipping missing: no audio file" in err
+    assert "1 no audio file, 1 no transcript, 1 no words in the transcript, 1 unreadable audio" in err
+
+    from aed.data_manifest import iter_manifest
+    assert [u.text for u in iter_manifest(str(out))] == ["seven", "Hello, world."]  # aed reads it
+
+
+def test_sphinx_transcripts_name_the_file_last(tmp_path):
+    write_tone(tmp_path / "a1.wav")
+    (tmp_path / "transcription").write_text("<s> ten of clubs  </s> (a1)\n")
+    out = tmp_path / "s.jsonl"
+    assert manifest_from_prompts.main(["--lang", "en", "--format", "sphinx", "--audio", str(tmp_path),
+                                       "--transcript", str(tmp_path / "transcription"), "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["text"] == "ten of clubs"
 
