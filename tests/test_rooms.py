@@ -1,5 +1,5 @@
 """Audio as rooms make it (tools/make_long_audio.py --condition), real prompts made into manifests
-(tools/manifest_from_prompts.py)."""
+(tools/manifest_from_prompts.py), and the speech detection bench on them (bench/vad_bench.py)."""
 
 import gzip
 import json
@@ -12,6 +12,7 @@ import soundfile as sf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import make_long_audio  # noqa: E402
 import manifest_from_prompts  # noqa: E402
@@ -138,3 +139,19 @@ def test_sphinx_transcripts_name_the_file_last(tmp_path):
                                        "--transcript", str(tmp_path / "transcription"), "-o", str(out)]) == 0
     assert json.loads(out.read_text())["text"] == "ten of clubs"
 
+
+def test_the_vad_bench_runs_end_to_end_with_the_energy_detectors(tmp_path, capsys):
+    import vad_bench
+    vad_bench.main(["--manifest", f"digits={DIGITS}", "--conditions", "clean", "pink", "--detectors", "energy",
+                    "energy-raw", "--seconds", "6", "--files", "1", "--work-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert "speech kept %" in out and result["detectors"] == ["energy", "energy-raw"]
+    for condition in ("clean", "pink"):
+        for detector in ("energy", "energy-raw"):
+            stat = result["sets"]["digits"][condition][detector]
+            assert 0 <= stat["speech_kept_pct"] <= 100 and 0 <= stat["pause_called_pct"] <= 100
+            assert stat["speech_frames"] > 0 and stat["pause_frames"] > 0 and stat["cpu_s"] >= 0
+    assert result["sets"]["digits"]["clean"]["energy"]["speech_kept_pct"] > 90  # clean speech is found
+    for stream in result["streams"].values():
+        assert all(0 <= stream[d]["called_pct"] <= 100 for d in ("energy", "energy-raw"))
