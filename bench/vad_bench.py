@@ -231,11 +231,11 @@ def main(argv=None) -> None:
                 result["streams"].setdefault(stream, {})[detector] = stat
                 quiet_rows.append([stream, detector, called, stat["cpu_s"]])
     print_table([("set", "<16"), ("condition", "<10"), ("detector", "<11"), ("speech kept %", ">14.1f"),
-                 ("pause called %", ">15.1f"), ("cpu s", ">7.2f")], rows)
+                 ("pause called %", ">15.1f"), ("cpu s", ">7.3f")], rows)
     if quiet_rows:
         print()
         print_table([("no speech at all", "<27"), ("detector", "<11"), ("called speech %", ">16.1f"),
-                     ("cpu s", ">7.2f")], quiet_rows)
+                     ("cpu s", ">7.3f")], quiet_rows)
     print(f"{result['cpu']} ({result['cpu_capability']}), {args.threads} thread(s)")
     print_json(result)
 
