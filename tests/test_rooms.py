@@ -1,0 +1,157 @@
+"""Audio as rooms make it (tools/make_long_audio.py --condition), real prompts made into manifests
+(tools/manifest_from_prompts.py), and the speech detection bench on them (bench/vad_bench.py)."""
+
+import gzip
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import make_long_audio  # noqa: E402
+import manifest_from_prompts  # noqa: E402
+
+DIGITS = os.path.join(ROOT, "data", "mini", "digits", "dev.jsonl")
+RATE = 16000  # the digits'
+
+
+def long_file(out, *flags):
+    """make_long_audio's one 10 s file of the digits (seed 0) with `flags`: (audio, its path, its manifest line)."""
+    assert make_long_audio.main(["--manifest", DIGITS, "-o", str(out), "--seconds", "10", "--files", "1",
+                                 *flags]) == 0
+    line = json.loads((out / "manifest.jsonl").read_text())
+    path = out / line["audio_filepath"]
+    return sf.read(path, dtype="float64")[0], path, line
+
+
+def spans(line):
+    return [(round(q["start"] * RATE), round(q["end"] * RATE)) for q in line["parts"]]
+
+
+def power(x):
+    return float(np.mean(x**2))
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    return long_file(tmp_path_factory.mktemp("clean"))
+
+
+def test_clean_is_the_default_and_the_conditions_keep_its_utterances(tmp_path, clean):
+    wav, path, line = long_file(tmp_path / "named", "--condition", "clean")
+    assert path.read_bytes() == clean[1].read_bytes() and line == clean[2] and line["condition"] == "clean"
+    _, _, talkers = long_file(tmp_path / "talkers", "--condition", "talkers")
+    assert [q["text"] for q in talkers["parts"]] == [q["text"] for q in line["parts"]]
+    assert spans(talkers) == spans(line)
+
+
+@pytest.mark.parametrize("condition, snr", [("pink", (10, 20)), ("music", (12, 20))])
+def test_noise_is_under_the_whole_file_at_the_drawn_snr(tmp_path, clean, condition, snr):
+    wav, _, line = long_file(tmp_path / condition, "--condition", condition)
+    assert line["condition"] == condition and snr[0] <= line["snr_db"] <= snr[1]
+    assert spans(line) == spans(clean[2])
+    speech = np.concatenate([clean[0][a:b] for a, b in spans(line)])
+    noise = wav - clean[0]
+    measured = 10 * np.log10(power(speech) / power(noise))  # the noise's power over the whole file
+    assert measured == pytest.approx(line["snr_db"], abs=1.0)
+    pauses = np.concatenate([noise[b:a] for (_, b), (a, _) in zip(spans(line), spans(line)[1:])])
+    assert power(pauses) > 0.01 * power(noise)  # pauses included
+
+
+def test_room_tone_holds_a_gap_without_speech_in_the_middle_at_the_floor(tmp_path, clean):
+    wav, _, line = long_file(tmp_path / "room", "--condition", "room-tone", "--gap-seconds", "6", "--floor-db", "-50")
+    start, end = line["gap"]
+    assert end - start == pytest.approx(6.0, abs=1e-3) and line["floor_db"] == -50
+    assert all(q["end"] <= start or q["start"] >= end for q in line["parts"])
+    assert abs((start + end) / 2 - line["duration"] / 2) < 2.0  # near the middle of the file
+    gap = wav[round(start * RATE):round(end * RATE)]
+    assert 10 * np.log10(power(gap)) == pytest.approx(-50, abs=1.0)
+    k = next(i for i, q in enumerate(line["parts"]) if q["end"] == pytest.approx(start))  # the pause it widened
+    before = spans(clean[2])
+    assert len(wav) - len(clean[0]) == round(6.0 * RATE) - (before[k + 1][0] - before[k][1])
+
+
+def test_every_other_talker_is_quieter_by_talker_db(tmp_path, clean):
+    wav, _, line = long_file(tmp_path / "talkers", "--condition", "talkers", "--talker-db", "24")
+    assert line["talker_db"] == 24 and len(line["parts"]) >= 3
+    for k, (a, b) in enumerate(spans(line)):
+        gain = 10 * np.log10(power(wav[a:b]) / power(clean[0][a:b]))
+        assert gain == pytest.approx(-24.0 if k % 2 else 0.0, abs=1.0)
+        assert line["parts"][k].get("gain_db", 0.0) == (-24.0 if k % 2 else 0.0)
+    assert all(not wav[b:a].any() for (_, b), (a, _) in zip(spans(line), spans(line)[1:]))  # silent pauses: no noise
+
+
+def test_a_knock_lands_in_a_pause_away_from_the_utterances(tmp_path, clean):
+    wav, _, line = long_file(tmp_path / "knock", "--transient")
+    start, end = line["transient"]
+    assert end - start == pytest.approx(0.03, abs=1e-4)
+    assert any(b["end"] + 0.1 <= start + 1e-4 and end <= a["start"] - 0.1 + 1e-4
+               for b, a in zip(line["parts"], line["parts"][1:]))
+    assert 0.85 <= np.abs(wav[round(start * RATE):round(end * RATE)]).max() <= 0.95
+    outside = np.ones(len(wav), dtype=bool)
+    outside[round(start * RATE):round(end * RATE)] = False
+    assert np.array_equal(wav[outside], clean[0][outside])
+
+
+def write_tone(path, seconds=0.5, rate=8000):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(path, 0.3 * np.sin(np.arange(round(seconds * rate)) * 0.3), rate, subtype="PCM_16")
+
+
+def test_prompts_become_a_manifest_and_every_skip_is_counted(tmp_path, capsys):
+    audio = tmp_path / "sounds"
+    write_tone(audio / "hello.wav", 0.5)
+    write_tone(audio / "digits" / "7.wav", 0.25)
+    write_tone(audio / "beep.wav")
+    write_tone(audio / "stray.wav")  # on disk, not in the transcript
+    (audio / "broken.wav").write_bytes(b"RIFF not a wave file")
+    transcript = tmp_path / "prompts.txt.gz"
+    with gzip.open(transcript, "wt", encoding="utf-8") as f:
+        f.write("; prompts of a fake PBX\n\nhello: Hello,  [pause] world.\ndigits/7: seven\nbeep: [a beep tone]\n"
+                "broken: Never heard.\nmissing: No file for this one.\n")
+    out = tmp_path / "m" / "prompts.jsonl"
+    assert manifest_from_prompts.main(["--lang", "fr", "--audio", str(audio), "--transcript", str(transcript),
+                                       "-o", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(os.path.basename(r["audio_filepath"]), r["text"], r["duration"]) for r in rows] == [
+        ("7.wav", "seven", 0.25), ("hello.wav", "Hello, world.", 0.5)]
+    assert all(os.path.isabs(r["audio_filepath"]) and r["source_lang"] == r["target_lang"] == "fr" for r in rows)
+    err = capsys.readouterr().err
+    assert "skipping stray.wav: not in the transcript" in err and "skipping beep: no words" in err
+    assert "skipping broken: unreadable audio" in err and "skipping missing: no audio file" in err
+    assert "1 no audio file, 1 no transcript, 1 no words in the transcript, 1 unreadable audio" in err
+
+    from aed.data_manifest import iter_manifest
+    assert [u.text for u in iter_manifest(str(out))] == ["seven", "Hello, world."]  # aed reads it
+
+
+def test_sphinx_transcripts_name_the_file_last(tmp_path):
+    write_tone(tmp_path / "a1.wav")
+    (tmp_path / "transcription").write_text("<s> ten of clubs  </s> (a1)\n")
+    out = tmp_path / "s.jsonl"
+    assert manifest_from_prompts.main(["--lang", "en", "--format", "sphinx", "--audio", str(tmp_path),
+                                       "--transcript", str(tmp_path / "transcription"), "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["text"] == "ten of clubs"
+
+
+def test_the_vad_bench_runs_end_to_end_with_the_energy_detectors(tmp_path, capsys):
+    import vad_bench
+    vad_bench.main(["--manifest", f"digits={DIGITS}", "--conditions", "clean", "pink", "--detectors", "energy",
+                    "energy-raw", "--seconds", "6", "--files", "1", "--work-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert "speech kept %" in out and result["detectors"] == ["energy", "energy-raw"]
+    for condition in ("clean", "pink"):
+        for detector in ("energy", "energy-raw"):
+            stat = result["sets"]["digits"][condition][detector]
+            assert 0 <= stat["speech_kept_pct"] <= 100 and 0 <= stat["pause_called_pct"] <= 100
+            assert stat["speech_frames"] > 0 and stat["pause_frames"] > 0 and stat["cpu_s"] >= 0
+    assert result["sets"]["digits"]["clean"]["energy"]["speech_kept_pct"] > 90  # clean speech is found
+    for stream in result["streams"].values():
+        assert all(0 <= stream[d]["called_pct"] <= 100 for d in ("energy", "energy-raw"))
