@@ -35,6 +35,7 @@ stdout: one `path<TAB>text` line per transcribed file, in input order. stderr: p
 """
 
 import argparse
+import importlib.util
 import json
 import logging
 import math
@@ -48,6 +49,7 @@ import numpy as np
 import torch
 
 from aed.data_manifest import PROMPT_TASKS
+from aed.data_speech import DETECTORS
 from aed.decode_metrics import NORMALIZERS
 from aed.decode_search import DecodingOptions
 from aed.decode_stream import POLICIES, StreamConfig, Streamer, stream_latency, stream_requests
@@ -129,6 +131,10 @@ def parse_args(argv: list[str] | None = None):
                           "(by word times with a CTC head, else by the "
                           "words both heard); 0 (default): cut without overlap, which measured as well or "
                           "better for models trained on whole utterances (README, Long audio)")
+    run.add_argument("--vad", choices=DETECTORS, default="energy",
+                     help="the speech detector that finds the pauses of long inputs and streams: energy "
+                          "(default, built in: a frame 10 dB above the room's own floor around it) or silero "
+                          "(Silero VAD, `pip install silero-vad`: it also tells a music bed from speech)")
     times = p.add_argument_group("timestamps (need a model with a CTC head)")
     times.add_argument("--timestamps", choices=["word", "segment"],
                        help="add `segments` (text, start, end; with `word`, each segment's `words` too) to the "
@@ -186,13 +192,15 @@ def parse_args(argv: list[str] | None = None):
             stream_config(args)
     except ValueError as e:
         p.error(str(e))
+    if args.vad == "silero" and importlib.util.find_spec("silero_vad") is None:
+        p.error("--vad silero needs Silero VAD: pip install silero-vad")
     return args
 
 
 def stream_config(args) -> StreamConfig:
     return StreamConfig(chunk=args.stream_chunk, left=args.left_context, right=args.right_context, policy=args.policy,
                         endpoint=args.endpoint, waitk_lag=args.waitk_lag, waitk_tokens=args.waitk_tokens,
-                        alignatt_threshold=args.alignatt_threshold)
+                        alignatt_threshold=args.alignatt_threshold, vad=args.vad)
 
 
 def decoding_options(args) -> DecodingOptions:
@@ -458,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         results, timings = transcribe(
             loaded, requests, options, batch_duration=args.batch_duration, chunk_seconds=args.chunk_seconds,
-            chunk_overlap=args.chunk_overlap, dtype=dtype, timestamps=args.timestamps is not None,
+            chunk_overlap=args.chunk_overlap, dtype=dtype, timestamps=args.timestamps is not None, vad=args.vad,
             progress=ProgressBar(not args.quiet and len(requests) > 1))
     except ValueError as e:  # e.g. a language the tokenizer does not know, named with its manifest line
         sys.exit(f"error: {e}")

@@ -15,7 +15,7 @@ for decoding loads no training code.
 config              typed dataclass configs: defaults, then YAML files, then key=value overrides
 data
   data_audio        audio files -> log-mel features (NeMo's), SpecAugment
-  data_speech       where the speech is: 10 ms frames judged by energy; the silence at an utterance's edges
+  data_speech       where the speech is (energy over the room's floor, or Silero VAD); silence at utterance edges
   data_tokenizer    special tokens + SentencePiece models in one id space, Canary prompts
   data_manifest     JSONL manifest lines -> checked Utterances; everything skipped counted (Faults)
   data_augment      degrading training audio on the fly: rooms, noise, gain, clipping, low-pass, codecs

@@ -18,9 +18,10 @@ the encoder never hears a longer window than it was trained on.
 
 Sentences: a stream is a sequence of sentences, each decoded from a fresh prompt, so an hour of
 captions is bounded in memory and compute, and no audio leaves the window untranscribed. Speech and
-pauses are told apart by energy (`aed.decode_timing`, the threshold set by the last LEVEL_SECONDS
-of audio). A sentence starts as much silence before its speech as the model's training utterances
-held; it ends
+pauses are told apart as offline (`aed.data_speech`): by default by energy above the noise floor
+around each frame, the floor looked for in the sentence's audio and FLOOR_SECONDS before it; with
+`vad="silero"` by Silero VAD, scored as the audio arrives. A sentence starts as much silence before
+its speech as the model's training utterances held; it ends
   - at the first pause of `endpoint` seconds after speech (the look-ahead counts: a pause heard is
     a pause), cut as much silence after its speech as the training utterances held; or
   - where it would outgrow the window (left + chunk) or, ended at its pause, run longer than the
@@ -89,7 +90,7 @@ import torch.nn.functional as F
 from aed.data_audio import AudioError, LogMel, load_audio
 from aed.data_manifest import PROMPT_TASKS
 from aed.decode_search import CTCPrefixScorer, DecodingOptions, ends_in_repeats, joint_candidates, token_budget
-from aed.data_speech import FRAME, frame_db, runs, speech_threshold
+from aed.data_speech import DETECTORS, FLOOR_SECONDS, FRAME, EnergyDetector, runs, speech_detector
 from aed.decode_timing import PAUSE, align, feasible, frame_seconds, quietest, segment_edges, to_words, word_spans
 from aed.decode_transcribe import Result
 from aed.model_decoder import KVCache
@@ -105,7 +106,6 @@ ALIGNATT_MIN = 0.16  # s: its floor, two frames of 80 ms
 PEAK_SPACINGS = 64  # the adaptive threshold reads the spacings of the peaks of this many recent tokens
 PEAK_SPACINGS_MIN = 8  # ... once it has this many
 SINK_SECONDS = 0.64  # the first frames of a window AlignAtt does not take as a peak (NeMo's 8 frames)
-LEVEL_SECONDS = 30.0  # the speech/pause threshold is set by this much of the newest audio
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,7 @@ class StreamConfig:
     # must lie; None: the 90th percentile of the spacing of the stream's recent peaks, 0.16-0.64 s (see above)
     alignatt_layer: int | None = None  # alignatt: the decoder layer whose cross-attention is read;
     # None: the second-to-last (NeMo's -2), or the only one
+    vad: str = "energy"  # the speech detector that finds the pauses (aed.data_speech.DETECTORS)
 
     def __post_init__(self):
         """ValueError naming the first setting out of its range."""
@@ -134,6 +135,8 @@ class StreamConfig:
                              f"({self.right} s) context and the endpoint pause ({self.endpoint} s) >= 0")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown streaming policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.vad not in DETECTORS:
+            raise ValueError(f"unknown speech detector {self.vad!r}; choose one of {', '.join(DETECTORS)}")
         if self.waitk_lag < 1 or self.waitk_tokens < 1 or (self.alignatt_threshold or 0) < 0:
             raise ValueError(f"wait-k lag ({self.waitk_lag}) and tokens ({self.waitk_tokens}) must be >= 1, "
                              f"the AlignAtt threshold ({self.alignatt_threshold} s) >= 0")
@@ -175,8 +178,11 @@ class Stream:
     # predicts after the committed tokens, held back by the policy (shown, never final)
     sentences: int = 0  # sentences ended (at a pause, or where the window was full)
     window_cuts: int = 0  # ... of them ended because the window was full, not at a pause
-    levels: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (frames,) dB of the 10 ms frames
-    # received, the last one ending at `received` rounded down to a frame (see `push` for how far back)
+    detector: EnergyDetector | None = None  # scores the audio as it arrives (`Streamer.open` makes it)
+    levels: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # (frames,) the detector's scores
+    # (energies in dB by default) of the 10 ms frames received, the last one the newest it scored (see
+    # `push` for how far back)
+    scored: int = 0  # frames scored so far: levels[-1] is frame scored - 1
     tokens: list[StreamToken] = field(default_factory=list)
     compute: float = 0.0  # seconds of processing so far
     chunk_compute: list[float] = field(default_factory=list)  # seconds per decoded chunk (its batch's)
@@ -199,14 +205,13 @@ class Stream:
             raise ValueError("this stream is finished; open a new one")
         piece = self.streamer.check_samples(samples, sample_rate)
         hop, streamer = round(self.streamer.rate * FRAME), self.streamer
-        done = self.received // hop * hop  # frames whose energy is known end here
         self.audio = torch.cat([self.audio, piece])
         self.received += piece.numel()
-        new = self.audio[done - self.kept_from: self.received // hop * hop - self.kept_from]
-        levels = torch.cat([self.levels, frame_db(new, streamer.rate)])  # (frames,)
-        # Kept: the sentence's frames, and LEVEL_SECONDS before any audio a later step hears.
-        first = max(0, min(self.kept_from, self.chunks * streamer.chunk) // hop - round(LEVEL_SECONDS / FRAME))
-        self.levels = levels[max(0, first - (self.received // hop - levels.numel())):]
+        new = self.detector.scores(piece)
+        levels, self.scored = torch.cat([self.levels, new]), self.scored + new.numel()  # (frames,)
+        # Kept: the sentence's frames, and FLOOR_SECONDS before any audio a later step hears.
+        first = max(0, min(self.kept_from, self.chunks * streamer.chunk) // hop - round(FLOOR_SECONDS / FRAME))
+        self.levels = levels[max(0, first - (self.scored - levels.numel())):]
 
     def feed(self, samples, sample_rate: int | None = None) -> list[StreamToken]:
         """`push`, then decode every chunk that is ready: the tokens committed by this piece (the no-speech
@@ -287,7 +292,7 @@ class Streamer:
         """A new stream with its Canary prompt (translation when target_lang differs)."""
         target_lang = target_lang or source_lang
         prompt = self.tokenizer.prompt_ids(source_lang, target_lang, pnc, task)
-        return Stream(self, prompt)
+        return Stream(self, prompt, detector=speech_detector(self.config.vad, self.rate))
 
     def check_samples(self, samples, sample_rate: int | None = None) -> torch.Tensor:
         """A piece of audio -> (S,) float32; a clear ValueError for what a stream cannot take."""
@@ -388,10 +393,10 @@ class Streamer:
         start, hop = s.kept_from, round(self.rate * FRAME)
         heard = s.received if final else min(s.received, (s.chunks + 1) * self.chunk + self.right)
         chunk_end = s.received if final else (s.chunks + 1) * self.chunk
-        known = s.received // hop - s.levels.numel()  # stream frame of levels[0]
-        recent = s.levels[max(0, heard // hop - round(LEVEL_SECONDS / FRAME) - known): heard // hop - known]
+        known = s.scored - s.levels.numel()  # stream frame of levels[0]
+        context = min(start // hop - known, round(FLOOR_SECONDS / FRAME))  # frames before the sentence
         levels = s.levels[start // hop - known: heard // hop - known]  # (frames,) dB of the sentence so far
-        speech = levels > speech_threshold(recent)  # (frames,)
+        speech = s.detector.speech(s.levels[start // hop - known - context: heard // hop - known])[context:]  # (frames,)
         spoken = speech.nonzero().flatten()
         lead, trail = (round(e / FRAME) for e in self.edges)
         if self.config.endpoint == 0:  # no pauses: one sentence, until the window is full
@@ -399,18 +404,13 @@ class Streamer:
         elif spoken.numel() == 0:  # silence so far: the sentence starts `lead` before the newest audio
             cut = max(start, min(chunk_end, heard - lead * hop) // hop * hop)
             return Window(start, cut, cut, heard, skip=True, last=final)
-        # Where its speech starts and ends, judged on the sentence's own levels, as `edge_silence` judged
-        # the training utterances: the sentence starts `lead` before its speech and ends `trail` after.
-        own = (levels > speech_threshold(levels)).nonzero().flatten()
-        onset = min(int(own[0]), int(spoken[0])) if own.numel() else int(spoken[0])
-        shift = max(0, onset - lead) if self.config.endpoint > 0 else 0
+        # The sentence starts `lead` before its speech and ends `trail` after, as `edge_silence` judged
+        # the training utterances.
+        shift = max(0, int(spoken[0]) - lead) if self.config.endpoint > 0 else 0
         start, levels, speech = start + shift * hop, levels[shift:], speech[shift:]
-        own, first = own - shift, int(spoken[0]) - shift
+        own, first = speech.nonzero().flatten(), int(spoken[0]) - shift
         if self.config.endpoint > 0:
-            # Pauses are looked for after the first frame of speech by the stream's recent level: the quiet
-            # between a fainter onset that only the sentence's own level finds and that speech is no pause
-            # after speech (taken as one, it cut sentences of 0.15 s, each decoded into a hallucinated word).
-            for lo, hi in runs(~speech[first:]):
+            for lo, hi in runs(~speech[first:]):  # pauses after the first frame of speech
                 if hi - lo >= round(self.config.endpoint / FRAME):  # the first pause after speech
                     lo, hi = first + lo, first + hi
                     spoken_end = int(own[own < lo].max()) + 1 if (own < lo).any() else lo

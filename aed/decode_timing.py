@@ -14,8 +14,9 @@ An attention decoder trained on utterances of a few seconds transcribes such an 
 stretch that starts or ends inside a word, or holds several utterances, badly. So a long file is cut
 where its speaker paused, as a recording is cut into the utterances a corpus trains on:
 
-1. Speech: 10 ms frames judged by their energy (`aed.data_speech.is_speech`). A gap in the speech
-   shorter than PAUSE is part of it (a stop consonant, a breath between words).
+1. Speech: 10 ms frames judged by their energy over the room's floor around them
+   (`aed.data_speech.is_speech`), or by another detector's scores (`aed.data_speech.speech_detector`).
+   A gap in the speech shorter than PAUSE is part of it (a stop consonant, a breath between words).
 2. Segments: every pause of at least PAUSE ends one. A stretch of speech longer than the segment
    limit (the longest utterance the model was trained on) is split at its longest inner gap, then the
    longer of the two parts again, ...; a stretch with no gap at all is cut at its quietest 100 ms in
@@ -86,7 +87,7 @@ import torch
 import torch.nn.functional as F
 
 from aed.data_audio import FeatureConfig
-from aed.data_speech import FRAME, is_speech, runs
+from aed.data_speech import FRAME, EnergyDetector, is_speech, runs
 from aed.data_tokenizer import Tokenizer
 from aed.model import ctc_spans
 
@@ -175,10 +176,11 @@ def segment_edges(loaded) -> tuple[float, float]:
 
 
 def plan_segments(db: torch.Tensor, limit: float, pause: float = PAUSE,
-                  edges: tuple[float, float] = (EDGE, EDGE)) -> list[Cut]:
-    """Frame energies (frames,) of a whole input -> its segments (`Cut`s, in seconds), each at most
-    `limit` s of speech plus the silence `edges` (before, after) at its edges (see the module docstring)."""
-    speech = is_speech(db)
+                  edges: tuple[float, float] = (EDGE, EDGE), detector: EnergyDetector | None = None) -> list[Cut]:
+    """Frame energies (frames,) of a whole input, or the scores of another `detector` (higher: more
+    like speech) -> its segments (`Cut`s, in seconds), each at most `limit` s of speech plus the
+    silence `edges` (before, after) at its edges (see the module docstring)."""
+    speech = is_speech(db) if detector is None else detector.speech(db)
     lead, trail = round(edges[0] / FRAME), round(edges[1] / FRAME)
     limit_frames = max(1, round(limit / FRAME) - lead - trail)
     pieces = [p for stretch in speech_runs(speech, pause) for p in split_stretch(stretch, db, limit_frames)]
@@ -188,22 +190,10 @@ def plan_segments(db: torch.Tensor, limit: float, pause: float = PAUSE,
         before = (pieces[k - 1][1] + start) // 2 if k else 0
         after = (end + pieces[k + 1][0]) // 2 if k + 1 < len(pieces) else n
         joined_before = k and pieces[k - 1][2] == "speech"  # a cut inside a run of speech: no silence to add
-        in_gap = follows != "speech"
-        first, last = own_edges(db, start if joined_before else before, after if in_gap else end, start, end)
-        if last - first <= limit_frames:  # judged on its own, the speech may reach a little further
-            start, end = start if joined_before else first, last if in_gap else end
         lo = start if joined_before else max(start - lead, before)
-        hi = min(end + trail, after) if in_gap else end
+        hi = min(end + trail, after) if follows != "speech" else end
         cuts.append(Cut(lo * FRAME, hi * FRAME, follows == "pause"))
     return cuts
-
-
-def own_edges(db: torch.Tensor, lo: int, hi: int, start: int, end: int) -> tuple[int, int]:
-    """The first and last speech frame + 1 of frames [lo, hi) judged on their own, as `edge_silence`
-    judges a training utterance (a file's loudest frame moves the threshold, and with it where a
-    fading word ends); (start, end) where that finds no speech."""
-    spoken = is_speech(db[lo:hi]).nonzero().flatten()
-    return (lo + int(spoken[0]), lo + int(spoken[-1]) + 1) if spoken.numel() else (start, end)
 
 
 @dataclass

@@ -57,7 +57,7 @@ from aed.data_manifest import PROMPT_TASKS, check_task, read_rows, request_field
 from aed.data_tokenizer import Tokenizer
 from aed.decode_metrics import corpus_scores
 from aed.decode_search import DecodingOptions, decode_features
-from aed.data_speech import frame_db, speech_frames, trimmed_span
+from aed.data_speech import EnergyDetector, speech_detector, speech_frames, trimmed_span
 from aed.decode_timing import (EDGE, Chunk, MergeStats, Word, align, feasible, frame_seconds, merge_chunks, plan_segments,
                                segment_edges, snap_to_speech, to_segments, to_words)
 from aed.model_checkpoint import LoadedModel
@@ -237,24 +237,25 @@ def chunk_length(loaded: LoadedModel, chunk_seconds: float | None) -> float:
 BLOCK_SECONDS = 60.0  # a long file's energies are read this much at a time: memory bounded by the block
 
 
-def file_db(path: str, offset: float, total: float, sample_rate: int) -> torch.Tensor:
-    """The 10 ms frame energies (frames,) in dB of `total` seconds of `path` from `offset`."""
+def file_scores(path: str, offset: float, total: float, detector: EnergyDetector) -> torch.Tensor:
+    """The `detector`'s scores (frames,) of the 10 ms frames of `total` seconds of `path` from `offset`
+    (energies in dB for the energy rule)."""
     blocks, done = [], 0.0
     while done < total:
         seconds = min(BLOCK_SECONDS, total - done)
-        blocks.append(frame_db(load_audio(path, offset + done, seconds, sample_rate), sample_rate))
+        blocks.append(detector.scores(load_audio(path, offset + done, seconds, detector.rate)))
         done += seconds
-    return torch.cat(blocks) if blocks else torch.zeros(0)
+    return torch.cat(blocks + [detector.scores(torch.zeros(0), final=True)])
 
 
 def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int, overlap: float = 0.0,
-                edges: tuple[float, float] = (EDGE, EDGE),
-                trim: float | None = None) -> tuple[float, list[tuple[float, float | None, float]]]:
+                edges: tuple[float, float] = (EDGE, EDGE), trim: float | None = None,
+                vad: str = "energy") -> tuple[float, list[tuple[float, float | None, float]]]:
     """A request's length (s) and the (offset, duration or None = to the end, seconds) of each of its
     chunks: the whole of an input up to `chunk_seconds` (with `trim`, the model's train.trim_silence,
     cut as training cut its utterances: to `trim` s of silence around its speech); a longer one cut at
-    its pauses into segments of at most `chunk_seconds` (`aed.decode_timing.plan_segments`) with `edges` s of silence before
-    and after their speech, the rest of the silence between them not decoded; with `overlap`, a
+    its pauses into segments of at most `chunk_seconds` (`aed.decode_timing.plan_segments`, speech judged by
+    the `vad` detector: aed.data_speech.DETECTORS) with `edges` s of silence before and after their speech, the rest of the silence between them not decoded; with `overlap`, a
     segment that follows a cut inside continuous speech starts that many seconds before the previous
     one ends (the words around the cut are then merged: `aed.decode_timing.merge_chunks`; `transcribe` checks
     that overlap is at most half of chunk_seconds)."""
@@ -271,8 +272,9 @@ def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int, overlap: f
         start, end = trimmed_span(load_audio(req.audio_filepath, req.offset, total, sample_rate), sample_rate, trim)
         return total, [(req.offset + start / sample_rate, (end - start) / sample_rate, (end - start) / sample_rate)]
     chunks, previous = [], None
-    for cut in plan_segments(file_db(req.audio_filepath, req.offset, total, sample_rate), chunk_seconds,
-                             edges=edges):
+    detector = speech_detector(vad, sample_rate)
+    for cut in plan_segments(file_scores(req.audio_filepath, req.offset, total, detector), chunk_seconds,
+                             edges=edges, detector=detector):
         joined = overlap > 0 and previous is not None and not previous.pause_after
         # ... by at most half the previous chunk (`aed.decode_timing.merge_chunks` joins two chunks, never three)
         start = max((chunks[-1][0] - req.offset + previous.end) / 2, previous.end - overlap) if joined else cut.start
@@ -329,13 +331,14 @@ def request_prompts(requests: list[Request], tokenizer: Tokenizer) -> list[list[
 
 
 def plan(requests: list[Request], results: list[Result], chunk_seconds: float, overlap: float,
-         sample_rate: int, edges: tuple[float, float], trim: float | None = None) -> list[AudioChunk]:
+         sample_rate: int, edges: tuple[float, float], trim: float | None = None,
+         vad: str = "energy") -> list[AudioChunk]:
     """Every request's chunks, in file order, and its length on its Result; a file whose length cannot
     be read fails its Result. A file without speech has no chunks: its text is empty."""
     chunks = []
     for i, r in enumerate(requests):
         try:
-            results[i].duration, planned = plan_chunks(r, chunk_seconds, sample_rate, overlap, edges, trim)
+            results[i].duration, planned = plan_chunks(r, chunk_seconds, sample_rate, overlap, edges, trim, vad)
             chunks += [AudioChunk(i, *chunk) for chunk in planned]
         except AudioError as e:
             results[i].error = e.reason
@@ -451,7 +454,7 @@ def merge_overlapping_chunks(results: list[Result], chunks: list[AudioChunk], wo
 def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = DecodingOptions(), *,
                source_lang: str = "en", target_lang: str | None = None, task: str | None = None, pnc: bool = True,
                batch_duration: float = 300.0, chunk_seconds: float | None = None, chunk_overlap: float = 0.0,
-               dtype: torch.dtype | None = None, timestamps: bool = False,
+               dtype: torch.dtype | None = None, timestamps: bool = False, vad: str = "energy",
                progress=None) -> tuple[list[Result], Timings]:
     """Transcribe/translate `inputs` (paths, directories, globs, or Requests) -> one Result each, in order.
 
@@ -463,7 +466,9 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
     chunk_overlap: seconds by which a chunk starts before the previous one ends where their cut is not
     a pause, the hypotheses merged (`aed.decode_timing.merge_chunks`); 0: never.
     dtype: torch.bfloat16 for bf16 autocast, None for fp32. timestamps: set every Result's `words`
-    (`aed.decode_timing`); a model without a CTC head raises ValueError, before any work.
+    (`aed.decode_timing`); a model without a CTC head raises ValueError, before any work. vad: the
+    speech detector that finds the pauses of long inputs (aed.data_speech.DETECTORS; "silero" needs
+    `pip install silero-vad`).
     progress(done_s, total_s) is called after every batch with seconds of audio.
     """
     if timestamps and loaded.model.ctc is None:
@@ -480,7 +485,10 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
         raise ValueError(f"chunk overlap {chunk_overlap} s must lie in [0, half the chunk length {chunk_s} s]")
     # A model trained on varied edges takes a short input as it comes; one trained on trimmed utterances, trimmed.
     trim = loaded.trim_silence if loaded.varied_edges is None else None
-    chunks = plan(requests, results, chunk_s, chunk_overlap, loaded.features.sample_rate, segment_edges(loaded), trim)
+    if vad != "energy":
+        speech_detector(vad, loaded.features.sample_rate)  # an unknown or missing detector fails before any work
+    chunks = plan(requests, results, chunk_s, chunk_overlap, loaded.features.sample_rate, segment_edges(loaded), trim,
+                  vad)
     overlapping = any(a.request == b.request for a, b in zip(chunks, chunks[1:])) and chunk_overlap > 0
     aligned = timestamps or (overlapping and loaded.model.ctc is not None)  # merging by time needs alignments
     timings = Timings(load_features=time.perf_counter() - t_start)

@@ -15,20 +15,19 @@ knock in a pause), and each detector judges every 10 ms frame of each file:
 Then audio with no speech at all, as a stream would meet it: 60 s of room tone at -50 dBFS, and 20 s
 of steady white noise at -60 dBFS, with the % of frames called speech.
 
-Detectors (DETECTORS: a name -> (wav (S,) float tensor, sample rate) -> (S // hop,) bool at 10 ms):
-    energy       aed.data_speech.speech_frames with gaps shorter than aed.decode_timing.PAUSE filled:
-                 the stretches that long-form decoding cuts into segments
-    energy-raw   speech_frames as it is
-    silero       Silero VAD (`pip install silero-vad`; used where it imports) at its defaults
-                 (get_speech_timestamps: threshold 0.5, 250 ms speech, 100 ms silence, 30 ms padding),
-                 on the audio resampled to 16 kHz
+Detectors (DETECTORS: a name -> (wav (S,) float tensor, sample rate) -> (S // hop,) bool at 10 ms),
+aed's own (aed.data_speech.speech_detector, what infer.py --vad picks), on the audio at 16 kHz:
+    energy       the energy rule, with gaps shorter than aed.decode_timing.PAUSE filled: the
+                 stretches that long-form decoding cuts into segments
+    silero       Silero VAD (`pip install silero-vad`; used where it imports), gaps filled alike
+    energy-raw, silero-raw   the frames as the detector judged them, no gap filled
 Without --manifest: data/mini/digits/dev.jsonl, and the Asterisk prompts in English, Spanish and
 French where Debian's asterisk-core-sounds-{en,es,fr}-wav are installed (made into manifests by
 tools/manifest_from_prompts.py). A table, then the JSON line.
 """
 
 import argparse
-import functools
+import importlib.util
 import math
 import os
 import sys
@@ -39,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 import torch
+import torchaudio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, log, manifest_rows, print_json, print_table  # noqa: E402
@@ -47,58 +47,48 @@ sys.path.insert(0, str(ROOT / "tools"))
 import make_long_audio  # noqa: E402
 import manifest_from_prompts  # noqa: E402
 
-from aed.data_speech import FRAME, speech_frames  # noqa: E402
+from aed.data_speech import FRAME, speech_detector  # noqa: E402
 from aed.decode_timing import speech_runs  # noqa: E402
 
 DEFAULT_MANIFEST = ROOT / "data" / "mini" / "digits" / "dev.jsonl"
 PROMPT_LANGUAGES = ("en", "es", "fr")  # Debian's asterisk-core-sounds-*-wav
 EDGE_MARGIN = 0.1  # s: frames this close to an utterance are neither its speech nor the pause
-SILERO_RATE = 16000
-STREAM_RATE = 16000
+STREAM_RATE = 16000  # what the detectors run at
 
 
 # --- detectors ---------------------------------------------------------------------------------
 
-def energy_regions(wav: torch.Tensor, rate: int) -> torch.Tensor:
-    """wav (S,) -> (frames,) bool: speech_frames with every gap shorter than a pause filled, the
-    regions that long-form cutting (aed.decode_timing.plan_segments) decodes."""
-    speech = speech_frames(wav, rate)
-    regions = torch.zeros_like(speech)
+def judged(name: str, wav: torch.Tensor, rate: int) -> torch.Tensor:
+    """wav (S,) -> (S // hop,) bool: aed's detector `name` (aed.data_speech.speech_detector) on the
+    whole file, as infer.py --vad NAME judges it (at 16 kHz, where Silero runs)."""
+    if rate != STREAM_RATE:
+        wav = torchaudio.functional.resample(wav, rate, STREAM_RATE)
+    detector = speech_detector(name, STREAM_RATE)
+    return detector.speech(detector.scores(wav, final=True))
+
+
+def regions(speech: torch.Tensor) -> torch.Tensor:
+    """(frames,) bool: the speech with every gap shorter than a pause filled, the regions that
+    long-form cutting (aed.decode_timing.plan_segments) decodes."""
+    filled = torch.zeros_like(speech)
     for stretch in speech_runs(speech):
-        regions[stretch[0][0]:stretch[-1][1]] = True
-    return regions
+        filled[stretch[0][0]:stretch[-1][1]] = True
+    return filled
 
 
-@functools.cache
-def silero_model():
-    from silero_vad import load_silero_vad
-
-    return load_silero_vad()
-
-
-def silero_frames(wav: torch.Tensor, rate: int) -> torch.Tensor:
-    """wav (S,) -> (frames,) bool: the 10 ms frames that Silero VAD's speech timestamps (at its
-    defaults, on the audio at 16 kHz) overlap."""
-    import torchaudio.functional as AF
-    from silero_vad import get_speech_timestamps
-
-    at_16k = wav if rate == SILERO_RATE else AF.resample(wav, rate, SILERO_RATE)
-    hop = round(SILERO_RATE * FRAME)
-    mask = torch.zeros(wav.numel() // round(rate * FRAME), dtype=torch.bool)
-    for span in get_speech_timestamps(at_16k, silero_model(), sampling_rate=SILERO_RATE):
-        mask[span["start"] // hop: -(-span["end"] // hop)] = True
-    return mask
+def detector(name: str, raw: bool):
+    def detect(wav: torch.Tensor, rate: int) -> torch.Tensor:
+        speech = judged(name, wav, rate)
+        return speech if raw else regions(speech)
+    detect.__name__ = name + "-raw" * raw
+    return detect
 
 
-DETECTORS = {"energy": energy_regions, "energy-raw": speech_frames, "silero": silero_frames}
+DETECTORS = {name + "-raw" * raw: detector(name, raw) for name in ("energy", "silero") for raw in (False, True)}
 
 
 def silero_installed() -> bool:
-    try:
-        import silero_vad  # noqa: F401 - only whether it is installed
-        return True
-    except ImportError:
-        return False
+    return importlib.util.find_spec("silero_vad") is not None
 
 
 # --- what a detector gets right ----------------------------------------------------------------
@@ -197,12 +187,12 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="CPU threads; 1 avoids thrashing a shared machine")
     p.add_argument("--work-dir", help="where the long files go (default: a temporary folder, removed)")
     args = p.parse_args(argv)
-    detectors = args.detectors or [d for d in DETECTORS if d != "silero" or silero_installed()]
-    if "silero" in detectors and not silero_installed():
+    detectors = args.detectors or [d for d in DETECTORS if not d.startswith("silero") or silero_installed()]
+    if any(d.startswith("silero") for d in detectors) and not silero_installed():
         p.error("--detectors silero: pip install silero-vad")
     torch.set_num_threads(args.threads)
-    if "silero" in detectors:
-        silero_model()  # loaded before any timing
+    if any(d.startswith("silero") for d in detectors):
+        speech_detector("silero", STREAM_RATE)  # loaded once before any timing
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)

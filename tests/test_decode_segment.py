@@ -13,7 +13,10 @@ from aed.decode_transcribe import Request, plan_chunks
 
 
 def loud(seconds: float, g: torch.Generator) -> torch.Tensor:
-    return 0.3 * torch.randn(round(seconds * 16000), generator=g)
+    """Noise shaped like speech: syllables at 5 per second whose level dips 20 dB between them (steady
+    noise is a room's, not a talker's)."""
+    t = torch.arange(round(seconds * 16000)) / 16000
+    return 0.3 * torch.randn(t.numel(), generator=g) * (0.1 + torch.sin(torch.pi * 5 * t).abs())
 
 
 def speech_with_pauses(seed: int, floor: float = 0.0):
@@ -127,3 +130,50 @@ def test_edge_silence_is_the_median_silence_around_the_speech():
     wav = torch.cat([torch.zeros(16000), loud(1.0, g), torch.zeros(16000), loud(1.0, g), torch.zeros(16000)])
     cuts = plan_segments(frame_db(wav, 16000), 1.5, edges=(lead, trail))
     assert [(round(c.start, 2), round(c.end, 2)) for c in cuts] == [(0.9, 2.1), (2.9, 4.1)]
+
+
+def coloured(seconds: float, beta: float, dbfs: float, g: torch.Generator) -> torch.Tensor:
+    """Noise with a 1/f^beta power spectrum (1 pink, 2 brown: a room's rumble) at `dbfs` RMS."""
+    n = round(seconds * 16000)
+    spectrum = torch.fft.rfft(torch.randn(n, generator=g))
+    noise = torch.fft.irfft(spectrum / torch.arange(spectrum.numel()).clamp(min=1) ** (beta / 2), n)
+    return noise / noise.pow(2).mean().sqrt() * 10 ** (dbfs / 20)
+
+
+@pytest.mark.parametrize("beta,dbfs,seconds", [(0.0, -60.0, 20.0), (1.0, -60.0, 20.0), (2.0, -50.0, 60.0),
+                                               (1.0, -20.0, 30.0)])
+def test_steady_noise_or_room_tone_of_any_length_holds_no_speech(beta, dbfs, seconds):
+    """A minute of room tone or steady noise, faint or loud: nothing in it is speech, so long-form
+    decoding has no segment there and a stream no sentence."""
+    wav = coloured(seconds, beta, dbfs, torch.Generator().manual_seed(int(beta * 10)))
+    assert not speech_frames(wav, 16000).any()
+    assert plan_segments(frame_db(wav, 16000), 4.0) == []
+
+
+@pytest.mark.parametrize("room", ["snr 10 dB", "level change", "quiet talker, knock"])
+def test_speech_is_found_in_rooms_and_no_noise_or_knock_is(room):
+    """Bursts of speech-like noise (about -13 dBFS) in rooms: pink noise at 10 dB SNR; pink noise that
+    rises from -50 to -30 dBFS halfway (a machine switched on); every third burst 24 dB down (a
+    far talker) over faint room tone, with a 30 ms knock near full scale in a pause. Every burst lies
+    in a segment, and no segment reaches into the middle of a pause of 1 s or more (the knock's)."""
+    g = torch.Generator().manual_seed(5)
+    wav, bursts = speech_with_pauses(5)
+    seconds = wav.numel() / 16000
+    if room == "snr 10 dB":
+        wav = wav + coloured(seconds, 1.0, -23.0, g)
+    elif room == "level change":
+        half = wav.numel() // 2
+        wav = wav + torch.cat([coloured(half / 16000, 1.0, -50.0, g), coloured(seconds - half / 16000, 1.0, -30.0, g)])
+    else:
+        for start, end in bursts[1::3]:
+            wav[round(start * 16000): round(end * 16000)] *= 10 ** (-24 / 20)
+        wav = wav + coloured(seconds, 2.0, -70.0, g)
+    pauses = [(a[1] + b[0]) / 2 for a, b in zip(bursts, bursts[1:]) if b[0] - a[1] >= 1.0]
+    knock = round(pauses[0] * 16000)
+    if room == "quiet talker, knock":
+        wav[knock: knock + 480] += 0.9 * torch.randn(480, generator=g)
+    cuts = plan_segments(frame_db(wav, 16000), 4.0)
+    for start, end in bursts:
+        assert any(c.start <= start + 2 * FRAME and end - 2 * FRAME <= c.end for c in cuts), (room, start, end, cuts)
+    for middle in pauses:
+        assert not any(c.start <= middle <= c.end for c in cuts), (room, middle, cuts)
