@@ -127,7 +127,7 @@ class TrainSection:
     attention_guide_to: str = "diagonal"  # where attention_guide points each token: diagonal (its place n/N in the audio) | ctc (its span in the CTC head's forced alignment; needs model.ctc_weight > 0)
     attention_guide_heads: int | None = None  # guide only the first this many heads of each cross-attention layer, leaving the others free to look anywhere (None: every head)
     attention_guide_ramp: int = 0  # steps over which the guide's weight rises linearly from 0 to its full value (0: full from the first step)
-    attention_guide_until: str = "steps"  # steps: the guide lasts its steps | listening: it also ends at the first check (every 50 steps) where the decoder uses the audio of its training batch (train.py)
+    attention_guide_until: str = "steps"  # steps: the guide lasts its steps | listening: it also ends at the first check (every 50 steps) where the decoder uses the audio of its training batch (aed/train_guide.py)
     decoder_restarts: int = 1  # attention_guide_until=listening: a decoder still deaf when the guide's steps end is restarted (fresh weights on the encoder trained so far) and guided again this many times; then the run stops, saying what it measured
     trim_silence: float | None = None  # cut each training and validation utterance to this many seconds of silence before its first and after its last speech frame (energy-based, as inference finds speech; NeMo's trim_silence); None: as read. Long, varied edge silence kept a small model's encoder from learning (docs/training.md)
     speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]: every utterance once at each speed (Kaldi, ESPnet, icefall); in-memory manifests
