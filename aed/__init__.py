@@ -54,9 +54,11 @@ commands
   cli_train         train.py (aed-train): a training run from its arguments to its last checkpoint
   cli_oom           oom.py (aed-oom): batch sizes for a config's buckets, written for train.py
 
-The scripts at the top level use the package: train.py, infer.py, oom.py. The package uses two
-top-level modules that import nothing from it, `sampler.py` and `bins.py` (2D bucketing: the
-sampler, the bins and their allocation), so that they can be copied into another codebase alone.
+The scripts at the top level use the package: train.py and oom.py start its commands (cli_train,
+cli_oom; installed: aed-train, aed-oom); infer.py is still its own command over the decode modules.
+The package uses two top-level modules that import nothing from it, `sampler.py` and `bins.py` (2D
+bucketing: the sampler, the bins and their allocation), so that they can be copied into another
+codebase alone.
 """
 from aed.decode_search import DecodingOptions
 from aed.decode_stream import StreamConfig, Streamer
