@@ -8,9 +8,9 @@
     stream = aed.Streamer(model, aed.StreamConfig(chunk=1.0)).open(source_lang="en")
     stream.feed(samples); stream.finish(); print(stream.text)   # mono float samples at 16 kHz, any pieces
 
-The package, one module per concept, in layers: inference at the base, training on top of it. Each
-module imports only modules listed above it here (tests/test_layers.py checks it), so `import aed`
-for decoding loads no training code.
+The package, one module per concept, in layers: inference at the base, training on top of it, the
+commands on top. Each module imports only modules listed above it here (tests/test_layers.py checks
+it), so `import aed` for decoding loads no training code.
 
 config              typed dataclass configs: defaults, then YAML files, then key=value overrides
 data
@@ -40,19 +40,25 @@ decoding
   decode_stream     streams: decoding while the audio arrives (wait-k, AlignAtt), and its latency
 training
   train_distributed torchrun ranks, DDP and FSDP2
-  train_config      TrainConfig and its sections: what train.py and oom.py read; the objectives (aed, rnnt, ssl)
-  train_checkpoint  a run's checkpoints written (DCP, completion marker) and its state loaded back
+  train_config      TrainConfig and its sections, train.py's arguments; the objectives (aed, rnnt, ssl)
   train_data        a run's training data: sources, sampler, DataLoader; bucket bins estimated from manifests
   train_setup       what a run is made of (TrainingSetup: model, optimizer, LR, precision, EMA), and its step
   train_progress    the progress line, metrics.jsonl, TensorBoard, FLOPs and MFU
-  train_validation  dev loss, WER per language and BLEU per pair during training
+  train_validation  dev loss, WER per language and BLEU per pair during training; whether the decoder listens
+  train_guide       guided attention until the decoder listens; a fresh decoder when it never does
+  train_checkpoint  a run's checkpoints written (DCP, completion marker); its state, data position included, loaded back
 memory
   memory_measure    peak memory of a step, on the real device or a simulated CUDA device
-  memory_oomptimizer the largest batch of every bucket (oom.py), and the memory model
+  memory_oomptimizer the largest batch of every bucket, the memory model, a run's preflight check
+commands
+  cli_train         train.py (aed-train): a training run from its arguments to its last checkpoint
+  cli_oom           oom.py (aed-oom): batch sizes for a config's buckets, written for train.py
 
-The scripts at the top level use the package: train.py, infer.py, oom.py. The package uses two
-top-level modules that import nothing from it, `sampler.py` and `bins.py` (2D bucketing: the
-sampler, the bins and their allocation), so that they can be copied into another codebase alone.
+The scripts at the top level use the package: train.py and oom.py start its commands (cli_train,
+cli_oom; installed: aed-train, aed-oom); infer.py is still its own command over the decode modules.
+The package uses two top-level modules that import nothing from it, `sampler.py` and `bins.py` (2D
+bucketing: the sampler, the bins and their allocation), so that they can be copied into another
+codebase alone.
 """
 from aed.decode_search import DecodingOptions
 from aed.decode_stream import StreamConfig, Streamer

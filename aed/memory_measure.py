@@ -60,6 +60,7 @@ What a CUDA device adds on top of the tensors, and how each term is treated:
   go through the allocator but depend on the algorithm cuDNN picks at run time).
 """
 
+import os
 import re
 import weakref
 from contextlib import contextmanager
@@ -84,6 +85,13 @@ def parse_bytes(text: str) -> int:
     value, unit, binary = m.groups()
     power = "KMGT".index(unit.upper()) + 1 if unit else 0
     return int(float(value) * (1024 if binary else 1000) ** power)
+
+
+def device_memory(device: torch.device) -> int:
+    """The memory a device has in all: a GPU's, or the machine's RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class OutOfMemory(RuntimeError):

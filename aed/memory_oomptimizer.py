@@ -31,6 +31,7 @@ The search.
     shapes = setup.bucket_shapes(bins)                 # bucket bounds, with what augment's edges may add
     rows = optimize(step, shapes, limit)               # one row per bucket: batch_size, peak, ...
     peaks = preflight(step, shapes, batch_sizes, budget)   # train.py's check before step 0
+    total, budget, limit = memory_limit(device, margin=0.1, fraction=0.9)   # oom.py's budget and limit
 
 The cumulative-duration heuristic (train.max_duration) gives every bucket the same seconds of
 audio, but memory is not linear in duration (attention is quadratic in frames; the decoder and its
@@ -52,12 +53,13 @@ buckets). For each bucket, from the largest to the smallest:
 `fit_memory_model` + `optimize_with_model` instead fit peak memory as a low-order function of
 (B, T, U) to a dozen steps (`MemoryModel` above), for steps too slow to bisect every bucket with
 (a 1B-parameter step on simulated memory, aed/memory_measure.py). A bucket at least as large as
-another in both duration and tokens never gets a larger batch (`make_monotone`). oom.py is the
-command line around this.
+another in both duration and tokens never gets a larger batch (`make_monotone`). oom.py
+(aed/cli_oom.py) is the command line around this.
 """
 
 import logging
 import math
+import sys
 import time
 
 import numpy as np
@@ -67,7 +69,8 @@ from torch.utils._pytree import tree_map
 
 from aed.data_audio import SpecAugment
 from aed.data_batch import Batch
-from aed.memory_measure import OutOfMemory, format_bytes, peak_memory
+from aed.memory_measure import OutOfMemory, allocated_limit, device_memory, format_bytes, parse_bytes, peak_memory
+from aed.train_distributed import Process
 from aed.train_setup import count_targets, train_step
 
 
@@ -384,3 +387,48 @@ def preflight(step: TrainingStep, shapes: list, batch_sizes: list, budget: int) 
             + "\nrerun oom.py for this model, precision and budget, or lower these buckets' batch sizes "
             "(train.batch_sizes / train.max_duration), or use precision=bf16 / activation_checkpointing")
     return peaks
+
+
+def preflight_run(setup, data, proc: Process, ema=None) -> None:
+    """train.py's memory_budget: the worst batch of every bucket of its data (aed.train_data.TrainingData)
+    runs once before step 0 (`preflight`); a bucket that does not fit ends the run, naming it.
+    Before the DDP wrap, whose gradient hooks must not fire during the check; an FSDP model runs
+    its real, sharded step. The EMA of the weights, if kept, counts as state held through it."""
+    cfg = setup.cfg
+    try:
+        peaks = preflight(TrainingStep.of(setup, ddp=proc.world_size > 1 and cfg.train.strategy == "ddp", ema=ema),
+                          setup.bucket_shapes(data.bins, cfg.train.max_tps), data.sampler.sizes,
+                          parse_bytes(cfg.memory_budget))
+    except MemoryBudgetError as e:
+        sys.exit(f"preflight: {e}")
+    log.info("preflight: all %d buckets fit %s (largest peak %s)", len(peaks), cfg.memory_budget,
+             format_bytes(max(peaks)))
+    if proc.device.type == "cuda":  # the progress line's peak memory is the training's, not the check's
+        torch.cuda.reset_peak_memory_stats(proc.device)
+
+
+def memory_limit(device: torch.device, margin: float, budget: str | None = None, fraction: float = 0.9,
+                 simulate: str | None = None) -> tuple[int, int, int]:
+    """oom.py's (device bytes, budget, limit): the budget is `budget` (e.g. "20GB") or `fraction` of
+    the device's memory; steps must fit the limit, the budget less the `margin` kept for what an
+    artificial step does not see. A simulated CUDA device of `simulate` bytes is all budget, and its
+    tensors may fill what the CUDA context, cuBLAS and the margin leave (`allocated_limit`)."""
+    if simulate is not None:
+        total = parse_bytes(simulate)
+        return total, total, allocated_limit(total, margin)
+    total = device_memory(device)
+    budget_bytes = parse_bytes(budget) if budget else int(fraction * total)
+    return total, budget_bytes, int(budget_bytes * (1 - margin))
+
+
+def warn_ddp_rebuild(model, budget_bytes: int, margin: float) -> None:
+    """DDP's second step rebuilds its gradient buckets in the order the first step's gradients came
+    in, and held one more copy of the gradients at its peak on an H200 (docs/REPORT.md, "Simulated
+    memory against real memory"), once per run. Sizes for the later steps: say when the margin is
+    smaller than that copy."""
+    copy = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    if margin * budget_bytes < copy:
+        log.warning("DDP's second step rebuilds its gradient buckets and may hold one more copy of the gradients "
+                    "(%s), once; the %.0f%% margin (%s) does not cover it, so a batch sized to the limit may run out "
+                    "of memory on step 2 (--margin %.2f would cover it)", format_bytes(copy), 100 * margin,
+                    format_bytes(int(margin * budget_bytes)), math.ceil(100 * copy / budget_bytes) / 100)

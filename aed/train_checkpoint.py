@@ -1,6 +1,9 @@
 """Checkpoints written by a training run: through torch.distributed.checkpoint (DCP) on every rank,
 published by a completion marker, older ones cleaned up; and what a run loads back from them (its
-own tensors resharded, or another run's weights to start from). What a checkpoint holds and how it
+own tensors resharded, or another run's weights to start from). A whole run's state is saved by
+`save_run` and put back by `resume_run`: weights, optimizer, schedule, the EMA of the weights, the
+attention guide's state, and where the data stands (`DataPosition`: sampler and RNG states, for an
+exact resume). What a checkpoint holds and how it
 is read are aed/model_checkpoint.py's.
 
 Under DDP every rank holds the same weights and DCP spreads their writing over the ranks; under
@@ -9,9 +12,13 @@ names, so a checkpoint resumes on any world size and under either strategy. `asy
 training continue while the files are written.
 """
 
+import dataclasses
+import logging
 import os
 import random
 import shutil
+import sys
+import time
 
 import numpy as np
 import torch
@@ -20,9 +27,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from aed.model_checkpoint import (COMPLETE, TENSORS, checkpoint_step, is_complete, list_checkpoints,
-                                  quiet_single_process, read_checkpoint)
-from aed.train_distributed import barrier, is_distributed
+from aed.config import to_dict
+from aed.model_checkpoint import (COMPLETE, TENSORS, Checkpoint, CheckpointError, checkpoint_step, is_complete,
+                                  list_checkpoints, load_latest, pack_dir, quiet_single_process, read_checkpoint)
+from aed.train_data import TrainingData
+from aed.train_distributed import (Process, barrier, gather_objects, is_distributed, share_rank0_buffers,
+                                   torchrun_restart)
+from aed.train_guide import GuideState
+from aed.train_setup import ExponentialMovingAverage, TrainingSetup
+
+log = logging.getLogger(__name__)
 
 
 # --- writing --------------------------------------------------------------------------------------
@@ -258,3 +272,122 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     np.random.set_state(state["numpy"])
     if device.type == "cuda" and state["cuda"] is not None:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# --- a run's state --------------------------------------------------------------------------------
+
+
+class DataPosition:
+    """Exact resume's bookkeeping, in one place: where this rank's data and random streams stand.
+    `restore` puts a checkpoint's sampler and RNG states back; `start` and `next_batch` draw the
+    training batches, counting those the loop takes; `state` is what a checkpoint saves of them:
+    the sampler rewound by the batches the DataLoader prefetched (`data.counter`) but the loop did
+    not take, and the RNG states."""
+
+    def __init__(self, data: TrainingData, proc: Process):
+        self.data, self.proc, self.consumed = data, proc, 0
+
+    def restore(self, ckpt: Checkpoint, path: str) -> None:
+        """A checkpoint of another world size continues its interrupted pass in other batches."""
+        proc, sampler = self.proc, self.data.sampler
+        saved_world = len(ckpt.sampler)
+        if saved_world == proc.world_size:
+            sampler.load_state_dict(ckpt.sampler[proc.rank])
+        else:
+            try:
+                sampler.load_state_dict(sampler.regroup_state(ckpt.sampler))
+            except ValueError as e:
+                sys.exit(f"cannot resume {path}, written by {saved_world} ranks, on {proc.world_size}: {e}; "
+                         f"resume with {saved_world} ranks or start a new run_dir with init_from={path}")
+            log.warning("%s was written by %d ranks, this run has %d: weights, optimizer, schedule and step "
+                        "continue exactly; the data continues the interrupted pass without repeating what was "
+                        "trained in it, in other batches than %d ranks would have drawn", path, saved_world,
+                        proc.world_size, saved_world)
+        if proc.rank < saved_world:
+            set_rng_state(ckpt.rng[proc.rank], proc.device)
+
+    def start(self):
+        """The DataLoader's batches from here on; draw them with `next_batch`."""
+        self.consumed = self.data.counter.taken = 0
+        return iter(self.data.loader(self.proc.device))
+
+    def next_batch(self, loader):
+        batch = next(loader)
+        self.consumed += 1
+        return batch
+
+    def state(self) -> dict:
+        """This rank's part of a checkpoint: {"rng": ..., "sampler": ...}."""
+        return {"rng": rng_state(self.proc.device),
+                "sampler": self.data.sampler.state_dict(rewind=self.data.counter.taken - self.consumed)}
+
+
+def resume_run(setup: TrainingSetup, position: DataPosition, ema: ExponentialMovingAverage | None
+               ) -> tuple[int, float, GuideState]:
+    """(step, FLOPs so far, the attention guide's `GuideState`) of the newest valid checkpoint in
+    run_dir, with the weights, optimizer, schedule, sampler and RNG states and the EMA of the weights
+    restored; (0, 0.0, a new GuideState) for a new run, whose weights may come from init_from. A
+    checkpoint of another world size continues its interrupted pass in other batches; one written
+    without an EMA starts the EMA at its weights."""
+    cfg = setup.cfg
+    try:
+        path, saved = load_latest(cfg.run_dir, with_tensors=False)
+    except CheckpointError as e:
+        sys.exit(f"cannot resume: {e}")
+    restart, max_restarts = torchrun_restart()
+    if restart:  # a rank failed, and torchrun stopped the others and started them all again
+        log.info("restart %d of torchrun's --max-restarts %d: resuming from %s", restart, max_restarts,
+                 path or "step 0 (no checkpoint yet)")
+    if saved is None:
+        if cfg.init_from:
+            try:
+                log.info("init_from %s: %s", cfg.init_from,
+                         init_from_checkpoint(setup.model, cfg.init_from, cfg.init_encoder_only))
+            except ValueError as e:
+                sys.exit(str(e))
+        return 0, 0.0, GuideState()
+    if not load_training_state(setup.model, setup.optimizer, path, ema) and ema is not None:
+        ema.reset(setup.model)
+        log.info("%s has no EMA of the weights (written without ema_decay): the EMA starts from its weights", path)
+    ckpt = Checkpoint.from_dict(saved | {"model": None})  # meta.pt: the tensors are loaded
+    setup.scheduler.load_state_dict(ckpt.scheduler)
+    setup.scaler.load_state_dict(ckpt.scaler)
+    position.restore(ckpt, path)
+    log.info("resumed from %s at step %d%s", path, ckpt.step, "" if ckpt.guide_ended is None else
+             f" (its attention guide ended at step {ckpt.guide_ended}, when the decoder listened)")
+    return ckpt.step, ckpt.flops, GuideState(ckpt.guide_ended, ckpt.guide_check_due, ckpt.guide_start,
+                                             ckpt.guide_restarts)
+
+
+def save_run(writer: CheckpointWriter, setup: TrainingSetup, position: DataPosition, step: int, flops: float,
+             ema: ExponentialMovingAverage | None, guide: GuideState) -> None:
+    """Every rank writes its part of the weights, optimizer state and EMA (DCP); rank 0 adds the
+    gathered sampler and RNG states (`DataPosition.state`). Under DDP, also checks that the ranks'
+    parameters are identical (a desync would otherwise go unnoticed)."""
+    cfg, model, proc = setup.cfg, setup.model, position.proc
+    t0 = time.time()
+    sharded = cfg.train.strategy == "fsdp"
+    checksum = None if sharded else sum(p.detach().double().sum().item() for p in model.parameters())
+    states = gather_objects({"checksum": checksum} | position.state())
+    share_rank0_buffers(model)
+    state = training_tensors(model, setup.optimizer, ema)
+    if proc.master:
+        checksums = [s["checksum"] for s in states]
+        if len(set(checksums)) > 1:
+            raise RuntimeError(f"step {step}: ranks disagree on parameters (checksums {checksums})")
+        state = Checkpoint(model_config=dataclasses.asdict(cfg.model), features=dataclasses.asdict(cfg.features),
+                           tokenizer=pack_dir(cfg.train.tokenizer),
+                           max_train_duration=position.data.bins.durations[-1],  # infer.py's chunk length
+                           edge_silence=position.data.edge_silence,  # ... and the silence at its edges
+                           trim_silence=cfg.train.trim_silence,  # ... cut as training cut it
+                           varied_edges=tuple(cfg.augment.edge_seconds) if cfg.augment.edge_prob > 0 else None,  # ... or not
+                           new_tokens=setup.added_tokens,  # a later run can still train only them
+                           step=step, flops=flops, scheduler=setup.scheduler.state_dict(),
+                           scaler=setup.scaler.state_dict(), sampler=[s["sampler"] for s in states],
+                           rng=[s["rng"] for s in states], config=to_dict(cfg), guide_ended=guide.ended,
+                           guide_check_due=guide.check_due, guide_start=guide.start,
+                           guide_restarts=guide.restarts,
+                           **state).to_dict()
+    path = writer.save(state, step)
+    log.info("%s %s in %.1f s%s", "saving" if writer.pending else "saved", path, time.time() - t0,
+             "" if sharded else f" (parameter checksum {checksum:.6e}, equal on {proc.world_size} rank(s))")

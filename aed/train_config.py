@@ -3,6 +3,7 @@ the objectives its `objective` key picks from (`OBJECTIVES`).
 
     cfg = load_train_config("configs/tiny.yaml", ["optim.lr=1e-3", "train.manifests=[a.jsonl]"])
     cfg = load_train_config(["configs/canary-1b.yaml", "buckets.yaml"])   # later files win (oom.py --out)
+    cfg, val_names = parse_config(["configs/tiny.yaml", "buckets.yaml", "max_steps=500"])   # train.py's argv
 
 aed/config.py does the loading: dataclass defaults, then the YAML file(s), then
 `key=value` overrides, with unknown keys and values of the wrong type as errors that name the
@@ -26,6 +27,7 @@ shared, so an rnnt- or ssl-pretrained encoder loads into an AED (`init_from`, `i
 """
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -36,6 +38,7 @@ from aed.config import ConfigError, describe, dotted_keys, from_dict, help_table
 from aed.data_augment import CODECS
 from aed.data_audio import FeatureConfig, SpecAugmentConfig
 from aed.data_manifest import DURATION_TOLERANCE
+from aed.data_sources import ManifestEntry
 from aed.decode_metrics import NORMALIZERS
 from aed.decode_search import DecodingOptions, decode_features
 from aed.model import AED, AEDConfig
@@ -124,7 +127,7 @@ class TrainSection:
     attention_guide_to: str = "diagonal"  # where attention_guide points each token: diagonal (its place n/N in the audio) | ctc (its span in the CTC head's forced alignment; needs model.ctc_weight > 0)
     attention_guide_heads: int | None = None  # guide only the first this many heads of each cross-attention layer, leaving the others free to look anywhere (None: every head)
     attention_guide_ramp: int = 0  # steps over which the guide's weight rises linearly from 0 to its full value (0: full from the first step)
-    attention_guide_until: str = "steps"  # steps: the guide lasts its steps | listening: it also ends at the first check (every 50 steps) where the decoder uses the audio of its training batch (train.py)
+    attention_guide_until: str = "steps"  # steps: the guide lasts its steps | listening: it also ends at the first check (every 50 steps) where the decoder uses the audio of its training batch (aed/train_guide.py)
     decoder_restarts: int = 1  # attention_guide_until=listening: a decoder still deaf when the guide's steps end is restarted (fresh weights on the encoder trained so far) and guided again this many times; then the run stops, saying what it measured
     trim_silence: float | None = None  # cut each training and validation utterance to this many seconds of silence before its first and after its last speech frame (energy-based, as inference finds speech; NeMo's trim_silence); None: as read. Long, varied edge silence kept a small model's encoder from learning (docs/training.md)
     speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]: every utterance once at each speed (Kaldi, ESPnet, icefall); in-memory manifests
@@ -353,3 +356,34 @@ def help_text() -> str:
     """train.py --help: every TrainConfig key with its type, default and description."""
     notes = {key: f"set from {source}" for key, source in DERIVED.items()}
     return help_table(describe(TrainConfig, notes))
+
+
+def parse_config(argv: list[str]) -> tuple[TrainConfig, dict]:
+    """train.py's arguments, `CONFIG.yaml [MORE.yaml ...] [key=value ...]` -> its TrainConfig and
+    validation sets by name (`val_set_names`); later files override earlier ones (e.g. oom.py
+    --out's buckets)."""
+    files = next((i for i, a in enumerate(argv) if "=" in a), len(argv))  # the YAML files come first
+    cfg = load_train_config(argv[:files], argv[files:])
+    return cfg, val_set_names(cfg.val.manifests)
+
+
+def val_set_names(specs: list) -> dict:
+    """Metric prefix -> ManifestEntry per validation set (val.manifests): its file stem, or
+    folder_stem when stems repeat (data/mini/dev.jsonl and data/mini/digits/dev.jsonl -> mini_dev,
+    digits_dev). A Shar or shard directory is named by the directory, a NeMo set or parquet files by
+    the folder that holds them."""
+    entries = [ManifestEntry.of(spec) for spec in specs]
+    paths = [named_path(entry) for entry in entries]
+    stems = [os.path.splitext(os.path.basename(p))[0] for p in paths]
+    names = [f"{os.path.basename(os.path.dirname(os.path.abspath(p)))}_{s}" if stems.count(s) > 1 else s
+             for p, s in zip(paths, stems)]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"val.manifests need distinct file or folder names, got {paths}")
+    return dict(zip(names, entries))
+
+
+def named_path(entry: ManifestEntry) -> str:
+    """The path that names a validation entry: its manifest or directory, or the folder of its files."""
+    if entry.kind in ("shar", "shards", "manifest"):
+        return os.path.normpath(entry.location)
+    return os.path.dirname(os.path.abspath(entry.location))  # nemo: its tars' pattern; parquet: its glob

@@ -3,7 +3,7 @@
 
     data = build_training_data(cfg, tokenizer, rank, world_size, bins_out="run/bins.json")
     loader = data.loader(device)      # batches of cfg.train's 2D buckets, forever (infinite passes)
-    data.sampler.state_dict(rewind=data.counter.taken - consumed)   # exact resume (train.py: DataPosition)
+    data.sampler.state_dict(rewind=data.counter.taken - consumed)   # exact resume (aed/train_checkpoint.py: DataPosition)
 
 Bins: the edges of the 2D buckets. A run without train.bins estimates them at its start from the
 utterances it has read; before a run, tools/estimate_bins.py and oom.py estimate them from the
@@ -11,6 +11,7 @@ training manifests, counting tokens exactly as training does (`bins_from_manifes
 
     bins, meta = bins_from_manifests(["train.jsonl"], tokenizer, num_buckets=30, sub_buckets=2)
     bins, meta = bins_from_manifests([{"shar": "data/shar"}], tokenizer)   # any train.manifests entry
+    bins, manifests = bins_from_config("configs/tiny.yaml")   # its manifests, tokenizer and bucket counts
 
 Streamed entries (aed/data_sources.py) give their rows' metadata: NeMo manifests, Shar cuts and parquet
 columns hold the durations, so no audio is read (parquet without a duration column: headers only).
@@ -47,10 +48,11 @@ from aed.data_manifest import (Faults, ManifestError, Utterance, check_audio, ma
                                read_manifest, read_rows)
 from aed.data_mixing import (MixLog, MixedSource, Tagged, audio_shares, group_of, nonspeech_examples, stream_weights,
                              temperature_mix)
-from aed.data_sources import CountTokens, ManifestEntry, metadata, source_faults
+from aed.data_sources import CountTokens, ManifestEntry, metadata, parse_spec, source_faults
 from aed.data_speech import edge_silence, trim_silence
 from aed.decode_timing import EDGE_SAMPLE
-from aed.train_config import OBJECTIVES, TrainConfig
+from aed.data_tokenizer import Tokenizer
+from aed.train_config import OBJECTIVES, TrainConfig, load_train_config
 from aed.train_distributed import all_gather_objects
 from bins import Bins, estimate_bins, load_batch_sizes
 from sampler import BucketingSampler
@@ -429,6 +431,20 @@ def bins_from_manifests(specs: list, tokenizer, num_buckets: int = 30, sub_bucke
             "audio_weight": audio_weight, "seed": seed, "outlier_z": outlier_z, "max_tokens": max_tokens,
             "speed_perturb": list(speed_perturb)}
     return bins, meta
+
+
+def bins_from_config(config: str, manifests: list | None = None, sample: int | None = None) -> tuple:
+    """(bins, the manifests) estimated as a run of `config` (a YAML path) would tokenize its data:
+    the config's tokenizer, prompt, bucket counts, bin method and dec_max_len; manifests (entries,
+    as strings or mappings) default to its train.manifests. Raises ConfigError, OSError or ValueError."""
+    cfg = load_train_config(config)
+    manifests = [parse_spec(m) for m in manifests] if manifests else list(cfg.train.manifests)
+    bins, meta = bins_from_manifests(manifests, Tokenizer.load(cfg.train.tokenizer), cfg.train.num_buckets,
+                                     cfg.train.sub_buckets, cfg.train.bin_method, sample, cfg.seed,
+                                     max_tokens=cfg.model.dec_max_len, speed_perturb=cfg.train.speed_perturb)
+    log.info("bins: %d buckets from %d of %d lines of %s (skipped: %s)", bins.num_buckets, meta["used"],
+             meta["lines"], ", ".join(map(str, manifests)), meta["skipped"] or "none")
+    return bins, manifests
 
 
 def bucket_shapes(bins: Bins, features: FeatureConfig, dec_max_len: int, max_tps=None, added: float = 0.0) -> list:

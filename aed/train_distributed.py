@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 from contextlib import contextmanager
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,17 @@ def init_distributed(group_of_one: bool = False) -> tuple[int, int, int, torch.d
     elif group_of_one and not is_distributed():
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return rank, local_rank, world_size, device
+
+
+class Process(NamedTuple):
+    """This process's place in the run: its rank, the world's size, and the device it trains on."""
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
 
 
 def torchrun_restart() -> tuple[int, int]:

@@ -5,6 +5,7 @@ transcribe, WER per language and BLEU per translation pair.
     results = evaluate(setup, model, {"dev": ManifestEntry.of("data/mini/dev.jsonl")}, rank, world_size,
                        skip_invalid, unreadable)
     results = evaluate(setup, model, {"dev": ManifestEntry.of({"shar": "data/dev_shar"})}, ...)   # any entry
+    results = validate(setup, val_names, proc, unreadable, run_log, step, ema)   # a run's: logged, recorded
 
 Each rank scores a slice of every manifest; losses are all-reduced and hypotheses gathered, so
 every metric is a corpus metric over the whole manifest. Hypotheses come from the objective's
@@ -12,7 +13,9 @@ every metric is a corpus metric over the whole manifest. Hypotheses come from th
 """
 
 import logging
+import time
 import weakref
+from contextlib import nullcontext
 from itertools import islice
 
 import torch
@@ -27,7 +30,7 @@ from aed.decode_search import DecodingOptions
 from aed.decode_timing import frame_seconds
 from aed.model_static import CompiledAED
 from aed.train_data import silence_trimmer
-from aed.train_distributed import all_gather_objects, all_reduce, full_copy
+from aed.train_distributed import Process, all_gather_objects, all_reduce, full_copy
 from aed.train_setup import autocast, count_ctc_skipped, train_mode
 
 log = logging.getLogger(__name__)
@@ -258,3 +261,44 @@ def scores(name: str, rows: list, ctc_skipped: int, val_cfg) -> dict:
         results[f"{name}/wer"] = asr_wer
     results[f"{name}/examples"] = [f"{r[1]}->{r[2]} REF: {r[3]} | HYP: {r[4]}" for r in rows[: val_cfg.num_examples]]
     return results
+
+
+def validate(setup, val_names: dict, proc: Process, unreadable: Faults, run_log, step: int, ema=None) -> dict:
+    """A run's validation at `step` (every rank calls this at the same step): `evaluate`, then rank 0
+    logs the results and records them in `run_log` (aed.train_progress.RunLog), with `val/listening`
+    (1 or 0: whether the decoder uses the audio on every set). With an EMA of the weights, validation
+    scores the EMA (what infer.py --ema decodes), swapped into the model for the duration."""
+    t0 = time.time()
+    with ema.swapped(setup.model) if ema is not None else nullcontext():
+        model = whole_model(setup.model, lambda: setup.objective.build(setup.cfg, setup.tokenizer.vocab_size))
+        # train.skip_invalid is one switch for all of a run's manifests, validation's included
+        res = evaluate(setup, model, val_names, proc.rank, proc.world_size, setup.cfg.train.skip_invalid, unreadable)
+    heard = listens(res)
+    run_log.write({f"val/{k}": v for k, v in res.items()} | {"val/seconds": time.time() - t0}
+                  | ({} if heard is None else {"val/listening": float(heard)}), step)
+    for k, v in res.items():
+        if isinstance(v, list):
+            for line in v:
+                log.info("  %s", line)
+    log.info("validation @ step %d%s: %s  (%.1f s)", step, " (EMA weights)" if ema is not None else "", "  ".join(
+        f"{k}={v:.2f}" for k, v in res.items() if isinstance(v, float)), time.time() - t0)
+    if step > 0:  # at step 0 no decoder listens yet
+        for line in not_listening(res):
+            log.warning("step %d: %s", step, line)
+    return res
+
+
+def report_listening(results: dict, step: int) -> None:
+    """The end of a run: whether the model it leaves uses the audio, from its last validation."""
+    gaps = listening_gaps(results)
+    if not gaps:
+        return
+    measured = ", ".join(f"{name} {gap:+.2f}" for name, gap in gaps.items())
+    if listens(results):
+        log.info("the final model (validated at step %d) uses the audio: its cross-entropy rises by %s nats/token "
+                 "with other utterances' audio", step, measured)
+    else:
+        log.warning("*** the final model (validated at step %d) does not use the audio: its cross-entropy changes by "
+                    "%s nats/token with other utterances' audio (under %g): it writes what a language model of the "
+                    "training text would. Train longer, guide the attention (train.attention_guide), or check that "
+                    "the transcripts belong to their audio (docs/training.md) ***", step, measured, LISTENING_GAP)

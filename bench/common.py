@@ -384,17 +384,21 @@ def run_script(args: list, log_path: Path, threads: int = 1, append: bool = Fals
         script_failed(args[0], code, log_path)
 
 
+# The package's commands that the checkout's scripts start: what runs in process in their place.
+COMMANDS = {"train.py": "aed.cli_train", "oom.py": "aed.cli_oom"}
+
+
 def python_script(args: list, log_path: Path, in_process: bool = False, threads: int = 1) -> None:
-    """`python SCRIPT ...` (args[0]: a script with a main(argv): train.py, oom.py, or a bench/ script
-    that starts no processes of its own) as run_script runs it; or, in_process, that main() in this
-    process with its log and output written to log_path, which spares a benchmark's short runs
-    (--quick) importing torch and aed again each time."""
+    """`python SCRIPT ...` (args[0]: train.py, oom.py, or a bench/ script with a main(argv) that starts
+    no processes of its own) as run_script runs it; or, in_process, that main() in this process
+    (train.py's and oom.py's: their package commands, COMMANDS) with its log and output written to
+    log_path, which spares a benchmark's short runs (--quick) importing torch and aed again each time."""
     if not in_process:
         run_script(args, log_path, threads)
         return
-    if str(ROOT) not in sys.path:  # the root scripts import as modules (bench/ is on the path already)
+    if str(ROOT) not in sys.path:  # aed without an install (bench/ is on the path already)
         sys.path.insert(0, str(ROOT))
-    script = importlib.import_module(Path(args[0]).stem)
+    script = importlib.import_module(COMMANDS.get(str(args[0]), Path(args[0]).stem))
 
     log(f"$ {shlex.join(str(a) for a in args)}  (in this process)")
     root, cwd = logging.getLogger(), os.getcwd()

@@ -33,7 +33,7 @@ their JSON last lines are parsed, and the training runs are real `train.py` runs
 Training time of a run = the sum of its logged step times; the step after a validation (whose
 logged time includes the validation) counts as the run's median step. After the stop, the run is
 resumed for one more step and validated, so every run ends with a validation at its budget.
---quick trains every scheme for the same few steps instead, each in this process (train.main), as
+--quick trains every scheme for the same few steps instead, each in this process (aed.cli_train.main), as
 it runs oom.py's sizing and the benchmarks that start no processes of their own (their main()).
 """
 

@@ -66,11 +66,12 @@ import torch
 import yaml
 from common import (ROOT, cores, epoch_batch, fixed_overrides, flat_sizes, load_avg, log, max_duration_sizes, oom_sizes,
                     print_json, print_table, run_modes, train_run, worst_bucket, write_config)
-from oom import device_memory, manifest_bins
 
 from aed.data_manifest import read_manifest
 from aed.data_sources import ManifestEntry
+from aed.memory_measure import device_memory
 from aed.model import AED, AEDConfig, count_parameters
+from aed.train_data import bins_from_config
 from aed.train_setup import load_training_setup
 from bins import Bins, load_batch_sizes
 
@@ -229,7 +230,7 @@ def e4_flags(p) -> None:
 def e4_schemes(args, work: Path) -> tuple:
     """({name: (config, overrides, batch sizes, bins or None)}, the memory budget, fixed's batch size): the
     recipe's worst bucket at --max-duration is the budget, oom.py sizes the 2D bins for it."""
-    bins, manifests = manifest_bins(args.config, None, None)
+    bins, manifests = bins_from_config(args.config)
     longest = max(u.duration for m in manifests for u in read_manifest(m))
     m = args.max_duration
     budget = worst_bucket(load_training_setup(args.config, torch.device("cpu")), bins, max_duration_sizes(bins, m))

@@ -1,5 +1,5 @@
 """The map in aed/__init__.py is the code: it lists every module of the package once, in layers
-(config, data, model, decode, train, memory), and every module imports only modules listed above
+(config, data, model, decode, train, memory, cli), and every module imports only modules listed above
 it. So decoding never loads training code, and `import aed` for transcription loads none."""
 
 import ast
@@ -11,7 +11,7 @@ import aed
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "aed"
-LAYERS = ("config", "data", "model", "decode", "train", "memory")
+LAYERS = ("config", "data", "model", "decode", "train", "memory", "cli")
 
 
 def mapped_modules() -> list[str]:
@@ -55,7 +55,7 @@ def test_the_bucketing_modules_import_nothing_from_aed():
 
 def test_importing_aed_loads_no_training_code():
     loaded = subprocess.run([sys.executable, "-c", "import sys, aed; print(sorted(m for m in sys.modules "
-                             "if m.startswith(('aed.train', 'aed.memory'))))"],
+                             "if m.startswith(('aed.train', 'aed.memory', 'aed.cli'))))"],
                             capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip()
     assert loaded == "[]"
 

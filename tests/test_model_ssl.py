@@ -132,12 +132,12 @@ def test_audio_only_manifests_are_read_for_ssl_and_refused_with_line_and_field_o
 
 @pytest.mark.parametrize("objective", ["aed", "rnnt"])
 def test_train_py_refuses_an_audio_only_manifest_for_objectives_that_need_text(tmp_path, monkeypatch, objective):
-    import train
+    from aed.cli_train import main
 
     monkeypatch.chdir(ROOT)
     path = audio_only_manifest(tmp_path, 3)
     with pytest.raises(SystemExit, match=rf"data error: {path}:1: field 'text': missing"):
-        train.main(["configs/tiny.yaml", f"run_dir={tmp_path / 'run'}", f"objective={objective}", "cpu_threads=1",
+        main(["configs/tiny.yaml", f"run_dir={tmp_path / 'run'}", f"objective={objective}", "cpu_threads=1",
                     f"train.manifests=[{path}]", "train.num_workers=0"])
 
 

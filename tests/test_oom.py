@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from oom import main, warn_ddp_rebuild
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from aed.cli_oom import main
 from aed.data_audio import FeatureConfig, num_frames
 from aed.train_data import bucket_shapes
 from aed.memory_measure import (CUBLAS_WORKSPACE, CUDA_CONTEXT, LiveTensorMemory, OutOfMemory, SimulatedDevice,
                                 allocated_limit, fake_world, is_out_of_memory, parse_bytes)
 from aed.memory_oomptimizer import (MemoryBudgetError, MemoryModel, TrainingStep, make_monotone, optimize, preflight,
-                                    search_batch_size)
+                                    search_batch_size, warn_ddp_rebuild)
 from aed.model import AED, AEDConfig
 from aed.model_transducer import TransducerASR
 from bins import Bins, load_batch_sizes

@@ -53,9 +53,9 @@ def run_train(run_dir, *overrides, nproc=1, check=True):
 
 def train_in_process(argv: list) -> subprocess.CompletedProcess:
     """`python train.py *argv` without a new interpreter (run_in_process)."""
-    import train
+    from aed.cli_train import main
 
-    return run_in_process(train.main, argv, "%(asctime)s [rank 0] %(message)s")
+    return run_in_process(main, argv, "%(asctime)s [rank 0] %(message)s")
 
 
 def run_in_process(main, argv: list, log_format: str = "%(message)s") -> subprocess.CompletedProcess:
@@ -137,7 +137,8 @@ def test_resume_gives_the_same_batches_and_losses(tmp_path):
 def test_step_time_and_eta_leave_validation_out(tmp_path, monkeypatch, caplog):
     """train.py in this process, with a clock on which every validation takes 1000 s: the progress
     lines' step time and ETA must not see them, and metrics.jsonl reports them as val/seconds."""
-    import train
+    import aed.train_validation
+    from aed.cli_train import main
 
     clock = [time.time()]
 
@@ -145,13 +146,13 @@ def test_step_time_and_eta_leave_validation_out(tmp_path, monkeypatch, caplog):
         clock[0] += 1000.0
         return {"dev/loss": 1.0}
 
-    monkeypatch.setattr(train, "time", types.SimpleNamespace(time=lambda: clock[0] + time.perf_counter(),
-                                                             perf_counter=time.perf_counter))  # the data wait's
-    monkeypatch.setattr(train, "evaluate", slow_evaluate)
+    monkeypatch.setattr(aed.train_validation, "time",
+                        types.SimpleNamespace(time=lambda: clock[0] + time.perf_counter()))  # validation's clock
+    monkeypatch.setattr(aed.train_validation, "evaluate", slow_evaluate)
     monkeypatch.chdir(ROOT)
-    caplog.set_level(logging.INFO, logger="train")
-    train.main(["configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=6", "log_every=2", "val.every=2",
-                "ckpt_every=100", "train.num_workers=0"])
+    caplog.set_level(logging.INFO, logger="aed")
+    main(["configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=6", "log_every=2", "val.every=2",
+          "ckpt_every=100", "train.num_workers=0"])
     with open(tmp_path / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     step_times = [r["train/step_time"] for r in rows if "train/step_time" in r]

@@ -192,10 +192,10 @@ def test_with_compile_every_training_batch_takes_its_buckets_shape():
 
 
 def test_compile_true_compiles_the_blocks_for_the_buckets_shapes(tmp_path, monkeypatch):
-    import train
+    import aed.cli_train
 
     compiled = []
-    monkeypatch.setattr(train, "compile_layers", lambda model, shapes: compiled.append(shapes) or 4)  # no inductor
+    monkeypatch.setattr(aed.cli_train, "compile_layers", lambda model, shapes: compiled.append(shapes) or 4)  # no inductor
     p = run_train(tmp_path / "c", "compile=true", "max_steps=1", "val.every=100")
     # one call, told how many shapes to hold: the run's buckets, as its log line counts them
     assert len(compiled) == 1 and compiled[0] > 1 and f"({compiled[0]} buckets;" in p.stderr

@@ -21,7 +21,7 @@ def test_model_fields_with_another_source_are_rejected_and_n_mels_follows_the_fe
 
 
 def test_later_yaml_files_override_earlier_ones_and_train_py_takes_them_in_order(tmp_path):
-    from train import parse_config
+    from aed.train_config import parse_config
 
     tiny = os.path.join(ROOT, "configs/tiny.yaml")
     buckets = tmp_path / "buckets.yaml"  # what oom.py --out writes
@@ -69,10 +69,13 @@ def test_every_key_is_described_with_type_and_default():
 
 
 @pytest.mark.slow
-def test_train_py_imports_without_running_and_prints_its_keys():
-    p = subprocess.run([sys.executable, "-c", "import train, oom, infer, sampler; print('imported')"],
+def test_the_commands_import_without_running_and_train_py_prints_its_keys():
+    p = subprocess.run([sys.executable, "-c", "import aed.cli_train, aed.cli_oom, infer, sampler; print('imported')"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout == "imported\n" and "config" not in p.stderr, p.stderr
     p = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0
     assert re.search(r"^  optim\.warmup_steps +int = 2500\n +linear warmup", p.stdout, re.M), p.stdout[-2000:]
+    assert "torchrun --nproc_per_node 8 train.py" in p.stdout  # the usage, above the keys
+    p = subprocess.run([sys.executable, "oom.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "--simulate-memory SIZE" in p.stdout, p.stdout + p.stderr

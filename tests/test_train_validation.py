@@ -10,6 +10,7 @@ import torch
 from test_model import tiny_config
 from test_train import SMALL, losses, run_in_process
 
+import aed.train_guide
 from aed.data_batch import Batch
 from aed.model import AED
 from aed.train_validation import LISTENING_GAP, batch_listening_gap, ctc_transcripts, listening, not_listening
@@ -64,10 +65,10 @@ def test_listening_sums_ranks_per_language_and_warns_below_the_gap():
 def test_a_run_logs_the_check_and_warns_about_a_decoder_that_ignores_the_audio(tmp_path, caplog):
     """Two steps from random weights: the decoder cannot listen yet, so the step-2 validation warns
     (step 0's does not: nothing listens at initialisation)."""
-    import train
+    from aed.cli_train import main
 
     caplog.set_level(logging.WARNING, logger="train")
-    p = run_in_process(train.main, ["configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=2", "val.every=2",
+    p = run_in_process(main, ["configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=2", "val.every=2",
                                     "val.max_utterances=8", "train.num_workers=0"])
     assert p.returncode == 0, p.stderr[-3000:]
     warned = [r.getMessage() for r in caplog.records if "not using the audio" in r.getMessage()]
@@ -79,7 +80,7 @@ def test_a_run_logs_the_check_and_warns_about_a_decoder_that_ignores_the_audio(t
 def test_validation_drops_utterances_longer_than_the_decoder_as_training_does(tmp_path):
     """A dev utterance whose prompt + text exceed model.dec_max_len is dropped and counted, not fed to
     the decoder, whose position table it would overrun (that stopped a run at its step-0 validation)."""
-    import train
+    from aed.cli_train import main
 
     from aed.data_batch import encodable
     from aed.data_manifest import read_manifest
@@ -89,7 +90,7 @@ def test_validation_drops_utterances_longer_than_the_decoder_as_training_does(tm
     _, counts = encodable(read_manifest("data/mini/dev.jsonl", False), Tokenizer.load("data/mini/tokenizer"), False)
     over = sum(n > limit for n in counts)
     assert 0 < over < len(counts)
-    p = run_in_process(train.main, ["configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, f"model.dec_max_len={limit}",
+    p = run_in_process(main, ["configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, f"model.dec_max_len={limit}",
                                     "max_steps=1", "val.every=1", "train.num_workers=0"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"validation on data/mini/dev.jsonl: dropping {over} utterances" in p.stderr
@@ -129,15 +130,15 @@ def test_the_guide_ramps_up_to_its_weight_then_ends_at_its_steps():
     is 0 from the guide's last step on; without a ramp it is full from step 0."""
     from types import SimpleNamespace
 
-    import train
     from aed.train_config import load_train_config
+    from aed.train_guide import GuideState, set_attention_guide
 
     def weights(*overrides):
         cfg = load_train_config("configs/tiny.yaml", ["train.attention_guide=[2.0,300]", *overrides])
         setup = SimpleNamespace(cfg=cfg, model=SimpleNamespace())
         out = []
         for step in (0, 50, 100, 250, 299, 300):
-            train.set_attention_guide(setup, None, step, train.GuideState())
+            set_attention_guide(setup, None, step, GuideState())
             out.append(setup.model.attention_guide)
         return out
 
@@ -152,14 +153,14 @@ def test_the_guide_until_listening_ends_at_the_first_check_that_listens_and_resu
     ends the guide at step 4 exactly as a guide of 4 steps ends. A run resumed in between checks at
     step 3 as the uninterrupted one did, and one resumed after the end keeps the guide off although
     its checks would say deaf."""
-    import train
+    from aed.cli_train import main
 
     gaps = []
-    monkeypatch.setattr(train, "GUIDE_CHECK_EVERY", 2)
-    monkeypatch.setattr(train, "batch_listening_gap", lambda *args: gaps.pop(0))
+    monkeypatch.setattr(aed.train_guide, "GUIDE_CHECK_EVERY", 2)
+    monkeypatch.setattr(aed.train_guide, "batch_listening_gap", lambda *args: gaps.pop(0))
 
     def run(run_dir, *overrides):
-        p = run_in_process(train.main, ["configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, "ckpt_every=100",
+        p = run_in_process(main, ["configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, "ckpt_every=100",
                                         "train.attention_guide=[1.0,100]", "train.num_workers=0", *overrides])
         assert p.returncode == 0, p.stderr[-3000:]
         return p
@@ -190,10 +191,10 @@ def test_the_guide_until_listening_ends_at_the_first_check_that_listens_and_resu
 def test_the_listening_check_runs_on_a_sharded_model(tmp_path, monkeypatch):
     """FSDP2 runs a sharded model's layers only inside its forward: the check measures the whole copy
     validation uses, and logs a measured gap."""
-    import train
+    from aed.cli_train import main
 
-    monkeypatch.setattr(train, "GUIDE_CHECK_EVERY", 2)
-    p = run_in_process(train.main, ["configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=3", "ckpt_every=100",
+    monkeypatch.setattr(aed.train_guide, "GUIDE_CHECK_EVERY", 2)
+    p = run_in_process(main, ["configs/tiny.yaml", f"run_dir={tmp_path}", *SMALL, "max_steps=3", "ckpt_every=100",
                                     "train.attention_guide=[1.0,100]", "train.attention_guide_until=listening",
                                     "train.strategy=fsdp", "train.num_workers=0"])
     assert p.returncode == 0, p.stderr[-3000:]
@@ -206,9 +207,8 @@ def test_a_decoder_restart_draws_the_decoder_anew_alike_on_every_rank_and_keeps_
     optimizer forgets the restarted parameters' moments only."""
     from types import SimpleNamespace
 
-    import train
-    from aed.train_config import load_train_config
-    from aed.train_config import OBJECTIVES
+    from aed.train_config import OBJECTIVES, load_train_config
+    from aed.train_guide import restart_decoder
 
     cfg = load_train_config("configs/tiny.yaml", [])
     cfg.model.vocab_size, cfg.model.pad_id = 40, 1  # what the tokenizer sets in a run
@@ -226,8 +226,8 @@ def test_a_decoder_restart_draws_the_decoder_anew_alike_on_every_rank_and_keeps_
 
     a, b = trained_setup(), trained_setup()
     before = {k: v.clone() for k, v in a.model.state_dict().items()}
-    train.restart_decoder(a, 300, None)
-    train.restart_decoder(b, 300, None)
+    restart_decoder(a, 300, None)
+    restart_decoder(b, 300, None)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed + 300)
         new = objective.build(cfg, 40).state_dict()
@@ -291,14 +291,14 @@ def test_the_guide_resumes_when_validation_and_the_training_batch_find_the_decod
     the real 4-step decoder, which cannot listen yet, so step 4 checks its training batch: deaf there
     too (faked), the guide resumes from step 4, and its checks with it (the next at step 6); listening
     there, the guide stays off and no further check runs."""
-    import train
+    from aed.cli_train import main
 
     gaps = []
-    monkeypatch.setattr(train, "GUIDE_CHECK_EVERY", 2)
-    monkeypatch.setattr(train, "batch_listening_gap", lambda *args: gaps.pop(0))
+    monkeypatch.setattr(aed.train_guide, "GUIDE_CHECK_EVERY", 2)
+    monkeypatch.setattr(aed.train_guide, "batch_listening_gap", lambda *args: gaps.pop(0))
 
     def run(run_dir):
-        p = run_in_process(train.main, ["configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, "max_steps=7", "val.every=4",
+        p = run_in_process(main, ["configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, "max_steps=7", "val.every=4",
                                         "val.max_utterances=8", "train.num_workers=0",
                                         "train.attention_guide=[1.0,100]", "train.attention_guide_until=listening"])
         assert p.returncode == 0, p.stderr[-3000:]
