@@ -69,13 +69,13 @@ Precision. A token's CTC span is where the Viterbi path puts it, and CTC's loss 
 firing inside the sound: a span may start in the pause before its word (a small model put its
 first word at frame 0 wherever it was spoken) or end before the word does. So word times are
 taken from the span's pieces that carry sound (not a bare "▁"), then moved to the edges of the
-stretch of speech the span overlaps (`snap_to_speech`: 10 ms frames 10 dB above the chunk's
-noise floor, its quietest tenth), never past the neighbouring words. A chunk without any pause
-has no floor to measure (its quietest tenth is speech): its words shrink toward their loudest
+stretch of speech the span overlaps (`snap_to_speech`: 10 ms frames 10 dB above the noise floor
+around them, `aed.data_speech.is_speech`), never past the neighbouring words. In a chunk without
+any pause the floor is the speech's own quietest moments: its words shrink toward their loudest
 frames, inside the same limits. Measured with bench/long_audio_bench.py on 60 generated files of the word
 clips with pauses (tests/fixtures/make_word_model.py's model, 58 transcribed right, 146 words): CTC spans
 alone median |error| 75 ms at starts / 76 ms at ends (largest 160 / 184 ms); snapped 3 / 3 ms
-(largest 19 / 11 ms). tests/test_decode_timestamps.py asserts medians under 20 ms and every error under
+(largest 8 / 64 ms). tests/test_decode_timestamps.py asserts medians under 20 ms and every error under
 80 ms (one encoder frame) on ten such files. Between words spoken without a pause, the boundary
 is the CTC alignment's, with its 80 ms resolution.
 """
