@@ -22,6 +22,10 @@ does any word get lost however long the audio runs?
 
     python tools/make_long_audio.py --manifest data/mini/digits/train.jsonl -o runs/long/pauses --seconds 80 --files 8
     python bench/long_audio_bench.py recordings --ckpt runs/demo --manifest runs/long/pauses/manifest.jsonl
+    # rooms: the same files under pink noise, say, offline and streamed with each speech detector
+    python tools/make_long_audio.py --manifest data/mini/digits/dev.jsonl -o runs/rooms/pink --condition pink
+    python bench/long_audio_bench.py recordings --ckpt runs/demo --manifest runs/rooms/pink/manifest.jsonl \\
+        --vad energy silero --policies alignatt
 
 The manifest is `tools/make_long_audio.py`'s: every file lists its utterances (`parts`). For each
 file set it decodes
@@ -35,7 +39,9 @@ file set it decodes
    each word's end in the audio (the CTC head's forced alignment) to its commit per minute of the
    file, and the sentences the streams ended.
 WER (lower-cased, no punctuation: `aed.decode_metrics.simple`) with its deletions, insertions and
-substitutions over all files, as a table, then one JSON line.
+substitutions over all files, as a table, then one JSON line. Offline and streamed decoding find
+their pauses with each speech detector of `--vad` (`aed.data_speech.DETECTORS`; default: energy
+alone), each row labelled with its detector; the utterances, cut at their true edges, need none.
 """
 
 import bisect
@@ -59,7 +65,7 @@ from aed.data_audio import load_audio  # noqa: E402
 from aed.decode_metrics import simple  # noqa: E402
 from aed.decode_search import DecodingOptions  # noqa: E402
 from aed.decode_stream import StreamConfig, Streamer, average_lagging, spoken_ends, stream_requests  # noqa: E402
-from aed.data_speech import FRAME, speech_frames  # noqa: E402
+from aed.data_speech import DETECTORS, FRAME, speech_frames  # noqa: E402
 from aed.decode_timing import EDGE, snap_to_speech  # noqa: E402
 from aed.decode_transcribe import Request, make_request, plan_chunks, transcribe  # noqa: E402
 from aed.model_checkpoint import load_model  # noqa: E402
@@ -209,6 +215,8 @@ def recording_flags(p) -> None:
                                      "auto: the default, adapting to how far the attention peaks step)")
     p.add_argument("--no-utterances", action="store_true", help="skip decoding the utterances one by one")
     p.add_argument("--no-offline", action="store_true", help="skip decoding the long files offline")
+    p.add_argument("--vad", nargs="+", choices=DETECTORS, default=["energy"],
+                   help="decode offline and stream with each of these speech detectors (silero: silero-vad)")
 
 
 def recordings(args) -> None:
@@ -235,17 +243,21 @@ def recordings(args) -> None:
                 res, _ = transcribe(loaded, reqs, DecodingOptions(ctc_weight=weight))
                 found[label] = scores([q.text for q in parts], [r.pred_text for r in res])
                 rows.append([name, label, *found[label].values(), "", ""])
-        for label, weight in (("offline, greedy", 0.0), ("offline, CTC 0.3", 0.3)) * (not args.no_offline):
-            res, timings = transcribe(loaded, requests, DecodingOptions(ctc_weight=weight))
+        offline = [(label, weight, vad) for vad in args.vad
+                   for label, weight in (("offline, greedy", 0.0), ("offline, CTC 0.3", 0.3))]
+        for label, weight, vad in offline * (not args.no_offline):
+            label = f"{label}, {vad}"
+            res, timings = transcribe(loaded, requests, DecodingOptions(ctc_weight=weight), vad=vad)
             found[label] = {**scores(refs, [r.pred_text for r in res]), "rtfx": round(timings.rtfx, 1)}
             rows.append([name, label, *list(found[label].values())[:5], "", ""])
-        streams = [(policy, t) for policy in args.policies
+        streams = [(policy, t, vad) for vad in args.vad for policy in args.policies
                    for t in (args.alignatt_thresholds if policy == "alignatt" else [None])]
-        for policy, threshold in streams:
-            streamer = Streamer(loaded, StreamConfig(policy=policy, alignatt_threshold=threshold))
+        for policy, threshold, vad in streams:
+            streamer = Streamer(loaded, StreamConfig(policy=policy, alignatt_threshold=threshold, vad=vad))
             decoded = stream_requests(streamer, requests)
             swept = len(args.alignatt_thresholds) > 1 and policy == "alignatt"
-            label = f"stream {policy}" + (f" {'auto' if threshold is None else f'{threshold:g} s'}" if swept else "")
+            label = (f"stream {policy}" + (f" {'auto' if threshold is None else f'{threshold:g} s'}" if swept else "")
+                     + f", {vad}")
             stat = scores(refs, [r.pred_text for r, _, _ in decoded])
             stat["lag_per_minute_s"], stat["laal_s"], stat["unaligned_files"] = stream_lags(decoded, lines,
                                                                                             streamer.rate)
@@ -258,7 +270,7 @@ def recordings(args) -> None:
             found[label] = stat
             rows.append([name, label, *list(stat.values())[:5], stat["laal_s"], stat["sentences"]])
             log(f"{name} {label}: lag per minute {stat['lag_per_minute_s']}")
-    print_table([("set", "<8"), ("decoding", "<30"), ("WER %", ">6.1f"), ("deleted", ">8d"), ("inserted", ">9d"),
+    print_table([("set", "<10"), ("decoding", "<30"), ("WER %", ">6.1f"), ("deleted", ">8d"), ("inserted", ">9d"),
                  ("substituted", ">12d"), ("words", ">6d"), ("LAAL s", ">7"), ("sentences", ">10")], rows)
     print_json(result)
 
