@@ -284,7 +284,7 @@ class Augment:
     def __call__(self, wav: torch.Tensor, seed: int, index: int, draw: int = 0) -> torch.Tensor:
         """wav (S,) -> (S',): the changes drawn for (seed, index, draw); the same every time."""
         cfg = self.cfg
-        if cfg.edge_prob > 0:  # its own generator: the degradations draw as they did without edges
+        if cfg.edge_prob > 0 and draw >= cfg.edge_after:  # its own generator: the degradations draw as without edges
             edges = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, index, draw, EDGE_STREAM])
             if edges.random() < cfg.edge_prob:
                 lead, trail = edges.uniform(*cfg.edge_seconds, size=2)

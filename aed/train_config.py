@@ -174,12 +174,13 @@ class AugmentConfig:
     """The `augment:` section (aed/data_augment.py, docs/training.md): changes of the training
     audio, each applied to an utterance with its probability, its strength drawn uniformly from its
     range, in the DataLoader workers (training data only); every probability 0 (off) by default.
-    No preset turns the edges on yet: on the bundled synthetic digits they slow learning several-fold
-    (docs/training.md, "Varied edges")."""
+    configs/tiny.yaml varies the edges from its 300th batch on (docs/training.md, "Varied edges");
+    from the first, they slow a small model's learning several-fold."""
 
     edge_prob: float = 0.0  # chance an utterance's leading and trailing silence change, each side by its own draw from edge_seconds
     edge_seconds: tuple[float, float] = (-0.5, 0.5)  # the change at each edge in seconds: below 0 crops the silence the utterance holds there (never its speech), above 0 adds silence; batches count the most it adds (added_seconds)
     edge_floor_prob: float = 0.5  # chance added silence is the recording's own floor (the non-speech at its edges, looped) rather than digital zeros
+    edge_after: int = 0  # sampler batches (a rank's micro-batches: steps x gradient accumulation) that hear the edges as read before they vary: a small model learns to listen first, where its words sit at predictable times
     reverb_prob: float = 0.0  # chance an utterance is convolved with a room impulse response (direct path kept at time 0, level kept)
     rir_manifests: list[str] = field(default_factory=list)  # JSONL manifests of room impulse responses (audio_filepath, duration): tools/make_noise.py generate writes simulated ones
     noise_prob: float = 0.0  # chance an utterance gets additive noise
@@ -209,6 +210,8 @@ class AugmentConfig:
             raise ConfigError(f"augment.clip_level: fractions of the peak in (0, 1], got {list(self.clip_level)}")
         if not (0 <= self.codec_level[0] and self.codec_level[1] <= 1):
             raise ConfigError(f"augment.codec_level: compression levels in [0, 1], got {list(self.codec_level)}")
+        if self.edge_after < 0:
+            raise ConfigError(f"augment.edge_after: a number of batches >= 0, got {self.edge_after}")
         if self.lowpass_hz[0] <= 0:
             raise ConfigError(f"augment.lowpass_hz: cutoffs above 0 Hz, got {list(self.lowpass_hz)}")
         if unknown := sorted(set(self.codecs) - set(CODECS)):

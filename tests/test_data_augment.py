@@ -385,3 +385,17 @@ def test_edges_through_augment_replay_and_bound_the_length(sets):
     both = AugmentConfig(gain_prob=1.0, edge_prob=1.0, edge_seconds=(0.0, 0.0))
     assert torch.equal(Augment(gain, RATE)(wav, 1, 2, 3), Augment(both, RATE)(wav, 1, 2, 3))
     assert AugmentConfig().added_seconds == 0.0 and cfg.added_seconds == pytest.approx(0.6)
+
+
+def test_edges_vary_only_from_edge_after_on_and_then_as_without_it():
+    """Batches before edge_after hear the utterance as read; from it on, the edges drawn as a run
+    without the wait draws them (the same generator, so resume and replay hold either way)."""
+    wav = recording(floor=1e-3)
+    now, later = AugmentConfig(edge_prob=1.0, edge_seconds=(-0.2, 0.3)), AugmentConfig(
+        edge_prob=1.0, edge_seconds=(-0.2, 0.3), edge_after=4)
+    assert all(torch.equal(Augment(later, RATE)(wav, 3, i, draw), wav) for i in range(3) for draw in range(4))
+    assert all(torch.equal(Augment(later, RATE)(wav, 3, i, draw), Augment(now, RATE)(wav, 3, i, draw))
+               for i in range(3) for draw in range(4, 7))
+    assert later.added_seconds == now.added_seconds  # batches are shaped for the edges from the start
+    with pytest.raises(ConfigError, match="edge_after"):
+        AugmentConfig(edge_after=-1)
