@@ -15,16 +15,6 @@ from aed.data_manifest import PROMPT_TASKS
 from aed.decode_stream import Streamer, stream_latency, stream_requests
 from aed.decode_transcribe import Request
 
-CONTAINERS = {b"RIFF": "a WAV file", b"fLaC": "a FLAC file", b"OggS": "an Ogg file", b"ID3": "an MP3 file",
-              b"\x1aE\xdf\xa3": "a WebM/Matroska file"}
-
-
-def container(head: bytes) -> str | None:
-    """What the first bytes of a stream say it is, when it is a known audio container, not raw PCM."""
-    if head[4:8] == b"ftyp":
-        return "an MP4/M4A file"
-    return next((name for magic, name in CONTAINERS.items() if head.startswith(magic)), None)
-
 
 def with_partial(stream, first: int, room: int) -> str:
     """The stream's text from committed token `first` on, and in grey what it is about to commit
@@ -102,6 +92,17 @@ def print_latency(latencies: list[dict]) -> None:
 
 
 # --- standard input ---------------------------------------------------------------------------
+
+CONTAINERS = {b"RIFF": "a WAV file", b"fLaC": "a FLAC file", b"OggS": "an Ogg file", b"ID3": "an MP3 file",
+              b"\x1aE\xdf\xa3": "a WebM/Matroska file"}
+
+
+def container(head: bytes) -> str | None:
+    """What the first bytes of a stream say it is, when it is a known audio container, not raw PCM."""
+    if head[4:8] == b"ftyp":
+        return "an MP4/M4A file"
+    return next((name for magic, name in CONTAINERS.items() if head.startswith(magic)), None)
+
 
 def caption_stdin(streamer: Streamer, req: Request) -> int:
     """Raw 16-bit mono PCM from standard input, captioned as it arrives (the task of `req`): on a
