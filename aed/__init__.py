@@ -53,9 +53,11 @@ memory
 commands
   cli_train         train.py (aed-train): a training run from its arguments to its last checkpoint
   cli_oom           oom.py (aed-oom): batch sizes for a config's buckets, written for train.py
+  cli_stream        infer.py --stream's input and output: files and standard input as streams, latency
+  cli_infer         infer.py (aed-infer): files -> transcripts, scores, timestamps, subtitles; or streams
 
-The scripts at the top level use the package: train.py and oom.py start its commands (cli_train,
-cli_oom; installed: aed-train, aed-oom); infer.py is still its own command over the decode modules.
+The scripts at the top level only start the package's commands: train.py, oom.py and infer.py
+(cli_train, cli_oom, cli_infer; installed: aed-train, aed-oom, aed-infer).
 The package uses two top-level modules that import nothing from it, `sampler.py` and `bins.py` (2D
 bucketing: the sampler, the bins and their allocation), so that they can be copied into another
 codebase alone.

@@ -6,7 +6,7 @@ then its results as one JSON object on the last line, which bench/report.py pars
 several experiments takes the experiment as its first argument (`run_modes`). The pieces: paths in
 the checkout, progress lines, a fixed-width table and the JSON line; the command-line flags for
 width, threads and device, and random-weight models at a given layout; synthetic workloads and a
-streamed JSONL source for the sampler; running the checkout's scripts (train.py, oom.py, tools/)
+streamed JSONL source for the sampler; running the checkout's scripts (train.py, oom.py, infer.py, tools/)
 as logged subprocesses and reading train.py's per-step metrics back; training runs of batch
 schemes (train_bench.py, report.py's E2 and E4); the batch-size arithmetic of bucketed schemes.
 
@@ -385,13 +385,13 @@ def run_script(args: list, log_path: Path, threads: int = 1, append: bool = Fals
 
 
 # The package's commands that the checkout's scripts start: what runs in process in their place.
-COMMANDS = {"train.py": "aed.cli_train", "oom.py": "aed.cli_oom"}
+COMMANDS = {"train.py": "aed.cli_train", "oom.py": "aed.cli_oom", "infer.py": "aed.cli_infer"}
 
 
 def python_script(args: list, log_path: Path, in_process: bool = False, threads: int = 1) -> None:
-    """`python SCRIPT ...` (args[0]: train.py, oom.py, or a bench/ script with a main(argv) that starts
-    no processes of its own) as run_script runs it; or, in_process, that main() in this process
-    (train.py's and oom.py's: their package commands, COMMANDS) with its log and output written to
+    """`python SCRIPT ...` (args[0]: train.py, oom.py, infer.py, or a bench/ script with a main(argv) that
+    starts no processes of its own) as run_script runs it; or, in_process, that main() in this process
+    (the top-level scripts': their package commands, COMMANDS) with its log and output written to
     log_path, which spares a benchmark's short runs (--quick) importing torch and aed again each time."""
     if not in_process:
         run_script(args, log_path, threads)

@@ -10,7 +10,6 @@ import os
 import random
 import sys
 
-import infer
 import numpy as np
 import pytest
 import soundfile as sf
@@ -18,6 +17,7 @@ import torch
 from fixtures.make_word_model import load_clips, word_sequence
 from test_train import run_in_process
 
+from aed import cli_infer, cli_stream
 from aed.data_audio import FeatureConfig
 from aed.data_speech import FRAME
 from aed.data_tokenizer import Tokenizer
@@ -400,7 +400,7 @@ def test_infer_streams_files_and_standard_input(word_model, sequences, tmp_path,
         sf.write(paths[-1], wav.numpy(), RATE, subtype="FLOAT")
     out = tmp_path / "hyp.jsonl"
     flags = ["--ckpt", WORD_MODEL, "--no-pnc", "--stream-chunk", "0.5", "--right-context", "0.25"]
-    proc = run_in_process(infer.main, flags + ["--stream", "--out", str(out)] + paths)
+    proc = run_in_process(cli_infer.main, flags + ["--stream", "--out", str(out)] + paths)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     for line, (wav, _) in zip(lines, sequences):
@@ -413,17 +413,17 @@ def test_infer_streams_files_and_standard_input(word_model, sequences, tmp_path,
 
     pcm = (sequences[0][0].clamp(-1, 1) * 32767).round().short().numpy().tobytes()
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(io.BytesIO(pcm))))
-    proc = run_in_process(infer.main, flags + ["--stream", "-"])
+    proc = run_in_process(cli_infer.main, flags + ["--stream", "-"])
     assert proc.returncode == 0, proc.stderr
     assert " ".join(proc.stdout.split()) == lines[0]["pred_text"]  # a line a sentence; 16-bit rounding changes nothing
 
     with open(paths[0], "rb") as f:  # a WAV file is not raw PCM
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(io.BytesIO(f.read()))))
-    proc = run_in_process(infer.main, flags + ["--stream", "-"])
+    proc = run_in_process(cli_infer.main, flags + ["--stream", "-"])
     assert proc.returncode != 0 and "not raw PCM" in proc.stderr and "Traceback" not in proc.stderr
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(io.BytesIO(b""))))
-    proc = run_in_process(infer.main, flags + ["--stream", "-"])
+    proc = run_in_process(cli_infer.main, flags + ["--stream", "-"])
     assert proc.returncode == 0 and "no audio" in proc.stderr
 
 
@@ -435,10 +435,10 @@ def test_a_live_line_keeps_the_newest_text_and_greys_what_is_not_committed():
         def sentence_text(self, first, partial=False):
             return self.committed + (self.partial if partial else "")
 
-    assert infer.with_partial(Stream("hello", " world"), 0, 40) == "hello\x1b[2m world\x1b[0m"
-    assert infer.with_partial(Stream("abcdefghij", ""), 0, 5) == "…ghij"
-    assert infer.with_partial(Stream("hello world", " again"), 0, 12) == "…world\x1b[2m again\x1b[0m"  # 12 shown
-    assert infer.with_partial(Stream("ab", "cdefghijkl"), 0, 5) == "…\x1b[2mijkl\x1b[0m"
+    assert cli_stream.with_partial(Stream("hello", " world"), 0, 40) == "hello\x1b[2m world\x1b[0m"
+    assert cli_stream.with_partial(Stream("abcdefghij", ""), 0, 5) == "…ghij"
+    assert cli_stream.with_partial(Stream("hello world", " again"), 0, 12) == "…world\x1b[2m again\x1b[0m"  # 12 shown
+    assert cli_stream.with_partial(Stream("ab", "cdefghijkl"), 0, 5) == "…\x1b[2mijkl\x1b[0m"
 
 
 def syllables(frames: int) -> torch.Tensor:

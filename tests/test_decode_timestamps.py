@@ -5,13 +5,13 @@ import json
 import os
 import random
 
-import infer
 import pytest
 import soundfile as sf
 import torch
 from fixtures.make_word_model import load_clips, word_sequence
 from test_train import run_in_process
 
+from aed import cli_infer
 from aed.data_audio import FeatureConfig, load_audio
 from aed.data_tokenizer import Tokenizer
 from aed.decode_search import DecodingOptions
@@ -168,7 +168,7 @@ def test_cli_writes_segments_and_subtitles(tmp_path, tokenizer):
     run = checkpoint(tmp_path, tokenizer, ctc_weight=0.3)
     out, subs = tmp_path / "hyp.jsonl", tmp_path / "subs"
     wav = os.path.join(MINI, "examples", "en_asr_16k.wav")
-    p = run_in_process(infer.main, ["--ckpt", run, wav, "--out", str(out), "--timestamps", "word",
+    p = run_in_process(cli_infer.main, ["--ckpt", run, wav, "--out", str(out), "--timestamps", "word",
                                     "--subtitles", str(subs), "--max-new-tokens", "5"])
     assert p.returncode == 0, p.stderr
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
@@ -178,7 +178,7 @@ def test_cli_writes_segments_and_subtitles(tmp_path, tokenizer):
     assert "alignment" in p.stderr
 
     no_ctc = checkpoint(tmp_path, tokenizer, ctc_weight=0.0)
-    p = run_in_process(infer.main, ["--ckpt", no_ctc, wav, "--timestamps", "segment"])
+    p = run_in_process(cli_infer.main, ["--ckpt", no_ctc, wav, "--timestamps", "segment"])
     assert p.returncode != 0 and "no CTC head" in p.stderr
 
 

@@ -10,11 +10,11 @@ import signal
 import subprocess
 import sys
 
-import infer
 import pytest
 import torch
 from test_train import ROOT, SMALL, run_in_process, run_train
 
+from aed import cli_infer
 from aed.data_audio import FeatureConfig
 from aed.data_manifest import Utterance, check_audio
 from aed.model import AED, AEDConfig
@@ -197,9 +197,9 @@ def test_infer_skip_invalid_skips_and_counts_bad_manifest_lines(tmp_path):
                                      json.dumps({"lang": "en"}).encode(),
                                      json.dumps({"audio_filepath": wav, "lang": "xx"}).encode()]) + b"\n")
     args = ["--ckpt", str(run_dir), "--manifest", str(manifest), "--max-new-tokens", "4"]
-    p = run_in_process(infer.main, args)
+    p = run_in_process(cli_infer.main, args)
     assert p.returncode != 0 and "m.jsonl:2: not UTF-8" in p.stderr and "Traceback" not in p.stderr
-    p = run_in_process(infer.main, args + ["--skip-invalid"])
+    p = run_in_process(cli_infer.main, args + ["--skip-invalid"])
     assert p.returncode == 0, p.stderr
     assert "m.jsonl:2: not UTF-8" in p.stderr and "m.jsonl:3: field 'audio_filepath'" in p.stderr
     assert "skipped 2 invalid line(s)" in p.stderr

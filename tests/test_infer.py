@@ -10,13 +10,13 @@ import shutil
 import subprocess
 import sys
 
-import infer
 import pytest
 import soundfile as sf
 import torch
 import torch.nn.functional as F
 from test_train import run_in_process
 
+from aed import cli_infer
 from aed.data_audio import FeatureConfig, LogMel, load_audio
 from aed.data_batch import encode_utterance
 from aed.data_manifest import ManifestError, read_manifest
@@ -226,7 +226,7 @@ def test_a_segment_the_no_speech_check_empties_among_kept_ones_is_reported(run_d
     threshold = math.sqrt(ranked[k] * ranked[k + 1])
     emptied = [p > threshold for p in probs]
     out = tmp_path / "hyp.jsonl"
-    p = run_in_process(infer.main, ["--ckpt", run_dir, "--chunk-seconds", "2", "--no-speech-threshold", repr(threshold),
+    p = run_in_process(cli_infer.main, ["--ckpt", run_dir, "--chunk-seconds", "2", "--no-speech-threshold", repr(threshold),
                                     "--out", str(out), str(path)])
     assert p.returncode == 0, p.stderr
     (line,) = [json.loads(row) for row in out.read_text().splitlines()]
@@ -285,15 +285,15 @@ def test_setting_ranges_are_checked_by_the_library_and_reported_by_infer_py(caps
                            (["--int8", "--compile", "--device", "cpu"], "do not combine"),
                            (["--int8", "--device", "cuda:0"], "CPUs only"), (["--subtitles", "subs"], "--timestamps")):
         with pytest.raises(SystemExit) as e:
-            infer.parse_args(["--ckpt", "runs/x", "a.wav", *flags])
+            cli_infer.parse_args(["--ckpt", "runs/x", "a.wav", *flags])
         assert e.value.code == 2 and message in capsys.readouterr().err, flags
-    assert infer.parse_args(["--ckpt", "runs/x", "a.wav", "--max-tokens-per-second", "0"]).max_tokens_per_second == 0
+    assert cli_infer.parse_args(["--ckpt", "runs/x", "a.wav", "--max-tokens-per-second", "0"]).max_tokens_per_second == 0
     # The no-speech check: on by default, streams too (each sentence where it ends); Whisper's second condition asked for.
-    options = infer.decoding_options(infer.parse_args(["--ckpt", "runs/x", "a.wav"]))
+    options = cli_infer.decoding_options(cli_infer.parse_args(["--ckpt", "runs/x", "a.wav"]))
     assert (options.no_speech_threshold, options.logprob_threshold) == (0.1, None)
-    assert infer.decoding_options(infer.parse_args(["--ckpt", "runs/x", "--stream", "-"])) == options
-    asked = infer.parse_args(["--ckpt", "runs/x", "--stream", "-", "--no-speech-threshold", "0.2", "--logprob-threshold", "-2"])
-    assert (infer.decoding_options(asked).no_speech_threshold, infer.decoding_options(asked).logprob_threshold) == (0.2, -2)
+    assert cli_infer.decoding_options(cli_infer.parse_args(["--ckpt", "runs/x", "--stream", "-"])) == options
+    asked = cli_infer.parse_args(["--ckpt", "runs/x", "--stream", "-", "--no-speech-threshold", "0.2", "--logprob-threshold", "-2"])
+    assert (cli_infer.decoding_options(asked).no_speech_threshold, cli_infer.decoding_options(asked).logprob_threshold) == (0.2, -2)
 
 
 class TracedBeams:
@@ -511,7 +511,7 @@ def test_cli_directory_with_a_corrupt_file_and_a_manifest(run_dir, tmp_path):
     (audio / "corrupt.wav").write_bytes(b"RIFF\x00\x00\x00\x00WAVEnot really")
     (audio / "notes.txt").write_text("not audio: ignored")
     out = tmp_path / "hyp.jsonl"
-    p = run_in_process(infer.main, ["--ckpt", run_dir, str(audio), "--manifest", EXAMPLES, "--out", str(out)])
+    p = run_in_process(cli_infer.main, ["--ckpt", run_dir, str(audio), "--manifest", EXAMPLES, "--out", str(out)])
     assert p.returncode == 1, p.stderr  # some input failed
     assert "FAILED" in p.stderr and "corrupt.wav: cannot decode" in p.stderr
     lines = dict(line.split("\t") for line in p.stdout.splitlines())

@@ -1,6 +1,6 @@
 """What `pip install .` puts on the import path: the package `aed`, the self-contained bucketing
 modules `sampler` and `bins` (pyproject.toml says why they stay top-level), and the commands
-aed-train and aed-oom; not the checkout's scripts (train.py, oom.py, infer.py)."""
+aed-train, aed-oom and aed-infer; not the checkout's scripts (train.py, oom.py, infer.py)."""
 
 import shutil
 import subprocess
@@ -30,4 +30,5 @@ def test_the_wheel_holds_aed_and_the_bucketing_modules_only(tmp_path):
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"aed", "sampler.py", "bins.py"}, top
     assert {f"aed/{p.name}" for p in (ROOT / "aed").glob("*.py")} <= set(names)
-    assert "aed-train = aed.cli_train:cli" in entry_points and "aed-oom = aed.cli_oom:main" in entry_points
+    for command in ("aed-train = aed.cli_train:cli", "aed-oom = aed.cli_oom:main", "aed-infer = aed.cli_infer:main"):
+        assert command in entry_points, entry_points

@@ -70,7 +70,7 @@ def test_every_key_is_described_with_type_and_default():
 
 @pytest.mark.slow
 def test_the_commands_import_without_running_and_train_py_prints_its_keys():
-    p = subprocess.run([sys.executable, "-c", "import aed.cli_train, aed.cli_oom, infer, sampler; print('imported')"],
+    p = subprocess.run([sys.executable, "-c", "import aed.cli_train, aed.cli_oom, aed.cli_infer, sampler; print('imported')"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout == "imported\n" and "config" not in p.stderr, p.stderr
     p = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -79,3 +79,5 @@ def test_the_commands_import_without_running_and_train_py_prints_its_keys():
     assert "torchrun --nproc_per_node 8 train.py" in p.stdout  # the usage, above the keys
     p = subprocess.run([sys.executable, "oom.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "--simulate-memory SIZE" in p.stdout, p.stdout + p.stderr
+    p = subprocess.run([sys.executable, "infer.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "usage: infer.py" in p.stdout and "--stream-chunk S" in p.stdout, p.stdout + p.stderr

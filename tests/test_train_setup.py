@@ -8,7 +8,6 @@ import subprocess
 import sys
 from contextlib import nullcontext
 
-import infer
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +16,7 @@ from test_train_distributed import copy_until, metric
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from aed import cli_infer
 from aed.memory_measure import fake_world
 from aed.memory_oomptimizer import TrainingStep
 from aed.model import AED, AEDConfig
@@ -201,9 +201,9 @@ def test_infer_ema_decodes_the_ema_weights(ema_run):
     raw_params = dict(raw.model.named_parameters())
     assert any(not torch.equal(raw_params[k], v) for k, v in saved.items())
     wav = os.path.join(MINI, "examples", "en_asr_16k.wav")
-    p = run_in_process(infer.main, ["--ckpt", str(run), "--ema", "--quiet", wav])
+    p = run_in_process(cli_infer.main, ["--ckpt", str(run), "--ema", "--quiet", wav])
     assert p.returncode == 0 and "decoding the EMA of the weights" in p.stderr and wav in p.stdout
-    p = run_in_process(infer.main, ["--ckpt", str(run), "--ema", "--average", "2", wav])
+    p = run_in_process(cli_infer.main, ["--ckpt", str(run), "--ema", "--average", "2", wav])
     assert p.returncode == 2 and "--ema and --average do not combine" in p.stderr
 
 
