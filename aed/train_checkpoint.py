@@ -359,6 +359,12 @@ def resume_run(setup: TrainingSetup, position: DataPosition, ema: ExponentialMov
                                              ckpt.guide_restarts)
 
 
+def varied_edges(cfg, step: int) -> bool:
+    """Whether the model at `step` has heard its utterances' edges varied: a model that has not (its
+    edges begin after augment.edge_after batches) is decoded as one trained on them as read."""
+    return cfg.augment.edge_prob > 0 and step * cfg.optim.grad_accum > cfg.augment.edge_after
+
+
 def save_run(writer: CheckpointWriter, setup: TrainingSetup, position: DataPosition, step: int, flops: float,
              ema: ExponentialMovingAverage | None, guide: GuideState) -> None:
     """Every rank writes its part of the weights, optimizer state and EMA (DCP); rank 0 adds the
@@ -380,7 +386,7 @@ def save_run(writer: CheckpointWriter, setup: TrainingSetup, position: DataPosit
                            max_train_duration=position.data.bins.durations[-1],  # infer.py's chunk length
                            edge_silence=position.data.edge_silence,  # ... and the silence at its edges
                            trim_silence=cfg.train.trim_silence,  # ... cut as training cut it
-                           varied_edges=tuple(cfg.augment.edge_seconds) if cfg.augment.edge_prob > 0 else None,  # ... or not
+                           varied_edges=tuple(cfg.augment.edge_seconds) if varied_edges(cfg, step) else None,  # ... or not
                            new_tokens=setup.added_tokens,  # a later run can still train only them
                            step=step, flops=flops, scheduler=setup.scheduler.state_dict(),
                            scaler=setup.scaler.state_dict(), sampler=[s["sampler"] for s in states],

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import logging
 import math
@@ -397,5 +398,11 @@ def test_edges_vary_only_from_edge_after_on_and_then_as_without_it():
     assert all(torch.equal(Augment(later, RATE)(wav, 3, i, draw), Augment(now, RATE)(wav, 3, i, draw))
                for i in range(3) for draw in range(4, 7))
     assert later.added_seconds == now.added_seconds  # batches are shaped for the edges from the start
+    # A checkpoint says its model heard varied edges (and is decoded so) once it has trained past them.
+    from aed.train_checkpoint import varied_edges
+    from aed.train_config import TrainConfig
+    cfg = TrainConfig(augment=later)
+    assert not varied_edges(cfg, 4) and varied_edges(cfg, 5)
+    assert varied_edges(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_accum=2)), 3)
     with pytest.raises(ConfigError, match="edge_after"):
         AugmentConfig(edge_after=-1)
