@@ -40,9 +40,8 @@ FLOOR_SECONDS = 1.5  # a frame's noise floor is the quietest smoothed energy wit
 # either side (minimum statistics): it follows a room's level as the level changes, a loud frame far
 # away does not move it, and a speaker's shortest pauses (a stop, a breath) reach down to it
 SPEECH_ABOVE_FLOOR_DB = 10.0  # a 10 ms frame is speech this much above its floor: steady noise, whose
-# smoothed energy moves a few dB, never is, however long it lasts (a lower mark, for the frames next
-# to such a frame, found 0.1-1.4 points more of the speech under pink noise and called 8-15 points
-# more of a music bed's pauses speech: bench/vad_bench.py)
+# smoothed energy moves a few dB, never is, however long it lasts (a lower mark for the frames next to
+# such a frame found little more speech and much more of a music bed: docs/inference.md)
 SILENCE_DBFS = -80.0  # a frame quieter than this is never speech (digital silence, 16-bit dither), and
 # counts as this loud where the floor is looked for
 BLIP_SECONDS = 0.1  # a stretch of speech holding fewer frames of it than this, with no other speech
@@ -88,16 +87,6 @@ def is_speech(db: torch.Tensor) -> torch.Tensor:
     """Frame energies (frames,) in dB -> (frames,) True where the frame sounds like speech: above its
     floor by SPEECH_ABOVE_FLOOR_DB, and not in a blip (`without_blips`)."""
     return without_blips(db > noise_floor(db) + SPEECH_ABOVE_FLOOR_DB)
-
-
-def hysteresis(on: torch.Tensor, still: torch.Tensor) -> torch.Tensor:
-    """(frames,) bool: the runs of `still` that hold a frame of `on` (speech starts where it is clearly
-    speech, and lasts while it is likely to be: Silero's decision)."""
-    speech = on.clone()
-    for start, end in runs(still):
-        if on[start:end].any():
-            speech[start:end] = True
-    return speech
 
 
 def without_blips(speech: torch.Tensor) -> torch.Tensor:
@@ -187,6 +176,16 @@ class EnergyDetector:
         return is_speech(scores)
 
 
+def hysteresis(on: torch.Tensor, still: torch.Tensor) -> torch.Tensor:
+    """(frames,) bool: the runs of `still` that hold a frame of `on` (speech starts where it is clearly
+    speech, and lasts while it is likely to be: Silero's decision)."""
+    speech = on.clone()
+    for start, end in runs(still):
+        if on[start:end].any():
+            speech[start:end] = True
+    return speech
+
+
 class SileroDetector(EnergyDetector):
     """Silero VAD 5+ (`pip install silero-vad`): `scores` are its speech probabilities, each 10 ms frame
     taking that of the window holding its middle. A frame is scored once that window is complete (a
@@ -204,8 +203,9 @@ class SileroDetector(EnergyDetector):
         finally:
             torch.set_num_threads(threads)  # importing silero_vad sets one thread for the whole process
         super().__init__(sample_rate)
-        with warnings.catch_warnings():  # torch.jit.load's deprecation, which is Silero's to act on
+        with warnings.catch_warnings():  # torch.jit.load's and importlib's deprecations: Silero's to act on
             warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
             self.model = load_silero_vad()  # its state carries from window to window: one per input
         self.windows = 0  # windows scored so far
         self.frames = 0  # frames scored so far
