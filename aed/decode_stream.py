@@ -91,7 +91,8 @@ from aed.data_audio import AudioError, LogMel, load_audio
 from aed.data_manifest import PROMPT_TASKS
 from aed.decode_search import CTCPrefixScorer, DecodingOptions, ends_in_repeats, joint_candidates, token_budget
 from aed.data_speech import DETECTORS, FLOOR_SECONDS, FRAME, EnergyDetector, runs, speech_detector
-from aed.decode_timing import PAUSE, align, feasible, frame_seconds, quietest, segment_edges, to_words, word_spans
+from aed.decode_timing import (PAUSE, align, feasible, frame_seconds, quietest, segment_edges, speech_runs, to_words,
+                                word_spans)
 from aed.decode_transcribe import Result
 from aed.model_decoder import KVCache
 
@@ -735,14 +736,23 @@ def average_lagging(delays: list[float], source: float, reference_len: int | Non
 def spoken_ends(stream: Stream, wav: torch.Tensor) -> list[float] | None:
     """When each committed word was spoken: the end of its span in the CTC head's forced alignment of
     the stream's text to the whole audio `wav` (S,) (aed/decode_timing.py), in seconds; None
-    without a CTC head, or where no CTC path through the audio fits the text."""
+    without a CTC head, or where no CTC path through the audio fits the text. The alignment may
+    place words only within PAUSE of the speech the stream's detector finds: over a whole file, it
+    put words spoken after 45 s of room tone inside the room tone."""
     streamer, model = stream.streamer, stream.streamer.model
     ids = streamer.tokenizer.text_ids(stream.ids)
     if model.ctc is None or not ids or wav.numel() < streamer.frame:
         return None
     feats, lens = streamer.logmel(wav[None].to(streamer.loaded.device), torch.tensor([wav.numel()]))
     _, enc_lens, log_probs = model.encode_with_ctc(feats, lens)
-    frames = log_probs[0, : int(enc_lens[0])].cpu()
+    frames = log_probs[0, : int(enc_lens[0])].cpu()  # (T', V)
+    detector = speech_detector(streamer.config.vad, streamer.rate)
+    near = torch.zeros(frames.size(0), dtype=torch.bool)  # (T',) encoder frames within PAUSE of speech
+    for stretch in speech_runs(detector.speech(detector.scores(wav.cpu(), final=True))):
+        lo, hi = stretch[0][0] * FRAME - PAUSE, stretch[-1][1] * FRAME + PAUSE  # seconds
+        near[max(0, math.floor(lo / streamer.frame_s)): math.ceil(hi / streamer.frame_s)] = True
+    frames[~near] = -math.inf
+    frames[~near, model.ctc.blank] = 0.0  # elsewhere only blank
     if not feasible(frames.size(0), ids):
         return None
     words = to_words(streamer.tokenizer, ids, align(frames, ids, model.ctc.blank), streamer.frame_s)

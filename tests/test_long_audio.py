@@ -5,6 +5,7 @@ the file. The word model (tests/fixtures/make_word_model.py) on sequences of its
 import os
 import random
 
+import numpy as np
 import pytest
 import soundfile as sf
 import torch
@@ -159,3 +160,36 @@ def test_make_long_audio_skips_and_counts_audio_it_cannot_read(tmp_path, capsys)
     assert "m.jsonl:2" in err and "gone.flac" in err and "skipped 1 utterance(s)" in err
     line = json.loads((tmp_path / "out" / "manifest.jsonl").read_text())
     assert line["parts"] and all(q["from"] != f"{manifest}:2" for q in line["parts"])
+
+
+def test_a_streams_words_are_timed_in_its_speech_not_in_a_long_stretch_of_room_tone(word_model):
+    """45 s of room tone, then sentences: the forced alignment that times a stream's words in the audio
+    (its lag) puts none of them in the room tone, even with a CTC head that has no opinion (uniform
+    posteriors: any path is as likely; over the whole file, the demo model put words spoken after
+    such a gap inside it, 47 s early)."""
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from make_long_audio import room_tone
+    clips, rng, gen = load_clips(), random.Random(3), torch.Generator().manual_seed(3)
+    pieces = [10 ** (-50 / 20) * torch.from_numpy(room_tone(np.random.default_rng(3), 45 * RATE, RATE))]
+    for _ in range(4):
+        words = [rng.choice(sorted(clips)) for _ in range(rng.randint(2, 5))]
+        wav, _ = word_sequence(clips, words, [rng.uniform(0.05, 0.2) for _ in words[:-1]] + [0.0], 0.0, 0.0, gen)
+        pieces += [wav, torch.zeros(round(rng.uniform(0.4, 1.0) * RATE))]
+    wav = torch.cat(pieces)
+    stream = Streamer(word_model).open("en", pnc=False)
+    stream.feed(wav)
+    stream.finish()
+    proj = stream.streamer.model.ctc.proj
+    saved = proj.weight.clone(), proj.bias.clone()
+    with torch.no_grad():
+        proj.weight.zero_(), proj.bias.zero_()
+    try:
+        ends = [spoken_ends(stream, wav)]
+    finally:
+        with torch.no_grad():
+            proj.weight.copy_(saved[0]), proj.bias.copy_(saved[1])
+    ends.append(spoken_ends(stream, wav))
+    for timed in ends:
+        assert timed is not None and len(timed) >= 8
+        assert min(timed) > 45.0 - 0.5, timed
