@@ -35,9 +35,9 @@ model
 decoding
   decode_search     features -> hypotheses: batched greedy and beam search, joint with CTC prefix scores
   decode_timing     time in the audio: pauses, long audio cut at them, CTC word times, chunks joined back
-  decode_metrics    WER and BLEU, and the text normalisers leaderboards use
+  decode_metrics    WER and BLEU, and the text normalisers leaderboards use; a stream's latency (AL, LAAL)
   decode_transcribe files -> Results: the API behind infer.py (transcribe)
-  decode_stream     streams: decoding while the audio arrives (wait-k, AlignAtt), and its latency
+  decode_stream     streams: decoding while the audio arrives (wait-k, AlignAtt)
 training
   train_distributed torchrun ranks, DDP and FSDP2
   train_config      TrainConfig and its sections, train.py's arguments; the objectives (aed, rnnt, ssl)

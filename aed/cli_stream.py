@@ -12,7 +12,8 @@ import sys
 import numpy as np
 
 from aed.data_manifest import PROMPT_TASKS
-from aed.decode_stream import Streamer, stream_latency, stream_requests
+from aed.decode_metrics import stream_latency
+from aed.decode_stream import Streamer, stream_requests
 from aed.decode_transcribe import Request
 
 

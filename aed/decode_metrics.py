@@ -1,5 +1,6 @@
 """Scoring: WER for speech recognition and BLEU for speech translation (`corpus_scores`), after the
-text normalisers published leaderboards score with (`get_normalizer`).
+text normalisers published leaderboards score with (`get_normalizer`); and a stream's latency as
+simultaneous speech translation measures it (`stream_latency`: AL, LAAL, the lag behind the speech).
 
     normalizer = get_normalizer("whisper", "en")     # english(); any other language: basic()
     normalizer("Mr. Smith paid $20 million.")         # 'mister smith paid $20000000'
@@ -34,13 +35,18 @@ corpus score. Callers gather every rank's (reference, hypothesis) pairs before s
 one of the normalisers above to both sides first; raw WER scores the text as written.
 """
 
+import math
 import re
 import unicodedata
 from collections.abc import Callable
 from fractions import Fraction
 
 import jiwer
+import torch
 from sacrebleu.metrics import BLEU
+
+from aed.data_speech import FRAME, speech_detector
+from aed.decode_timing import PAUSE, align, feasible, speech_runs, to_words
 
 
 _BRACKETED = re.compile(r"[<\[][^>\]]*[>\]]|\(([^)]+?)\)")
@@ -451,3 +457,80 @@ def corpus_scores(rows: list[tuple[str, str, str, str, str]],
     asr = [(get_normalizer(normalizer, src)(ref), get_normalizer(normalizer, src)(hyp))
            for task, src, _, ref, hyp in rows if task == "asr"]
     return scores, (wer([r for r, _ in asr], [h for _, h in asr], None) if asr else None)
+
+
+# --- latency, as simultaneous speech translation measures it ----------------------------------
+
+
+def average_lagging(delays: list[float], source: float, reference_len: int | None = None,
+                    length_adaptive: bool = True) -> float:
+    """SimulEval's AL (STACL, Ma et al. 2019) and LAAL (Papi et al. 2022) of one output: delays[i] of
+    its i-th word and `source` in the same unit (ms of audio):
+
+        AL = 1/tau sum_{i=1..tau} (d_i - (i-1) |X| / |Y|),  tau = the first i with d_i >= |X|
+
+    |Y| is the reference's word count (the output's where there is none); LAAL uses
+    max(|Y|, output words), so output longer than the reference cannot lower its latency.
+    An output whose first word comes after the source ends gets that delay; an empty one, nan."""
+    if not delays:
+        return math.nan
+    if delays[0] > source:
+        return delays[0]
+    words = reference_len or len(delays)
+    rate = (max(words, len(delays)) if length_adaptive else words) / source  # words per unit of source
+    total = 0.0
+    for i, d in enumerate(delays):
+        total += d - i / rate
+        if d >= source:
+            return total / (i + 1)
+    return total / len(delays)
+
+
+@torch.inference_mode()
+def spoken_ends(stream, wav: torch.Tensor) -> list[float] | None:
+    """When each committed word was spoken: the end of its span in the CTC head's forced alignment of
+    the stream's text to the whole audio `wav` (S,) (aed/decode_timing.py), in seconds; None
+    without a CTC head, or where no CTC path through the audio fits the text. The alignment may
+    place words only within PAUSE of the speech the stream's detector finds: over a whole file, it
+    put words spoken after 45 s of room tone inside the room tone."""
+    streamer, model = stream.streamer, stream.streamer.model
+    ids = streamer.tokenizer.text_ids(stream.ids)
+    if model.ctc is None or not ids or wav.numel() < streamer.frame:
+        return None
+    feats, lens = streamer.logmel(wav[None].to(streamer.loaded.device), torch.tensor([wav.numel()]))
+    _, enc_lens, log_probs = model.encode_with_ctc(feats, lens)
+    frames = log_probs[0, : int(enc_lens[0])].cpu()  # (T', V)
+    detector = speech_detector(streamer.config.vad, streamer.rate)
+    near = torch.zeros(frames.size(0), dtype=torch.bool)  # (T',) encoder frames within PAUSE of speech
+    for stretch in speech_runs(detector.speech(detector.scores(wav.cpu(), final=True))):
+        lo, hi = stretch[0][0] * FRAME - PAUSE, stretch[-1][1] * FRAME + PAUSE  # seconds
+        near[max(0, math.floor(lo / streamer.frame_s)): math.ceil(hi / streamer.frame_s)] = True
+    frames[~near] = -math.inf
+    frames[~near, model.ctc.blank] = 0.0  # elsewhere only blank
+    if not feasible(frames.size(0), ids):
+        return None
+    words = to_words(streamer.tokenizer, ids, align(frames, ids, model.ctc.blank), streamer.frame_s)
+    return [w.end for w in words] if len(words) == len(stream.words()) else None
+
+
+def stream_latency(stream, seconds: float, reference: str | None = None,
+                   wav: torch.Tensor | None = None) -> dict:
+    """A finished stream's latency in ms of audio: AL and LAAL over its words (each word timed by its
+    last token), computation-unaware and -aware (`_ca`: SimulEval's, the processing time the
+    stream had waited for added); the first word's delay; with the stream's audio `wav` and a CTC
+    head, `spoken_lag`: the mean time from the end of each word in the audio (`spoken_ends`) to its
+    commit; and the real-time factor of its chunks (processing seconds per second of chunk audio:
+    mean and max, the last chunk excluded)."""
+    words = stream.words()
+    ref_len = len(reference.split()) if reference else None
+    source = seconds * 1000
+    unaware = [t * 1000 for _, t, _ in words]
+    aware = [(t + c) * 1000 for _, t, c in words]
+    chunk_s = stream.streamer.chunk / stream.streamer.rate
+    ends = spoken_ends(stream, wav) if wav is not None else None
+    lag = sum(t - end for (_, t, _), end in zip(words, ends)) / len(ends) * 1000 if ends else math.nan
+    return {"al": average_lagging(unaware, source, ref_len, False), "laal": average_lagging(unaware, source, ref_len),
+            "al_ca": average_lagging(aware, source, ref_len, False), "laal_ca": average_lagging(aware, source, ref_len),
+            "first_word": unaware[0] if unaware else math.nan, "spoken_lag": lag,
+            "rtf_mean": sum(stream.chunk_compute) / seconds if seconds > 0 else math.nan,
+            "rtf_max": max(stream.chunk_compute, default=math.nan) / chunk_s}

@@ -89,10 +89,10 @@ import torch.nn.functional as F
 
 from aed.data_audio import AudioError, LogMel, load_audio
 from aed.data_manifest import PROMPT_TASKS
-from aed.decode_search import CTCPrefixScorer, DecodingOptions, ends_in_repeats, joint_candidates, token_budget
 from aed.data_speech import DETECTORS, FLOOR_SECONDS, FRAME, EnergyDetector, runs, speech_detector
-from aed.decode_timing import (PAUSE, align, feasible, frame_seconds, quietest, segment_edges, speech_runs, to_words,
-                                word_spans)
+from aed.decode_metrics import stream_latency
+from aed.decode_search import CTCPrefixScorer, DecodingOptions, ends_in_repeats, joint_candidates, token_budget
+from aed.decode_timing import PAUSE, frame_seconds, quietest, segment_edges, word_spans
 from aed.decode_transcribe import Result
 from aed.model_decoder import KVCache
 
@@ -703,80 +703,3 @@ def stream_requests(streamer: Streamer, requests: list, batch: int = 16, realtim
                 latency = stream_latency(s, res.duration, res.request.text, wav)
             out.append((res, s, latency))
     return out
-
-
-# --- latency, as simultaneous speech translation measures it ----------------------------------
-
-
-def average_lagging(delays: list[float], source: float, reference_len: int | None = None,
-                    length_adaptive: bool = True) -> float:
-    """SimulEval's AL (STACL, Ma et al. 2019) and LAAL (Papi et al. 2022) of one output: delays[i] of
-    its i-th word and `source` in the same unit (ms of audio):
-
-        AL = 1/tau sum_{i=1..tau} (d_i - (i-1) |X| / |Y|),  tau = the first i with d_i >= |X|
-
-    |Y| is the reference's word count (the output's where there is none); LAAL uses
-    max(|Y|, output words), so output longer than the reference cannot lower its latency.
-    An output whose first word comes after the source ends gets that delay; an empty one, nan."""
-    if not delays:
-        return math.nan
-    if delays[0] > source:
-        return delays[0]
-    words = reference_len or len(delays)
-    rate = (max(words, len(delays)) if length_adaptive else words) / source  # words per unit of source
-    total = 0.0
-    for i, d in enumerate(delays):
-        total += d - i / rate
-        if d >= source:
-            return total / (i + 1)
-    return total / len(delays)
-
-
-@torch.inference_mode()
-def spoken_ends(stream: Stream, wav: torch.Tensor) -> list[float] | None:
-    """When each committed word was spoken: the end of its span in the CTC head's forced alignment of
-    the stream's text to the whole audio `wav` (S,) (aed/decode_timing.py), in seconds; None
-    without a CTC head, or where no CTC path through the audio fits the text. The alignment may
-    place words only within PAUSE of the speech the stream's detector finds: over a whole file, it
-    put words spoken after 45 s of room tone inside the room tone."""
-    streamer, model = stream.streamer, stream.streamer.model
-    ids = streamer.tokenizer.text_ids(stream.ids)
-    if model.ctc is None or not ids or wav.numel() < streamer.frame:
-        return None
-    feats, lens = streamer.logmel(wav[None].to(streamer.loaded.device), torch.tensor([wav.numel()]))
-    _, enc_lens, log_probs = model.encode_with_ctc(feats, lens)
-    frames = log_probs[0, : int(enc_lens[0])].cpu()  # (T', V)
-    detector = speech_detector(streamer.config.vad, streamer.rate)
-    near = torch.zeros(frames.size(0), dtype=torch.bool)  # (T',) encoder frames within PAUSE of speech
-    for stretch in speech_runs(detector.speech(detector.scores(wav.cpu(), final=True))):
-        lo, hi = stretch[0][0] * FRAME - PAUSE, stretch[-1][1] * FRAME + PAUSE  # seconds
-        near[max(0, math.floor(lo / streamer.frame_s)): math.ceil(hi / streamer.frame_s)] = True
-    frames[~near] = -math.inf
-    frames[~near, model.ctc.blank] = 0.0  # elsewhere only blank
-    if not feasible(frames.size(0), ids):
-        return None
-    words = to_words(streamer.tokenizer, ids, align(frames, ids, model.ctc.blank), streamer.frame_s)
-    return [w.end for w in words] if len(words) == len(stream.words()) else None
-
-
-def stream_latency(stream: Stream, seconds: float, reference: str | None = None,
-                   wav: torch.Tensor | None = None) -> dict:
-    """A finished stream's latency in ms of audio: AL and LAAL over its words (each word timed by its
-    last token), computation-unaware and -aware (`_ca`: SimulEval's, the processing time the
-    stream had waited for added); the first word's delay; with the stream's audio `wav` and a CTC
-    head, `spoken_lag`: the mean time from the end of each word in the audio (`spoken_ends`) to its
-    commit; and the real-time factor of its chunks (processing seconds per second of chunk audio:
-    mean and max, the last chunk excluded)."""
-    words = stream.words()
-    ref_len = len(reference.split()) if reference else None
-    source = seconds * 1000
-    unaware = [t * 1000 for _, t, _ in words]
-    aware = [(t + c) * 1000 for _, t, c in words]
-    chunk_s = stream.streamer.chunk / stream.streamer.rate
-    ends = spoken_ends(stream, wav) if wav is not None else None
-    lag = sum(t - end for (_, t, _), end in zip(words, ends)) / len(ends) * 1000 if ends else math.nan
-    return {"al": average_lagging(unaware, source, ref_len, False), "laal": average_lagging(unaware, source, ref_len),
-            "al_ca": average_lagging(aware, source, ref_len, False), "laal_ca": average_lagging(aware, source, ref_len),
-            "first_word": unaware[0] if unaware else math.nan, "spoken_lag": lag,
-            "rtf_mean": sum(stream.chunk_compute) / seconds if seconds > 0 else math.nan,
-            "rtf_max": max(stream.chunk_compute, default=math.nan) / chunk_s}

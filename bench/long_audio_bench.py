@@ -64,7 +64,8 @@ import aed.decode_transcribe  # noqa: E402
 from aed.data_audio import load_audio  # noqa: E402
 from aed.decode_metrics import simple  # noqa: E402
 from aed.decode_search import DecodingOptions  # noqa: E402
-from aed.decode_stream import StreamConfig, Streamer, average_lagging, spoken_ends, stream_requests  # noqa: E402
+from aed.decode_metrics import average_lagging, spoken_ends  # noqa: E402
+from aed.decode_stream import StreamConfig, Streamer, stream_requests  # noqa: E402
 from aed.data_speech import DETECTORS, FRAME, speech_frames  # noqa: E402
 from aed.decode_timing import EDGE, snap_to_speech  # noqa: E402
 from aed.decode_transcribe import Request, make_request, plan_chunks, transcribe  # noqa: E402

@@ -23,7 +23,8 @@ from aed.data_speech import FRAME
 from aed.data_tokenizer import Tokenizer
 from aed.decode_metrics import wer
 from aed.decode_search import DecodingOptions
-from aed.decode_stream import StreamConfig, Streamer, average_lagging, stream_latency
+from aed.decode_metrics import average_lagging, stream_latency
+from aed.decode_stream import StreamConfig, Streamer
 from aed.decode_timing import segment_edges
 from aed.decode_transcribe import transcribe
 from aed.model import AED, AEDConfig

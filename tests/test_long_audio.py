@@ -11,9 +11,9 @@ import soundfile as sf
 import torch
 from fixtures.make_word_model import load_clips, word_sequence
 
-from aed.decode_metrics import simple
+from aed.decode_metrics import simple, spoken_ends
 from aed.decode_search import DecodingOptions
-from aed.decode_stream import StreamConfig, Streamer, spoken_ends, stream_requests
+from aed.decode_stream import StreamConfig, Streamer, stream_requests
 from aed.decode_transcribe import make_request, transcribe
 from aed.model_checkpoint import load_model
 
