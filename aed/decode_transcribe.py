@@ -253,12 +253,13 @@ def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int, overlap: f
                 vad: str = "energy") -> tuple[float, list[tuple[float, float | None, float]]]:
     """A request's length (s) and the (offset, duration or None = to the end, seconds) of each of its
     chunks: the whole of an input up to `chunk_seconds` (with `trim`, the model's train.trim_silence,
-    cut as training cut its utterances: to `trim` s of silence around its speech); a longer one cut at
-    its pauses into segments of at most `chunk_seconds` (`aed.decode_timing.plan_segments`, speech judged by
-    the `vad` detector: aed.data_speech.DETECTORS) with `edges` s of silence before and after their speech, the rest of the silence between them not decoded; with `overlap`, a
+    cut as training cut its utterances, by energy: to `trim` s of silence around its speech); a longer
+    one cut at its pauses into segments of at most `chunk_seconds` (`aed.decode_timing.plan_segments`,
+    speech judged by the `vad` detector: aed.data_speech.DETECTORS) with `edges` s of silence before
+    and after their speech, the rest of the silence between them not decoded; with `overlap`, a
     segment that follows a cut inside continuous speech starts that many seconds before the previous
-    one ends (the words around the cut are then merged: `aed.decode_timing.merge_chunks`; `transcribe` checks
-    that overlap is at most half of chunk_seconds)."""
+    one ends (the words around the cut are then merged: `aed.decode_timing.merge_chunks`; `transcribe`
+    checks that overlap is at most half of chunk_seconds)."""
     if req.duration is not None:
         total = req.duration
     else:
