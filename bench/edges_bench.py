@@ -83,10 +83,15 @@ def main(argv=None) -> None:
     p.add_argument("--floor-dbfs", type=float, default=-50.0, help="the noise floor's RMS level")
     p.add_argument("--max-files", type=int, help="the first N lines of the manifest only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--untrimmed", action="store_true",
+                   help="feed every variant as it is, also to a model trained with train.trim_silence (whose "
+                        "inputs infer.py otherwise cuts as training cut its utterances)")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
     loaded = load_model(args.ckpt)
+    if args.untrimmed:
+        loaded = replace(loaded, trim_silence=None)
     requests = read_requests(args.manifest)[: args.max_files]
     originals = [load_audio(r.audio_filepath, r.offset, r.duration, RATE).double().numpy() for r in requests]
     refs = [r.text for r in requests]
