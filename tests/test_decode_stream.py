@@ -244,21 +244,6 @@ def test_a_larger_alignatt_threshold_commits_later(word_model, sequences):
     assert all(t.time == pytest.approx(end) for s, end in zip(streams, ends) for t in s.tokens)  # all in the last chunk
 
 
-def test_the_default_alignatt_threshold_follows_how_far_the_peaks_step(word_model):
-    """NeMo's 0.64 s until eight spacings are known; then the 90th percentile of the recent ones,
-    within 0.16-0.64 s: peaks a frame apart per token commit at the floor, peaks that stand still
-    over a word's pieces and jump a word ahead keep the ceiling."""
-    streamer = Streamer(word_model, StreamConfig(), GREEDY)
-    frame = streamer.frame_s
-    stream = streamer.open("en", pnc=False)
-    assert streamer.policy.alignatt_frames(stream.policy) * frame == pytest.approx(0.64)
-    stream.policy.peak_spacing.extend([frame] * 7 + [2 * frame])
-    assert streamer.policy.alignatt_frames(stream.policy) * frame == pytest.approx(0.16)
-    stream.policy.peak_spacing.extend([0.0, 0.0, 0.0, 0.6, 0.0, 0.0, 0.8, 0.0, 0.0, 0.5] * 6)
-    assert streamer.policy.alignatt_frames(stream.policy) * frame == pytest.approx(0.64)
-    assert StreamConfig().alignatt_threshold is None
-
-
 # --- guards and bad input ---------------------------------------------------------------------
 
 
