@@ -37,7 +37,8 @@ decoding
   decode_timing     time in the audio: pauses, long audio cut at them, CTC word times, chunks joined back
   decode_metrics    WER and BLEU, and the text normalisers leaderboards use; a stream's latency (AL, LAAL)
   decode_transcribe files -> Results: the API behind infer.py (transcribe)
-  decode_stream     streams: decoding while the audio arrives (wait-k, AlignAtt)
+  decode_policy     a stream's commit policy: commit a token now or hold it (wait-k, AlignAtt); stalls
+  decode_stream     streams: decoding while the audio arrives, a sentence at a time, under the policy
 training
   train_distributed torchrun ranks, DDP and FSDP2
   train_config      TrainConfig and its sections, train.py's arguments; the objectives (aed, rnnt, ssl)

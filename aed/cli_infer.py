@@ -50,8 +50,9 @@ import torch
 from aed.cli_stream import caption_stdin, print_latency, stream_files
 from aed.data_speech import DETECTORS
 from aed.decode_metrics import NORMALIZERS
+from aed.decode_policy import POLICIES
 from aed.decode_search import DecodingOptions
-from aed.decode_stream import POLICIES, StreamConfig, Streamer
+from aed.decode_stream import StreamConfig, Streamer
 from aed.decode_timing import srt, to_segments, webvtt
 from aed.decode_transcribe import (check_settings, expand_inputs, known_languages, make_request, read_requests, score,
                                    transcribe)

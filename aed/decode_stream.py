@@ -34,27 +34,19 @@ committed now. Audio with no speech is passed over, never decoded (no text from 
 Within a sentence, the committed tokens are a prefix that is never rewritten (but for the no-speech
 check, below, which may withdraw a whole sentence). At each chunk the
 prefix (prompt + the sentence's committed tokens) is fed again against the new encoder output, and
-greedy steps extend it while the policy allows:
-  - waitk: after `waitk_lag` chunks, `waitk_tokens` tokens per chunk (Ma et al. 2019's wait-k).
-  - alignatt: a token is committed while the cross-attention that predicted it (mean over the heads
-    of layer `alignatt_layer`) peaks at least a threshold before the chunk's end (Papi et al. 2023,
-    "AlignAtt"); a token looking at the newest audio waits for the next chunk. The threshold is
-    `alignatt_threshold` seconds, or by default adapts to the model: the 90th percentile of the
-    spacing between the attention peaks of consecutive committed tokens of a sentence (the stream's
-    last PEAK_SPACINGS), within [ALIGNATT_MIN, ALIGNATT_MAX]. A token's sound runs on after its peak
-    for about one such spacing, so the threshold covers nine tokens in ten. A character model whose
-    peaks step a frame per character commits at the floor; a model whose peaks stand still over a
-    word's pieces and then jump keeps NeMo's fixed 0.64 s, which it needs.
-    The first SINK_SECONDS of the window are not taken as a peak: a decoder with nothing to say
-    looks there (NeMo excludes the same 8 frames).
-Both stop at EOS (the decoder has heard all there is so far) and at the per-chunk cap of
+greedy steps extend it while the commit policy allows (`aed.decode_policy`: wait-k or AlignAtt, and
+its stall guard; each stream's `Stream.policy` state). Each step reads where the cross-attention
+that predicted its token peaks (mean over the heads of layer `alignatt_layer`: `CrossAttention`):
+AlignAtt judges the token by it, and no sentence is cut before its committed tokens' peaks. The
+first SINK_SECONDS of the window are not taken as a peak: a decoder with nothing to say looks there
+(NeMo excludes the same 8 frames).
+The steps stop at EOS (the decoder has heard all there is so far) and at the per-chunk cap of
 max_tokens_per_second. The stream's end (`finish`) ends its last sentences: a stream with
 `endpoint=0` whose chunk is longer than its audio is offline greedy decoding, token for token.
 
 Guards: a token that would make the hypothesis repeat an n-gram more than max_repeats times is
-not committed; a stream whose decoder keeps predicting tokens that the policy holds back for
-STALL_SECONDS of audio logs that it stalls (`Stream.stalls` counts them); the sentence's committed
-tokens the decoder re-reads are cut to the newest that fit its positions.
+not committed (it is held as the policy holds, so a decoder stuck on it is said to stall); the
+sentence's committed tokens the decoder re-reads are cut to the newest that fit its positions.
 
 The no-speech check (options.no_speech_threshold, on by default as offline): where a sentence ends,
 it is judged as offline decoding judges a chunk: P(EOS) right after the prompt above the threshold
@@ -76,11 +68,8 @@ starts where the sentence does, so every committed token the decoder re-reads is
 a token is chosen on the audio heard so far, as the policy then judges it. Beams are offline only.
 """
 
-import logging
 import math
-import statistics
 import time
-from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -91,28 +80,20 @@ from aed.data_audio import AudioError, LogMel, load_audio
 from aed.data_manifest import PROMPT_TASKS
 from aed.data_speech import DETECTORS, FLOOR_SECONDS, FRAME, EnergyDetector, runs, speech_detector
 from aed.decode_metrics import stream_latency
+from aed.decode_policy import POLICIES, CommitPolicy, PolicyState
 from aed.decode_search import CTCPrefixScorer, DecodingOptions, ends_in_repeats, joint_candidates, token_budget
 from aed.decode_timing import PAUSE, frame_seconds, quietest, segment_edges, word_spans
 from aed.decode_transcribe import Result
 from aed.model_decoder import KVCache
 
-log = logging.getLogger(__name__)
-
-POLICIES = ("alignatt", "waitk")
-STALL_SECONDS = 4.0  # audio during which the decoder has more to say but nothing is committed
 DEFAULT_LEFT = 10.0  # seconds of left context, NeMo's recommended 10-1-0.5 s buffer
-ALIGNATT_MAX = 0.64  # s: the adaptive AlignAtt threshold's ceiling, and its value until it has measured
-# PEAK_SPACINGS_MIN spacings (NeMo's fixed threshold of 8 frames at 80 ms)
-ALIGNATT_MIN = 0.16  # s: its floor, two frames of 80 ms
-PEAK_SPACINGS = 64  # the adaptive threshold reads the spacings of the peaks of this many recent tokens
-PEAK_SPACINGS_MIN = 8  # ... once it has this many
 SINK_SECONDS = 0.64  # the first frames of a window AlignAtt does not take as a peak (NeMo's 8 frames)
 
 
 @dataclass(frozen=True)
 class StreamConfig:
     """The buffer and the policy. Defaults: NeMo's recommended 10-1-0.5 s buffer (a theoretical
-    latency of chunk + right = 1.5 s); an AlignAtt threshold that adapts to the model (see above)."""
+    latency of chunk + right = 1.5 s); an AlignAtt threshold that adapts to the model (aed.decode_policy)."""
 
     chunk: float = 1.0  # seconds of new audio decoded per step
     left: float | None = None  # most seconds of the current sentence before the chunk that are re-encoded
@@ -120,11 +101,11 @@ class StreamConfig:
     right: float = 0.5  # look-ahead: seconds after the chunk that the encoder hears first
     endpoint: float = PAUSE  # a pause this long (s) after speech ends the sentence; 0: pauses are not looked
     # for (no sentence ends at one, silence is decoded as it comes): only a full window ends a sentence
-    policy: str = "alignatt"
+    policy: str = "alignatt"  # aed.decode_policy.POLICIES
     waitk_lag: int = 2  # wait-k: chunks heard before the first token
     waitk_tokens: int = 1  # wait-k: tokens committed per chunk after the lag
     alignatt_threshold: float | None = None  # alignatt: seconds before the chunk's end the attention peak
-    # must lie; None: the 90th percentile of the spacing of the stream's recent peaks, 0.16-0.64 s (see above)
+    # must lie; None: the 90th percentile of the spacing of the stream's recent peaks, 0.16-0.64 s
     alignatt_layer: int | None = None  # alignatt: the decoder layer whose cross-attention is read;
     # None: the second-to-last (NeMo's -2), or the only one
     vad: str = "energy"  # the speech detector that finds the pauses (aed.data_speech.DETECTORS)
@@ -188,11 +169,7 @@ class Stream:
     compute: float = 0.0  # seconds of processing so far
     chunk_compute: list[float] = field(default_factory=list)  # seconds per decoded chunk (its batch's)
     finished: bool = False
-    stalls: int = 0  # times the stream stalled (see STALL_SECONDS)
-    holding: float | None = None  # stream time since which the policy holds back tokens, None: it does not
-    peak_spacing: deque = field(default_factory=lambda: deque(maxlen=PEAK_SPACINGS))  # seconds between the
-    # attention peaks of consecutive committed tokens of a sentence: the adaptive AlignAtt threshold's input
-    last_peak: float | None = None  # stream time of the attention peak of the sentence's newest token
+    policy: PolicyState = field(default_factory=PolicyState)  # its commit policy's: stalls, attention peaks
     sentence_seconds: float = 0.0  # audio inside ended sentences; the rest was passed over as silence
     # With options.no_speech_threshold: the lowest no-speech probability of its sentences, and those the
     # check emptied at their end (their committed tokens withdrawn from `tokens`), with their seconds.
@@ -272,7 +249,7 @@ class Streamer:
         self.longest = round(loaded.max_train_duration * self.rate) if loaded.max_train_duration else None
         self.sink = round(SINK_SECONDS / self.frame_s)
         self.edges = segment_edges(loaded)  # silence kept before and after a sentence's speech
-        self.alignatt_range = [max(1, round(t / self.frame_s)) for t in (ALIGNATT_MIN, ALIGNATT_MAX)]  # frames
+        self.policy = CommitPolicy(config, self.frame_s)
         self.logmel = LogMel(loaded.features).to(loaded.device).eval()
         n_layers = len(self.model.decoder.layers)
         self.alignatt_layer = max(0, n_layers - 2) if config.alignatt_layer is None else config.alignatt_layer
@@ -375,7 +352,7 @@ class Streamer:
                 s.sentence_seconds += (w.chunk_end - w.start) / self.rate if w.closing else 0.0
                 s.window_cuts += w.full
                 s.sentence_tokens = len(s.tokens)
-                s.last_peak = None
+                self.policy.new_sentence(s.policy)
                 s.audio, s.kept_from = s.audio[w.chunk_end - s.kept_from:], w.chunk_end
             else:  # the silence before the sentence's speech, beyond what training utterances hold, is dropped
                 s.audio, s.kept_from = s.audio[w.start - s.kept_from:], w.start
@@ -451,7 +428,8 @@ class Streamer:
         token (its tokens stay in its audio). The cut, in stream samples, as at a pause: `trail` after
         the speech, at most the gap's middle; None for no such gap."""
         hop, trail = round(self.rate * FRAME), round(self.edges[1] / FRAME)
-        committed = -1 if s.last_peak is None else math.ceil((s.last_peak * self.rate - start) / hop)
+        last_peak = s.policy.last_peak
+        committed = -1 if last_peak is None else math.ceil((last_peak * self.rate - start) / hop)
         gaps = [(b - a, lo + a, lo + b) for a, b in runs(~speech[lo:hi]) if lo + a > committed]
         if not gaps:
             return None
@@ -564,56 +542,21 @@ class Streamer:
 
     def commit(self, s: Stream, hyp: list[int], out: list[int], token: int, peak: int, attend: int, window,
                budget: int) -> str:
-        """The policy's decision on row `s`'s next token: commit it (append to hyp and out) or not.
-        "more": committed, and the row may take another token in this chunk; "stop": EOS, or the
-        last token it may take; "held": held back by the policy or the repetition guard."""
-        cfg, eos = self.config, self.tokenizer.eos
-        if token == eos:
-            s.holding = None
+        """Row `s`'s next token, committed (appended to hyp and out) or not as the policy and the
+        repetition guard decide. "more": committed, and the row may take another token in this chunk;
+        "stop": EOS, or the last token it may take; "held": held back by the policy or the repetition guard."""
+        if token == self.tokenizer.eos:
+            self.policy.eos(s.policy)
             return "stop"
-        repeats = self.options.max_repeats and bool(
+        repeats = bool(self.options.max_repeats) and bool(
             ends_in_repeats(torch.tensor([hyp + [token]]), len(hyp) + 1, self.options.max_repeats))
-        final = window.closing
-        if repeats and not final:  # never committed while more audio may change the decoder's mind
-            self.hold(s, window.chunk_end)
+        if not self.policy.decide(s.policy, window.chunk_end / self.rate, s.chunks, len(out), peak, attend,
+                                  window.closing, repeats):
             return "held"
-        if not final:
-            if cfg.policy == "waitk":
-                allowed = s.chunks + 1 >= cfg.waitk_lag and len(out) < cfg.waitk_tokens
-            else:
-                allowed = attend - (peak + 1) >= self.alignatt_frames(s)
-            if not allowed:
-                self.hold(s, window.chunk_end)
-                return "held"
         hyp.append(token)
         out.append(token)
-        s.holding = None
-        peak_time = window.start / self.rate + peak * self.frame_s
-        if s.last_peak is not None:
-            s.peak_spacing.append(max(0.0, peak_time - s.last_peak))
-        s.last_peak = peak_time
+        self.policy.committed(s.policy, window.start / self.rate + peak * self.frame_s)
         return "more" if len(out) < budget and not repeats else "stop"  # as offline search stops after it
-
-    def alignatt_frames(self, s: Stream) -> int:
-        """Frames that must follow a token's attention peak in the chunk for AlignAtt to commit it."""
-        if self.config.alignatt_threshold is not None:
-            return round(self.config.alignatt_threshold / self.frame_s)
-        low, high = self.alignatt_range
-        if len(s.peak_spacing) < PEAK_SPACINGS_MIN:
-            return high
-        spacing = statistics.quantiles(s.peak_spacing, n=10, method="inclusive")[-1]  # the 90th percentile
-        return min(high, max(low, round(spacing / self.frame_s)))
-
-    def hold(self, s: Stream, now: int) -> None:
-        """The policy held back a token at stream sample `now`: log once when that has lasted STALL_SECONDS."""
-        if s.holding is None:
-            s.holding = now / self.rate
-        elif now / self.rate - s.holding >= STALL_SECONDS:
-            s.stalls += 1
-            log.warning("stream stalls: the decoder has had more to say for %.1f s of audio (%.1f-%.1f s) and "
-                        "the %s policy committed nothing", now / self.rate - s.holding, s.holding, now / self.rate,
-                        self.config.policy)
-            s.holding = math.inf  # said once per stall; the next commit resets it
 
     def new_cache(self, memory, attend, max_len: int) -> KVCache:
         """An empty decoder cache whose rows each keep their own position (per-row lengths)."""
@@ -625,7 +568,7 @@ class Streamer:
 class CrossAttention:
     """Captures one decoder layer's cross-attention weights while active (a forward hook on its
     attention module: scaled dot-product attention returns no weights, so the query's scores are
-    recomputed from the same inputs), for AlignAtt."""
+    recomputed from the same inputs): where each token's attention peaks, for the policy and the cuts."""
 
     def __init__(self, model, layer: int):
         self.module = model.decoder.layers[layer].cross_attn

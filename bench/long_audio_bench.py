@@ -266,8 +266,8 @@ def recordings(args) -> None:
             stat["window_cuts"] = sum(s.window_cuts for _, s, _ in decoded)
             stat["left_s"] = streamer.left / streamer.rate
             if policy == "alignatt":  # where each file's threshold ended, adaptive or not
-                stat["alignatt_threshold_s"] = [round(streamer.alignatt_frames(s) * streamer.frame_s, 2)
-                                                for _, s, _ in decoded]
+                frames = [streamer.policy.alignatt_frames(s.policy) for _, s, _ in decoded]
+                stat["alignatt_threshold_s"] = [round(f * streamer.frame_s, 2) for f in frames]
             found[label] = stat
             rows.append([name, label, *list(stat.values())[:5], stat["laal_s"], stat["sentences"]])
             log(f"{name} {label}: lag per minute {stat['lag_per_minute_s']}")

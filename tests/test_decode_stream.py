@@ -244,21 +244,6 @@ def test_a_larger_alignatt_threshold_commits_later(word_model, sequences):
     assert all(t.time == pytest.approx(end) for s, end in zip(streams, ends) for t in s.tokens)  # all in the last chunk
 
 
-def test_the_default_alignatt_threshold_follows_how_far_the_peaks_step(word_model):
-    """NeMo's 0.64 s until eight spacings are known; then the 90th percentile of the recent ones,
-    within 0.16-0.64 s: peaks a frame apart per token commit at the floor, peaks that stand still
-    over a word's pieces and jump a word ahead keep the ceiling."""
-    streamer = Streamer(word_model, StreamConfig(), GREEDY)
-    frame = streamer.frame_s
-    stream = streamer.open("en", pnc=False)
-    assert streamer.alignatt_frames(stream) * frame == pytest.approx(0.64)
-    stream.peak_spacing.extend([frame] * 7 + [2 * frame])
-    assert streamer.alignatt_frames(stream) * frame == pytest.approx(0.16)
-    stream.peak_spacing.extend([0.0, 0.0, 0.0, 0.6, 0.0, 0.0, 0.8, 0.0, 0.0, 0.5] * 6)
-    assert streamer.alignatt_frames(stream) * frame == pytest.approx(0.64)
-    assert StreamConfig().alignatt_threshold is None
-
-
 # --- guards and bad input ---------------------------------------------------------------------
 
 
@@ -276,10 +261,10 @@ def test_a_looping_decoder_is_held_at_max_repeats_and_the_stall_is_logged(caplog
     loaded = LoadedModel(model, tokenizer, FeatureConfig(n_mels=80), "looping")
     config = StreamConfig(policy="waitk", waitk_lag=1, waitk_tokens=3, chunk=0.5, right=0.0)
     stream = Streamer(loaded, config, DecodingOptions(ctc_weight=0.0, max_repeats=4)).open("en")
-    with caplog.at_level(logging.WARNING, logger="aed.decode_stream"):
+    with caplog.at_level(logging.WARNING, logger="aed.decode_policy"):
         t = torch.arange(8 * RATE) / RATE
         stream.feed(0.01 * torch.randn(8 * RATE) * (0.1 + torch.sin(torch.pi * 5 * t).abs()))  # syllables
-        assert stream.ids == [word] * 4 and stream.stalls == 1
+        assert stream.ids == [word] * 4 and stream.policy.stalls == 1
         assert sum("stream stalls" in r.message for r in caplog.records) == 1
     stream.finish()
     assert stream.ids == [word] * 5
@@ -488,7 +473,7 @@ def test_a_sentence_longer_than_training_utterances_ends_at_its_longest_gap(word
     s.received, s.scored, s.kept_from = s.levels.numel() * 160, s.levels.numel(), start * 160
     window = streamer.window(s, final=False)
     assert window.closing and (start + 310) * 160 <= window.chunk_end <= (start + 325) * 160, window
-    s.last_peak = (start + 400) * 160 / streamer.rate  # a committed token heard the second stretch
+    streamer.policy.committed(s.policy, (start + 400) * 160 / streamer.rate)  # a token heard the second stretch
     window = streamer.window(s, final=False)
     assert window.closing and (start + 400) * 160 < window.chunk_end <= (start + 600) * 160, window  # a dip after it
 
@@ -511,6 +496,6 @@ def test_a_full_window_ends_its_sentence_at_a_gap_before_its_quietest_point(word
     s.received, s.scored, s.kept_from = s.levels.numel() * 160, s.levels.numel(), start * 160
     window = streamer.window(s, final=False)
     assert window.closing and window.full and (start + 450) * 160 <= window.chunk_end <= (start + 454) * 160, window
-    s.last_peak = (start + 500) * 160 / streamer.rate  # a committed token heard the speech after the gap
+    streamer.policy.committed(s.policy, (start + 500) * 160 / streamer.rate)  # a token heard the speech after the gap
     window = streamer.window(s, final=False)
     assert window.closing and window.full and (start + 446) * 160 <= window.chunk_end <= (start + 460) * 160, window
