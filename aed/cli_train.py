@@ -11,7 +11,7 @@
     torchrun --nproc_per_node 8 -m aed.cli_train configs/canary-1b-flash.yaml ...
 
 `main()` reads top to bottom in the order things happen: build (config, processes, model and
-optimizer, data), resume, loop, clean up. What a run is made of lives in the modules it calls: the
+optimizer, data) and resume (`start_run`), the loop, clean up (`finish_run`). What a run is made of lives in the modules it calls: the
 model, optimizer, schedule and step (`aed/train_setup.py`, which oom.py builds and measures too),
 the data (`aed/train_data.py`), checkpoints and exact resume (`aed/train_checkpoint.py`), the
 attention guide and decoder restarts (`aed/train_guide.py`), validation
@@ -29,6 +29,7 @@ import signal
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ from aed.train_config import help_text, parse_config
 from aed.train_data import TrainingData, build_training_data
 from aed.train_distributed import (Process, all_reduce, cleanup, exit_worker, init_distributed, is_distributed,
                                    peer_lost, wrap)
-from aed.train_guide import act_on_deafness, set_attention_guide
+from aed.train_guide import GuideState, act_on_deafness, set_attention_guide
 from aed.train_progress import Progress, RunLog, StepFlops, matmul_peak
 from aed.train_setup import (ExponentialMovingAverage, TrainingSetup, build_training_setup, compile_layers,
                              count_targets, train_step)
@@ -182,97 +183,151 @@ def stop_requested(received: list, device: torch.device) -> bool:
     return bool(all_reduce(flag, op=torch.distributed.ReduceOp.MAX).item())
 
 
-def main(argv: list[str] | None = None) -> None:
-    """A training run, `python train.py ARGS` with argv = ARGS."""
-    cfg, val_names = read_config(sys.argv[1:] if argv is None else argv)
+@dataclass
+class Run:
+    """What the loop carries from step to step."""
 
-    # --- build: processes, model and optimizer, data
+    setup: TrainingSetup
+    data: TrainingData
+    proc: Process
+    val_names: list
+    position: DataPosition
+    ema: ExponentialMovingAverage | None
+    guide: GuideState
+    parallel_model: torch.nn.Module
+    no_sync: object  # wrap's context manager factory, or None
+    writer: CheckpointWriter
+    run_log: RunLog
+    unreadable: Faults
+    progress: Progress
+    received: list  # stop signals (catch_stop_signals)
+    step: int
+    loader: object = None  # the data iterator (DataPosition.start)
+    last_validation: tuple[int, dict] | None = None  # (step, results)
+    bad_steps: int = 0  # non-finite steps in a row
+    step_flops: StepFlops = field(default_factory=StepFlops)
+
+
+def start_run(cfg, val_names: list) -> Run:
+    """Build (processes, model and optimizer, data), resume (or initialise from init_from), check
+    memory, wrap and compile; then validate a new run once before its first step."""
     proc = start_process(cfg)
     setup, data = build(cfg, proc)
-    cfg, model, device = setup.cfg, setup.model, proc.device
-
-    # --- resume (or initialise from init_from), check memory, wrap and compile
+    cfg = setup.cfg
     position = DataPosition(data, proc)
-    ema = ExponentialMovingAverage(model, cfg.ema_decay) if cfg.ema_decay else None  # before the memory check
+    ema = ExponentialMovingAverage(setup.model, cfg.ema_decay) if cfg.ema_decay else None  # before the memory check
     step, flops, guide = resume_run(setup, position, ema)
     if cfg.memory_budget:
         preflight_run(setup, data, proc, ema)
     parallel_model, no_sync = prepare_model(setup, data, proc, ema, step)
-
-    # --- training loop
     received = catch_stop_signals()
     writer = CheckpointWriter(cfg.run_dir, cfg.keep_last, proc.rank, cfg.async_checkpoint, is_distributed())
-    run_log, unreadable = RunLog(cfg.run_dir, proc.master, resumed_step=step), Faults()
-    peak = matmul_peak(device, setup.precision)  # per device: MFU is FLOP/s per rank over this
+    peak = matmul_peak(proc.device, setup.precision)  # per device: MFU is FLOP/s per rank over this
     log.info("matmul peak %.3g FLOP/s per device (%s, measured); FLOPs so far %.4g%s", peak, setup.precision, flops,
              f" of a {cfg.budget_flops:.4g} budget" if cfg.budget_flops else "")
-    progress = Progress(device, proc.world_size, cfg, cfg.features.hop_length / cfg.features.sample_rate, peak,
+    progress = Progress(proc.device, proc.world_size, cfg, cfg.features.hop_length / cfg.features.sample_rate, peak,
                         step, flops)
+    run = Run(setup, data, proc, val_names, position, ema, guide, parallel_model, no_sync, writer,
+              RunLog(cfg.run_dir, proc.master, resumed_step=step), Faults(), progress, received, step)
+    if step == 0 and cfg.val.every > 0:
+        validated(run)
+    run.loader = position.start()
+    atexit.register(stop_workers, run)
+    return run
 
-    def validated(at: int) -> tuple[int, dict]:  # (step, results): every rank validates at the same steps
-        with progress.paused():
-            return at, validate(setup, val_names, proc, unreadable, run_log, at, ema)
 
-    last_validation = validated(0) if step == 0 and cfg.val.every > 0 else None
-    step_flops, bad_steps, loader = StepFlops(), 0, position.start()
+def stop_workers(run: Run) -> None:
+    """The workers ignore SIGTERM (aed.data_batch.ignore_stop_signals), so multiprocessing's own exit
+    hook, which terminates them with SIGTERM and then waits, would hang: release the iterator first,
+    which shuts them down cleanly. Registered after that hook, so it runs before it."""
+    run.loader = None
 
-    def stop_workers():
-        """The workers ignore SIGTERM (aed.data_batch.ignore_stop_signals), so multiprocessing's own exit
-        hook, which terminates them with SIGTERM and then waits, would hang: release the iterator
-        first, which shuts them down cleanly. Registered after that hook, so it runs before it."""
-        nonlocal loader
-        loader = None
 
-    atexit.register(stop_workers)
-    while step < cfg.max_steps and not progress.budget_spent():
-        micro = next_batches(position, loader, cfg.optim.grad_accum, progress, unreadable)
-        if cfg.train.attention_guide and (deaf := set_attention_guide(setup, micro[0], step, guide)) is not None:
-            if last_validation is None and cfg.val.every > 0:  # resumed: the decision needs the CTC head's WER
-                last_validation = validated(step)
-            if stop_message := act_on_deafness(setup, guide, step, deaf, last_validation and last_validation[1], ema):
-                save_run(writer, setup, position, step, progress.total_flops, ema, guide)
-                writer.finish()
-                sys.exit(stop_message)
-        updated = optimizer_step(setup, parallel_model, no_sync, micro, step, step_flops, progress, ema, proc)
-        bad_steps = 0 if updated else bad_steps + 1
-        if bad_steps:
-            log.warning("step %d: non-finite gradient norm, update skipped (%d in a row)", step + 1, bad_steps)
-            if bad_steps >= cfg.max_bad_steps:
-                sys.exit(f"aborting: {bad_steps} consecutive non-finite steps (lower optim.lr, check the "
-                         f"data, or use precision=fp32); last batch: {micro[-1].where}")
-        step += 1
+def validated(run: Run) -> dict:
+    """Validation at the current step (every rank validates at the same steps), kept as the last."""
+    with run.progress.paused():
+        results = validate(run.setup, run.val_names, run.proc, run.unreadable, run.run_log, run.step, run.ema)
+    run.last_validation = run.step, results
+    return results
 
-        last = step == cfg.max_steps or progress.budget_spent()
-        if step % cfg.log_every == 0 or last:
-            log_progress(setup, data, progress, step_flops, run_log, step)
-        # A preempted job has a grace period (often ~30 s) to save: a signal skips validation, and
-        # one that arrives during validation or a save stops right after it, not after another step.
-        stop = stop_requested(received, device)
-        if not stop and cfg.val.every > 0 and (step % cfg.val.every == 0 or last):
-            last_validation = validated(step)
-            guide.validated(last_validation[1])
-            stop = stop_requested(received, device)
-        if stop or step % cfg.ckpt_every == 0 or last:
-            save_run(writer, setup, position, step, progress.total_flops, ema, guide)
-            stop = stop or stop_requested(received, device)
-        writer.poll()
-        if progress.budget_spent():
-            log.info("FLOP budget spent at step %d: %.4g of %.4g FLOPs", step, progress.total_flops, cfg.budget_flops)
-        if stop:
-            log.info("stopping on signal at step %d; rerun the same command to resume", step)
-            break
 
-    if proc.master and last_validation is not None and last_validation[0] == step and step > 0:
-        report_listening(last_validation[1], step)
+def watch_attention(run: Run, micro: list) -> None:
+    """The attention guide's check on this step's first batch: the guide stays, goes, or the decoder
+    is restarted; a run whose decoder cannot learn to listen saves and stops with the reason."""
+    deaf = set_attention_guide(run.setup, micro[0], run.step, run.guide)
+    if deaf is None:
+        return
+    if run.last_validation is None and run.setup.cfg.val.every > 0:  # resumed: the decision needs the CTC head's WER
+        validated(run)
+    if stop_message := act_on_deafness(run.setup, run.guide, run.step, deaf,
+                                       run.last_validation and run.last_validation[1], run.ema):
+        save_run(run.writer, run.setup, run.position, run.step, run.progress.total_flops, run.ema, run.guide)
+        run.writer.finish()
+        sys.exit(stop_message)
 
-    # --- clean up
-    if skipped := data.skipped(unreadable):  # readers', sampler's and batches' skips, on this rank
-        log.info("rank %d skipped, by kind: %s", proc.rank, ", ".join(f"{k} {n:,}" for k, n in skipped.items()))
-    writer.finish()  # the last checkpoint is complete before the process ends
-    run_log.close()
-    stop_workers()
+
+def count_bad_step(run: Run, updated: bool, micro: list) -> None:
+    """A non-finite gradient norm skips the update; max_bad_steps of them in a row stop the run."""
+    run.bad_steps = 0 if updated else run.bad_steps + 1
+    if run.bad_steps:
+        log.warning("step %d: non-finite gradient norm, update skipped (%d in a row)", run.step + 1, run.bad_steps)
+        if run.bad_steps >= run.setup.cfg.max_bad_steps:
+            sys.exit(f"aborting: {run.bad_steps} consecutive non-finite steps (lower optim.lr, check the "
+                     f"data, or use precision=fp32); last batch: {micro[-1].where}")
+
+
+def after_step(run: Run) -> bool:
+    """The progress line, validation and checkpoints due at this step; whether to stop (a signal).
+    A preempted job has a grace period (often ~30 s) to save: a signal skips validation, and one
+    that arrives during validation or a save stops right after it, not after another step."""
+    cfg, step, progress, device = run.setup.cfg, run.step, run.progress, run.proc.device
+    last = step == cfg.max_steps or progress.budget_spent()
+    if step % cfg.log_every == 0 or last:
+        log_progress(run.setup, run.data, progress, run.step_flops, run.run_log, step)
+    stop = stop_requested(run.received, device)
+    if not stop and cfg.val.every > 0 and (step % cfg.val.every == 0 or last):
+        run.guide.validated(validated(run))
+        stop = stop_requested(run.received, device)
+    if stop or step % cfg.ckpt_every == 0 or last:
+        save_run(run.writer, run.setup, run.position, step, progress.total_flops, run.ema, run.guide)
+        stop = stop or stop_requested(run.received, device)
+    run.writer.poll()
+    if progress.budget_spent():
+        log.info("FLOP budget spent at step %d: %.4g of %.4g FLOPs", step, progress.total_flops, cfg.budget_flops)
+    if stop:
+        log.info("stopping on signal at step %d; rerun the same command to resume", step)
+    return stop
+
+
+def finish_run(run: Run) -> None:
+    """Whether the decoder listens (at a final validation), what was skipped, the last checkpoint
+    complete, the workers and the process group ended."""
+    if run.proc.master and run.last_validation is not None and run.last_validation[0] == run.step and run.step > 0:
+        report_listening(run.last_validation[1], run.step)
+    if skipped := run.data.skipped(run.unreadable):  # readers', sampler's and batches' skips, on this rank
+        log.info("rank %d skipped, by kind: %s", run.proc.rank, ", ".join(f"{k} {n:,}" for k, n in skipped.items()))
+    run.writer.finish()  # the last checkpoint is complete before the process ends
+    run.run_log.close()
+    stop_workers(run)
     atexit.unregister(stop_workers)  # main() may return into a program that goes on (the tests run it so)
     cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A training run, `python train.py ARGS` with argv = ARGS."""
+    run = start_run(*read_config(sys.argv[1:] if argv is None else argv))
+    cfg = run.setup.cfg
+    while run.step < cfg.max_steps and not run.progress.budget_spent():
+        micro = next_batches(run.position, run.loader, cfg.optim.grad_accum, run.progress, run.unreadable)
+        if cfg.train.attention_guide:
+            watch_attention(run, micro)
+        updated = optimizer_step(run.setup, run.parallel_model, run.no_sync, micro, run.step, run.step_flops,
+                                 run.progress, run.ema, run.proc)
+        count_bad_step(run, updated, micro)
+        run.step += 1
+        if after_step(run):
+            break
+    finish_run(run)
 
 
 def cli() -> None:
