@@ -144,7 +144,7 @@ def test_search_after_the_encoder_equals_decode_features(beam_size):
     assert search(model, memory, memory_lens, prompt, eos, options) == hyps
 
 
-@pytest.mark.parametrize("per_second", [None, 25.0])
+@pytest.mark.parametrize("per_second", [None, 0.0, 25.0])  # None or 0: no bound
 def test_generation_budget_is_encoder_frames_plus_delta_capped_by_positions_and_rate(per_second):
     model = random_model(dec_max_len=40)
     feats, lens, prompt = batch(lens=(300, 60, 16))

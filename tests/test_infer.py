@@ -296,6 +296,27 @@ def test_setting_ranges_are_checked_by_the_library_and_reported_by_infer_py(caps
     assert (cli_infer.decoding_options(asked).no_speech_threshold, cli_infer.decoding_options(asked).logprob_threshold) == (0.2, -2)
 
 
+def test_every_decoding_option_is_a_flag_with_the_options_default_and_its_value_reaches_the_search(capsys):
+    """infer.py's decoding flags are made from DecodingOptions' fields: one per option a user sets (not
+    frame_seconds, the model's), each defaulting to the field's default and passing its value on."""
+    user = [f for f in dataclasses.fields(DecodingOptions) if "set_from" not in f.metadata]
+    assert [f.name for f in dataclasses.fields(DecodingOptions) if f not in user] == ["frame_seconds"]
+    defaults = cli_infer.parse_args(["--ckpt", "runs/x", "a.wav"])
+    assert {f.name: getattr(defaults, f.name) for f in user} == {f.name: f.default for f in user}
+    assert cli_infer.decoding_options(defaults) == DecodingOptions()
+    asked = {"beam_size": 3, "length_penalty": 0.5, "max_delta": 7, "max_new_tokens": 9, "ctc_weight": 0.6,
+             "ctc_candidates": 5, "max_repeats": 2, "max_tokens_per_second": 12.5, "no_speech_threshold": 0.4,
+             "logprob_threshold": -0.7}
+    assert set(asked) == {f.name for f in user}  # a new option needs a value here
+    assert all(value != getattr(DecodingOptions(), name) for name, value in asked.items())
+    flags = [arg for name, value in asked.items() for arg in ("--" + name.replace("_", "-"), str(value))]
+    assert cli_infer.decoding_options(cli_infer.parse_args(["--ckpt", "runs/x", "a.wav", *flags])) \
+        == DecodingOptions(**asked)
+    with pytest.raises(SystemExit):
+        cli_infer.parse_args(["--ckpt", "runs/x", "a.wav", "--frame-seconds", "0.04"])
+    assert "unrecognized arguments: --frame-seconds" in capsys.readouterr().err
+
+
 class TracedBeams:
     """The model as a search steps it, recording the generated ids each row holds after every step
     that is fed back (`cache.reorder` moves the survivors' histories, `decode_step` appends their tokens)."""
