@@ -164,8 +164,9 @@ class DecodingOptions:
     # are short); Canary's tokenizers give about 4 on real speech.
     max_tokens_per_second: float | None = field(default=25.0, metadata={
         "help": "stop a hypothesis at this many tokens per second of audio; 0: no bound"})
-    # Converts the bound above into encoder frames: transcribe, Streamer and validation set the model's.
+    # Transcribe, Streamer and validation set the model's.
     frame_seconds: float = field(default=0.08, metadata={
+        "help": "seconds per encoder frame: converts max_tokens_per_second into frames",
         "set_from": "the model's feature hop x subsampling factor (aed.decode_timing.frame_seconds)"})
     # Whisper's no-speech check (`no_speech_probs`); None: not computed. On by default because joint CTC
     # decoding writes text on noise that the attention decoder, trained with non-speech examples, would end

@@ -8,11 +8,14 @@ the objectives its `objective` key picks from (`OBJECTIVES`).
 aed/config.py does the loading: dataclass defaults, then the YAML file(s), then
 `key=value` overrides, with unknown keys and values of the wrong type as errors that name the
 key. Each field's trailing comment is its description: `train.py --help` prints it (`help_text`),
-so the comment next to the default is the one place a key is documented.
+so the comment next to the default is the one place a key is documented. Validation's decoding
+options, the val.decoding section, are aed.decode_search.DecodingOptions itself: infer.py's
+decoding flags, documented there.
 
 The model section describes the architecture only. Three of its fields have another source:
 `n_mels` is `features.n_mels`, and `vocab_size` / `pad_id` come from the tokenizer
-(`resolve_model`); a config that sets them is rejected, so they can never disagree.
+(`resolve_model`); a config that sets them is rejected, so they can never disagree. So is
+`val.decoding.frame_seconds`, which the model sets (`DERIVED`).
 
 The three training objectives sit side by side in `OBJECTIVES`: what `objective=...` changes.
 
@@ -242,9 +245,10 @@ class ValConfig:
     batch_duration: float = 300.0  # padded seconds of audio per decoding batch (batch size x longest)
     max_utterances: int | None = None  # validate on the first N utterances of each manifest only
     num_examples: int = 4  # transcripts shown in the log and TensorBoard
-    ctc_weight: float = DecodingOptions.ctc_weight  # joint CTC/attention decoding weight for models with a CTC head (infer.py's default too); 0: attention only
     normalizer: str = "simple"  # WER text normaliser: simple (case, punctuation) | whisper (the leaderboards', aed/decode_metrics.py)
     compile: bool = False  # decode with a compiled decoder step (aed/model_static.py; infer.py --compile): the same tokens, compiled at the first validation; pays on GPUs
+    decoding: DecodingOptions = field(default_factory=DecodingOptions)  # how validation decodes: infer.py's decoding flags as keys (--beam-size: val.decoding.beam_size), with their defaults
+    RENAMED = {"ctc_weight": "decoding.ctc_weight"}  # old keys a config gives an error for, naming the new one
 
     def __post_init__(self):
         if self.normalizer not in NORMALIZERS:
@@ -330,9 +334,11 @@ class TrainConfig:
             raise ConfigError(f"precision: expected auto, fp32, bf16 or fp16, got {self.precision!r}")
 
 
-# Model fields whose value comes from elsewhere, and where.
+# Fields whose value comes from elsewhere, and where: the model's, and the decoding options the model sets.
 DERIVED = {"model.n_mels": "features.n_mels", "model.vocab_size": "the tokenizer (train.tokenizer)",
-           "model.pad_id": "the tokenizer (train.tokenizer)"}
+           "model.pad_id": "the tokenizer (train.tokenizer)"} | {
+    f"val.decoding.{f.name}": f.metadata["set_from"] for f in dataclasses.fields(DecodingOptions)
+    if "set_from" in f.metadata}
 
 
 def load_train_config(yaml_path: str | list[str] | None = None, overrides: list[str] = ()) -> TrainConfig:

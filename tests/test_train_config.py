@@ -57,6 +57,28 @@ def test_choices_are_checked_with_the_key_named():
         load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), [*guide, "train.attention_guide_to=ctc"])
 
 
+def test_validation_decodes_with_the_val_decoding_section_and_its_old_key_names_the_new_one(tmp_path):
+    """val.decoding is DecodingOptions, infer.py's decoding flags as keys with their defaults and
+    checks; the decoding weight once at val.ctc_weight gives an error naming its new key."""
+    from aed.decode_search import DecodingOptions
+
+    tiny = os.path.join(ROOT, "configs/tiny.yaml")
+    assert load_train_config(tiny).val.decoding == DecodingOptions()
+    cfg = load_train_config(tiny, ["val.decoding.ctc_weight=0", "val.decoding.beam_size=4"])
+    assert cfg.val.decoding == DecodingOptions(ctc_weight=0.0, beam_size=4)
+    old = tmp_path / "old.yaml"
+    old.write_text("val:\n  ctc_weight: 0.3\n")
+    for files, overrides in (([tiny], ["val.ctc_weight=0.3"]), ([tiny, str(old)], [])):
+        with pytest.raises(ConfigError, match=r"^val\.ctc_weight is now val\.decoding\.ctc_weight$"):
+            load_train_config(files, overrides)
+    with pytest.raises(ConfigError, match=r"^val\.decoding: CTC weight 2\.0 must lie in \[0, 1\]$"):
+        load_train_config(tiny, ["val.decoding.ctc_weight=2"])
+    with pytest.raises(ConfigError, match=r"val\.decoding\.frame_seconds is set from the model"):
+        load_train_config(tiny, ["val.decoding.frame_seconds=0.04"])
+    assert re.search(r"^  val\.decoding\.ctc_weight +float = 0\.3\n +joint CTC/attention decoding weight",
+                     help_text(), re.M)
+
+
 def test_every_key_is_described_with_type_and_default():
     rows = describe(TrainConfig)
     keys = {k for k, *_ in rows}

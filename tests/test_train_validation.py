@@ -315,3 +315,32 @@ def test_the_guide_resumes_when_validation_and_the_training_batch_find_the_decod
     err = run(tmp_path / "listening")
     assert "step 4: the decoder's cross-entropy on its training batch is 0.50 nats/token higher" in err
     assert "the attention guide stays off" in err and "guide resumes" not in err and gaps == []
+
+
+def test_validation_decodes_with_the_options_of_the_val_decoding_section():
+    """The val.decoding section is DecodingOptions itself: validation searches with what it sets,
+    its frame_seconds the model's (40 ms at subsampling 4)."""
+    import dataclasses
+
+    from aed.data_manifest import Faults
+    from aed.data_sources import ManifestEntry
+    from aed.decode_search import DecodingOptions
+    from aed.train_config import load_train_config
+    from aed.train_setup import build_training_setup
+    from aed.train_validation import evaluate
+
+    asked = ["val.decoding.beam_size=2", "val.decoding.ctc_weight=0.5", "val.decoding.max_repeats=2",
+             "val.decoding.no_speech_threshold=null", "val.max_utterances=2", "model.subsampling_factor=4"]
+    cfg = load_train_config("configs/tiny.yaml", [*SMALL, *asked])
+    assert cfg.val.decoding == DecodingOptions(beam_size=2, ctc_weight=0.5, max_repeats=2, no_speech_threshold=None)
+    setup = build_training_setup(cfg, torch.device("cpu"), "fp32")
+    searched = []
+
+    def hypotheses(model, batch, eos_id, options, amp, decoder=None):
+        searched.append(options)
+        return [[] for _ in range(len(batch))]
+
+    setup = dataclasses.replace(setup, objective=dataclasses.replace(setup.objective, hypotheses=hypotheses))
+    results = evaluate(setup, setup.model, {"dev": ManifestEntry.of("data/mini/dev.jsonl")}, 0, 1, False, Faults())
+    assert "dev/wer" in results and searched
+    assert set(searched) == {dataclasses.replace(cfg.val.decoding, frame_seconds=0.04)}
