@@ -29,7 +29,7 @@ the model's rate (16 kHz) from standard input and captions it as it comes, a lin
 Timestamps (--timestamps word|segment) are the hypothesis force-aligned to the CTC head's frame
 posteriors (aed/decode_timing.py), in seconds from the start of each file, to a resolution of one
 encoder frame (80 ms at Canary's 8x subsampling, 40 ms at 4x). A model without a CTC head
-(model.ctc_weight=0, e.g. a converted Canary checkpoint) cannot give them: infer.py stops with an
+(model.ctc_loss_weight=0, e.g. a converted Canary checkpoint) cannot give them: infer.py stops with an
 error before decoding.
 
 stdout: one `path<TAB>text` line per transcribed file, in input order. stderr: progress, failures

@@ -6,9 +6,9 @@
 Nested dataclass fields are YAML sections and dotted keys on the command line. Override values
 are parsed as YAML, so lists and mappings work (`manifests=[{path: a.jsonl, weight: 2}]`).
 Unknown keys and values of the wrong type are errors that name the key; a key a dataclass has
-renamed (its `RENAMED`) names the new one. Each field's trailing comment, or its metadata["help"]
-where it has one, is its description (`describe`), so the text next to the default is the one
-place a key is documented.
+renamed (its `RENAMED`) names the new one, while `renamed` reads a saved config's old keys as the
+new ones. Each field's trailing comment, or its metadata["help"] where it has one, is its
+description (`describe`), so the text next to the default is the one place a key is documented.
 
 Imports nothing from `aed`: the modules whose dataclasses it loads (aed/model.py, aed/train_config.py)
 import it.
@@ -99,6 +99,19 @@ def from_dict(cls, d: dict, prefix: str = ""):
         raise
     except (AssertionError, ValueError) as e:  # the dataclass's own checks of its values
         raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from None
+
+
+def renamed(cls, d: dict) -> dict:
+    """Mapping `d` of dataclass `cls` with the keys that it, or a section of it, has renamed (RENAMED)
+    under their new names: what a checkpoint saved before the rename holds, read as today's."""
+    hints, out = typing.get_type_hints(cls), {}
+    for k, v in d.items():
+        if isinstance(v, dict) and dataclasses.is_dataclass(hints.get(k)):
+            v = renamed(hints[k], v)
+        new = {}
+        _set_dotted(new, getattr(cls, "RENAMED", {}).get(k, k), v)
+        out = _merge(out, new)
+    return out
 
 
 def to_dict(cfg) -> dict:

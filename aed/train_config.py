@@ -127,7 +127,7 @@ class TrainSection:
     sortagrad: bool = False  # first pass over the data from the shortest bucket to the longest (a curriculum)
     short_first: list[float] | None = None  # [seconds, steps]: the first steps train only on utterances up to that long, passing over them repeatedly (a curriculum; in-memory manifests; docs/training.md)
     attention_guide: list[float] | None = None  # [weight, steps]: for the first steps, a loss on cross-attention far from the text/audio diagonal (guided attention; objective aed; docs/training.md)
-    attention_guide_to: str = "diagonal"  # where attention_guide points each token: diagonal (its place n/N in the audio) | ctc (its span in the CTC head's forced alignment; needs model.ctc_weight > 0)
+    attention_guide_to: str = "diagonal"  # where attention_guide points each token: diagonal (its place n/N in the audio) | ctc (its span in the CTC head's forced alignment; needs model.ctc_loss_weight > 0)
     attention_guide_heads: int | None = None  # guide only the first this many heads of each cross-attention layer, leaving the others free to look anywhere (None: every head)
     attention_guide_ramp: int = 0  # steps over which the guide's weight rises linearly from 0 to its full value (0: full from the first step)
     attention_guide_until: str = "steps"  # steps: the guide lasts its steps | listening: it also ends at the first check (every 50 steps) where the decoder uses the audio of its training batch (aed/train_guide.py)
@@ -318,9 +318,9 @@ class TrainConfig:
         if self.train.attention_guide and self.objective != "aed":
             raise ConfigError(f"train.attention_guide guides the decoder's cross-attention: objective=aed only "
                               f"(got objective={self.objective})")
-        if self.train.attention_guide and self.train.attention_guide_to == "ctc" and not self.model.ctc_weight > 0:
+        if self.train.attention_guide and self.train.attention_guide_to == "ctc" and not self.model.ctc_loss_weight > 0:
             raise ConfigError("train.attention_guide_to=ctc guides toward the CTC head's alignment: it needs "
-                              f"model.ctc_weight > 0 (got {self.model.ctc_weight})")
+                              f"model.ctc_loss_weight > 0 (got {self.model.ctc_loss_weight})")
         if (self.train.attention_guide_heads or 0) > self.model.dec_heads:
             raise ConfigError(f"train.attention_guide_heads={self.train.attention_guide_heads}: the decoder has "
                               f"model.dec_heads={self.model.dec_heads} heads per layer")

@@ -640,6 +640,32 @@ def test_average_of_the_newest_checkpoints(run_dir, tmp_path):
         load_model(str(run), average=4)
 
 
+def test_a_checkpoint_saved_when_the_ctc_loss_weight_was_model_ctc_weight_loads_with_its_head(tmp_path):
+    """The CTC loss weight was model.ctc_weight: a checkpoint whose saved model config has that key
+    (a run's DCP directory, or a single file) loads as it was trained, CTC head and weights included.
+    The bundled word models were saved so."""
+    torch.manual_seed(0)
+    tokenizer = Tokenizer.load(os.path.join(MINI, "tokenizer"))
+    cfg = AEDConfig(n_mels=80, vocab_size=tokenizer.padded_vocab_size, pad_id=tokenizer.pad, enc_d_model=32,
+                    enc_layers=1, enc_heads=2, subsampling_channels=8, dec_d_model=32, dec_layers=1, dec_heads=2,
+                    dec_max_len=64, ctc_loss_weight=0.3)
+    model = AED(cfg)
+    saved = dataclasses.asdict(cfg)
+    saved["ctc_weight"] = saved.pop("ctc_loss_weight")
+    state = {"step": 1, "model": model.state_dict(), "model_config": saved,
+             "features": dataclasses.asdict(FeatureConfig(n_mels=80)),
+             "tokenizer": pack_dir(os.path.join(MINI, "tokenizer"))}
+    save_checkpoint(dict(state), str(tmp_path / "run"), 1, keep_last=1)
+    torch.save(state, tmp_path / "old.pt")
+    for path in (tmp_path / "run", tmp_path / "old.pt"):
+        loaded = load_model(str(path))
+        assert loaded.model.cfg == cfg and loaded.model.ctc is not None, path
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.model.state_dict().items())
+    word_model = os.path.join(ROOT, "tests", "fixtures", "word_model.pt")
+    assert "ctc_weight" in torch.load(word_model, weights_only=False)["model_config"]
+    assert load_model(word_model).model.cfg.ctc_loss_weight == 0.5
+
+
 @pytest.mark.slow
 def test_the_speed_bench_runs_its_files_part_alone_and_ends_with_its_json():
     """`--parts files` (no decoder-step timing): the long-file ratio is reported and the JSON is the last

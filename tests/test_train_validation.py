@@ -19,7 +19,7 @@ from aed.train_validation import LISTENING_GAP, batch_listening_gap, ctc_transcr
 @pytest.mark.parametrize("loss_on_prompt", [True, False])
 def test_token_nll_with_its_own_audio_is_the_training_loss(loss_on_prompt):
     torch.manual_seed(0)
-    model = AED(tiny_config(ctc_weight=0.0, loss_on_prompt=loss_on_prompt)).eval()
+    model = AED(tiny_config(ctc_loss_weight=0.0, loss_on_prompt=loss_on_prompt)).eval()
     feats, feat_lens = torch.randn(3, 80, 24), torch.tensor([80, 61, 40])
     tokens, token_lens, prompt_lens = torch.randint(2, 40, (3, 9)), torch.tensor([9, 7, 5]), torch.tensor([3, 3, 2])
     loss, n = model(feats, feat_lens, tokens, token_lens, prompt_lens)
@@ -35,7 +35,7 @@ def test_the_ctc_head_s_transcripts_are_of_the_transcribed_rows_in_batch_order()
     from types import SimpleNamespace
 
     torch.manual_seed(0)
-    model = AED(tiny_config(ctc_weight=0.5)).eval()
+    model = AED(tiny_config(ctc_loss_weight=0.5)).eval()
     with torch.no_grad():
         model.ctc.proj.weight.zero_()
         model.ctc.proj.bias.fill_(-10).index_fill_(0, torch.tensor([7]), 10.0)  # every frame says 7: merged to one 7
@@ -101,7 +101,7 @@ def test_validation_drops_utterances_longer_than_the_decoder_as_training_does(tm
 
 def test_batch_listening_gap_is_the_token_mean_of_swapped_minus_own_and_zero_for_a_deaf_decoder():
     torch.manual_seed(0)
-    model = AED(tiny_config(ctc_weight=0.0)).train()
+    model = AED(tiny_config(ctc_loss_weight=0.0)).train()
     with torch.no_grad():  # at initialisation the audio barely moves the output: make it matter
         for layer in model.decoder.layers:
             layer.cross_attn.out_projection.weight.mul_(30)
