@@ -29,7 +29,7 @@ the model's rate (16 kHz) from standard input and captions it as it comes, a lin
 Timestamps (--timestamps word|segment) are the hypothesis force-aligned to the CTC head's frame
 posteriors (aed/decode_timing.py), in seconds from the start of each file, to a resolution of one
 encoder frame (80 ms at Canary's 8x subsampling, 40 ms at 4x). A model without a CTC head
-(model.ctc_weight=0, e.g. a converted Canary checkpoint) cannot give them: infer.py stops with an
+(model.ctc_loss_weight=0, e.g. a converted Canary checkpoint) cannot give them: infer.py stops with an
 error before decoding.
 
 stdout: one `path<TAB>text` line per transcribed file, in input order. stderr: progress, failures
@@ -37,6 +37,7 @@ stdout: one `path<TAB>text` line per transcribed file, in input order. stderr: p
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -44,6 +45,7 @@ import os
 import pickle
 import sys
 import time
+import typing
 
 import torch
 
@@ -75,32 +77,7 @@ def parse_args(argv: list[str] | None = None):
     task.add_argument("--target-lang", help="language of the output text; default: the source language")
     task.add_argument("--pnc", action=argparse.BooleanOptionalAction, default=True,
                       help="output punctuation and capitalisation")
-    dec = p.add_argument_group("decoding")  # defaults: aed.decode_search.DecodingOptions, the one place they are set
-    dec.add_argument("--beam-size", type=int, default=DecodingOptions.beam_size, help="1: greedy search")
-    dec.add_argument("--length-penalty", type=float, default=DecodingOptions.length_penalty,
-                     help="beam search GNMT alpha; 0 ranks hypotheses by log-probability")
-    dec.add_argument("--max-new-tokens", type=int, default=DecodingOptions.max_new_tokens,
-                     help="cap on generated tokens per chunk")
-    dec.add_argument("--max-delta", type=int, default=DecodingOptions.max_delta,
-                     help="at most encoder frames + this many tokens per chunk (NeMo's max_generation_delta)")
-    dec.add_argument("--ctc-weight", type=float, default=None,
-                     help="joint CTC/attention decoding weight for models with a CTC head; 0: attention only "
-                          f"(default: {DecodingOptions.ctc_weight}, streams too)")
-    dec.add_argument("--max-repeats", type=int, default=DecodingOptions.max_repeats,
-                     help="stop a hypothesis that repeats an n-gram more than this many times in a row; 0: never")
-    dec.add_argument("--max-tokens-per-second", type=float, default=DecodingOptions.max_tokens_per_second,
-                     help="stop a hypothesis at this many tokens per second of audio; 0: no bound")
-    dec.add_argument("--no-speech-threshold", type=float, default=DecodingOptions.no_speech_threshold, metavar="P",
-                     help="Whisper's no-speech check: the decoder's probability of ending right after the prompt "
-                          "(what non-speech training teaches) is written to --out as no_speech_prob, and a chunk "
-                          "(a stream's sentence, where it ends) above P gives none; --out counts them under "
-                          "`skipped`; 1: never (default: %(default)s)")
-    dec.add_argument("--logprob-threshold", type=float, default=DecodingOptions.logprob_threshold, metavar="L",
-                     help="Whisper's second condition for the no-speech check: a chunk is emptied only if the "
-                          "decoder's mean log-probability per token of its text (its EOS counted) is also at most "
-                          "L (Whisper's -1), so a confident text is kept whatever the no-speech probability "
-                          "(default: off, the probability alone decides: at -1 the demo model wrote text on "
-                          "32-35 of 60 held-out non-speech clips that the probability alone empties)")
+    add_decoding_flags(p.add_argument_group("decoding"))
     run = p.add_argument_group("execution")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
@@ -203,13 +180,24 @@ def stream_config(args) -> StreamConfig:
                         alignatt_threshold=args.alignatt_threshold, vad=args.vad)
 
 
+# DecodingOptions' fields that users set, each a flag (`beam_size`: --beam-size); the others come from the model.
+DECODING_FLAGS = [f for f in dataclasses.fields(DecodingOptions) if "set_from" not in f.metadata]
+
+
+def add_decoding_flags(group) -> None:
+    """The decoding flags, each with its field's type, default and help: the options are written once,
+    in aed/decode_search.py, for infer.py, the Python API and validation alike."""
+    hints = typing.get_type_hints(DecodingOptions)
+    for f in DECODING_FLAGS:
+        kind = next(t for t in typing.get_args(hints[f.name]) or [hints[f.name]] if t is not type(None))  # X | None: X
+        shown = "" if f.default is None else " (default: %(default)s)"
+        group.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
+                           metavar=f.metadata.get("metavar"), help=f.metadata["help"].replace("%", "%%") + shown)
+
+
 def decoding_options(args) -> DecodingOptions:
-    """The search the decoding flags ask for; --max-tokens-per-second 0 means no bound."""
-    return DecodingOptions(beam_size=args.beam_size, length_penalty=args.length_penalty, max_delta=args.max_delta,
-                           max_new_tokens=args.max_new_tokens,
-                           ctc_weight=DecodingOptions.ctc_weight if args.ctc_weight is None else args.ctc_weight,
-                           max_repeats=args.max_repeats, max_tokens_per_second=args.max_tokens_per_second or None,
-                           no_speech_threshold=args.no_speech_threshold, logprob_threshold=args.logprob_threshold)
+    """The search the decoding flags ask for."""
+    return DecodingOptions(**{f.name: getattr(args, f.name) for f in DECODING_FLAGS})
 
 
 class ProgressBar:

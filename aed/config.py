@@ -5,9 +5,10 @@
 
 Nested dataclass fields are YAML sections and dotted keys on the command line. Override values
 are parsed as YAML, so lists and mappings work (`manifests=[{path: a.jsonl, weight: 2}]`).
-Unknown keys and values of the wrong type are errors that name the key. Each field's trailing
-comment is its description (`describe`), so the comment next to the default is the one place a
-key is documented.
+Unknown keys and values of the wrong type are errors that name the key; a key a dataclass has
+renamed (its `RENAMED`) names the new one, while `renamed` reads a saved config's old keys as the
+new ones. Each field's trailing comment, or its metadata["help"] where it has one, is its
+description (`describe`), so the text next to the default is the one place a key is documented.
 
 Imports nothing from `aed`: the modules whose dataclasses it loads (aed/model.py, aed/train_config.py)
 import it.
@@ -79,17 +80,38 @@ def _check(value: Any, hint: Any, key: str) -> Any:
 
 
 def from_dict(cls, d: dict, prefix: str = ""):
-    """Build dataclass `cls` from a (possibly partial) mapping, checking names and types."""
+    """Build dataclass `cls` from a (possibly partial) mapping, checking names and types. A key the
+    class has renamed (its RENAMED: {old: new}) is an error that names the new key."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    renamed = getattr(cls, "RENAMED", {})
+    old = sorted(set(d) & set(renamed))
+    if old:
+        raise ConfigError("; ".join(f"{prefix}{k} is now {prefix}{renamed[k]}" for k in old))
     unknown = sorted(set(d) - names)
     if unknown:
         raise ConfigError(f"unknown config key(s): {', '.join(prefix + k for k in unknown)}; "
                           f"valid keys here: {', '.join(sorted(names))}")
+    values = {k: _check(v, hints[k], prefix + k) for k, v in d.items()}
     try:
-        return cls(**{k: _check(v, hints[k], prefix + k) for k, v in d.items()})
-    except AssertionError as e:  # a model dataclass's own consistency check
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (AssertionError, ValueError) as e:  # the dataclass's own checks of its values
         raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from None
+
+
+def renamed(cls, d: dict) -> dict:
+    """Mapping `d` of dataclass `cls` with the keys that it, or a section of it, has renamed (RENAMED)
+    under their new names: what a checkpoint saved before the rename holds, read as today's."""
+    hints, out = typing.get_type_hints(cls), {}
+    for k, v in d.items():
+        if isinstance(v, dict) and dataclasses.is_dataclass(hints.get(k)):
+            v = renamed(hints[k], v)
+        new = {}
+        _set_dotted(new, getattr(cls, "RENAMED", {}).get(k, k), v)
+        out = _merge(out, new)
+    return out
 
 
 def to_dict(cfg) -> dict:
@@ -182,7 +204,7 @@ def describe(cls, notes: dict | None = None, defaults=None, prefix: str = "") ->
         key = prefix + f.name
         note = f"({notes[key]}) " if key in notes else ""
         type_name = re.sub(r"\btyping\.|<class '(\w+)'>", r"\1", str(hint))
-        rows.append((key, type_name, repr(value), note + comments.get(f.name, "")))
+        rows.append((key, type_name, repr(value), note + f.metadata.get("help", comments.get(f.name, ""))))
     return rows
 
 

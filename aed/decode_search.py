@@ -52,7 +52,7 @@ exceed `max_tokens_per_second` of audio.
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -133,41 +133,63 @@ REPEAT_NGRAM = 6  # the repetition guard looks at n-grams of up to this many tok
 
 @dataclass(frozen=True)
 class DecodingOptions:
-    """How to search. The defaults here are the only ones: infer.py's flags, `aed.decode_transcribe.transcribe`
-    and the val.ctc_weight config key take theirs from this class."""
+    """How to search: the one place the decoding options are written. Each field holds its default and,
+    in metadata["help"], its description for users: infer.py makes its decoding flags from the fields
+    (aed.cli_infer.add_decoding_flags) and validation in training reads them as the val.decoding
+    section, so an option added here appears in both. A field marked `set_from` is no user option:
+    whoever decodes sets it from the model."""
 
-    beam_size: int = 1  # 1: batched greedy search; >1: vectorised beam search over B x beam_size rows
-    length_penalty: float = 0.0  # GNMT alpha: rank by logP / ((5 + len) / 6)^alpha; 0 ranks by logP (Canary's default)
-    max_delta: int = 50  # at most encoder frames + max_delta new tokens per utterance (NeMo's max_generation_delta)
-    max_new_tokens: int | None = None  # an absolute cap on new tokens per utterance, on top of max_delta
+    # 1: batched greedy search; >1: vectorised beam search over B x beam_size rows
+    beam_size: int = field(default=1, metadata={"help": "1: greedy search"})
+    # GNMT alpha: rank by logP / ((5 + len) / 6)^alpha; 0 ranks by logP (Canary's default)
+    length_penalty: float = field(default=0.0, metadata={
+        "help": "beam search GNMT alpha; 0 ranks hypotheses by log-probability"})
+    max_delta: int = field(default=50, metadata={
+        "help": "at most encoder frames + this many tokens per chunk, as NeMo's max_generation_delta"})
+    # An absolute cap on new tokens per utterance, on top of max_delta.
+    max_new_tokens: int | None = field(default=None, metadata={"help": "cap on generated tokens per chunk"})
     # Joint CTC/attention scoring, for models with a CTC head: (1 - w) log P_att + w log P_ctc (Watanabe et
-    # al. 2017; 0.3 is ESPnet's usual weight for ASR). 0 ranks by the attention decoder alone.
-    ctc_weight: float = 0.3
-    ctc_candidates: int = 8  # tokens per hypothesis and step that CTC scores: the attention decoder's best, plus EOS
-    # Stop a hypothesis that ends in one n-gram (up to REPEAT_NGRAM tokens) more than this many times in a row;
-    # 0: never. The bundled transcripts repeat an n-gram at most 3 times (digit strings).
-    max_repeats: int = 4
-    # At most this many tokens per second of audio; None: no bound. The bundled sentences have at most 16
-    # (espeak-ng speaks fast and their BPE pieces are short); Canary's tokenizers give about 4 on real speech.
-    max_tokens_per_second: float | None = 25.0
-    frame_seconds: float = 0.08  # seconds per encoder frame (aed.decode_timing.frame_seconds): converts the bound above
-    # Whisper's no-speech check: a hypothesis whose no-speech probability (`no_speech_probs`) is above
-    # this becomes empty; None: not computed. On by default because joint CTC decoding writes text on
-    # noise that the attention decoder, trained with non-speech examples, would end at once: the CTC
-    # head still hears tokens in sounds it never met. 0.1 lies far above clean speech's probability
-    # (at most 0.004 on the digits' dev set; under music at 0-20 dB SNR, 1 utterance of 48 passed it)
-    # and below all but a few non-speech clips' after non-speech training; a model never trained on
-    # non-speech gives ~1e-5, so the check leaves its output alone (docs/REPORT.md, "Sounds the model
+    # al. 2017; 0.3 is ESPnet's usual weight for ASR). 0 ranks by the attention decoder alone. Not the CTC
+    # loss weight of training (model.ctc_loss_weight), which gives a model its head.
+    ctc_weight: float = field(default=0.3, metadata={
+        "help": "joint CTC/attention decoding weight for models with a CTC head, streams too; 0: attention only"})
+    # CTC's prefix scores cost time per candidate: only the attention decoder's best are scored.
+    ctc_candidates: int = field(default=8, metadata={
+        "help": "joint CTC/attention decoding: how many of the attention decoder's best tokens (and EOS) CTC "
+                "scores per hypothesis and step"})
+    # An n-gram is up to REPEAT_NGRAM tokens. The bundled transcripts repeat one at most 3 times (digit strings).
+    max_repeats: int = field(default=4, metadata={
+        "help": "stop a hypothesis that repeats an n-gram more than this many times in a row; 0: never"})
+    # None or 0: no bound. The bundled sentences have at most 16 (espeak-ng speaks fast and their BPE pieces
+    # are short); Canary's tokenizers give about 4 on real speech.
+    max_tokens_per_second: float | None = field(default=25.0, metadata={
+        "help": "stop a hypothesis at this many tokens per second of audio; 0: no bound"})
+    # Transcribe, Streamer and validation set the model's.
+    frame_seconds: float = field(default=0.08, metadata={
+        "help": "seconds per encoder frame: converts max_tokens_per_second into frames",
+        "set_from": "the model's feature hop x subsampling factor (aed.decode_timing.frame_seconds)"})
+    # Whisper's no-speech check (`no_speech_probs`); None: not computed. On by default because joint CTC
+    # decoding writes text on noise that the attention decoder, trained with non-speech examples, would end
+    # at once: the CTC head still hears tokens in sounds it never met. 0.1 lies far above clean speech's
+    # probability (at most 0.004 on the digits' dev set; under music at 0-20 dB SNR, 1 utterance of 48
+    # passed it) and below all but a few non-speech clips' after non-speech training; a model never trained
+    # on non-speech gives ~1e-5, so the check leaves its output alone (docs/REPORT.md, "Sounds the model
     # never heard"). Whisper's 0.6 applies to its own <|nospeech|> token.
-    no_speech_threshold: float | None = 0.1
-    # With a value, Whisper's second condition too: only where the decoder is also unsure of the hypothesis
-    # it returns, its mean log-probability per token (`NoSpeech.avg_logprobs`) at most this (Whisper's
-    # -1.0): a confident transcript is kept whatever its no-speech probability. None (or 0, which every
-    # mean meets): the probability alone decides. Off by default: the attention decoder scores the text
-    # that joint CTC decoding writes on unheard sounds above -1 on most clips (the demo model after
-    # non-speech training: 32-35 of 60 held-out clips with text at -1, against 0 by the probability
-    # alone, at the same clean and music WER; docs/REPORT.md, "Sounds the model never heard").
-    logprob_threshold: float | None = None
+    no_speech_threshold: float | None = field(default=0.1, metadata={"metavar": "P", "help": (
+        "Whisper's no-speech check: the decoder's probability of ending right after the prompt (what "
+        "non-speech training teaches) is written to --out as no_speech_prob, and a chunk (a stream's "
+        "sentence, where it ends) above P gives none; --out counts them under `skipped`; 1: never")})
+    # Whisper's second condition, on the mean log-probability per token (`NoSpeech.avg_logprobs`). None (or
+    # 0, which every mean meets): the probability alone decides. Off by default: the attention decoder
+    # scores the text that joint CTC decoding writes on unheard sounds above -1 on most clips (the demo
+    # model after non-speech training: 32-35 of 60 held-out clips with text at -1, against 0 by the
+    # probability alone, at the same clean and music WER; docs/REPORT.md, "Sounds the model never heard").
+    logprob_threshold: float | None = field(default=None, metadata={"metavar": "L", "help": (
+        "Whisper's second condition for the no-speech check: a chunk is emptied only if the decoder's mean "
+        "log-probability per token of its text (its EOS counted) is also at most L (Whisper's -1), so a "
+        "confident text is kept whatever the no-speech probability (default: off, the probability alone "
+        "decides: at -1 the demo model wrote text on 32-35 of 60 held-out non-speech clips that the "
+        "probability alone empties)")})
 
     def __post_init__(self):
         """ValueError naming the first option out of its range."""
@@ -262,7 +284,7 @@ def token_budget(model, memory_lens, prompt_len: int, options: DecodingOptions):
     """
     assert prompt_len < model.cfg.dec_max_len, f"prompt of {prompt_len} tokens leaves no room in {model.cfg.dec_max_len} positions"
     budget = memory_lens + options.max_delta
-    if options.max_tokens_per_second is not None:
+    if options.max_tokens_per_second:  # None or 0: no bound
         per_frame = options.max_tokens_per_second * options.frame_seconds
         budget = torch.minimum(budget, (memory_lens * per_frame).floor().long().clamp(min=1))
     limit = model.cfg.dec_max_len - prompt_len

@@ -56,12 +56,12 @@ The streams of aed/decode_stream.py end their sentences at the same pauses (`Str
 ## Word timestamps
 
 Why CTC: the attention decoder has no notion of time (its cross-attention is free to look
-anywhere), but the CTC head on the encoder (model.ctc, trained when model.ctc_weight > 0) scores
+anywhere), but the CTC head on the encoder (model.ctc, trained when model.ctc_loss_weight > 0) scores
 every encoder frame (80 ms at Canary's 8x subsampling) against the same token ids. Viterbi forced alignment
 (torchaudio.functional.forced_align) finds the most likely CTC path that emits exactly the
 hypothesis' tokens, so the AED's text gets the CTC head's timing without being changed.
 
-A model without a CTC head (ctc_weight = 0, and the released Canary checkpoints) has no frame
+A model without a CTC head (model.ctc_loss_weight = 0, and the released Canary checkpoints) has no frame
 posteriors to align to: asking it for timestamps is an error, raised before any audio is decoded
 (`aed.decode_transcribe.transcribe`), not a silent guess.
 

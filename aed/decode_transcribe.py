@@ -473,8 +473,8 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
     progress(done_s, total_s) is called after every batch with seconds of audio.
     """
     if timestamps and loaded.model.ctc is None:
-        raise ValueError(f"{loaded.path} has no CTC head (trained with model.ctc_weight=0), and timestamps are "
-                         f"forced alignments to its frame posteriors; train with model.ctc_weight > 0 for them")
+        raise ValueError(f"{loaded.path} has no CTC head (trained with model.ctc_loss_weight=0), and timestamps are "
+                         f"forced alignments to its frame posteriors; train with model.ctc_loss_weight > 0 for them")
     check_settings(batch_duration, chunk_seconds, chunk_overlap)
     t_start = time.perf_counter()
     options = replace(options, frame_seconds=frame_seconds(loaded.features, loaded.model.cfg.subsampling_factor))

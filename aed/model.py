@@ -131,7 +131,8 @@ class AEDConfig:
     # --- loss
     label_smoothing: float = 0.0  # Canary trains without smoothing
     loss_on_prompt: bool = True  # NeMo also scores the prompt tokens after <|startoftranscript|>; False scores text + eos only
-    ctc_weight: float = 0.0  # > 0 adds a CTC head on the encoder: loss = CE + ctc_weight * CTC (both summed)
+    ctc_loss_weight: float = 0.0  # > 0 adds a CTC head on the encoder: loss = CE + ctc_loss_weight * CTC (both summed); decoding's own weight is DecodingOptions.ctc_weight
+    RENAMED = {"ctc_weight": "ctc_loss_weight"}  # old keys: an error in a config, read as the new one in a checkpoint (aed/model_checkpoint.py)
 
     def __post_init__(self):
         assert self.enc_d_model % self.enc_heads == 0, f"enc_d_model {self.enc_d_model} % enc_heads {self.enc_heads} != 0"
@@ -257,7 +258,7 @@ class AED(nn.Module):
             cfg.dec_max_len, cfg.dec_dropout, cfg.dec_dropout_att,
         )
         # Auxiliary CTC on the encoder output over the text tokens (blank = the extra last id).
-        self.ctc = CTCHead(cfg.enc_d_model, cfg.vocab_size + 1) if cfg.ctc_weight > 0 else None
+        self.ctc = CTCHead(cfg.enc_d_model, cfg.vocab_size + 1) if cfg.ctc_loss_weight > 0 else None
         # The weight of the guided-attention loss in training, and what it guides toward ("diagonal" or
         # "ctc": the CTC head's alignment); train.py sets them (train.attention_guide, attention_guide_to).
         self.attention_guide = 0.0
@@ -303,9 +304,9 @@ class AED(nn.Module):
         loss = F.cross_entropy(logits.float(), targets[is_target], label_smoothing=self.cfg.label_smoothing, reduction="sum")
         if self.ctc is not None:
             # Summed like the CE and divided by the same (decoder) target count in train.py, so the
-            # effective CTC weight is ctc_weight x (text tokens / decoder targets), slightly under ctc_weight.
+            # effective CTC weight is ctc_loss_weight x (text tokens / decoder targets), slightly under it.
             ctc_sum, _ = self.ctc.loss(enc, memory_lens, *text_targets(tokens, token_lens, prompt_lens), transcribed)
-            loss = loss + self.cfg.ctc_weight * ctc_sum
+            loss = loss + self.cfg.ctc_loss_weight * ctc_sum
         if weights is not None:
             weights = [w[:, :self.guide_heads] for w in weights]  # (B, H, U-1, T') -> the guided heads
             if self.guide_to == "ctc":

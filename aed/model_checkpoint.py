@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from aed.config import renamed
 from aed.data_audio import FeatureConfig
 from aed.data_tokenizer import Tokenizer
 from aed.model import AED, AEDConfig
@@ -152,7 +153,8 @@ def read_checkpoint(path: str, required=INFERENCE_KEYS, with_tensors: bool = Tru
     """The checkpoint at `path` as one dict, with the `required` entries checked; CheckpointError
     names the file at fault. Of a DCP directory, the TENSORS entries in `required` are read into
     this process, whole (inference, init_from); with_tensors=False reads meta.pt alone (a training
-    run loads its tensors itself, sharded: `load_training_state`)."""
+    run loads its tensors itself, sharded: `load_training_state`). The model config of a checkpoint
+    saved before one of its keys was renamed (AEDConfig.RENAMED) comes back under today's keys."""
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, COMPLETE)):
             raise CheckpointError(f"{path}: incomplete (no {COMPLETE} marker: the job stopped while saving it)")
@@ -172,6 +174,8 @@ def read_checkpoint(path: str, required=INFERENCE_KEYS, with_tensors: bool = Tru
     missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"{path}: not a complete aed checkpoint (no {', '.join(missing)})")
+    if isinstance(ckpt, dict) and "model_config" in ckpt:  # saved before a key was renamed: today's names
+        ckpt["model_config"] = renamed(AEDConfig, ckpt["model_config"])
     return ckpt
 
 

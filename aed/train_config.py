@@ -8,11 +8,14 @@ the objectives its `objective` key picks from (`OBJECTIVES`).
 aed/config.py does the loading: dataclass defaults, then the YAML file(s), then
 `key=value` overrides, with unknown keys and values of the wrong type as errors that name the
 key. Each field's trailing comment is its description: `train.py --help` prints it (`help_text`),
-so the comment next to the default is the one place a key is documented.
+so the comment next to the default is the one place a key is documented. Validation's decoding
+options, the val.decoding section, are aed.decode_search.DecodingOptions itself: infer.py's
+decoding flags, documented there.
 
 The model section describes the architecture only. Three of its fields have another source:
 `n_mels` is `features.n_mels`, and `vocab_size` / `pad_id` come from the tokenizer
-(`resolve_model`); a config that sets them is rejected, so they can never disagree.
+(`resolve_model`); a config that sets them is rejected, so they can never disagree. So is
+`val.decoding.frame_seconds`, which the model sets (`DERIVED`).
 
 The three training objectives sit side by side in `OBJECTIVES`: what `objective=...` changes.
 
@@ -124,7 +127,7 @@ class TrainSection:
     sortagrad: bool = False  # first pass over the data from the shortest bucket to the longest (a curriculum)
     short_first: list[float] | None = None  # [seconds, steps]: the first steps train only on utterances up to that long, passing over them repeatedly (a curriculum; in-memory manifests; docs/training.md)
     attention_guide: list[float] | None = None  # [weight, steps]: for the first steps, a loss on cross-attention far from the text/audio diagonal (guided attention; objective aed; docs/training.md)
-    attention_guide_to: str = "diagonal"  # where attention_guide points each token: diagonal (its place n/N in the audio) | ctc (its span in the CTC head's forced alignment; needs model.ctc_weight > 0)
+    attention_guide_to: str = "diagonal"  # where attention_guide points each token: diagonal (its place n/N in the audio) | ctc (its span in the CTC head's forced alignment; needs model.ctc_loss_weight > 0)
     attention_guide_heads: int | None = None  # guide only the first this many heads of each cross-attention layer, leaving the others free to look anywhere (None: every head)
     attention_guide_ramp: int = 0  # steps over which the guide's weight rises linearly from 0 to its full value (0: full from the first step)
     attention_guide_until: str = "steps"  # steps: the guide lasts its steps | listening: it also ends at the first check (every 50 steps) where the decoder uses the audio of its training batch (aed/train_guide.py)
@@ -242,9 +245,10 @@ class ValConfig:
     batch_duration: float = 300.0  # padded seconds of audio per decoding batch (batch size x longest)
     max_utterances: int | None = None  # validate on the first N utterances of each manifest only
     num_examples: int = 4  # transcripts shown in the log and TensorBoard
-    ctc_weight: float = DecodingOptions.ctc_weight  # joint CTC/attention decoding weight for models with a CTC head (infer.py's default too); 0: attention only
     normalizer: str = "simple"  # WER text normaliser: simple (case, punctuation) | whisper (the leaderboards', aed/decode_metrics.py)
     compile: bool = False  # decode with a compiled decoder step (aed/model_static.py; infer.py --compile): the same tokens, compiled at the first validation; pays on GPUs
+    decoding: DecodingOptions = field(default_factory=DecodingOptions)  # how validation decodes: infer.py's decoding flags as keys (--beam-size: val.decoding.beam_size), with their defaults
+    RENAMED = {"ctc_weight": "decoding.ctc_weight"}  # old keys a config gives an error for, naming the new one
 
     def __post_init__(self):
         if self.normalizer not in NORMALIZERS:
@@ -314,9 +318,9 @@ class TrainConfig:
         if self.train.attention_guide and self.objective != "aed":
             raise ConfigError(f"train.attention_guide guides the decoder's cross-attention: objective=aed only "
                               f"(got objective={self.objective})")
-        if self.train.attention_guide and self.train.attention_guide_to == "ctc" and not self.model.ctc_weight > 0:
+        if self.train.attention_guide and self.train.attention_guide_to == "ctc" and not self.model.ctc_loss_weight > 0:
             raise ConfigError("train.attention_guide_to=ctc guides toward the CTC head's alignment: it needs "
-                              f"model.ctc_weight > 0 (got {self.model.ctc_weight})")
+                              f"model.ctc_loss_weight > 0 (got {self.model.ctc_loss_weight})")
         if (self.train.attention_guide_heads or 0) > self.model.dec_heads:
             raise ConfigError(f"train.attention_guide_heads={self.train.attention_guide_heads}: the decoder has "
                               f"model.dec_heads={self.model.dec_heads} heads per layer")
@@ -330,9 +334,11 @@ class TrainConfig:
             raise ConfigError(f"precision: expected auto, fp32, bf16 or fp16, got {self.precision!r}")
 
 
-# Model fields whose value comes from elsewhere, and where.
+# Fields whose value comes from elsewhere, and where: the model's, and the decoding options the model sets.
 DERIVED = {"model.n_mels": "features.n_mels", "model.vocab_size": "the tokenizer (train.tokenizer)",
-           "model.pad_id": "the tokenizer (train.tokenizer)"}
+           "model.pad_id": "the tokenizer (train.tokenizer)"} | {
+    f"val.decoding.{f.name}": f.metadata["set_from"] for f in dataclasses.fields(DecodingOptions)
+    if "set_from" in f.metadata}
 
 
 def load_train_config(yaml_path: str | list[str] | None = None, overrides: list[str] = ()) -> TrainConfig:

@@ -154,9 +154,9 @@ def act_on_deafness(setup: TrainingSetup, guide: GuideState, step: int, gap: flo
               if encoder_learned else
               "The encoder has not learned the sounds either (the CTC head's WER is near 100%): the decoder has "
               "nothing to listen to. Check that the transcripts belong to their audio (tools/inspect_data.py), "
-              "lower optim.lr or raise optim.warmup_steps, or train the encoder alone first (model.ctc_weight, "
+              "lower optim.lr or raise optim.warmup_steps, or train the encoder alone first (model.ctc_loss_weight, "
               "init_from with init_encoder_only)" if encoder_learned is False else
-              "Validate (val.manifests, val.every) with a CTC head (model.ctc_weight > 0) to see whether the encoder "
+              "Validate (val.manifests, val.every) with a CTC head (model.ctc_loss_weight > 0) to see whether the encoder "
               "has learned the sounds; "
               "check that the transcripts belong to their audio (tools/inspect_data.py)")
     return (f"stopping: the decoder does not use the audio after {guide.restarts} decoder restart(s): {measured}. "

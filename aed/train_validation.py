@@ -9,9 +9,11 @@ transcribe, WER per language and BLEU per translation pair.
 
 Each rank scores a slice of every manifest; losses are all-reduced and hypotheses gathered, so
 every metric is a corpus metric over the whole manifest. Hypotheses come from the objective's
-`hypotheses`, the AED's through `aed.decode_search.decode_features`, infer.py's own path.
+`hypotheses`, the AED's through `aed.decode_search.decode_features`, infer.py's own path, with the
+options of the val.decoding section (infer.py's decoding flags, the same defaults).
 """
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -26,7 +28,6 @@ from aed.data_batch import Collate, ExampleDataset, as_utterance, duration_batch
 from aed.data_manifest import Faults, read_manifest
 from aed.data_sources import ManifestEntry, metadata
 from aed.decode_metrics import corpus_scores
-from aed.decode_search import DecodingOptions
 from aed.decode_timing import frame_seconds
 from aed.model_static import CompiledAED
 from aed.train_data import silence_trimmer
@@ -72,8 +73,8 @@ def evaluate(setup, model, manifests: dict[str, ManifestEntry], rank: int, world
     device = next(model.parameters()).device
     model.eval()
     logmel, collate = LogMel(cfg.features).eval(), Collate(tokenizer.pad)
-    options = DecodingOptions(ctc_weight=cfg.val.ctc_weight,
-                              frame_seconds=frame_seconds(cfg.features, cfg.model.subsampling_factor))
+    options = dataclasses.replace(cfg.val.decoding,
+                                  frame_seconds=frame_seconds(cfg.features, cfg.model.subsampling_factor))
     decoder = None  # the model itself
     if cfg.val.compile and objective.compiles:
         if model not in COMPILED:

@@ -217,9 +217,9 @@ def fixed_work(model, tokenizer):
     return LoadedModel(model, tokenizer, FeatureConfig(), "random weights")
 
 
-def random_asr(preset: str, tokenizer, device, ctc_weight: float = 0.0):
+def random_asr(preset: str, tokenizer, device, ctc_loss_weight: float = 0.0):
     """The preset at full width (Canary's vocabulary and 128 mels), random weights, EOS never chosen;
-    with a CTC head on the encoder when `ctc_weight` > 0 (the released Canary models have none)."""
+    with a CTC head on the encoder when `ctc_loss_weight` > 0 (the released Canary models have none)."""
     import dataclasses
 
     import torch
@@ -228,8 +228,8 @@ def random_asr(preset: str, tokenizer, device, ctc_weight: float = 0.0):
 
     torch.manual_seed(0)
     cfg = AEDConfig.from_yaml(PRESETS[preset])
-    if ctc_weight:
-        cfg = dataclasses.replace(cfg, ctc_weight=ctc_weight)
+    if ctc_loss_weight:
+        cfg = dataclasses.replace(cfg, ctc_loss_weight=ctc_loss_weight)
     return fixed_work(AED(cfg).to(device).eval(), tokenizer)
 
 

@@ -945,7 +945,7 @@ def stream_mode(args) -> None:
     with torch.inference_mode():
         for preset in args.presets:
             # One model for every weight: with a CTC head where any weight uses one (weight 0 leaves it unused).
-            loaded = random_asr(preset, tokenizer, device, ctc_weight=max(weights))
+            loaded = random_asr(preset, tokenizer, device, ctc_loss_weight=max(weights))
             if args.int8:
                 loaded = aed_variant(loaded, "aed-int8", in_place=True)
             streamers = {w: Streamer(loaded, config, options[w]) for w in weights}

@@ -116,7 +116,7 @@ def throughput_flags(p) -> None:
 def bench_model(name: str, args, work: Path, device: torch.device) -> dict:
     # One YAML that both train.py and oom.py read. The paper's models train with cross-entropy alone, and
     # the sentences have more varied lengths than the digits.
-    config = write_config(work / f"{name}.yaml", model={**MODELS[name][0], "ctc_weight": 0.0},
+    config = write_config(work / f"{name}.yaml", model={**MODELS[name][0], "ctc_loss_weight": 0.0},
                           train={"manifests": ["data/mini/train.jsonl"]})
     doc = yaml.safe_load(config.read_text())
     steps = args.steps or (30 if args.quick else MODELS[name][1])

@@ -31,7 +31,7 @@ ITALIAN = ["Il gatto dorme sul divano.", "Domani andiamo al mare con gli amici."
 def tiny_config(tokenizer: Tokenizer) -> AEDConfig:
     return AEDConfig(n_mels=32, vocab_size=tokenizer.padded_vocab_size, pad_id=tokenizer.pad, enc_d_model=32,
                      enc_layers=1, enc_heads=2, subsampling_channels=8, dec_d_model=32, dec_layers=1, dec_heads=2,
-                     dec_max_len=64, ctc_weight=0.3)
+                     dec_max_len=64, ctc_loss_weight=0.3)
 
 
 @pytest.fixture(scope="module")

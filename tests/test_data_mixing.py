@@ -198,7 +198,7 @@ def test_nonspeech_batch_has_a_finite_loss_with_ctc(tokenizer):
     torch.manual_seed(0)
     cfg = AEDConfig(n_mels=16, vocab_size=tokenizer.padded_vocab_size, pad_id=tokenizer.pad, enc_d_model=32,
                     enc_layers=1, enc_heads=2, subsampling_channels=8, dec_d_model=32, dec_layers=1, dec_heads=2,
-                    ctc_weight=0.5, dec_max_len=64)
+                    ctc_loss_weight=0.5, dec_max_len=64)
     model = AED(cfg)
     speech_ids, speech_prompt = tokenizer.encode_example("ja nein", "de", "de", True, "transcribe")
     rows = [tokenizer.encode_example("", "de", "de", True, "transcribe"),  # non-speech, CTC target empty

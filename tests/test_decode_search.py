@@ -144,7 +144,7 @@ def test_search_after_the_encoder_equals_decode_features(beam_size):
     assert search(model, memory, memory_lens, prompt, eos, options) == hyps
 
 
-@pytest.mark.parametrize("per_second", [None, 25.0])
+@pytest.mark.parametrize("per_second", [None, 0.0, 25.0])  # None or 0: no bound
 def test_generation_budget_is_encoder_frames_plus_delta_capped_by_positions_and_rate(per_second):
     model = random_model(dec_max_len=40)
     feats, lens, prompt = batch(lens=(300, 60, 16))
@@ -246,7 +246,7 @@ def test_beam_search_equals_slow_reference(alpha):
 
 @pytest.mark.parametrize("beam_size,alpha", [(1, 0.0), (3, 0.0), (3, 1.0)])
 def test_joint_ctc_attention_search_equals_slow_reference(beam_size, alpha):
-    model = random_model(seed=2, ctc_weight=0.3)
+    model = random_model(seed=2, ctc_loss_weight=0.3)
     feats, lens, prompt = batch(lens=(100, 48, 75), seed=2)
     memory, memory_lens, ctc_log_probs = model.encode_with_ctc(feats, lens)
     eos = pick_eos(model, memory, memory_lens, prompt)
@@ -263,7 +263,7 @@ def test_joint_ctc_attention_search_equals_slow_reference(beam_size, alpha):
 def test_joint_search_with_ctc_weight_0_equals_attention_search(beam_size):
     """Weight 0 is the attention decoder's search exactly; so is a weight too small to reorder anything,
     which runs the joint machinery (pre-beam candidates, EOS column, CTC state selection)."""
-    model = random_model(seed=3, ctc_weight=0.3)
+    model = random_model(seed=3, ctc_loss_weight=0.3)
     feats, lens, prompt = batch(lens=(120, 100, 95, 140), seed=3)
     memory, memory_lens, ctc_log_probs = model.encode_with_ctc(feats, lens)
     eos = pick_eos(model, memory, memory_lens, prompt)
@@ -277,7 +277,7 @@ def test_joint_search_with_ctc_weight_0_equals_attention_search(beam_size):
 
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_batched_joint_search_equals_each_utterance_alone(beam_size):
-    model = random_model(seed=4, ctc_weight=0.3)
+    model = random_model(seed=4, ctc_loss_weight=0.3)
     feats, lens, prompt = batch(seed=4)
     memory, memory_lens = model.encode(feats, lens)
     eos = pick_eos(model, memory, memory_lens, prompt)
@@ -305,7 +305,7 @@ def test_ctc_rescues_an_attention_decoder_that_loops(beam_size):
     """The attention decoder always prefers token 20 (it would say it until the length limit); CTC
     frames say [5, 9, 7] and [11, 11, 6]. Joint decoding outputs exactly those and stops; the
     repetition guard alone stops the loop after max_repeats + 1 copies."""
-    model = random_model(seed=5, ctc_weight=0.3)
+    model = random_model(seed=5, ctc_loss_weight=0.3)
     feats, lens, prompt = batch(lens=(120, 95), seed=5)
     memory, memory_lens = model.encode(feats, lens)  # 15 and 12 frames
     eos, loop = V - 1, 20
@@ -408,7 +408,7 @@ def test_a_hypothesis_log_probability_is_the_decoders_own_score_of_it(beam_size,
     hypothesis the search returns (its tokens, and its EOS where it ended with one: Whisper's
     sum_logprob), as the uncached decoder scores it teacher-forced, whatever ranked it (a beam, joint
     CTC scores)."""
-    model = random_model(seed=2, ctc_weight=0.3)
+    model = random_model(seed=2, ctc_loss_weight=0.3)
     feats, lens, prompt = batch(lens=(100, 48, 75), seed=2)
     memory, memory_lens, ctc_log_probs = model.encode_with_ctc(feats, lens)
     eos = pick_eos(model, memory, memory_lens, prompt)

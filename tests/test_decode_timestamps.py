@@ -110,12 +110,12 @@ def test_srt_and_webvtt_files():
 # --- through transcribe -----------------------------------------------------------------------
 
 
-def checkpoint(tmp_path, tokenizer, ctc_weight: float) -> str:
+def checkpoint(tmp_path, tokenizer, ctc_loss_weight: float) -> str:
     torch.manual_seed(0)
     cfg = AEDConfig(n_mels=32, vocab_size=tokenizer.padded_vocab_size, pad_id=tokenizer.pad, enc_d_model=32,
                     enc_layers=1, enc_heads=2, subsampling_channels=8, dec_d_model=32, dec_layers=1, dec_heads=2,
-                    dec_max_len=64, ctc_weight=ctc_weight)
-    run = tmp_path / f"ctc{ctc_weight}"
+                    dec_max_len=64, ctc_loss_weight=ctc_loss_weight)
+    run = tmp_path / f"ctc{ctc_loss_weight}"
     run.mkdir()
     save_checkpoint({"model": AED(cfg).state_dict(), "model_config": dataclasses.asdict(cfg),
                      "features": dataclasses.asdict(FeatureConfig(n_mels=32)),
@@ -139,7 +139,7 @@ def long_file(tmp_path, seconds_between: float = 0.6) -> tuple[str, list[tuple[s
 
 
 def test_a_model_without_ctc_head_refuses_timestamps_before_any_work(tmp_path, tokenizer):
-    asr = load_model(checkpoint(tmp_path, tokenizer, ctc_weight=0.0))
+    asr = load_model(checkpoint(tmp_path, tokenizer, ctc_loss_weight=0.0))
     with pytest.raises(ValueError, match="no CTC head"):
         transcribe(asr, [os.path.join(MINI, "examples", "en_asr_16k.wav")], timestamps=True)
 
@@ -147,7 +147,7 @@ def test_a_model_without_ctc_head_refuses_timestamps_before_any_work(tmp_path, t
 def test_times_are_monotonic_within_the_audio_and_offset_per_chunk(tmp_path, tokenizer):
     """Any model's words (an untrained one's here) lie in order inside the chunk they were decoded
     from, with the chunk's start added: the bookkeeping, whatever the model hears."""
-    asr = load_model(checkpoint(tmp_path, tokenizer, ctc_weight=0.3))
+    asr = load_model(checkpoint(tmp_path, tokenizer, ctc_loss_weight=0.3))
     path, _ = long_file(tmp_path)
     chunk = 4.0
     (res,), timings = transcribe(asr, [path], DecodingOptions(max_new_tokens=6), chunk_seconds=chunk,
@@ -165,7 +165,7 @@ def test_times_are_monotonic_within_the_audio_and_offset_per_chunk(tmp_path, tok
 
 
 def test_cli_writes_segments_and_subtitles(tmp_path, tokenizer):
-    run = checkpoint(tmp_path, tokenizer, ctc_weight=0.3)
+    run = checkpoint(tmp_path, tokenizer, ctc_loss_weight=0.3)
     out, subs = tmp_path / "hyp.jsonl", tmp_path / "subs"
     wav = os.path.join(MINI, "examples", "en_asr_16k.wav")
     p = run_in_process(cli_infer.main, ["--ckpt", run, wav, "--out", str(out), "--timestamps", "word",
@@ -177,17 +177,17 @@ def test_cli_writes_segments_and_subtitles(tmp_path, tokenizer):
     assert (subs / "en_asr_16k.vtt").read_text().startswith("WEBVTT\n\n00:00:")
     assert "alignment" in p.stderr
 
-    no_ctc = checkpoint(tmp_path, tokenizer, ctc_weight=0.0)
+    no_ctc = checkpoint(tmp_path, tokenizer, ctc_loss_weight=0.0)
     p = run_in_process(cli_infer.main, ["--ckpt", no_ctc, wav, "--timestamps", "segment"])
     assert p.returncode != 0 and "no CTC head" in p.stderr
 
 
-@pytest.mark.parametrize("ctc_weight", [0.3, 0.0])
-def test_overlapping_chunks_of_continuous_speech_merge_into_one_ordered_transcript(tmp_path, tokenizer, ctc_weight):
+@pytest.mark.parametrize("ctc_loss_weight", [0.3, 0.0])
+def test_overlapping_chunks_of_continuous_speech_merge_into_one_ordered_transcript(tmp_path, tokenizer, ctc_loss_weight):
     """Words without pauses between them (and a noise floor): where a cut is not at a pause the next
     chunk starts `overlap` before the previous one ends, and the merged words (by time with a CTC head, by text without) lie in order, each once, inside the
     audio. An untrained model: the bookkeeping, not recognition (tests/test_decode_merge.py has the rules)."""
-    asr = load_model(checkpoint(tmp_path, tokenizer, ctc_weight=ctc_weight))
+    asr = load_model(checkpoint(tmp_path, tokenizer, ctc_loss_weight=ctc_loss_weight))
     path, truth = long_file(tmp_path, seconds_between=0.0)
     wav = load_audio(path)
     sf.write(path, (wav + 0.01 * torch.randn(wav.numel(), generator=torch.Generator().manual_seed(0))).numpy(),
@@ -198,10 +198,10 @@ def test_overlapping_chunks_of_continuous_speech_merge_into_one_ordered_transcri
     assert len(chunks) >= 4 and sum(o > 0 for o in overlaps) >= 2 and max(overlaps) <= overlap + 1e-6
     assert all(a[0] <= b[0] for a, b in zip(chunks, chunks[1:]))
     (res,), _ = transcribe(asr, [path], DecodingOptions(max_new_tokens=6), chunk_seconds=chunk,
-                           chunk_overlap=overlap, timestamps=ctc_weight > 0)
+                           chunk_overlap=overlap, timestamps=ctc_loss_weight > 0)
     assert res.error is None and res.duration == pytest.approx(wav.numel() / 16000, abs=1e-3)  # overlaps count once
     assert res.pred_text and res.tokens
-    if ctc_weight > 0:
+    if ctc_loss_weight > 0:
         assert " ".join(w.text for w in res.words) == res.pred_text
         assert [t for w in res.words for t in w.ids] == res.tokens
         assert all(0 <= w.start < w.end <= res.duration + 1e-6 for w in res.words)

@@ -134,7 +134,7 @@ def fine_tuned(tmp_path_factory):
             convert(FIXTURES / f"{name}.nemo", tmp / "init.pt")
             run = tmp / "run"
             p = train_in_process([str(tmp / "init.yaml"), f"init_from={tmp / 'init.pt'}", f"run_dir={run}",
-                                  "model.ctc_weight=0.3", "max_steps=2", "ckpt_every=1", "val.every=0",
+                                  "model.ctc_loss_weight=0.3", "max_steps=2", "ckpt_every=1", "val.every=0",
                                   f"train.manifests=[{MINI / 'train.jsonl'}]", "train.num_buckets=2",
                                   "train.max_duration=8", "train.num_workers=0", "optim.warmup_steps=1",
                                   "optim.lr=1e-3"])
@@ -161,7 +161,7 @@ def test_trained_model_exports_and_reads_back(fine_tuned):
     averaged = load_model(str(run), average=2)
     convert(tmp / "avg.nemo", tmp / "back.pt")
     back = load_model(str(tmp / "back.pt"))
-    assert back.model.cfg.ctc_weight == 0 and averaged.model.cfg.ctc_weight == 0.3
+    assert back.model.cfg.ctc_loss_weight == 0 and averaged.model.cfg.ctc_loss_weight == 0.3
     state = averaged.model.state_dict()
     assert sorted(back.model.state_dict()) == sorted(k for k in state if not k.startswith("ctc."))
     assert all(torch.equal(v, state[k]) for k, v in back.model.state_dict().items())
@@ -253,7 +253,7 @@ def tiny_checkpoint(path: Path, subsampling: int = 8) -> Path:
     layout, canary2 prompts: what train_tokenizer.py makes by default)."""
     tokenizer = MINI / "tokenizer"
     cfg = dataclasses.replace(AEDConfig.from_yaml(ROOT / "configs" / "tiny.yaml"), subsampling_factor=subsampling, n_mels=80,
-                              vocab_size=Tokenizer.load(tokenizer).padded_vocab_size, ctc_weight=0.0)
+                              vocab_size=Tokenizer.load(tokenizer).padded_vocab_size, ctc_loss_weight=0.0)
     torch.manual_seed(0)
     model = AED(cfg).eval()
     torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(cfg),

@@ -296,6 +296,27 @@ def test_setting_ranges_are_checked_by_the_library_and_reported_by_infer_py(caps
     assert (cli_infer.decoding_options(asked).no_speech_threshold, cli_infer.decoding_options(asked).logprob_threshold) == (0.2, -2)
 
 
+def test_every_decoding_option_is_a_flag_with_the_options_default_and_its_value_reaches_the_search(capsys):
+    """infer.py's decoding flags are made from DecodingOptions' fields: one per option a user sets (not
+    frame_seconds, the model's), each defaulting to the field's default and passing its value on."""
+    user = [f for f in dataclasses.fields(DecodingOptions) if "set_from" not in f.metadata]
+    assert [f.name for f in dataclasses.fields(DecodingOptions) if f not in user] == ["frame_seconds"]
+    defaults = cli_infer.parse_args(["--ckpt", "runs/x", "a.wav"])
+    assert {f.name: getattr(defaults, f.name) for f in user} == {f.name: f.default for f in user}
+    assert cli_infer.decoding_options(defaults) == DecodingOptions()
+    asked = {"beam_size": 3, "length_penalty": 0.5, "max_delta": 7, "max_new_tokens": 9, "ctc_weight": 0.6,
+             "ctc_candidates": 5, "max_repeats": 2, "max_tokens_per_second": 12.5, "no_speech_threshold": 0.4,
+             "logprob_threshold": -0.7}
+    assert set(asked) == {f.name for f in user}  # a new option needs a value here
+    assert all(value != getattr(DecodingOptions(), name) for name, value in asked.items())
+    flags = [arg for name, value in asked.items() for arg in ("--" + name.replace("_", "-"), str(value))]
+    assert cli_infer.decoding_options(cli_infer.parse_args(["--ckpt", "runs/x", "a.wav", *flags])) \
+        == DecodingOptions(**asked)
+    with pytest.raises(SystemExit):
+        cli_infer.parse_args(["--ckpt", "runs/x", "a.wav", "--frame-seconds", "0.04"])
+    assert "unrecognized arguments: --frame-seconds" in capsys.readouterr().err
+
+
 class TracedBeams:
     """The model as a search steps it, recording the generated ids each row holds after every step
     that is fed back (`cache.reorder` moves the survivors' histories, `decode_step` appends their tokens)."""
@@ -617,6 +638,32 @@ def test_average_of_the_newest_checkpoints(run_dir, tmp_path):
     assert load_model(str(run), average=2).model.state_dict()[w].allclose(newest["model"][w] * 1.25)
     with pytest.raises(CheckpointError, match="3 valid checkpoint.*asked to average 4"):
         load_model(str(run), average=4)
+
+
+def test_a_checkpoint_saved_when_the_ctc_loss_weight_was_model_ctc_weight_loads_with_its_head(tmp_path):
+    """The CTC loss weight was model.ctc_weight: a checkpoint whose saved model config has that key
+    (a run's DCP directory, or a single file) loads as it was trained, CTC head and weights included.
+    The bundled word models were saved so."""
+    torch.manual_seed(0)
+    tokenizer = Tokenizer.load(os.path.join(MINI, "tokenizer"))
+    cfg = AEDConfig(n_mels=80, vocab_size=tokenizer.padded_vocab_size, pad_id=tokenizer.pad, enc_d_model=32,
+                    enc_layers=1, enc_heads=2, subsampling_channels=8, dec_d_model=32, dec_layers=1, dec_heads=2,
+                    dec_max_len=64, ctc_loss_weight=0.3)
+    model = AED(cfg)
+    saved = dataclasses.asdict(cfg)
+    saved["ctc_weight"] = saved.pop("ctc_loss_weight")
+    state = {"step": 1, "model": model.state_dict(), "model_config": saved,
+             "features": dataclasses.asdict(FeatureConfig(n_mels=80)),
+             "tokenizer": pack_dir(os.path.join(MINI, "tokenizer"))}
+    save_checkpoint(dict(state), str(tmp_path / "run"), 1, keep_last=1)
+    torch.save(state, tmp_path / "old.pt")
+    for path in (tmp_path / "run", tmp_path / "old.pt"):
+        loaded = load_model(str(path))
+        assert loaded.model.cfg == cfg and loaded.model.ctc is not None, path
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.model.state_dict().items())
+    word_model = os.path.join(ROOT, "tests", "fixtures", "word_model.pt")
+    assert "ctc_weight" in torch.load(word_model, weights_only=False)["model_config"]
+    assert load_model(word_model).model.cfg.ctc_loss_weight == 0.5
 
 
 @pytest.mark.slow

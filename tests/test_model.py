@@ -158,7 +158,7 @@ def test_masked_batch_norm_ignores_padding():
 @pytest.mark.parametrize("conv_norm,factor", [("batch_norm", 8), ("layer_norm", 8), ("batch_norm", 4)])
 def test_utterance_alone_equals_inside_padded_batch(conv_norm, factor):
     torch.manual_seed(0)
-    model = AED(tiny_config(conv_norm=conv_norm, subsampling_factor=factor, ctc_weight=0.5)).eval()
+    model = AED(tiny_config(conv_norm=conv_norm, subsampling_factor=factor, ctc_loss_weight=0.5)).eval()
     with torch.no_grad():  # non-trivial running statistics, so eval-mode BatchNorm does something
         for m in model.modules():
             if isinstance(m, MaskedBatchNorm1d):
@@ -272,7 +272,7 @@ def test_ctc_auxiliary_loss_adds_a_head_and_a_term():
     tokens = torch.randint(2, 40, (2, 12))
     token_lens, prompt_lens = torch.tensor([12, 9]), torch.tensor([5, 5])
     plain = AED(cfg).eval()
-    with_ctc = AED(dataclasses.replace(cfg, ctc_weight=0.3)).eval()
+    with_ctc = AED(dataclasses.replace(cfg, ctc_loss_weight=0.3)).eval()
     with_ctc.load_state_dict(plain.state_dict(), strict=False)
     ce, n = plain(feats, feat_lens, tokens, token_lens, prompt_lens)
     total, n2 = with_ctc(feats, feat_lens, tokens, token_lens, prompt_lens)
@@ -358,7 +358,7 @@ def test_attention_guide_adds_its_term_in_training_only_and_the_open_attention_e
     torch.manual_seed(0)
     no_dropout = {k: 0.0 for k in ("enc_dropout", "enc_dropout_pre_encoder", "enc_dropout_att", "dec_dropout",
                                    "dec_dropout_att")}
-    model = AED(tiny_config(ctc_weight=0.0, **no_dropout)).train()  # train mode without randomness
+    model = AED(tiny_config(ctc_loss_weight=0.0, **no_dropout)).train()  # train mode without randomness
     b, t = 2, 160
     feats, feat_lens = torch.randn(b, t, 24), torch.tensor([160, 120])
     tokens, token_lens, prompt_lens = torch.randint(2, 38, (b, 9)), torch.tensor([9, 7]), torch.tensor([3, 3])
@@ -386,7 +386,7 @@ def test_attention_guide_adds_its_term_in_training_only_and_the_open_attention_e
 
 def test_the_guide_toward_the_ctc_alignment_adds_a_term_that_trains_the_cross_attention():
     torch.manual_seed(0)
-    model = AED(tiny_config(ctc_weight=0.5)).train()
+    model = AED(tiny_config(ctc_loss_weight=0.5)).train()
     feats, feat_lens = torch.randn(2, 160, 24), torch.tensor([160, 120])
     tokens, token_lens, prompt_lens = torch.randint(2, 38, (2, 9)), torch.tensor([9, 7]), torch.tensor([3, 3])
     torch.manual_seed(1)
@@ -405,7 +405,7 @@ def test_a_guide_on_one_head_trains_that_head_alone():
     torch.manual_seed(0)
     no_dropout = {k: 0.0 for k in ("enc_dropout", "enc_dropout_pre_encoder", "enc_dropout_att", "dec_dropout",
                                    "dec_dropout_att")}
-    model = AED(tiny_config(ctc_weight=0.0, **no_dropout)).train()
+    model = AED(tiny_config(ctc_loss_weight=0.0, **no_dropout)).train()
     feats, feat_lens = torch.randn(2, 160, 24), torch.tensor([160, 120])
     tokens, token_lens, prompt_lens = torch.randint(2, 38, (2, 9)), torch.tensor([9, 7]), torch.tensor([3, 3])
     plain, _ = model(feats, feat_lens, tokens, token_lens, prompt_lens)

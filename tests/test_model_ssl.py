@@ -186,7 +186,7 @@ def test_an_ssl_checkpoint_initialises_the_encoder_of_an_aed_and_a_transducer(tm
 
     ssl = tiny_model()
     path = save_checkpoint({"model": ssl.state_dict()}, str(tmp_path), 7, keep_last=1)
-    cfg = dataclasses.replace(ssl.cfg, vocab_size=40, dec_d_model=48, dec_layers=1, dec_heads=2, ctc_weight=0.3)
+    cfg = dataclasses.replace(ssl.cfg, vocab_size=40, dec_d_model=48, dec_layers=1, dec_heads=2, ctc_loss_weight=0.3)
     for model in (AED(cfg), TransducerASR(cfg, 38, pred_dim=32, joint_dim=32)):
         fresh = {k: v.clone() for k, v in model.state_dict().items()}
         note = init_from_checkpoint(model, path, encoder_only)

@@ -68,7 +68,7 @@ def test_the_static_cache_decodes_the_tokens_of_the_eager_one(name, monkeypatch)
     """Every search through CompiledAED's fixed-shape buckets (3 utterances in 4 rows, 120 frames in 128,
     positions rounded up), its step run uncompiled here (the same computation; the slow tests compile
     it), on a float64 model: the same tokens as eager decoding, in greedy, beam and joint search."""
-    model = random_model(ctc_weight=0.3)
+    model = random_model(ctc_loss_weight=0.3)
     feats, lens, prompt = batch(lens=(120, 70, 33))
     eos = pick_eos(model, *model.encode(feats, lens), prompt)
     compiled = CompiledAED(model)

@@ -27,7 +27,7 @@ def exported(tmp_path_factory):
     """A tiny model with a CTC head and its two programs, saved to .pt2 and loaded back."""
     torch.manual_seed(0)
     cfg = AEDConfig(n_mels=32, vocab_size=48, pad_id=1, enc_d_model=32, enc_layers=1, enc_heads=2,
-                    subsampling_channels=8, dec_d_model=32, dec_layers=2, dec_heads=2, dec_max_len=64, ctc_weight=0.3)
+                    subsampling_channels=8, dec_d_model=32, dec_layers=2, dec_heads=2, dec_max_len=64, ctc_loss_weight=0.3)
     model = AED(cfg).eval()
     with torch.no_grad():  # BatchNorm statistics other than the initial ones, so eval mode is exercised
         for m in model.encoder.modules():

@@ -51,16 +51,60 @@ def test_choices_are_checked_with_the_key_named():
         with pytest.raises(ConfigError, match=key):
             load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), [override])
     # the CTC alignment needs a CTC head; the diagonal does not
-    guide = ["train.attention_guide=[1.0,10]", "model.ctc_weight=0"]
+    guide = ["train.attention_guide=[1.0,10]", "model.ctc_loss_weight=0"]
     assert load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), guide).train.attention_guide_to == "diagonal"
-    with pytest.raises(ConfigError, match="attention_guide_to=ctc .* needs model.ctc_weight > 0"):
+    with pytest.raises(ConfigError, match="attention_guide_to=ctc .* needs model.ctc_loss_weight > 0"):
         load_train_config(os.path.join(ROOT, "configs/tiny.yaml"), [*guide, "train.attention_guide_to=ctc"])
+
+
+def test_validation_decodes_with_the_val_decoding_section_and_its_old_key_names_the_new_one(tmp_path):
+    """val.decoding is DecodingOptions, infer.py's decoding flags as keys with their defaults and
+    checks; the decoding weight once at val.ctc_weight gives an error naming its new key."""
+    from aed.decode_search import DecodingOptions
+
+    tiny = os.path.join(ROOT, "configs/tiny.yaml")
+    assert load_train_config(tiny).val.decoding == DecodingOptions()
+    cfg = load_train_config(tiny, ["val.decoding.ctc_weight=0", "val.decoding.beam_size=4"])
+    assert cfg.val.decoding == DecodingOptions(ctc_weight=0.0, beam_size=4)
+    old = tmp_path / "old.yaml"
+    old.write_text("val:\n  ctc_weight: 0.3\n")
+    for files, overrides in (([tiny], ["val.ctc_weight=0.3"]), ([tiny, str(old)], [])):
+        with pytest.raises(ConfigError, match=r"^val\.ctc_weight is now val\.decoding\.ctc_weight$"):
+            load_train_config(files, overrides)
+    with pytest.raises(ConfigError, match=r"^val\.decoding: CTC weight 2\.0 must lie in \[0, 1\]$"):
+        load_train_config(tiny, ["val.decoding.ctc_weight=2"])
+    with pytest.raises(ConfigError, match=r"val\.decoding\.frame_seconds is set from the model"):
+        load_train_config(tiny, ["val.decoding.frame_seconds=0.04"])
+    assert re.search(r"^  val\.decoding\.ctc_weight +float = 0\.3\n +joint CTC/attention decoding weight",
+                     help_text(), re.M)
+
+
+def test_the_old_ctc_loss_weight_key_names_the_new_one_and_saved_configs_read_as_today_s(tmp_path):
+    """The CTC loss weight was model.ctc_weight, the name decoding's weight keeps: a config or override
+    that sets it is an error naming model.ctc_loss_weight; a run's saved config (a checkpoint's, which
+    tools/upgrade_checkpoint.py rebuilds) is read with both old keys renamed."""
+    from aed.config import renamed
+    from aed.model import AEDConfig
+
+    tiny = os.path.join(ROOT, "configs/tiny.yaml")
+    assert load_train_config(tiny, ["model.ctc_loss_weight=1.0"]).model.ctc_loss_weight == 1.0
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  enc_d_model: 64\n  ctc_weight: 0.3\n")
+    for files, overrides in (([tiny], ["model.ctc_weight=0.3"]), ([tiny, str(old)], [])):
+        with pytest.raises(ConfigError, match=r"^model\.ctc_weight is now model\.ctc_loss_weight$"):
+            load_train_config(files, overrides)
+    with pytest.raises(ConfigError, match=r"^model\.ctc_weight is now model\.ctc_loss_weight$"):
+        AEDConfig.from_yaml(old)
+    saved = {"model": {"enc_d_model": 64, "ctc_weight": 0.3}, "val": {"every": 5, "ctc_weight": 0.5,
+                                                                      "decoding": {"beam_size": 2}}}
+    assert renamed(TrainConfig, saved) == {"model": {"enc_d_model": 64, "ctc_loss_weight": 0.3},
+                                           "val": {"every": 5, "decoding": {"ctc_weight": 0.5, "beam_size": 2}}}
 
 
 def test_every_key_is_described_with_type_and_default():
     rows = describe(TrainConfig)
     keys = {k for k, *_ in rows}
-    assert {"optim.lr", "train.manifests", "model.ctc_weight", "spec_augment.time_masks", "val.every"} <= keys
+    assert {"optim.lr", "train.manifests", "model.ctc_loss_weight", "spec_augment.time_masks", "val.every"} <= keys
     for key, type_name, default, text in rows:
         assert type_name and default and len(text) > 10, (key, type_name, default, text)
     lr = next(r for r in rows if r[0] == "optim.lr")

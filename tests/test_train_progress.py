@@ -95,7 +95,7 @@ def small_step():
     torch.manual_seed(0)
     model = AED(AEDConfig(n_mels=24, vocab_size=40, pad_id=1, enc_d_model=32, enc_layers=2, enc_heads=4,
                           subsampling_channels=8, dec_d_model=48, dec_layers=2, dec_heads=4, dec_max_len=64,
-                          ctc_weight=0.3))
+                          ctc_loss_weight=0.3))
     feats, feat_lens = torch.randn(3, 90, 24), torch.tensor([90, 71, 40])
     tokens, token_lens, prompt_lens = torch.randint(2, 40, (3, 12)), torch.tensor([12, 9, 7]), torch.tensor([4, 4, 4])
 

@@ -19,7 +19,7 @@ from aed.train_validation import LISTENING_GAP, batch_listening_gap, ctc_transcr
 @pytest.mark.parametrize("loss_on_prompt", [True, False])
 def test_token_nll_with_its_own_audio_is_the_training_loss(loss_on_prompt):
     torch.manual_seed(0)
-    model = AED(tiny_config(ctc_weight=0.0, loss_on_prompt=loss_on_prompt)).eval()
+    model = AED(tiny_config(ctc_loss_weight=0.0, loss_on_prompt=loss_on_prompt)).eval()
     feats, feat_lens = torch.randn(3, 80, 24), torch.tensor([80, 61, 40])
     tokens, token_lens, prompt_lens = torch.randint(2, 40, (3, 9)), torch.tensor([9, 7, 5]), torch.tensor([3, 3, 2])
     loss, n = model(feats, feat_lens, tokens, token_lens, prompt_lens)
@@ -35,7 +35,7 @@ def test_the_ctc_head_s_transcripts_are_of_the_transcribed_rows_in_batch_order()
     from types import SimpleNamespace
 
     torch.manual_seed(0)
-    model = AED(tiny_config(ctc_weight=0.5)).eval()
+    model = AED(tiny_config(ctc_loss_weight=0.5)).eval()
     with torch.no_grad():
         model.ctc.proj.weight.zero_()
         model.ctc.proj.bias.fill_(-10).index_fill_(0, torch.tensor([7]), 10.0)  # every frame says 7: merged to one 7
@@ -101,7 +101,7 @@ def test_validation_drops_utterances_longer_than_the_decoder_as_training_does(tm
 
 def test_batch_listening_gap_is_the_token_mean_of_swapped_minus_own_and_zero_for_a_deaf_decoder():
     torch.manual_seed(0)
-    model = AED(tiny_config(ctc_weight=0.0)).train()
+    model = AED(tiny_config(ctc_loss_weight=0.0)).train()
     with torch.no_grad():  # at initialisation the audio barely moves the output: make it matter
         for layer in model.decoder.layers:
             layer.cross_attn.out_projection.weight.mul_(30)
@@ -315,3 +315,32 @@ def test_the_guide_resumes_when_validation_and_the_training_batch_find_the_decod
     err = run(tmp_path / "listening")
     assert "step 4: the decoder's cross-entropy on its training batch is 0.50 nats/token higher" in err
     assert "the attention guide stays off" in err and "guide resumes" not in err and gaps == []
+
+
+def test_validation_decodes_with_the_options_of_the_val_decoding_section():
+    """The val.decoding section is DecodingOptions itself: validation searches with what it sets,
+    its frame_seconds the model's (40 ms at subsampling 4)."""
+    import dataclasses
+
+    from aed.data_manifest import Faults
+    from aed.data_sources import ManifestEntry
+    from aed.decode_search import DecodingOptions
+    from aed.train_config import load_train_config
+    from aed.train_setup import build_training_setup
+    from aed.train_validation import evaluate
+
+    asked = ["val.decoding.beam_size=2", "val.decoding.ctc_weight=0.5", "val.decoding.max_repeats=2",
+             "val.decoding.no_speech_threshold=null", "val.max_utterances=2", "model.subsampling_factor=4"]
+    cfg = load_train_config("configs/tiny.yaml", [*SMALL, *asked])
+    assert cfg.val.decoding == DecodingOptions(beam_size=2, ctc_weight=0.5, max_repeats=2, no_speech_threshold=None)
+    setup = build_training_setup(cfg, torch.device("cpu"), "fp32")
+    searched = []
+
+    def hypotheses(model, batch, eos_id, options, amp, decoder=None):
+        searched.append(options)
+        return [[] for _ in range(len(batch))]
+
+    setup = dataclasses.replace(setup, objective=dataclasses.replace(setup.objective, hypotheses=hypotheses))
+    results = evaluate(setup, setup.model, {"dev": ManifestEntry.of("data/mini/dev.jsonl")}, 0, 1, False, Faults())
+    assert "dev/wer" in results and searched
+    assert set(searched) == {dataclasses.replace(cfg.val.decoding, frame_seconds=0.04)}

@@ -27,7 +27,7 @@ What is mapped:
   SentencePiece model of CanaryBPETokenizer (Canary-1B-v2), whose <|...|> pieces are its special tokens.
 - not converted: the companion CTC model some archives carry for word timestamps
   (timestamps_asr_model_*, Canary-1B-v2's). aed times words with a model's own CTC head, which a
-  converted Canary does not have (`--timestamps` says so); fine-tune with model.ctc_weight > 0 to get one.
+  converted Canary does not have (`--timestamps` says so); fine-tune with model.ctc_loss_weight > 0 to get one.
 
 Any architecture option aed does not implement (learned decoder positions, post-LN
 decoder, a Transformer encoder between encoder and decoder, another tokenizer, ...)

@@ -19,7 +19,7 @@ output layer tied to the embedding) and the tokenizer as NeMo's aggregate Canary
 language, each as NeMo stores it (`nemo:<id>_tokenizer.model`, `_tokenizer.vocab`, `_vocab.txt`).
 
 What NeMo's EncDecMultiTaskModel cannot hold:
-- the CTC head (model.ctc_weight > 0): dropped, and the export says so. NeMo decodes with the
+- the CTC head (model.ctc_loss_weight > 0): dropped, and the export says so. NeMo decodes with the
   attention decoder alone; joint CTC/attention decoding and CTC word timestamps are aed's only.
 - a tokenizer that is not [special tokens, one SentencePiece model per language] (our "single"
   layout, with one model for all languages): an error, as is any other setting NeMo's model would

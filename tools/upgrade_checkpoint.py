@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from aed.config import from_dict  # noqa: E402
+from aed.config import from_dict, renamed  # noqa: E402
 from aed.model_checkpoint import (COMPLETE, CheckpointError, checkpoint_step, list_checkpoints,  # noqa: E402
                                   unpack_tokenizer)
 from aed.train_checkpoint import save_checkpoint, training_tensors  # noqa: E402
@@ -55,7 +55,7 @@ def keyed_by_name(state: dict) -> dict:
     """`state` with its model and optimizer as DCP checkpoints hold them (`training_tensors`): the
     run's model and optimizer are built from its config, and the optimizer's state, listed by
     parameter index in the optimizer's order, is loaded by the names at those indices."""
-    cfg = from_dict(TrainConfig, state["config"])
+    cfg = from_dict(TrainConfig, renamed(TrainConfig, state["config"]))  # its keys under today's names
     model = build_model(cfg, unpack_tokenizer(state["tokenizer"]).vocab_size, state.get("new_tokens"))
     optimizer = build_optimizer(model, cfg.optim)
     names = {id(p): n for n, p in model.named_parameters()}
