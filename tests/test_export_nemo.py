@@ -305,3 +305,43 @@ def test_nemo_restores_the_export_and_decodes_as_aed(nemo, which, fine_tuned, tm
         torch.testing.assert_close(ours[0], feats, atol=1e-4, rtol=0)
         assert greedy(loaded, stem, source, target, limit) == tokens, stem
         model.eval()  # NeMo's greedy search leaves its decoder in training mode
+
+
+def test_nemos_own_transcribe_reads_the_export_as_aed_reads_nemos_padded_audio(nemo, tmp_path):
+    """NeMo's own `transcribe(paths)` on an export of the word model, as a NeMo user runs it (its loader,
+    features and greedy search): a file shorter than 1 s is padded with zeros to 1 s, half before and
+    half after (`pad_min_duration`, `pad_direction: both`), and its text is aed's of that padded audio;
+    a longer file's is aed's of the file. What the padding does to a model's text is then the model's
+    own robustness (bench/onnx_bench.py agreement counts it on the demo model)."""
+    sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
+    from make_word_model import load_clips, word_sequence
+
+    import soundfile as sf
+
+    ckpt = ROOT / "tests" / "fixtures" / "word_model.pt"
+    export(ckpt, tmp_path / "w.nemo", log=lambda _: None)
+    loaded = load_model(str(ckpt))
+    clips, gen = load_clips(), torch.Generator().manual_seed(0)
+    sequences = [["red"], ["water"], ["seven"], ["blue", "house"], ["green", "table", "morning"]]
+    paths, wavs = [], []
+    for k, words in enumerate(sequences):
+        wav, _ = word_sequence(clips, words, [0.15] * len(words), 0.05, 1e-3, gen)
+        paths.append(str(tmp_path / f"{k}.wav"))
+        sf.write(paths[-1], wav.numpy(), 16000, subtype="FLOAT")
+        wavs.append(load_audio(paths[-1]))
+    assert sum(w.numel() < 16000 for w in wavs) >= 2  # NeMo pads these
+    model = nemo.restore_from(str(tmp_path / "w.nemo"), map_location="cpu").eval()
+    got = model.transcribe(paths, batch_size=1, verbose=False, source_lang="en", target_lang="en", pnc="yes")
+    got = [h if isinstance(h, str) else h.text for h in got]
+    options = DecodingOptions(max_delta=MAX_DELTA, **NEMO_GREEDY)
+    for k, (wav, text) in enumerate(zip(wavs, got)):
+        pad = max(0, 16000 - wav.numel())
+        readings = set()
+        for before in {pad // 2, pad - pad // 2}:  # NeMo halves the padding in seconds: either rounding
+            padded = torch.cat([torch.zeros(before), wav, torch.zeros(pad - before)])
+            path = tmp_path / f"{k}-padded-{before}.wav"
+            sf.write(path, padded.numpy(), 16000, subtype="FLOAT")
+            results, _ = transcribe(loaded, [str(path)], options, source_lang="en", target_lang="en")
+            readings.add(results[0].pred_text.strip())
+        assert text.strip() in readings, (sequences[k], text, readings)
+    assert any(text.strip() for text in got)  # the model hears words: the comparison is of texts, not of silences
