@@ -99,6 +99,7 @@ QUIET_WINDOW = 0.1  # seconds of audio whose mean energy is compared when contin
 CUT_SEARCH = 0.25  # ... searched for in the last quarter of the segment limit
 SENTENCE_END = (".", "!", "?", "。", "？", "！")  # a segment ends after a word ending with one of these
 SEGMENT_PAUSE = 1.0  # ... or before a pause this long (s): unpunctuated output still gets cues
+MERGE = False  # join stretches of speech up to the segment limit (plan_segments)
 SEGMENT_MAX = 7.0  # ... or before it would exceed this many seconds (a subtitle line's usual limit)
 
 
@@ -141,19 +142,22 @@ def quietest(db: torch.Tensor, lo: int, hi: int) -> int:
     return lo + (first + last) // 2 + window // 2
 
 
-def split_stretch(stretch: list[tuple[int, int]], db: torch.Tensor, limit: int) -> list[tuple[int, int, str]]:
+def split_stretch(stretch: list[tuple[int, int]], db: torch.Tensor, limit: int,
+                  pause: int) -> list[tuple[int, int, str]]:
     """One stretch of speech (its runs) -> (start, end, what follows) pieces of at most `limit` frames:
     split at the longest gap between its runs, recursively; a single run longer than the limit is cut
     at its quietest point in the last quarter of each piece. What follows a piece: "pause" (the
-    stretch's end), "gap" (a gap inside it) or "speech" (a cut inside a run)."""
+    stretch's end, or a gap of at least `pause` frames), "gap" (a shorter gap) or "speech" (a cut
+    inside a run)."""
     start, end = stretch[0][0], stretch[-1][1]
     if end - start <= limit:
         return [(start, end, "pause")]
     if len(stretch) > 1:
         gaps = [stretch[i + 1][0] - stretch[i][1] for i in range(len(stretch) - 1)]
         k = max(range(len(gaps)), key=lambda i: gaps[i]) + 1
-        head = split_stretch(stretch[:k], db, limit)
-        return head[:-1] + [head[-1][:2] + ("gap",)] + split_stretch(stretch[k:], db, limit)
+        head = split_stretch(stretch[:k], db, limit, pause)
+        follows = "pause" if gaps[k - 1] >= pause else "gap"
+        return head[:-1] + [head[-1][:2] + (follows,)] + split_stretch(stretch[k:], db, limit, pause)
     pieces = []
     while end - start > limit:
         cut = quietest(db, start + round((1 - CUT_SEARCH) * limit), start + limit)
@@ -176,14 +180,19 @@ def segment_edges(loaded) -> tuple[float, float]:
 
 
 def plan_segments(db: torch.Tensor, limit: float, pause: float = PAUSE,
-                  edges: tuple[float, float] = (EDGE, EDGE), detector: EnergyDetector | None = None) -> list[Cut]:
+                  edges: tuple[float, float] = (EDGE, EDGE), detector: EnergyDetector | None = None,
+                  merge: bool = MERGE) -> list[Cut]:
     """Frame energies (frames,) of a whole input, or the scores of another `detector` (higher: more
     like speech) -> its segments (`Cut`s, in seconds), each at most `limit` s of speech plus the
-    silence `edges` (before, after) at its edges (see the module docstring)."""
+    silence `edges` (before, after) at its edges (see the module docstring). With `merge`, stretches
+    of speech whose pause the model heard inside its training utterances' edges (at most the two
+    edges together) are joined up to `limit` and split at their longest pauses."""
     speech = is_speech(db) if detector is None else detector.speech(db)
     lead, trail = round(edges[0] / FRAME), round(edges[1] / FRAME)
     limit_frames = max(1, round(limit / FRAME) - lead - trail)
-    pieces = [p for stretch in speech_runs(speech, pause) for p in split_stretch(stretch, db, limit_frames)]
+    joined = max(pause, (lead + trail + 1) * FRAME) if merge else pause  # pauses inside a stretch
+    pieces = [p for stretch in speech_runs(speech, joined)
+              for p in split_stretch(stretch, db, limit_frames, round(pause / FRAME))]
     cuts, n = [], db.numel()
     for k, (start, end, follows) in enumerate(pieces):
         # Half of a pause goes to each side; the file's own edges bound the rest.

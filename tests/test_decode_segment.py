@@ -177,3 +177,37 @@ def test_speech_is_found_in_rooms_and_no_noise_or_knock_is(room):
         assert any(c.start <= start + 2 * FRAME and end - 2 * FRAME <= c.end for c in cuts), (room, start, end, cuts)
     for middle in pauses:
         assert not any(c.start <= middle <= c.end for c in cuts), (room, middle, cuts)
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+def test_merged_segments_join_short_pauses_up_to_the_limit_and_split_at_the_longest(seed):
+    """With `merge`, stretches whose pause is at most the two edges together share a segment while it
+    fits the limit; a longer pause always ends one, and a group too long is split at its longest pause."""
+    wav, bursts = speech_with_pauses(seed)
+    limit, edges = 6.0, (0.35, 0.35)
+    apart = plan_segments(frame_db(wav, 16000), limit, edges=edges)
+    merged = plan_segments(frame_db(wav, 16000), limit, edges=edges, merge=True)
+    assert len(merged) < len(apart) and all(c.end - c.start <= limit + 1e-6 for c in merged)
+    groups = [[b for b in bursts if c.start <= b[0] + FRAME and b[1] - FRAME <= c.end] for c in merged]
+    assert sorted(b for g in groups for b in g) == sorted(bursts)  # each burst in exactly one segment
+    for group in groups:
+        assert all(b[0] - a[1] <= sum(edges) + 2 * FRAME for a, b in zip(group, group[1:]))
+    assert all(c.pause_after for c in merged)  # every cut is at a pause: nothing to overlap
+
+
+def test_merged_segments_split_a_group_too_long_at_its_longest_pause():
+    """Words of 1 s after pauses of 0.5, 0.4, 0.6, 0.3, then 2.0 s: the first five share a pause of at
+    most 0.7 s (two edges of 0.35 s), too long together for 4 s less the edges, so they split at the
+    longest inner pause (0.6 s), and the first three, still too long, at theirs (0.5 s); the 2 s pause
+    always ends a segment."""
+    g = torch.Generator().manual_seed(1)
+    pauses = [0.5, 0.4, 0.6, 0.3, 2.0]
+    pieces = [loud(1.0, g)]
+    for p in pauses:
+        pieces += [torch.zeros(round(p * 16000)), loud(1.0, g)]
+    wav = torch.cat([torch.zeros(16000)] + pieces + [torch.zeros(16000)])
+    starts = [1.0 + i + sum(pauses[:i]) for i in range(6)]  # each word's start (s)
+    merged = plan_segments(frame_db(wav, 16000), 4.0, edges=(0.35, 0.35), merge=True)
+    words = [[i for i, t in enumerate(starts) if c.start <= t + FRAME and t + 1 - FRAME <= c.end] for c in merged]
+    assert words == [[0], [1, 2], [3, 4], [5]]
+    assert len(plan_segments(frame_db(wav, 16000), 4.0, edges=(0.35, 0.35))) == 6
