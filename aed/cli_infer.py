@@ -112,6 +112,11 @@ def parse_args(argv: list[str] | None = None):
                      help="the speech detector that finds the pauses of long inputs and streams: energy "
                           "(default, built in: a frame 10 dB above the room's own floor around it) or silero "
                           "(Silero VAD, `pip install silero-vad`: it also tells a music bed from speech)")
+    run.add_argument("--merge-segments", action="store_true",
+                     help="decode a long input's stretches of speech together, up to the segment length, where "
+                          "the pause between them is no longer than the silence the model heard around its "
+                          "training utterances (WhisperX-style merging); default: every pause of 0.25 s ends a "
+                          "segment. Measured neutral on the laptop recipe's model (docs/inference.md, Long audio)")
     times = p.add_argument_group("timestamps (need a model with a CTC head)")
     times.add_argument("--timestamps", choices=["word", "segment"],
                        help="add `segments` (text, start, end; with `word`, each segment's `words` too) to the "
@@ -329,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
         results, timings = transcribe(
             loaded, requests, options, batch_duration=args.batch_duration, chunk_seconds=args.chunk_seconds,
             chunk_overlap=args.chunk_overlap, dtype=dtype, timestamps=args.timestamps is not None, vad=args.vad,
+            merge_segments=args.merge_segments,
             progress=ProgressBar(not args.quiet and len(requests) > 1))
     except ValueError as e:  # e.g. a language the tokenizer does not know, named with its manifest line
         sys.exit(f"error: {e}")

@@ -22,6 +22,10 @@ where its speaker paused, as a recording is cut into the utterances a corpus tra
    longer of the two parts again, ...; a stretch with no gap at all is cut at its quietest 100 ms in
    the last quarter of the limit (that cut may split a word). Where a cut is not at a pause, with an
    overlap the next segment starts that much earlier so that `merge_chunks` can join the two.
+   With `merge` (infer.py --merge-segments), stretches whose pause is no longer than the silence the
+   model heard around an utterance (the two edges below together) are one stretch first, so a
+   speaker's hesitations stay inside a segment, which grows up to the limit and is split at its
+   longest pauses. Measured neutral on the laptop recipe's model (docs/inference.md), so off by default.
 3. Edges: each segment keeps some of its pauses' silence before and after its speech
    (`segment_edges`). A model trained with varied edges (augment.edge_prob) gets a generous margin,
    the middle of the silence it heard at its utterances' edges; one trained on its utterances as
@@ -99,7 +103,6 @@ QUIET_WINDOW = 0.1  # seconds of audio whose mean energy is compared when contin
 CUT_SEARCH = 0.25  # ... searched for in the last quarter of the segment limit
 SENTENCE_END = (".", "!", "?", "。", "？", "！")  # a segment ends after a word ending with one of these
 SEGMENT_PAUSE = 1.0  # ... or before a pause this long (s): unpunctuated output still gets cues
-MERGE = False  # join stretches of speech up to the segment limit (plan_segments)
 SEGMENT_MAX = 7.0  # ... or before it would exceed this many seconds (a subtitle line's usual limit)
 
 
@@ -181,7 +184,7 @@ def segment_edges(loaded) -> tuple[float, float]:
 
 def plan_segments(db: torch.Tensor, limit: float, pause: float = PAUSE,
                   edges: tuple[float, float] = (EDGE, EDGE), detector: EnergyDetector | None = None,
-                  merge: bool = MERGE) -> list[Cut]:
+                  merge: bool = False) -> list[Cut]:
     """Frame energies (frames,) of a whole input, or the scores of another `detector` (higher: more
     like speech) -> its segments (`Cut`s, in seconds), each at most `limit` s of speech plus the
     silence `edges` (before, after) at its edges (see the module docstring). With `merge`, stretches

@@ -250,12 +250,13 @@ def file_scores(path: str, offset: float, total: float, detector: EnergyDetector
 
 def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int, overlap: float = 0.0,
                 edges: tuple[float, float] = (EDGE, EDGE), trim: float | None = None,
-                vad: str = "energy") -> tuple[float, list[tuple[float, float | None, float]]]:
+                vad: str = "energy", merge: bool = False) -> tuple[float, list[tuple[float, float | None, float]]]:
     """A request's length (s) and the (offset, duration or None = to the end, seconds) of each of its
     chunks: the whole of an input up to `chunk_seconds` (with `trim`, the model's train.trim_silence,
     cut as training cut its utterances, by energy: to `trim` s of silence around its speech); a longer
     one cut at its pauses into segments of at most `chunk_seconds` (`aed.decode_timing.plan_segments`,
-    speech judged by the `vad` detector: aed.data_speech.DETECTORS) with `edges` s of silence before
+    speech judged by the `vad` detector: aed.data_speech.DETECTORS; with `merge`, stretches of speech
+    joined up to chunk_seconds across pauses of at most the two edges) with `edges` s of silence before
     and after their speech, the rest of the silence between them not decoded; with `overlap`, a
     segment that follows a cut inside continuous speech starts that many seconds before the previous
     one ends (the words around the cut are then merged: `aed.decode_timing.merge_chunks`; `transcribe`
@@ -275,7 +276,7 @@ def plan_chunks(req: Request, chunk_seconds: float, sample_rate: int, overlap: f
     chunks, previous = [], None
     detector = speech_detector(vad, sample_rate)
     for cut in plan_segments(file_scores(req.audio_filepath, req.offset, total, detector), chunk_seconds,
-                             edges=edges, detector=detector):
+                             edges=edges, detector=detector, merge=merge):
         joined = overlap > 0 and previous is not None and not previous.pause_after
         # ... by at most half the previous chunk (`aed.decode_timing.merge_chunks` joins two chunks, never three)
         start = max((chunks[-1][0] - req.offset + previous.end) / 2, previous.end - overlap) if joined else cut.start
@@ -333,13 +334,14 @@ def request_prompts(requests: list[Request], tokenizer: Tokenizer) -> list[list[
 
 def plan(requests: list[Request], results: list[Result], chunk_seconds: float, overlap: float,
          sample_rate: int, edges: tuple[float, float], trim: float | None = None,
-         vad: str = "energy") -> list[AudioChunk]:
+         vad: str = "energy", merge: bool = False) -> list[AudioChunk]:
     """Every request's chunks, in file order, and its length on its Result; a file whose length cannot
     be read fails its Result. A file without speech has no chunks: its text is empty."""
     chunks = []
     for i, r in enumerate(requests):
         try:
-            results[i].duration, planned = plan_chunks(r, chunk_seconds, sample_rate, overlap, edges, trim, vad)
+            results[i].duration, planned = plan_chunks(r, chunk_seconds, sample_rate, overlap, edges, trim, vad,
+                                                      merge)
             chunks += [AudioChunk(i, *chunk) for chunk in planned]
         except AudioError as e:
             results[i].error = e.reason
@@ -456,7 +458,7 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
                source_lang: str = "en", target_lang: str | None = None, task: str | None = None, pnc: bool = True,
                batch_duration: float = 300.0, chunk_seconds: float | None = None, chunk_overlap: float = 0.0,
                dtype: torch.dtype | None = None, timestamps: bool = False, vad: str = "energy",
-               progress=None) -> tuple[list[Result], Timings]:
+               merge_segments: bool = False, progress=None) -> tuple[list[Result], Timings]:
     """Transcribe/translate `inputs` (paths, directories, globs, or Requests) -> one Result each, in order.
 
     options: the search (`aed.decode_search.DecodingOptions`); its frame_seconds is the model's own, not the
@@ -469,7 +471,9 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
     dtype: torch.bfloat16 for bf16 autocast, None for fp32. timestamps: set every Result's `words`
     (`aed.decode_timing`); a model without a CTC head raises ValueError, before any work. vad: the
     speech detector that finds the pauses of long inputs (aed.data_speech.DETECTORS; "silero" needs
-    `pip install silero-vad`).
+    `pip install silero-vad`). merge_segments: a long input's stretches of speech separated by pauses
+    no longer than the silence the model heard around an utterance are decoded together, up to the
+    chunk length (`aed.decode_timing.plan_segments`); False: every pause of PAUSE ends a segment.
     progress(done_s, total_s) is called after every batch with seconds of audio.
     """
     if timestamps and loaded.model.ctc is None:
@@ -489,7 +493,7 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
     if vad != "energy":
         speech_detector(vad, loaded.features.sample_rate)  # an unknown or missing detector fails before any work
     chunks = plan(requests, results, chunk_s, chunk_overlap, loaded.features.sample_rate, segment_edges(loaded), trim,
-                  vad)
+                  vad, merge_segments)
     overlapping = any(a.request == b.request for a, b in zip(chunks, chunks[1:])) and chunk_overlap > 0
     aligned = timestamps or (overlapping and loaded.model.ctc is not None)  # merging by time needs alignments
     timings = Timings(load_features=time.perf_counter() - t_start)

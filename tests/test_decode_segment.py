@@ -81,6 +81,9 @@ def test_plan_chunks_keeps_short_files_whole_and_reads_long_ones_in_blocks(tmp_p
     assert seconds == pytest.approx(total)
     assert [(round(o, 2), round(d, 2)) for o, d, _ in chunks] == \
         [(round(c.start, 2), round(c.end - c.start, 2)) for c in plan_segments(frame_db(wav, 16000), 4.0)]
+    _, merged = plan_chunks(Request(str(path), "en", "en", True, "asr"), 4.0, 16000, merge=True)
+    assert len(merged) < len(chunks) and [(round(o, 2), round(d, 2)) for o, d, _ in merged] == \
+        [(round(c.start, 2), round(c.end - c.start, 2)) for c in plan_segments(frame_db(wav, 16000), 4.0, merge=True)]
 
 
 def test_plan_chunks_trims_a_short_file_as_training_trimmed_its_utterances(tmp_path):
