@@ -216,6 +216,8 @@ def recording_flags(p) -> None:
                                      "auto: the default, adapting to how far the attention peaks step)")
     p.add_argument("--no-utterances", action="store_true", help="skip decoding the utterances one by one")
     p.add_argument("--no-offline", action="store_true", help="skip decoding the long files offline")
+    p.add_argument("--merge-segments", action="store_true",
+                   help="decode offline a second time with infer.py --merge-segments (rows marked merged)")
     p.add_argument("--vad", nargs="+", choices=DETECTORS, default=["energy"],
                    help="decode offline and stream with each of these speech detectors (silero: silero-vad)")
 
@@ -244,11 +246,12 @@ def recordings(args) -> None:
                 res, _ = transcribe(loaded, reqs, DecodingOptions(ctc_weight=weight))
                 found[label] = scores([q.text for q in parts], [r.pred_text for r in res])
                 rows.append([name, label, *found[label].values(), "", ""])
-        offline = [(label, weight, vad) for vad in args.vad
+        offline = [(label, weight, vad, merge) for vad in args.vad for merge in [False, True][:1 + args.merge_segments]
                    for label, weight in (("offline, greedy", 0.0), ("offline, CTC 0.3", 0.3))]
-        for label, weight, vad in offline * (not args.no_offline):
-            label = f"{label}, {vad}"
-            res, timings = transcribe(loaded, requests, DecodingOptions(ctc_weight=weight), vad=vad)
+        for label, weight, vad, merge in offline * (not args.no_offline):
+            label = f"{label}, {vad}" + (", merged" if merge else "")
+            res, timings = transcribe(loaded, requests, DecodingOptions(ctc_weight=weight), vad=vad,
+                                      merge_segments=merge)
             found[label] = {**scores(refs, [r.pred_text for r in res]), "rtfx": round(timings.rtfx, 1)}
             rows.append([name, label, *list(found[label].values())[:5], "", ""])
         streams = [(policy, t, vad) for vad in args.vad for policy in args.policies
