@@ -161,20 +161,21 @@ def test_the_vad_bench_runs_end_to_end_with_the_energy_detectors(tmp_path, capsy
 
 
 def test_the_recordings_bench_decodes_offline_and_streamed_with_each_detector_named(tmp_path, capsys):
-    """bench/long_audio_bench.py recordings --vad: offline and stream rows once per detector, labelled
-    with it; the utterances at their true edges once (the word model on one 6 s file under music)."""
+    """bench/long_audio_bench.py recordings --vad --merge-segments: offline rows once per detector and
+    way of cutting, stream rows once per detector, labelled with them; the utterances at their true edges once (the word model on one 6 s file under music)."""
     import long_audio_bench
     assert make_long_audio.main(["--manifest", DIGITS, "-o", str(tmp_path), "--seconds", "6", "--files", "1",
                                  "--condition", "music"]) == 0
     vads = ["energy", "silero"] if SILERO else ["energy"]
     long_audio_bench.run_modes("", long_audio_bench.MODES, "words", [
         "recordings", "--ckpt", str(long_audio_bench.DEFAULT_CKPT), "--manifest", str(tmp_path / "manifest.jsonl"),
-        "--policies", "alignatt", "--vad", *vads])
+        "--policies", "alignatt", "--vad", *vads, "--merge-segments"])
     found = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["sets"][tmp_path.name]
     assert sorted(k for k in found if k.startswith("each")) == [
         "each re-edged, CTC 0.3", "each utterance alone, CTC 0.3", "each utterance alone, greedy"]
     assert sorted(k for k in found if k.startswith(("offline", "stream"))) == sorted(
-        f"{label}, {vad}" for vad in vads for label in ("offline, greedy", "offline, CTC 0.3", "stream alignatt"))
+        [f"{label}, {vad}" for vad in vads for label in ("offline, greedy", "offline, CTC 0.3", "stream alignatt")]
+        + [f"offline, {w}, {vad}, merged" for vad in vads for w in ("greedy", "CTC 0.3")])
     assert all(v["words"] == found["each utterance alone, greedy"]["words"] > 0
                for v in found.values() if isinstance(v, dict))
 
