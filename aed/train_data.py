@@ -162,10 +162,11 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
     reads no text (ssl) reads audio alone: no text, 1D (duration) buckets. Bins estimated from the
     manifests are saved to `bins_out` when given. ConfigError / ManifestError name what is wrong."""
     reads_text = OBJECTIVES[cfg.objective].reads_text
-    logmel = LogMel(cfg.features).train()  # train mode: dither
-    # Degradations in the workers, training data only; the noise/RIR manifests are read (and checked) now.
-    augment = Augment(cfg.augment, cfg.features.sample_rate) if cfg.augment.enabled else None
+    # An example's audio as the workers prepare it: its edge silence trimmed, degraded (training data
+    # only; the noise/RIR manifests are read and checked now), then its features.
     trim = silence_trimmer(cfg)
+    augment = Augment(cfg.augment, cfg.features.sample_rate) if cfg.augment.enabled else None
+    logmel = LogMel(cfg.features).train()  # train mode: dither
     sampler_args = dict(allocation=cfg.train.allocation, min_tps=cfg.train.min_tps,
                         max_tps=cfg.train.max_tps, buffer_size=cfg.train.buffer_size, seed=cfg.seed,
                         rank=rank, world_size=world_size, sync_buckets=cfg.train.sync_buckets,

@@ -425,9 +425,9 @@ def build_training_setup(cfg: TrainConfig, device: torch.device, precision: str 
     config asks for what cannot be built (freeze=all_but_new_tokens without its record).
     simulated: built inside aed.memory_measure.SimulatedDevice, standing in for a CUDA device:
     `auto` precision resolves as it would there (bf16), and fake parameters stay where they are."""
+    precision = resolve_precision(precision or cfg.precision, torch.device("cuda") if simulated else device)
     tokenizer = Tokenizer.load(cfg.train.tokenizer)
     cfg = resolve_model(cfg, tokenizer)
-    precision = resolve_precision(precision or cfg.precision, torch.device("cuda") if simulated else device)
     objective = OBJECTIVES[cfg.objective]
     added_tokens = new_tokens(cfg, tokenizer.vocab_size)
     model = build_model(cfg, tokenizer.vocab_size, added_tokens)
