@@ -267,6 +267,35 @@ def test_make_noise_writes_readable_sets(tmp_path):
         assert not torch.allclose(load_audio(n.audio_filepath), load_audio(c.audio_filepath), atol=1e-3)
 
 
+def test_make_noise_degrades_a_corpus_into_unequal_languages_levels_and_edges(tmp_path):
+    """degrade as a corpus builder: every kept file quieter by the asked range with longer edges, and
+    a language thinned to its share by a seeded draw, the rest kept whole."""
+    lines = open(os.path.join(MINI, "train.jsonl")).readlines()
+    test = tmp_path / "train.jsonl"
+    test.write_text("".join(lines).replace('"audio/', f'"{MINI}/audio/'))
+    langs = [json.loads(line)["source_lang"] for line in lines]
+    args = ["degrade", "--manifest", str(test), "--gain", "-20", "-10", "--edges", "0.2", "0.4",
+            "--keep", f"{langs[0]}=0.5", "--seed", "3"]
+    make_noise(args + ["-o", str(tmp_path / "a")])
+    make_noise(args + ["-o", str(tmp_path / "b")])
+    clean = {u.text: u for u in read_manifest(str(test))}
+    out = read_manifest(str(tmp_path / "a" / "manifest.jsonl"))
+    kept = [u.source_lang for u in out]
+    others = [lang for lang in langs if lang != langs[0]]
+    assert sorted(lang for lang in kept if lang != langs[0]) == sorted(others)  # other languages whole
+    n = langs.count(langs[0])
+    assert 0.2 * n <= kept.count(langs[0]) <= 0.8 * n  # about half of this one
+    for u in out:
+        c, x = load_audio(clean[u.text].audio_filepath), load_audio(u.audio_filepath)
+        assert 0.4 - 0.01 <= (x.numel() - c.numel()) / RATE <= 0.8 + 0.01  # two edges of 0.2-0.4 s each
+        peak_db = 20 * math.log10(float(x.abs().max()) / float(c.abs().max()))
+        assert -20.01 <= peak_db <= -9.99
+    again = read_manifest(str(tmp_path / "b" / "manifest.jsonl"))
+    assert [u.text for u in again] == [u.text for u in out]  # the same seed keeps the same lines
+    with pytest.raises(SystemExit, match="LANG=SHARE"):
+        make_noise(["degrade", "--manifest", str(test), "--keep", "fr", "-o", str(tmp_path / "c")])
+
+
 def test_make_noise_rooms_by_pyroomacoustics(tmp_path):
     pytest.importorskip("pyroomacoustics")
     make_noise(["generate", "-o", str(tmp_path), "--noise-count", "0", "--rir-count", "1", "--rt60", "0.2", "0.25",

@@ -8,6 +8,11 @@ degraded copies of test manifests.
     # a degraded copy of a test manifest (wavs + manifest), noise at 0-20 dB SNR in a room
     python tools/make_noise.py degrade --manifest data/mini/dev.jsonl --noise data/noise/heldout/noise.jsonl \\
         --rir data/noise/heldout/rir.jsonl --snr 0 20 -o data/mini_dev_noisy
+    # a harder copy of a whole corpus (each split alike): talkers 0-20 dB down, a coloured noise floor
+    # under a third of the files, up to 0.6 s more silence at each edge, French at half the others' share
+    python tools/make_noise.py generate -o data/noise/floors --types white pink brown --rir-count 0
+    python tools/make_noise.py degrade --manifest data/long/train.jsonl --gain -20 0 --edges 0 0.6 \
+        --noise data/noise/floors/noise.jsonl --noise-prob 0.33 --snr 10 30 --keep fr=0.5 -o data/long_hard/train
 
 `generate` writes DIR/noise/*.wav with DIR/noise.jsonl and DIR/rir/*.wav with DIR/rir.jsonl (the
 manifest format of augment.noise_manifests / augment.rir_manifests: audio_filepath, duration, plus
@@ -34,6 +39,7 @@ talkers, pluck, rain, siren): train on one, test on the other.
 `degrade` runs aed.data_augment.Augment (the training chain) once per utterance, seeded by (--seed,
 line number), and writes DIR/audio/*.wav (float WAV, the degradation exactly) and DIR/manifest.jsonl:
 each line as it was, with the degraded audio's path and duration (a segment's offset is dropped).
+`--keep LANG=SHARE` leaves out lines of a source language by a seeded draw, counted in the last line.
 """
 
 import argparse
@@ -58,6 +64,7 @@ SOUNDS = ("music", "hum", "engine", "pluck", "rain", "siren")  # synthesised non
 SPLIT_TYPES = {"train": ["white", "pink", "brown", "babble", "music", "hum", "engine"],
                "heldout": ["blue", "violet", "babble", "pluck", "rain", "siren"]}
 SPLIT_STREAM = {"train": 0, "heldout": 1}  # the second word of every generator's seed
+KEEP_STREAM = 7  # the third word of --keep's draws
 LN_1000 = 6.907755  # ln(1000): an amplitude decaying as exp(-LN_1000 t / rt60) is 60 dB down at rt60
 PEAK = 0.5  # generated noise is written at this peak: 16-bit PCM without clipping; its level is set by the SNR
 
@@ -349,21 +356,29 @@ def degrade(args) -> None:
     cfg = AugmentConfig(noise_prob=args.noise_prob if args.noise else 0.0, noise_manifests=args.noise,
                         snr_db=tuple(args.snr), reverb_prob=args.reverb_prob if args.rir else 0.0,
                         rir_manifests=args.rir, codec_prob=args.codec_prob if args.codecs else 0.0,
-                        codecs=args.codecs, lowpass_prob=args.lowpass_prob)
-    if not cfg.enabled:
-        raise SystemExit("nothing to do: give --noise, --rir, --codecs or --lowpass-prob")
+                        codecs=args.codecs, lowpass_prob=args.lowpass_prob,
+                        gain_prob=args.gain_prob if args.gain else 0.0, gain_db=tuple(args.gain or (0.0, 0.0)),
+                        edge_prob=args.edge_prob if args.edges else 0.0,
+                        edge_seconds=tuple(args.edges or (0.0, 0.0)))
+    keep = language_shares(args.keep)
+    if not cfg.enabled and not keep:
+        raise SystemExit("nothing to do: give --noise, --rir, --codecs, --lowpass-prob, --gain, --edges or --keep")
     augment = Augment(cfg, args.rate)
     lines = list(manifest_lines(args.manifest))
     base_dir = os.path.dirname(os.path.abspath(args.manifest))
     os.makedirs(os.path.join(args.out, "audio"), exist_ok=True)
-    manifest, skipped, t0 = os.path.join(args.out, "manifest.jsonl"), 0, time.time()
+    manifest, skipped, left_out, t0 = os.path.join(args.out, "manifest.jsonl"), 0, 0, time.time()
     with open(manifest + ".tmp", "w") as f:
         for i, (where, line) in enumerate(lines):
             try:
                 d = json_object(line, where)
                 offset = seconds(d, "offset", where, positive=False)
                 duration = seconds(d, "duration", where, positive=True) if offset is not None else None
-                wav = load_audio(audio_path(d, where, base_dir), offset or 0.0, duration, args.rate)
+                if kept(d, keep, args.seed, i):
+                    wav = load_audio(audio_path(d, where, base_dir), offset or 0.0, duration, args.rate)
+                else:
+                    left_out += 1
+                    continue
             except (ManifestError, AudioError) as e:
                 print(f"skipping {where}: {e}", file=sys.stderr)
                 skipped += 1
@@ -376,7 +391,29 @@ def degrade(args) -> None:
                                ensure_ascii=False) + "\n")
             progress("degrade", i + 1, len(lines), t0)
     os.replace(manifest + ".tmp", manifest)
-    print(f"wrote {manifest}: {len(lines) - skipped} utterance(s), {skipped} skipped", file=sys.stderr)
+    print(f"wrote {manifest}: {len(lines) - skipped - left_out} utterance(s), {skipped} skipped (unreadable), "
+          f"{left_out} left out by --keep", file=sys.stderr)
+
+
+def language_shares(pairs: list) -> dict:
+    """["fr=0.5", "en=0.7"] -> {"fr": 0.5, "en": 0.7}: the share of each source language's lines kept."""
+    shares = {}
+    for pair in pairs:
+        lang, _, share = pair.partition("=")
+        try:
+            shares[lang] = float(share)
+        except ValueError:
+            raise SystemExit(f"error: --keep {pair!r}: expected LANG=SHARE, e.g. fr=0.5") from None
+        if not (lang and 0.0 <= shares[lang] <= 1.0):
+            raise SystemExit(f"error: --keep {pair!r}: a language and a share in [0, 1]")
+    return shares
+
+
+def kept(line: dict, shares: dict, seed: int, index: int) -> bool:
+    """Whether line `index` stays under --keep: its source language's share, by a draw seeded by
+    (seed, index, KEEP_STREAM) that the degradation's own draws do not see."""
+    share = shares.get(line.get("source_lang"), 1.0)
+    return share >= 1.0 or np.random.default_rng([seed, index, KEEP_STREAM]).random() < share
 
 
 def main(argv=None) -> None:
@@ -417,6 +454,16 @@ def main(argv=None) -> None:
     d.add_argument("--codecs", nargs="+", default=[], help="codecs to pick from: telephone, mulaw, mp3, opus")
     d.add_argument("--codec-prob", type=float, default=1.0, help="share of utterances through a codec")
     d.add_argument("--lowpass-prob", type=float, default=0.0, help="share of utterances low-passed (2-6 kHz)")
+    d.add_argument("--gain", type=float, nargs=2, metavar=("MIN", "MAX"),
+                   help="level change range (dB), e.g. -20 0 for talkers near and far")
+    d.add_argument("--gain-prob", type=float, default=1.0, help="share of utterances given a level change")
+    d.add_argument("--edges", type=float, nargs=2, metavar=("MIN", "MAX"),
+                   help="change of the silence at each edge (s): below 0 crops it (never speech), above 0 "
+                        "adds zeros or the file's own floor; noise, if any, then covers it too")
+    d.add_argument("--edge-prob", type=float, default=1.0, help="share of utterances whose edges change")
+    d.add_argument("--keep", nargs="+", default=[], metavar="LANG=SHARE",
+                   help="keep only this share of a source language's lines, e.g. fr=0.5 en=0.7: a corpus "
+                        "of unequal languages from an equal one")
     d.add_argument("--rate", type=int, default=16000, help="sample rate of the files written")
     d.add_argument("--seed", type=int, default=0, help="with the line number, seeds each utterance's degradation")
     args = p.parse_args(argv)
