@@ -26,6 +26,9 @@ $(VENV)/.installed: requirements.txt pyproject.toml tests/requirements-hf.txt te
 	$(VENV)/bin/pip install -q -e .
 	# Optional at run time (parquet sources name it when missing); the suite tests that reader too.
 	$(VENV)/bin/pip install -q pyarrow
+	# Optional at run time: infer.py's speech detector where installed (it keeps music out of long-form
+	# segments and streams; energy otherwise, with a line saying so). The suite tests both.
+	$(VENV)/bin/pip install -q "silero-vad>=6.2,<7"
 	# The runtimes the exports are checked by (transformers, onnxruntime, sherpa-onnx: ~2 minutes);
 	# NeMo's is `make test-nemo`'s.
 	$(VENV)/bin/pip install -q -r tests/requirements-hf.txt -r tests/requirements-onnx.txt

@@ -50,7 +50,7 @@ import typing
 import torch
 
 from aed.cli_stream import caption_stdin, print_latency, stream_files
-from aed.data_speech import DETECTORS
+from aed.data_speech import DETECTORS, SILERO_RATE, detector_name
 from aed.decode_metrics import NORMALIZERS
 from aed.decode_policy import POLICIES
 from aed.decode_search import DecodingOptions
@@ -108,10 +108,11 @@ def parse_args(argv: list[str] | None = None):
                           "(by word times with a CTC head, else by the "
                           "words both heard); 0 (default): cut without overlap, which measured as well or "
                           "better for models trained on whole utterances (README, Long audio)")
-    run.add_argument("--vad", choices=DETECTORS, default="energy",
-                     help="the speech detector that finds the pauses of long inputs and streams: energy "
-                          "(default, built in: a frame 10 dB above the room's own floor around it) or silero "
-                          "(Silero VAD, `pip install silero-vad`: it also tells a music bed from speech)")
+    run.add_argument("--vad", choices=DETECTORS, default="auto",
+                     help="the speech detector that finds the pauses of long inputs and streams: silero "
+                          "(Silero VAD, `pip install silero-vad`: it also tells a music bed from speech), energy "
+                          "(built in: a frame 10 dB above the room's own floor around it), or auto (default): "
+                          "silero where it is installed and the model takes 16 kHz audio, else energy")
     run.add_argument("--merge-segments", action="store_true",
                      help="decode a long input's stretches of speech together, up to the segment length, where "
                           "the pause between them is no longer than the silence the model heard around its "
@@ -249,9 +250,10 @@ def print_scores(results, normalizer: str) -> None:
             print(f"{key}: BLEU {m['bleu']:.2f} on {m['n']} file(s)", file=sys.stderr)
 
 
-def print_unsaid(results, options: DecodingOptions, unit: str = "segment") -> None:
+def print_unsaid(results, options: DecodingOptions, detector: str, unit: str = "segment") -> None:
     """The audio that gave no text, on stderr, so that none is dropped unsaid: the chunks (`unit`s) the
-    no-speech check emptied, with their seconds and files, and the seconds never decoded (no speech by energy)."""
+    no-speech check emptied, with their seconds and files, and the seconds never decoded (no speech by
+    the `detector`)."""
     done = [r for r in results if r.error is None]
     if options.no_speech_threshold is not None:
         hit = [r for r in done if r.skipped_segments]
@@ -262,7 +264,7 @@ def print_unsaid(results, options: DecodingOptions, unit: str = "segment") -> No
               file=sys.stderr)
     undecoded = sum(r.undecoded_seconds or 0.0 for r in done)
     if undecoded >= 0.05:
-        print(f"{undecoded:.1f} s judged non-speech by energy (pauses, silence) were not decoded", file=sys.stderr)
+        print(f"{undecoded:.1f} s judged non-speech by {detector} (pauses, silence) were not decoded", file=sys.stderr)
 
 
 # --- streaming (the input and output: aed/cli_stream.py) ----------------------------------------
@@ -274,15 +276,24 @@ def run_stream(args, loaded, requests) -> int:
     streamer = Streamer(loaded, config, decoding_options(args), partials=live)
     print(f"model {loaded.path} on {loaded.device}, streamed: {config.policy}, chunk {streamer.chunk / streamer.rate:g} s,"
           f" left {streamer.left / streamer.rate:g} s, right {streamer.right / streamer.rate:g} s (the buffer adds "
-          f"{(streamer.chunk + streamer.right) / streamer.rate:g} s of latency)", file=sys.stderr)
+          f"{(streamer.chunk + streamer.right) / streamer.rate:g} s of latency), {detecting(args.vad, streamer.rate)}",
+          file=sys.stderr)
     if args.stream == "-":
         return caption_stdin(streamer, make_request("<stdin>", source_lang=args.source_lang,
                                                     target_lang=args.target_lang, task=args.task, pnc=args.pnc))
     results, latencies = stream_files(streamer, requests, args.streams, args.realtime, args.out, live)
     print_scores(results, args.normalizer)
-    print_unsaid(results, streamer.options, "sentence")
+    print_unsaid(results, streamer.options, detector_name(args.vad, streamer.rate), "sentence")
     print_latency(latencies)
     return 1 if any(r.error is not None for r in results) else 0
+
+
+def detecting(vad: str, sample_rate: int) -> str:
+    """Which speech detector finds the pauses, and where "auto" fell back to energy, how to get Silero."""
+    name = detector_name(vad, sample_rate)
+    hint = " (Silero VAD, which keeps music out, is not installed: pip install silero-vad)" if (
+        vad == "auto" and name == "energy" and sample_rate == SILERO_RATE) else ""
+    return f"speech detector {name}{hint}"
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -325,8 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     size = ("int8 Linear weights" if args.int8
             else f"{sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M parameters")
     print(f"model {loaded.path} ({size}) on {device}, {'bf16' if dtype else 'fp32'}"
-          f"{', compiled decoder step' if args.compile else ''}, {search}{joint}; {len(requests)} input(s)",
-          file=sys.stderr)
+          f"{', compiled decoder step' if args.compile else ''}, {search}{joint}; {len(requests)} input(s); "
+          f"{detecting(args.vad, loaded.features.sample_rate)}", file=sys.stderr)
 
     # --- transcription
 
@@ -356,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         write_subtitles(results, args.subtitles, args.timestamps)
 
     print_scores(results, args.normalizer)
-    print_unsaid(results, options)
+    print_unsaid(results, options, detector_name(args.vad, loaded.features.sample_rate))
     t = timings
     print(f"RTFx {t.rtfx:.1f}: {t.audio:.1f} s of audio in {t.wall:.2f} s (load+features {t.load_features:.2f} s, "
           f"encoder {t.encoder:.2f} s, decoder {t.decoder:.2f} s"

@@ -16,16 +16,18 @@ notes are speech to this rule.
 Long-form cutting and streams (aed/decode_timing.py, aed/decode_stream.py), training's trim
 (train.trim_silence) and its edge variation (aed/data_augment.py) all judge speech by this one rule.
 
-Where music plays, long-form cutting and streams can ask a small neural detector instead: Silero VAD
-(MIT, `pip install silero-vad`; faster-whisper and WhisperX cut with it), an optional dependency,
-through the same two calls (`speech_detector`): `scores` for the audio as it comes (a file's blocks,
-a stream's pieces), `speech` for frames so scored. docs/inference.md measures both.
+Long-form cutting and streams can ask a small neural detector instead: Silero VAD (MIT, `pip install
+silero-vad`; faster-whisper and WhisperX cut with it), an optional dependency, through the same two
+calls (`speech_detector`): `scores` for the audio as it comes (a file's blocks, a stream's pieces),
+`speech` for frames so scored. It tells a music bed from speech, which energy cannot, so "auto" (infer.py's
+default) takes it wherever it is installed. docs/inference.md measures both.
 
     detector = speech_detector("silero", 16000)
     scores = torch.cat([detector.scores(block) for block in blocks] + [detector.scores(tail, final=True)])
     speech = detector.speech(scores)          # (frames,) bool
 """
 
+import importlib.util
 import math
 import warnings
 
@@ -150,7 +152,7 @@ def trimmed_span(wav: torch.Tensor, sample_rate: int, keep: float) -> tuple[int,
 
 # --- detectors for audio that comes in pieces --------------------------------------------------
 
-DETECTORS = ("energy", "silero")
+DETECTORS = ("auto", "energy", "silero")
 SILERO_RATE, SILERO_WINDOW = 16000, 512  # Silero VAD scores 32 ms windows of 16 kHz audio
 SILERO_ON, SILERO_OFF = 0.5, 0.35  # speech starts at this probability and lasts while above that one
 # (Silero's get_speech_timestamps' defaults)
@@ -234,8 +236,18 @@ class SileroDetector(EnergyDetector):
         return without_blips(hysteresis(scores >= SILERO_ON, scores >= SILERO_OFF))
 
 
-def speech_detector(name: str, sample_rate: int) -> EnergyDetector:
-    """A detector by name (DETECTORS): a new one for each input, as its state follows the audio."""
+def detector_name(name: str, sample_rate: int) -> str:
+    """The detector a name (DETECTORS) picks: "auto" is silero where Silero VAD is installed and the
+    audio is at its 16 kHz (it keeps a music bed out of the segments: docs/REPORT.md, "Long recordings
+    in rooms"), else energy."""
     if name not in DETECTORS:
         raise ValueError(f"unknown speech detector {name!r}: choose one of {', '.join(DETECTORS)}")
+    if name != "auto":
+        return name
+    return "silero" if sample_rate == SILERO_RATE and importlib.util.find_spec("silero_vad") else "energy"
+
+
+def speech_detector(name: str, sample_rate: int) -> EnergyDetector:
+    """A detector by name (DETECTORS): a new one for each input, as its state follows the audio."""
+    name = detector_name(name, sample_rate)
     return SileroDetector(sample_rate) if name == "silero" else EnergyDetector(sample_rate)

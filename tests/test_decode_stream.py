@@ -385,7 +385,8 @@ def test_infer_streams_files_and_standard_input(word_model, sequences, tmp_path,
         paths.append(str(tmp_path / f"s{i}.wav"))
         sf.write(paths[-1], wav.numpy(), RATE, subtype="FLOAT")
     out = tmp_path / "hyp.jsonl"
-    flags = ["--ckpt", WORD_MODEL, "--no-pnc", "--stream-chunk", "0.5", "--right-context", "0.25"]
+    flags = ["--ckpt", WORD_MODEL, "--no-pnc", "--stream-chunk", "0.5", "--right-context", "0.25",
+             "--vad", "energy"]  # StreamConfig's detector, which `streamed` takes
     proc = run_in_process(cli_infer.main, flags + ["--stream", "--out", str(out)] + paths)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]

@@ -227,7 +227,7 @@ def test_a_segment_the_no_speech_check_empties_among_kept_ones_is_reported(run_d
     emptied = [p > threshold for p in probs]
     out = tmp_path / "hyp.jsonl"
     p = run_in_process(cli_infer.main, ["--ckpt", run_dir, "--chunk-seconds", "2", "--no-speech-threshold", repr(threshold),
-                                    "--out", str(out), str(path)])
+                                    "--vad", "energy", "--out", str(out), str(path)])  # plan_chunks' detector
     assert p.returncode == 0, p.stderr
     (line,) = [json.loads(row) for row in out.read_text().splitlines()]
     assert line["pred_text"] == " ".join(r.pred_text for r, e in zip(segments, emptied) if not e)

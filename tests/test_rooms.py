@@ -246,3 +246,21 @@ def test_silero_scores_a_stream_in_pieces_as_a_whole_file():
     assert parts.shape == whole.shape == (wav.numel() // 160,)
     torch.testing.assert_close(parts, whole)
     assert detector.speech(whole).any()
+
+
+def test_infer_takes_silero_by_default_where_installed_and_says_how_to_get_it_where_not(tmp_path, monkeypatch):
+    """infer.py's --vad auto: Silero where it is installed (it keeps a music bed out of the segments),
+    energy where it is not or where the model does not take its 16 kHz, saying which in its header."""
+    from aed import cli_infer, data_speech
+    from test_train import run_in_process
+    _, path, _ = long_file(tmp_path / "music", "--condition", "music")
+    word_model = os.path.join(ROOT, "tests", "fixtures", "word_model.pt")
+    proc = run_in_process(cli_infer.main, ["--ckpt", word_model, "--chunk-seconds", "3", str(path)])
+    assert proc.returncode == 0, proc.stderr
+    assert f"speech detector {'silero' if SILERO else 'energy'}" in proc.stderr, proc.stderr
+    assert data_speech.detector_name("auto", 8000) == "energy" and data_speech.detector_name("energy", RATE) == "energy"
+    monkeypatch.setattr(data_speech.importlib.util, "find_spec", lambda name: None)  # as without Silero
+    assert data_speech.detector_name("auto", RATE) == "energy"
+    assert "not installed: pip install silero-vad" in cli_infer.detecting("auto", RATE)
+    with pytest.raises(ValueError, match="unknown speech detector 'webrtc'"):
+        data_speech.detector_name("webrtc", RATE)
