@@ -20,7 +20,8 @@ Long-form cutting and streams can ask a small neural detector instead: Silero VA
 silero-vad`; faster-whisper and WhisperX cut with it), an optional dependency, through the same two
 calls (`speech_detector`): `scores` for the audio as it comes (a file's blocks, a stream's pieces),
 `speech` for frames so scored. It tells a music bed from speech, which energy cannot, so "auto" (infer.py's
-default) takes it wherever it is installed. docs/inference.md measures both.
+default) takes it wherever it is installed. It hears quiet speech less surely than loud, so it hears the
+audio raised where it is quiet and the room is not loud (`lift_gain`). docs/inference.md measures both.
 
     detector = speech_detector("silero", 16000)
     scores = torch.cat([detector.scores(block) for block in blocks] + [detector.scores(tail, final=True)])
@@ -156,6 +157,21 @@ DETECTORS = ("auto", "energy", "silero")
 SILERO_RATE, SILERO_WINDOW = 16000, 512  # Silero VAD scores 32 ms windows of 16 kHz audio
 SILERO_ON, SILERO_OFF = 0.5, 0.35  # speech starts at this probability and lasts while above that one
 # (Silero's get_speech_timestamps' defaults)
+SILERO_MIN_SPEECH = 0.25  # seconds: a shorter run of Silero's speech is none (its get_speech_timestamps drops
+# such segments too): under a music bed, a note heard as speech for a moment, and the short runs that
+# carry an utterance's end on into the bed (French prompts over music: 2.2-3.1% of the pauses called
+# speech without this, 0.0-1.0% with it; docs/inference.md)
+LIFT_TO_DB = -26.0  # Silero hears a quiet talker less surely (86-88% of a far talker 24-44 dB under full
+# scale found; 98-99% raised): the audio it hears is raised until its loudest frame of the past
+# LIFT_LEVEL_SECONDS reaches this frame energy (frame_db),
+LIFT_MAX_DB = 24.0  # by at most this much,
+LIFT_FLOOR_DB = -60.0  # and never so far that the room's floor (the quietest 50 ms of the past
+# FLOOR_SECONDS) rises above this: raised noise is what Silero calls speech (a gain without this limit
+# called 2-12% of the pauses under pink noise speech)
+LIFT_LEVEL_SECONDS = 1.0
+LIFT_RELEASE_SECONDS = 0.3  # the gain falls at once when the audio grows loud, and rises as its mean
+# over this long: no click as it moves
+LIFT_HISTORY = round((FLOOR_SECONDS + SMOOTH + LIFT_RELEASE_SECONDS) / FRAME) + 1  # frames of the past a gain needs
 
 
 class EnergyDetector:
@@ -188,11 +204,33 @@ def hysteresis(on: torch.Tensor, still: torch.Tensor) -> torch.Tensor:
     return speech
 
 
+def past(pool, x: torch.Tensor, frames: int, fill: float | None) -> torch.Tensor:
+    """(frames,) -> (frames,) `pool` (max or mean) over each frame and the `frames` - 1 before it, the
+    audio's start padded with `fill` (None: its first frame repeated)."""
+    padded = F.pad(x[None, None], (frames - 1, 0), mode="replicate") if fill is None else \
+        F.pad(x, (frames - 1, 0), value=fill)[None, None]
+    return pool(padded, frames, stride=1)[0, 0]
+
+
+def lift_gain(db: torch.Tensor) -> torch.Tensor:
+    """Frame energies (frames,) in dB -> (frames,) the gain in dB that raises a quiet stretch for
+    Silero (LIFT_*), each frame's from its own and earlier frames only, so that a stream gets the
+    gains a whole file would."""
+    smooth, reach = round(SMOOTH / FRAME), round(FLOOR_SECONDS / FRAME)
+    level = past(F.max_pool1d, db, round(LIFT_LEVEL_SECONDS / FRAME), -math.inf)
+    floor = -past(F.max_pool1d, -past(F.avg_pool1d, db.clamp(min=SILENCE_DBFS), smooth, None),
+                  reach, -math.inf)  # the quietest 50 ms of the past FLOOR_SECONDS
+    gain = torch.minimum((LIFT_TO_DB - level).clamp(0, LIFT_MAX_DB), (LIFT_FLOOR_DB - floor).clamp(min=0))
+    return torch.minimum(gain, past(F.avg_pool1d, gain, round(LIFT_RELEASE_SECONDS / FRAME), 0.0))
+
+
 class SileroDetector(EnergyDetector):
     """Silero VAD 5+ (`pip install silero-vad`): `scores` are its speech probabilities, each 10 ms frame
     taking that of the window holding its middle. A frame is scored once that window is complete (a
     stream's newest 30 ms wait for the next piece), and the last partial window of a file, padded
-    with zeros. `speech`: above SILERO_ON, and on while above SILERO_OFF; blips dropped as above."""
+    with zeros. Silero hears the audio raised where it is quiet (`lift_gain`: each sample by the gain of
+    the 10 ms frame before its own, so no sample waits for its frame to end). `speech`: above SILERO_ON,
+    and on while above SILERO_OFF, for SILERO_MIN_SPEECH at least; blips dropped as above."""
 
     def __init__(self, sample_rate: int):
         if sample_rate != SILERO_RATE:
@@ -212,9 +250,24 @@ class SileroDetector(EnergyDetector):
         self.windows = 0  # windows scored so far
         self.frames = 0  # frames scored so far
         self.last = torch.zeros(1)  # the newest window's probability (a frame may straddle two calls)
+        self.frame_tail = torch.zeros(0)  # samples of the 10 ms frame not yet complete, as heard
+        self.past_db = torch.zeros(0)  # energies of the last LIFT_HISTORY complete frames
+        self.gain = 0.0  # dB: the newest complete frame's gain, for the samples of the next
+
+    def lift(self, samples: torch.Tensor) -> torch.Tensor:
+        """(S,) the next samples -> (S,) them raised by `lift_gain`, clipped at full scale."""
+        audio = torch.cat([self.frame_tail, samples])
+        done = audio.numel() // self.hop
+        db = torch.cat([self.past_db, frame_db(audio[:done * self.hop], self.rate)])
+        gains = lift_gain(db)[db.numel() - done:]  # (done,) the new frames'
+        per_frame = torch.cat([torch.tensor([self.gain]), gains])  # (done + 1,): frame i's samples take gain i
+        per_sample = per_frame.repeat_interleave(self.hop)[self.frame_tail.numel():audio.numel()]  # (S,)
+        self.frame_tail, self.past_db = audio[done * self.hop:], db[-LIFT_HISTORY:]
+        self.gain = float(per_frame[-1])
+        return (samples * 10 ** (per_sample / 20)).clamp(-1.0, 1.0)
 
     def scores(self, samples: torch.Tensor, final: bool = False) -> torch.Tensor:
-        audio = torch.cat([self.pending, samples.float()])
+        audio = torch.cat([self.pending, self.lift(samples.float())])
         total = (self.windows * SILERO_WINDOW + audio.numel()) // self.hop  # frames these samples complete
         if final and audio.numel() % SILERO_WINDOW:
             audio = F.pad(audio, (0, SILERO_WINDOW - audio.numel() % SILERO_WINDOW))
@@ -233,7 +286,11 @@ class SileroDetector(EnergyDetector):
         return probs[middles - first]
 
     def speech(self, scores: torch.Tensor) -> torch.Tensor:
-        return without_blips(hysteresis(scores >= SILERO_ON, scores >= SILERO_OFF))
+        speech = hysteresis(scores >= SILERO_ON, scores >= SILERO_OFF)
+        for start, end in runs(speech):
+            if end - start < round(SILERO_MIN_SPEECH / FRAME):
+                speech[start:end] = False
+        return without_blips(speech)
 
 
 def detector_name(name: str, sample_rate: int) -> str:

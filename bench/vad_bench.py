@@ -148,7 +148,8 @@ def default_manifests(work: Path) -> list[tuple[str, str]]:
 def long_files(manifest: str, condition: str, out: Path, args) -> list:
     """make_long_audio's files of `manifest` under `condition`: [(wav (S,), rate, parts)]."""
     made = ["--manifest", manifest, "-o", str(out), "--condition", condition, "--seconds", str(args.seconds),
-            "--files", str(args.files), "--seed", str(args.seed)] + ["--transient"] * args.transient
+            "--files", str(args.files), "--seed", str(args.seed), "--talker-db", str(args.talker_db)
+            ] + ["--transient"] * args.transient
     log(f"tools/make_long_audio.py {' '.join(made)}")
     make_long_audio.main(made)
     files = []
@@ -182,6 +183,8 @@ def main(argv=None) -> None:
     p.add_argument("--seconds", type=float, default=90.0, help="length of each long file (room-tone's adds 45 s)")
     p.add_argument("--files", type=int, default=4, help="long files per manifest and condition")
     p.add_argument("--transient", action="store_true", help="a 30 ms knock in a pause of every file")
+    p.add_argument("--talker-db", type=float, default=24.0, help="talkers: how much quieter the far talker is "
+                   "(dB, default 24)")
     p.add_argument("--no-streams", action="store_true", help="skip the audio without speech")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="CPU threads; 1 avoids thrashing a shared machine")
@@ -201,7 +204,7 @@ def main(argv=None) -> None:
         sets = sets or default_manifests(work)
         result = {"cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                   "threads": args.threads, "seconds": args.seconds, "files": args.files, "seed": args.seed,
-                  "transient": args.transient, "detectors": detectors, "sets": {}, "streams": {}}
+                  "transient": args.transient, "talker_db": args.talker_db, "detectors": detectors, "sets": {}, "streams": {}}
         rows, quiet_rows = [], []
         for name, manifest in sets:
             found = result["sets"][name] = {"manifest": manifest}
