@@ -216,6 +216,8 @@ def lift_gain(db: torch.Tensor) -> torch.Tensor:
     """Frame energies (frames,) in dB -> (frames,) the gain in dB that raises a quiet stretch for
     Silero (LIFT_*), each frame's from its own and earlier frames only, so that a stream gets the
     gains a whole file would."""
+    if db.numel() == 0:  # a stream's first piece, shorter than a frame
+        return db
     smooth, reach = round(SMOOTH / FRAME), round(FLOOR_SECONDS / FRAME)
     level = past(F.max_pool1d, db, round(LIFT_LEVEL_SECONDS / FRAME), -math.inf)
     floor = -past(F.max_pool1d, -past(F.avg_pool1d, db.clamp(min=SILENCE_DBFS), smooth, None),
