@@ -82,7 +82,7 @@ from aed.data_speech import DETECTORS, FLOOR_SECONDS, FRAME, EnergyDetector, run
 from aed.decode_metrics import stream_latency
 from aed.decode_policy import POLICIES, CommitPolicy, PolicyState
 from aed.decode_search import CTCPrefixScorer, DecodingOptions, ends_in_repeats, joint_candidates, token_budget
-from aed.decode_timing import PAUSE, frame_seconds, quietest, segment_edges, word_spans
+from aed.decode_timing import PAUSE, frame_seconds, longest_segment, quietest, segment_edges, word_spans
 from aed.decode_transcribe import Result
 from aed.model_decoder import KVCache
 
@@ -246,7 +246,8 @@ class Streamer:
         self.chunk = max(1, round(config.chunk / self.frame_s)) * frame  # sizes in samples, whole frames
         self.right = round(config.right / self.frame_s) * frame
         self.left = round(self.left_seconds(loaded.max_train_duration) / self.frame_s) * frame
-        self.longest = round(loaded.max_train_duration * self.rate) if loaded.max_train_duration else None
+        longest = longest_segment(loaded)
+        self.longest = round(longest * self.rate) if longest else None  # a sentence with its edges
         self.sink = round(SINK_SECONDS / self.frame_s)
         self.edges = segment_edges(loaded)  # silence kept before and after a sentence's speech
         self.policy = CommitPolicy(config, self.frame_s)

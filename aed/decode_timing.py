@@ -182,6 +182,18 @@ def segment_edges(loaded) -> tuple[float, float]:
     return (own[0] + most) / 2, (own[1] + most) / 2
 
 
+def longest_segment(loaded) -> float | None:
+    """Seconds of the longest segment (speech and its `segment_edges` silence) for `loaded`: its
+    longest training utterance as read; for a model trained with varied edges, that utterance's speech
+    with the wider margins around it, which training heard as added silence. (Held to the training
+    length with those margins, a segment's speech is shorter than its utterances' and the longest of
+    them are split inside.) None where the training length was not recorded."""
+    if loaded.max_train_duration is None:
+        return None
+    own, given = loaded.edge_silence or (EDGE, EDGE), segment_edges(loaded)
+    return loaded.max_train_duration + max(0.0, given[0] - own[0]) + max(0.0, given[1] - own[1])
+
+
 def plan_segments(db: torch.Tensor, limit: float, pause: float = PAUSE,
                   edges: tuple[float, float] = (EDGE, EDGE), detector: EnergyDetector | None = None,
                   merge: bool = False) -> list[Cut]:

@@ -18,7 +18,7 @@ once decoded); a *segment* is a subtitle cue (`aed.decode_timing.Segment`).
 
 How the work is cut:
 1. Plan: each input's duration (manifest, else the file header). Inputs longer than `chunk_seconds`
-   (the longest utterance the model was trained on) are cut at their pauses into segments of at most
+   (the longest utterance the model was trained on, `chunk_length`) are cut at their pauses into segments of at most
    that (`aed.decode_timing`: speech found by energy, every pause of 0.25 s ends a segment, each
    segment with the silence at its edges that the training utterances held, the rest not decoded).
    Where continuous speech must be cut, with `chunk_overlap` > 0 (off by default: docs/inference.md,
@@ -58,8 +58,8 @@ from aed.data_tokenizer import Tokenizer
 from aed.decode_metrics import corpus_scores
 from aed.decode_search import DecodingOptions, decode_features
 from aed.data_speech import EnergyDetector, speech_detector, speech_frames, trimmed_span
-from aed.decode_timing import (EDGE, Chunk, MergeStats, Word, align, feasible, frame_seconds, merge_chunks, plan_segments,
-                               segment_edges, snap_to_speech, to_segments, to_words)
+from aed.decode_timing import (EDGE, Chunk, MergeStats, Word, align, feasible, frame_seconds, longest_segment, merge_chunks,
+                               plan_segments, segment_edges, snap_to_speech, to_segments, to_words)
 from aed.model_checkpoint import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -222,15 +222,15 @@ def score(results: list[Result], normalizer: str = "simple") -> dict:
 def chunk_length(loaded: LoadedModel, chunk_seconds: float | None) -> float:
     """Seconds per chunk of a long input: `chunk_seconds` when given, else the longest utterance
     the model was trained on (an attention model trained on short utterances drops most of the
-    words of much longer ones), else 40 s (Canary's training maximum). A chunk longer than the
-    training maximum gets a warning."""
-    trained = loaded.max_train_duration
+    words of much longer ones) with the edges a segment gets (`longest_segment`), else 40 s
+    (Canary's training maximum). A chunk longer than that gets a warning."""
+    trained = longest_segment(loaded)
     if chunk_seconds is None:
         return trained if trained is not None else DEFAULT_CHUNK
     if trained is not None and chunk_seconds > trained:
-        log.warning("chunks of up to %.1f s, but %s was trained on utterances of at most %.1f s: expect "
-                    "dropped words; leave the chunk length unset to use the training maximum",
-                    chunk_seconds, loaded.path, trained)
+        log.warning("chunks of up to %.1f s, but %s was trained on utterances of at most %.1f s (%.1f s with a "
+                    "segment's edges): expect dropped words; leave the chunk length unset to use the training "
+                    "maximum", chunk_seconds, loaded.path, loaded.max_train_duration, trained)
     return chunk_seconds
 
 

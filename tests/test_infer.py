@@ -24,6 +24,7 @@ from aed.data_tokenizer import Tokenizer
 from aed.decode_metrics import corpus_scores, wer
 from aed.decode_search import (DecodingOptions, beam_search, decode_features, greedy_search, length_penalty,
                                token_budget)
+from aed.decode_timing import segment_edges
 from aed.decode_transcribe import (Request, chunk_length, expand_inputs, plan_chunks, read_requests, request_prompts,
                                    transcribe)
 from aed.model import AED, AEDConfig, CTCHead
@@ -263,6 +264,30 @@ def test_chunk_length_defaults_to_the_training_maximum_and_warns_beyond_it(caplo
         assert chunk_length(trained, 3.0) == 3.0 and not caplog.records
         assert chunk_length(trained, 40.0) == 40.0
     assert "trained on utterances of at most 4.6 s" in caplog.text
+
+
+def test_a_model_trained_with_varied_edges_gets_its_longest_utterances_in_one_segment(tmp_path):
+    """Its segments get margins wider than its utterances' own silence (`segment_edges`); the segment
+    length grows by as much, so speech as long as its longest training utterance held is one segment,
+    not split at a gap between its words (on the demo model, 19 of 190 digit strings were)."""
+    model = LoadedModel(None, None, None, "ckpt.pt", max_train_duration=2.1, edge_silence=(0.12, 0.12),
+                        varied_edges=(-0.1, 0.5))
+    lead, trail = segment_edges(model)
+    assert chunk_length(model, None) == pytest.approx(2.1 + (lead - 0.12) + (trail - 0.12))
+    # Six utterances of 1.8 s of speech (the 2.1 s less its own edges): four 0.375 s tones 0.1 s apart,
+    # 0.8 s pauses between them, over a floor at -70 dBFS.
+    gen, t = torch.Generator().manual_seed(0), torch.arange(round(0.375 * 16000)) / 16000
+    word, gap, pause = 0.1 * torch.sin(2 * math.pi * 220 * t), torch.zeros(1600), torch.zeros(12800)
+    utterance = torch.cat([word, gap, word, gap, word, gap, word])
+    wav = torch.cat([pause] + [torch.cat([utterance, pause]) for _ in range(6)])
+    wav += 3e-4 * torch.randn(wav.shape, generator=gen)
+    sf.write(tmp_path / "six.wav", wav.numpy(), 16000, subtype="FLOAT")
+    _, chunks = plan_chunks(Request(str(tmp_path / "six.wav"), "en", "en", False, "asr"), chunk_length(model, None),
+                            16000, edges=(lead, trail))
+    starts = [0.8 + k * 2.6 for k in range(6)]  # each utterance's speech: [start, start + 1.8]
+    assert len(chunks) == 6
+    for (offset, _, seconds), start in zip(chunks, starts):
+        assert offset <= start and offset + seconds >= start + 1.8
 
 
 def test_setting_ranges_are_checked_by_the_library_and_reported_by_infer_py(capsys):
