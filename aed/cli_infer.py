@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None = None):
     run.add_argument("--chunk-seconds", type=float,
                      help="inputs longer than this are cut at their pauses into segments of at most this, each "
                           "decoded on its own, the silence between them skipped; default: the longest utterance "
-                          "the model was trained on (recorded in its checkpoint), else 40")
+                          "the model was trained on (recorded in its checkpoint; for a model trained with varied "
+                          "edges, longer by the wider silence its segments keep), else 40")
     run.add_argument("--chunk-overlap", type=float, default=0.0,
                      help="where speech runs on longer than a segment may, so that it is cut without a pause, "
                           "start the next segment this many seconds earlier and merge the two hypotheses "
