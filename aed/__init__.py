@@ -34,6 +34,7 @@ model
   model_checkpoint  a checkpoint on disk -> the model, tokenizer and features (load_model)
 decoding
   decode_search     features -> hypotheses: batched greedy and beam search, joint with CTC prefix scores
+  decode_lm         a token n-gram of the training transcripts, fused into the beam search (tools/train_lm.py)
   decode_timing     time in the audio: pauses, long audio cut at them, CTC word times, chunks joined back
   decode_metrics    WER and BLEU, and the text normalisers leaderboards use; a stream's latency (AL, LAAL)
   decode_transcribe files -> Results: the API behind infer.py (transcribe)

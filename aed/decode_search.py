@@ -33,7 +33,9 @@ recursion is linear, so it unrolls into cumulative sums over frames: with X[t] =
 (likewise r_b with the blank's cumulative sum). That scores every candidate token of every
 hypothesis at once, with no Python loop over frames. Only a few candidates are scored per
 hypothesis (the attention decoder's top ones, ESPnet's pre-beam): O(T' x candidates) per step,
-not O(T' x vocabulary).
+not O(T' x vocabulary). With an n-gram of the training transcripts (`DecodingOptions.lm`,
+aed/decode_lm.py), each candidate's step score also gains lm_weight x its n-gram log-probability
+(shallow fusion); greedy decoding with one is a beam of one.
 
 The searches. `prompt` (B, P) holds the same-length Canary prompt per utterance (`<|startoftranscript|><|src|><|task|>
 <|tgt|><|pnc|>`); the result is, per utterance, the generated ids after the prompt, without EOS.
@@ -57,6 +59,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from aed import decode_lm
 
 
 NEG_INF = float("-inf")
@@ -164,6 +168,13 @@ class DecodingOptions:
     # are short); Canary's tokenizers give about 4 on real speech.
     max_tokens_per_second: float | None = field(default=25.0, metadata={
         "help": "stop a hypothesis at this many tokens per second of audio; 0: no bound"})
+    # Shallow fusion with an n-gram of the training transcripts (aed/decode_lm.py): a small model spells
+    # what it hears as it sounds, and the n-gram knows the corpus's words. The weight was chosen on a
+    # development set of the laptop recipe's model (docs/REPORT.md, "A language model of the transcripts").
+    lm: str | None = field(default=None, metadata={"metavar": "FILE", "help": (
+        "an n-gram language model of the training transcripts (tools/train_lm.py), fused into the search: "
+        "each candidate token also scored by lm_weight x its log-probability under it")})
+    lm_weight: float = field(default=0.3, metadata={"help": "weight of --lm's log-probabilities in the search"})
     # Transcribe, Streamer and validation set the model's.
     frame_seconds: float = field(default=0.08, metadata={
         "help": "seconds per encoder frame: converts max_tokens_per_second into frames",
@@ -199,6 +210,8 @@ class DecodingOptions:
             raise ValueError(f"CTC weight {self.ctc_weight} must lie in [0, 1]")
         if self.no_speech_threshold is not None and not 0 <= self.no_speech_threshold <= 1:
             raise ValueError(f"no-speech threshold {self.no_speech_threshold} must lie in [0, 1]")
+        if self.lm_weight < 0:
+            raise ValueError(f"LM weight {self.lm_weight} must be >= 0")
         if self.max_repeats < 0 or (self.max_tokens_per_second or 0) < 0:
             raise ValueError(f"max repeats ({self.max_repeats}) and max tokens per second "
                              f"({self.max_tokens_per_second}) must be >= 0")
@@ -219,7 +232,7 @@ def search(model, memory, memory_lens, prompt, eos_id: int, options: DecodingOpt
     for greedy decoding. Returns the generated ids per row; with_logprobs, also (B,) the attention
     decoder's log-probability of each returned hypothesis: the sum over its tokens, and its EOS where it
     ended with one (Whisper's sum_logprob; joint scores rank, the decoder's own ones are summed)."""
-    if options.beam_size > 1 or (options.ctc_weight > 0 and ctc_log_probs is not None):
+    if options.beam_size > 1 or (options.ctc_weight > 0 and ctc_log_probs is not None) or options.lm:
         return beam_search(model, memory, memory_lens, prompt, eos_id, options, ctc_log_probs, with_logprobs)
     return greedy_search(model, memory, memory_lens, prompt, eos_id, options, with_logprobs)
 
@@ -398,6 +411,11 @@ def beam_search(model, memory, memory_lens, prompt, eos_id: int, options: Decodi
         scorer = CTCPrefixScorer(ctc_log_probs, memory_lens, rows_per_utterance=k)
     w = v if scorer is None else options.ctc_candidates + 1
     assert k <= w, f"beam_size {k} exceeds the {w} candidates per hypothesis"
+    lm = None
+    if options.lm:
+        lm = decode_lm.load(options.lm)
+        decode_lm.check_fits(lm, v, eos_id, options.lm)
+        every_token = torch.arange(v, device=device).expand(b * k, v)  # the candidates without a CTC scorer
 
     # Only beam 0 is alive at first: otherwise the K identical starting beams would fill the beam with copies.
     scores = torch.full((b, k), float("-inf"), device=device)
@@ -417,6 +435,8 @@ def beam_search(model, memory, memory_lens, prompt, eos_id: int, options: Decodi
             cand, step = None, logp  # every token is a candidate: column = token id
         else:
             cand, step, psi = joint_candidates(logp, scorer, eos_id, options.ctc_weight, options.ctc_candidates)
+        if lm is not None:
+            step = step + options.lm_weight * lm.scores(tokens, i, every_token if cand is None else cand).to(step.dtype)
         eos_cost = torch.where(unpaid, step[:, eos_col], 0.0)  # (R,)
         step = torch.where(finished[:, None], eos_only + eos_cost[:, None], step)
         cand_scores = scores[:, None] + step  # (R, W)

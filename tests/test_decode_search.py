@@ -198,10 +198,12 @@ def reference_ctc_prefix(log_probs, prefix, end=False):
     return psi if prefix else 0.0
 
 
-def reference_beam_search(model, memory, memory_lens, prompt, eos, k, alpha, max_delta, ctc=None):
+def reference_beam_search(model, memory, memory_lens, prompt, eos, k, alpha, max_delta, ctc=None, lm=None):
     """One utterance and one hypothesis at a time, logits recomputed from scratch (no cache, no batching).
     ctc = (log-probs (B, T', V+1), weight, candidates): joint scores over the attention decoder's best
-    tokens and EOS, with CTC prefix probabilities recomputed from scratch too."""
+    tokens and EOS, with CTC prefix probabilities recomputed from scratch too. lm = (an
+    aed.decode_lm.NGramLM, weight): each candidate also scores weight x its n-gram log-probability
+    after the hypothesis' own tokens (shallow fusion)."""
     out = []
     for b in range(memory.size(0)):
         mem, mem_lens = memory[b : b + 1, : memory_lens[b]], memory_lens[b : b + 1]
@@ -223,6 +225,9 @@ def reference_beam_search(model, memory, memory_lens, prompt, eos, k, alpha, max
                     psi = {t: reference_ctc_prefix(log_probs, gen + [t]) for t in top}
                     psi[eos] = reference_ctc_prefix(log_probs, gen, end=True)
                     steps = [(t, (1 - weight) * logp[t] + weight * (psi[t] - base)) for t in top + [eos]]
+                if lm is not None:
+                    fused = lm[0].next_log_probs(tuple(gen)).tolist()
+                    steps = [(t, step + lm[1] * fused[t]) for t, step in steps]
                 for tok, step in steps:
                     new = gen + [tok]
                     cands.append((new, score + step, tok == eos or len(new) >= limit))

@@ -291,6 +291,8 @@ def test_what_a_stream_cannot_take_gets_a_clear_error_or_an_empty_result(word_mo
         StreamConfig(chunk=0)
     with pytest.raises(ValueError, match="beam"):
         Streamer(word_model, options=DecodingOptions(beam_size=4))
+    with pytest.raises(ValueError, match="does not fuse a language model"):
+        Streamer(word_model, options=DecodingOptions(beam_size=1, lm="lm.pt"))
 
 
 @pytest.mark.parametrize("options", [GREEDY, JOINT], ids=["attention", "joint-ctc"])
