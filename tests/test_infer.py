@@ -331,7 +331,7 @@ def test_every_decoding_option_is_a_flag_with_the_options_default_and_its_value_
     assert cli_infer.decoding_options(defaults) == DecodingOptions()
     asked = {"beam_size": 3, "length_penalty": 0.5, "max_delta": 7, "max_new_tokens": 9, "ctc_weight": 0.6,
              "ctc_candidates": 5, "max_repeats": 2, "max_tokens_per_second": 12.5, "no_speech_threshold": 0.4,
-             "logprob_threshold": -0.7}
+             "logprob_threshold": -0.7, "lm": "runs/x/lm.pt", "lm_weight": 0.5}
     assert set(asked) == {f.name for f in user}  # a new option needs a value here
     assert all(value != getattr(DecodingOptions(), name) for name, value in asked.items())
     flags = [arg for name, value in asked.items() for arg in ("--" + name.replace("_", "-"), str(value))]
