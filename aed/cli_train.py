@@ -39,8 +39,9 @@ from aed.data_manifest import Faults, ManifestError
 from aed.memory_measure import format_bytes
 from aed.memory_oomptimizer import preflight_run
 from aed.train_checkpoint import CheckpointWriter, DataPosition, resume_run, save_run
-from aed.train_config import help_text, parse_config
-from aed.train_data import TrainingData, build_training_data
+from aed.model_checkpoint import LM_FILE
+from aed.train_config import OBJECTIVES, help_text, parse_config
+from aed.train_data import TrainingData, build_training_data, save_transcript_lm
 from aed.train_distributed import (Process, all_reduce, cleanup, exit_worker, init_distributed, is_distributed,
                                    peer_lost, wrap)
 from aed.train_guide import GuideState, act_on_deafness, set_attention_guide
@@ -86,7 +87,8 @@ def start_process(cfg) -> Process:
 
 def build(cfg, proc: Process) -> tuple[TrainingSetup, TrainingData]:
     """The run's model, optimizer and schedule, then its data; a config or data problem exits with
-    a message naming it. Rank 0 logs the resolved config and saves it (and estimated bins) in run_dir."""
+    a message naming it. Rank 0 logs the resolved config and saves it (and estimated bins, and the
+    transcripts' n-gram) in run_dir."""
     try:
         setup = build_training_setup(cfg, proc.device)
         cfg = setup.cfg
@@ -96,6 +98,8 @@ def build(cfg, proc: Process) -> tuple[TrainingSetup, TrainingData]:
                 json.dump(to_dict(cfg), f, indent=2, default=str)
         data = build_training_data(cfg, setup.tokenizer, proc.rank, proc.world_size,
                                    bins_out=os.path.join(cfg.run_dir, "bins.json") if proc.master else None)
+        if proc.master and cfg.train.lm_order and OBJECTIVES[cfg.objective].reads_text:
+            save_transcript_lm(cfg, setup.tokenizer, os.path.join(cfg.run_dir, LM_FILE))
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     except ManifestError as e:

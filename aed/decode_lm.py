@@ -19,14 +19,18 @@ characters or pieces alike, and EOS ends every sequence, so it also says where s
     python tools/train_lm.py --manifest data/sentences/train.jsonl --tokenizer data/sentences/tokenizer -o runs/laptop/lm.pt
     python infer.py --ckpt runs/laptop --manifest data/sentences/test.jsonl --beam-size 4 --lm runs/laptop/lm.pt
 
-The file holds the token sequences; the counts are made again when it loads (seconds for the
-transcripts of a few thousand utterances), once per process.
+train.py counts one into its run directory (`train.lm_order`), and the beam search of a model loaded
+from that run fuses it unless told otherwise (`aed.decode_transcribe.transcribe`). The file holds the
+token sequences; the counts are made again when it loads (seconds for the transcripts of a few
+thousand utterances), once per process.
 """
 
 import functools
 from collections import defaultdict
 
 import torch
+
+from aed.data_manifest import Faults, iter_texts
 
 CACHED_CONTEXTS = 200_000  # next-token distributions kept per model (the beam revisits its prefixes)
 
@@ -87,6 +91,26 @@ class NGramLM:
         flat = torch.tensor([t for s in self.sequences for t in s], dtype=torch.int32)
         torch.save({"kind": "aed token n-gram", "order": self.order, "vocab_size": self.vocab_size,
                     "eos_id": self.eos_id, "lengths": lengths, "tokens": flat}, path)
+
+
+def count_transcripts(manifests: list[str], tokenizer, order: int = 7, skip_invalid: bool = False,
+                      faults: Faults | None = None) -> NGramLM:
+    """The n-gram of the target texts of every line of `manifests` (read as tokenizers are trained:
+    `iter_texts`; a bad line raises ManifestError naming it, or with skip_invalid is counted in
+    `faults`, and so is a text the tokenizer cannot encode), each encoded with the model's `tokenizer`
+    in its target language: the ids the decoder emits."""
+    faults = Faults() if faults is None else faults
+    sequences = []
+    for text, _, target in iter_texts(manifests, skip_invalid, faults):
+        try:
+            sequences.append(tokenizer.encode(text, target))
+        except (ValueError, KeyError) as e:
+            if not skip_invalid:
+                raise ValueError(f"{' '.join(manifests)}: cannot encode {text[:40]!r} ({target}): {e}") from None
+            faults.skip("not_encodable", f"{target}: {text[:40]!r}", str(e), quiet=True)
+    if not sequences:
+        raise ValueError(f"no transcripts in {' '.join(manifests)}")
+    return NGramLM(sequences, tokenizer.padded_vocab_size, tokenizer.eos, order)
 
 
 @functools.lru_cache(maxsize=2)

@@ -171,10 +171,13 @@ class DecodingOptions:
     # Shallow fusion with an n-gram of the training transcripts (aed/decode_lm.py): a small model spells
     # what it hears as it sounds, and the n-gram knows the corpus's words. The weight was chosen on a
     # development set of the laptop recipe's model (docs/REPORT.md, "A language model of the transcripts").
+    # None: transcribe gives a beam search the run's own n-gram where training counted one (train.lm_order).
     lm: str | None = field(default=None, metadata={"metavar": "FILE", "help": (
         "an n-gram language model of the training transcripts (tools/train_lm.py), fused into the search: "
-        "each candidate token also scored by lm_weight x its log-probability under it")})
-    lm_weight: float = field(default=0.3, metadata={"help": "weight of --lm's log-probabilities in the search"})
+        "each candidate token also scored by lm_weight x its log-probability under it (default: a beam "
+        "search fuses the n-gram train.py counted into the model's run directory, lm.pt, where there is one)")})
+    lm_weight: float = field(default=0.3, metadata={"help": (
+        "weight of the n-gram's log-probabilities in the search (--lm's, or the run's own); 0: none")})
     # Transcribe, Streamer and validation set the model's.
     frame_seconds: float = field(default=0.08, metadata={
         "help": "seconds per encoder frame: converts max_tokens_per_second into frames",
@@ -216,6 +219,10 @@ class DecodingOptions:
             raise ValueError(f"max repeats ({self.max_repeats}) and max tokens per second "
                              f"({self.max_tokens_per_second}) must be >= 0")
 
+    @property
+    def fuses_lm(self) -> bool:
+        return bool(self.lm) and self.lm_weight > 0
+
     def no_speech(self, no_speech_prob: float, avg_logprob: float) -> bool:
         """Whether a hypothesis is judged non-speech: its no-speech probability above no_speech_threshold,
         and (Whisper's rule, with a logprob_threshold) its mean log-probability at most that."""
@@ -232,7 +239,7 @@ def search(model, memory, memory_lens, prompt, eos_id: int, options: DecodingOpt
     for greedy decoding. Returns the generated ids per row; with_logprobs, also (B,) the attention
     decoder's log-probability of each returned hypothesis: the sum over its tokens, and its EOS where it
     ended with one (Whisper's sum_logprob; joint scores rank, the decoder's own ones are summed)."""
-    if options.beam_size > 1 or (options.ctc_weight > 0 and ctc_log_probs is not None) or options.lm:
+    if options.beam_size > 1 or (options.ctc_weight > 0 and ctc_log_probs is not None) or options.fuses_lm:
         return beam_search(model, memory, memory_lens, prompt, eos_id, options, ctc_log_probs, with_logprobs)
     return greedy_search(model, memory, memory_lens, prompt, eos_id, options, with_logprobs)
 
@@ -412,7 +419,7 @@ def beam_search(model, memory, memory_lens, prompt, eos_id: int, options: Decodi
     w = v if scorer is None else options.ctc_candidates + 1
     assert k <= w, f"beam_size {k} exceeds the {w} candidates per hypothesis"
     lm = None
-    if options.lm:
+    if options.fuses_lm:
         lm = decode_lm.load(options.lm)
         decode_lm.check_fits(lm, v, eos_id, options.lm)
         every_token = torch.arange(v, device=device).expand(b * k, v)  # the candidates without a CTC scorer

@@ -236,7 +236,7 @@ class Streamer:
         (for a caption's grey tail: more decoder steps, the same committed tokens)."""
         if options.beam_size != 1:
             raise ValueError("streaming decodes greedily (each token is committed as it is chosen): beam size must be 1")
-        if options.lm:
+        if options.fuses_lm:
             raise ValueError("streaming does not fuse a language model (--lm): decode offline to use one")
         self.loaded, self.config, self.model, self.tokenizer = loaded, config, loaded.model, loaded.tokenizer
         self.partials = partials

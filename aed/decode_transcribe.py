@@ -475,6 +475,8 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
     no longer than the silence the model heard around an utterance are decoded together, up to the
     chunk length (`aed.decode_timing.plan_segments`); False: every pause of PAUSE ends a segment.
     progress(done_s, total_s) is called after every batch with seconds of audio.
+    A beam search (options.beam_size > 1) with no options.lm fuses the model's own n-gram of its
+    training transcripts (`LoadedModel.lm`) at options.lm_weight; lm_weight 0: none.
     """
     if timestamps and loaded.model.ctc is None:
         raise ValueError(f"{loaded.path} has no CTC head (trained with model.ctc_loss_weight=0), and timestamps are "
@@ -482,6 +484,10 @@ def transcribe(loaded: LoadedModel, inputs: list, options: DecodingOptions = Dec
     check_settings(batch_duration, chunk_seconds, chunk_overlap)
     t_start = time.perf_counter()
     options = replace(options, frame_seconds=frame_seconds(loaded.features, loaded.model.cfg.subsampling_factor))
+    if options.lm is None and options.beam_size > 1 and loaded.lm and options.lm_weight > 0:
+        options = replace(options, lm=loaded.lm)
+        log.info("the beam search fuses the run's n-gram of its training transcripts, %s, at weight %g "
+                 "(--lm-weight 0: without)", loaded.lm, options.lm_weight)
     requests = to_requests(inputs, source_lang=source_lang, target_lang=target_lang, task=task, pnc=pnc)
     results = [Result(r, skipped_segments=None if options.no_speech_threshold is None else 0) for r in requests]
     prompts = request_prompts(requests, loaded.tokenizer)

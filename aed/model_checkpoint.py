@@ -110,6 +110,7 @@ class Checkpoint:
 INFERENCE_KEYS = tuple(f.name for f in fields(Checkpoint) if f.default is MISSING)
 TRAINING_KEYS = INFERENCE_KEYS + tuple(f.name for f in fields(Checkpoint) if f.metadata.get("resume"))
 COMPLETE = "COMPLETE"
+LM_FILE = "lm.pt"  # a run directory's n-gram of its training transcripts (train.lm_order, aed/decode_lm.py)
 TENSORS = ("model", "optimizer", "ema")  # the Checkpoint fields written through DCP; the rest goes to meta.pt
 
 
@@ -317,6 +318,7 @@ class LoadedModel:
     trim_silence: float | None = None  # s of silence training kept around each utterance's speech (train.trim_silence)
     varied_edges: tuple | None = None  # (least, most) s training moved each edge of its utterances by; None: as read
     compiled: CompiledAED | None = None  # the model with a compiled decoder step, which decoding then uses
+    lm: str | None = None  # the n-gram of its training transcripts (LM_FILE beside its checkpoint), which its beam search fuses
 
     @property
     def device(self) -> torch.device:
@@ -386,4 +388,6 @@ def load_model(path: str, device="cpu", *, compile: bool = False, int8: bool = F
     trained = Checkpoint.from_dict(ckpt)
     return LoadedModel(model, tokenizer, features, path, trained.max_train_duration,
                        trained.edge_silence and tuple(trained.edge_silence), trained.trim_silence,
-                       trained.varied_edges and tuple(trained.varied_edges), CompiledAED(model) if compile else None)
+                       trained.varied_edges and tuple(trained.varied_edges), CompiledAED(model) if compile else None,
+                       lm=run_lm if os.path.isfile(run_lm := os.path.join(os.path.dirname(os.path.normpath(path)), LM_FILE))
+                       else None)

@@ -136,6 +136,7 @@ class TrainSection:
     speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]: every utterance once at each speed (Kaldi, ESPnet, icefall); in-memory manifests
     mix_temperature: float | None = None  # balance sources and languages: each (dataset, language) group of train.manifests gets a share of the audio proportional to hours^(1/T); 1: natural proportions, .inf: uniform; None: the entries' weights (aed/data_mixing.py)
     mix_log_every: int = 100000  # streamed sources: examples between log lines of the realised mix (in-memory manifests: one line per pass)
+    lm_order: int = 0  # count an n-gram of this order over the training manifests' transcripts into run_dir/lm.pt at start, which infer.py's beam search of this run's models then fuses (aed/decode_lm.py; in-memory manifests); 0: none. Off by default: counting takes seconds per few thousand utterances, hours on a large corpus
     num_workers: int = 2  # DataLoader workers decoding audio and computing features
     strategy: str = "ddp"  # ddp: every rank holds the whole model and optimizer | fsdp: FSDP2 shards parameters, gradients and AdamW state over the ranks (aed/train_distributed.py); on one process, over a group of one
     reshard_after_forward: bool = True  # fsdp: free each layer's gathered parameters after its forward (less memory; false: one all-gather less per layer)
@@ -154,6 +155,8 @@ class TrainSection:
                                                  or self.attention_guide[1] != int(self.attention_guide[1])
                                                  or self.attention_guide[1] < 1):
             raise ConfigError(f"train.attention_guide: expected [weight > 0, steps >= 1], got {self.attention_guide}")
+        if self.lm_order < 0:
+            raise ConfigError(f"train.lm_order: expected >= 1, or 0 for no n-gram, got {self.lm_order}")
         if self.attention_guide_to not in ("diagonal", "ctc"):
             raise ConfigError(f"train.attention_guide_to: expected diagonal or ctc, got {self.attention_guide_to!r}")
         if self.attention_guide_heads is not None and self.attention_guide_heads < 1:

@@ -50,6 +50,7 @@ from aed.data_mixing import (MixLog, MixedSource, Tagged, audio_shares, group_of
                              temperature_mix)
 from aed.data_sources import CountTokens, ManifestEntry, metadata, parse_spec, source_faults
 from aed.data_speech import edge_silence, trim_silence
+from aed.decode_lm import count_transcripts
 from aed.decode_timing import EDGE_SAMPLE
 from aed.data_tokenizer import Tokenizer
 from aed.train_config import OBJECTIVES, TrainConfig, load_train_config
@@ -239,6 +240,25 @@ def build_training_data(cfg: TrainConfig, tokenizer, rank: int, world_size: int,
     return TrainingData(sampler, dataset, bins, counter, **data, faults=(faults,),
                         pad_to=compiled_shapes(cfg, bins, reads_text),
                         edge_silence=measure_edges(utts, cfg.features.sample_rate, cfg.seed, trim))
+
+
+def save_transcript_lm(cfg: TrainConfig, tokenizer, path: str) -> None:
+    """train.lm_order's n-gram of the training transcripts (aed/decode_lm.py), saved to `path` (the run
+    directory's lm.pt, which the beam search of the run's models fuses). In-memory manifests only: the
+    non-speech entries have no text, and streamed sources are read as they come (tools/train_lm.py
+    counts their manifests)."""
+    entries = [ManifestEntry.of(s) for s in cfg.train.manifests]
+    paths = [e.path for e in entries if not e.streamed and not e.nonspeech]
+    if not paths or len(paths) < len([e for e in entries if not e.nonspeech]):
+        log.warning("train.lm_order=%d: streamed sources are not counted, so the run has no n-gram "
+                    "(tools/train_lm.py counts a manifest's transcripts)", cfg.train.lm_order)
+        return
+    start = time.perf_counter()
+    lm = count_transcripts(paths, tokenizer, cfg.train.lm_order, cfg.train.skip_invalid)
+    lm.save(path)
+    log.info("n-gram of order %d over %d training transcripts saved to %s in %.1f s: the beam search of this "
+             "run's models fuses it (infer.py --lm-weight)", lm.order, len(lm.sequences), path,
+             time.perf_counter() - start)
 
 
 def silence_trimmer(cfg: TrainConfig):

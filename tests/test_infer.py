@@ -370,6 +370,34 @@ class TracedBeams:
         return self.model.decode_step(tokens, cache)
 
 
+def test_a_beam_search_fuses_the_runs_own_ngram_unless_told_not_to(loaded, tmp_path):
+    """A run directory with an lm.pt (train.lm_order): transcribe's beam search fuses it as --lm would;
+    lm_weight 0 and greedy decoding leave the model alone. The n-gram knows other sentences only, and a
+    heavy weight pulls the overfit model's text towards them."""
+    from aed.decode_lm import NGramLM
+    from aed.decode_transcribe import transcribe
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(loaded.path, run / os.path.basename(os.path.normpath(loaded.path)))
+    tok = loaded.tokenizer
+    others = [("Eins eins eins.", "de"), ("One one one.", "en"), ("Uno uno uno.", "es")]
+    NGramLM([tok.encode(t, lang) for t, lang in others], tok.padded_vocab_size, tok.eos, order=4).save(run / "lm.pt")
+    own = load_model(str(run))
+    assert own.lm == str(run / "lm.pt") and loaded.lm is None
+    requests = read_requests(EXAMPLES)
+
+    def texts(model, **options):
+        return [r.pred_text for r in transcribe(model, requests, DecodingOptions(**options))[0]]
+
+    fused = texts(own, beam_size=3, lm_weight=2.0)
+    assert fused == texts(loaded, beam_size=3, lm_weight=2.0, lm=str(run / "lm.pt"))
+    plain = texts(loaded, beam_size=3)
+    assert fused != plain, "the n-gram should change some text, or this test shows nothing"
+    assert texts(own, beam_size=3, lm_weight=0.0) == plain
+    assert texts(own, lm_weight=2.0) == texts(loaded)  # greedy: the model alone
+
+
 @pytest.mark.parametrize("alpha", [0.0, 1.0])
 def test_beam_search_keeps_the_best_hypotheses_and_beats_greedy_unless_they_displaced_it(loaded, alpha):
     """What beam search promises, checked at every step of real decodes against scores recomputed

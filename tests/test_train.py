@@ -133,6 +133,24 @@ def test_resume_gives_the_same_batches_and_losses(tmp_path):
     assert all(la[s] == lb[s] for s in la), (la, lb)  # bitwise: same batches, same dropout
 
 
+def test_train_lm_order_counts_the_transcripts_into_the_run_for_its_beam_search(tmp_path):
+    """train.lm_order=4: rank 0 counts the training manifests' transcripts (the empty one left out) into
+    run_dir/lm.pt, and a model loaded from the run carries it for the beam search; by default, no file."""
+    from aed.data_manifest import read_manifest
+    from aed.decode_lm import load
+    from aed.model_checkpoint import load_model
+
+    p = run_train(tmp_path / "lm", "max_steps=1", "train.lm_order=4")
+    path = str(tmp_path / "lm" / "lm.pt")
+    assert "n-gram of order 4 over" in p.stderr and os.path.isfile(path)
+    lm = load(path)
+    texts = [u.text for u in read_manifest(os.path.join(MINI, "train.jsonl")) if u.text.strip()]
+    assert lm.order == 4 and len(lm.sequences) == len(texts) > 0
+    assert load_model(str(tmp_path / "lm")).lm == path
+    run_train(tmp_path / "plain", "max_steps=1")
+    assert not os.path.exists(tmp_path / "plain" / "lm.pt") and load_model(str(tmp_path / "plain")).lm is None
+
+
 @pytest.mark.slow
 def test_step_time_and_eta_leave_validation_out(tmp_path, monkeypatch, caplog):
     """train.py in this process, with a clock on which every validation takes 1000 s: the progress

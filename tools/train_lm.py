@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing aed
 
-from aed.data_manifest import Faults, iter_texts  # noqa: E402
+from aed.data_manifest import Faults  # noqa: E402
 from aed.data_tokenizer import Tokenizer  # noqa: E402
-from aed.decode_lm import NGramLM  # noqa: E402
+from aed.decode_lm import count_transcripts  # noqa: E402
 
 
 def main(argv=None):
@@ -36,15 +36,14 @@ def main(argv=None):
     start = time.perf_counter()
     tokenizer = Tokenizer.load(args.tokenizer)
     faults = Faults()
-    sequences = [tokenizer.encode(text, target) for text, _, target in
-                 iter_texts(args.manifest, args.skip_invalid, faults)]
-    if not sequences:
-        sys.exit(f"no transcripts in {' '.join(args.manifest)}")
-    lm = NGramLM(sequences, tokenizer.padded_vocab_size, tokenizer.eos, args.order)
+    try:
+        lm = count_transcripts(args.manifest, tokenizer, args.order, args.skip_invalid, faults)
+    except ValueError as e:
+        sys.exit(str(e))
     lm.save(args.out)
-    tokens = sum(len(s) for s in sequences)
+    tokens = sum(len(s) for s in lm.sequences)
     skipped = f"; skipped: {faults.summary()}" if faults.counts else ""
-    print(f"{len(sequences)} transcripts, {tokens} tokens, order {args.order}: "
+    print(f"{len(lm.sequences)} transcripts, {tokens} tokens, order {args.order}: "
           f"{sum(len(t) for t in lm.tables)} contexts; saved to {args.out} in {time.perf_counter() - start:.1f} s{skipped}")
 
 
